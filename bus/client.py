@@ -1,0 +1,612 @@
+"""The bus client every agent uses: connect, register, `send`, `broadcast`, `gather`, inbox."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import time
+import uuid
+import warnings
+from collections.abc import AsyncIterator, Iterable
+from enum import Enum
+from typing import Any
+
+from nats.aio.msg import Msg
+from nats.js.errors import BucketNotFoundError
+
+from kvbus.bus.config import HEADER_ROOM, BusConfig
+from kvbus.bus.errors import (
+    BusClosed,
+    PayloadTooLarge,
+    ReceiveTimeout,
+    SchedulerUnavailable,
+    TransferError,
+    TransferRejected,
+    TransferTimeout,
+)
+from kvbus.bus.stream import IncomingTransfer, OutgoingTransfer, Reassembly, split_inline
+from kvbus.bus.transport import NatsTransport, NoResponders, Transport
+from kvbus.bus.types import Delivery, TransferReport
+from kvbus.codecs import Encoded, ModelRunner, get_codec
+from kvbus.codecs.errors import CodecError
+from kvbus.errors import KVBusError, WireFormatError
+from kvbus.kvcache import KVCache
+from kvbus.protocol import (
+    AGENTS_BUCKET,
+    MAX_META_BYTES,
+    AgentRecord,
+    Control,
+    Grant,
+    Open,
+    OpenReply,
+    Probe,
+    RequestAck,
+    TransferDone,
+    TransferRequest,
+    agent_subject,
+    check_name,
+    decode_message,
+    packb,
+    sched_subject,
+)
+from kvbus.signature import ModelSignature
+
+logger = logging.getLogger(__name__)
+
+#: Payloads above this are encoded and decoded in a worker thread, off the event loop.
+OFFLOAD_BYTES = 1 << 20
+#: Completed transfer ids remembered for de-duplication.
+COMPLETED_MEMORY = 4096
+
+
+class Status(Enum):
+    CONNECTED = "connected"
+    CLOSED = "closed"
+
+
+class Bus:
+    """A connection to the kvbus NATS, shared by the agents of one process.
+
+    Create with ``await Bus.connect(url)``; use as ``async with``.
+    """
+
+    def __init__(self, transport: Transport, *, config: BusConfig | None = None) -> None:
+        self.transport = transport
+        self.config = config or BusConfig.from_env()
+        self.status = Status.CONNECTED
+        self._agents: dict[str, Agent] = {}
+        self._directory: Any = None
+
+    @classmethod
+    async def connect(cls, url: str = "nats://127.0.0.1:4222", *, config: BusConfig | None = None,
+                      **nats_options: Any) -> Bus:
+        """Connect to NATS at ``url`` (extra keyword arguments go to `nats.connect`)."""
+        return cls(await NatsTransport.connect(url, **nats_options), config=config)
+
+    @property
+    def chunk_size(self) -> int:
+        """The configured chunk size, capped so that payload + headers fit the server's max_payload."""
+        return max(1024, min(self.config.chunk_size, self.transport.max_payload - HEADER_ROOM))
+
+    async def directory(self) -> Any:
+        """The JetStream KV bucket of agent records (created on first use)."""
+        if self._directory is None:
+            nc = getattr(self.transport, "nc", None)
+            if nc is None:
+                return None
+            js = nc.jetstream()
+            try:
+                self._directory = await js.key_value(AGENTS_BUCKET)
+            except BucketNotFoundError:
+                self._directory = await js.create_key_value(bucket=AGENTS_BUCKET, history=1)
+        return self._directory
+
+    async def agent(self, name: str, *, group: str = "default", role: str = "agent", priority: float = 1.0,
+                    signature: ModelSignature | None = None, runner: ModelRunner | None = None) -> Agent:
+        """Register an agent on this bus and start its inbox.
+
+        Args:
+            name: unique agent name (letters, digits, ``-``, ``_``).
+            group: the group whose scheduler grants its transfers.
+            role: free-form role (``coordinator``, ``executor``, ``verifier`` ...).
+            priority: role priority used in scheduling weights.
+            signature: the model signature KV sent to this agent must match; taken from
+                ``runner`` when not given; None accepts only token-only contexts as-is.
+            runner: the agent's model, used to recompute KV for media that carry none.
+        """
+        if self.status is Status.CLOSED:
+            raise BusClosed()
+        check_name("agent", name)
+        check_name("group", group)
+        if name in self._agents:
+            raise ValueError(f"agent {name!r} is already registered on this bus")
+        if signature is None and runner is not None:
+            signature = runner.signature
+        agent = Agent(self, name, group=group, role=role, priority=priority, signature=signature, runner=runner)
+        await agent._start()
+        self._agents[name] = agent
+        return agent
+
+    async def close(self) -> None:
+        if self.status is Status.CLOSED:
+            return
+        self.status = Status.CLOSED
+        for agent in list(self._agents.values()):
+            await agent.close()
+        close = getattr(self.transport, "close", None)
+        if close is not None:
+            await close()
+
+    async def __aenter__(self) -> Bus:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "status", Status.CLOSED) is not Status.CLOSED:
+            warnings.warn("kvbus Bus was not closed", ResourceWarning, stacklevel=1)
+
+
+class Agent:
+    """One agent on the bus: sends contexts, receives them in its inbox, reports its state."""
+
+    def __init__(self, bus: Bus, name: str, *, group: str, role: str, priority: float,
+                 signature: ModelSignature | None, runner: ModelRunner | None) -> None:
+        self.bus = bus
+        self.name = name
+        self.group = group
+        self.role = role
+        self.priority = priority
+        self.signature = signature
+        self.runner = runner
+        self.cache_bytes = 0
+        """KV bytes this agent holds; reported in probes (the cache tier keeps it current)."""
+        self.closed = False
+        self._transport = bus.transport
+        self._config = bus.config
+        self._subs: list[Any] = []
+        self._grants: dict[str, asyncio.Future[Grant]] = {}
+        self._outgoing: dict[str, OutgoingTransfer] = {}
+        self._incoming: dict[str, IncomingTransfer] = {}
+        self._completed: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self._deliveries: asyncio.Queue[Delivery] = asyncio.Queue()
+        self._stash: collections.deque[Delivery] = collections.deque()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._cpu = (time.process_time(), time.monotonic())
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def _start(self) -> None:
+        t = self._transport
+        self._subs = [
+            await t.subscribe(agent_subject(self.name, "inbox"), self._on_open),
+            await t.subscribe(agent_subject(self.name, "ack"), self._on_ack),
+            await t.subscribe(agent_subject(self.name, "ctl"), self._on_ctl),
+        ]
+        await t.flush()
+        await self._register()
+        self._tasks.append(asyncio.create_task(self._probe_loop(), name=f"kvbus-probe-{self.name}"))
+        self._tasks.append(asyncio.create_task(self._janitor(), name=f"kvbus-janitor-{self.name}"))
+
+    async def _register(self) -> None:
+        record = AgentRecord(name=self.name, group=self.group, role=self.role, priority=self.priority,
+                             signature=self.signature.to_dict() if self.signature else None)
+        directory = await self.bus.directory()
+        if directory is not None:
+            await directory.put(self.name, record.encode())
+
+    async def close(self) -> None:
+        """Leave the bus: stop the inbox and the probes, fail pending sends."""
+        if self.closed:
+            return
+        self.closed = True
+        for task in self._tasks:
+            task.cancel()
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # noqa: BLE001 - connection may be closed already
+                logger.debug("unsubscribe failed", exc_info=True)
+        for incoming in list(self._incoming.values()):
+            await incoming.stop()
+        self._incoming.clear()
+        for fut in self._grants.values():
+            if not fut.done():
+                fut.set_exception(BusClosed("agent"))
+        try:
+            directory = await self.bus.directory()
+            if directory is not None:
+                await directory.delete(self.name)
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            logger.debug("could not remove %s from the directory", self.name, exc_info=True)
+        self.bus._agents.pop(self.name, None)
+
+    async def __aenter__(self) -> Agent:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- sending ------------------------------------------------------------------------------
+
+    async def send(self, to: str, kv: KVCache, *, medium: str | None = None, deadline: float | None = None,
+                   critical: bool = False) -> TransferReport:
+        """Send a context to agent ``to`` and wait until it arrived whole and verified.
+
+        Args:
+            to: the receiving agent.
+            kv: the context.
+            medium: insist on a medium (e.g. ``"int8"``); None lets the scheduler choose.
+            deadline: seconds from now by which the transfer should be done (raises urgency;
+                also bounds the wait for a grant).
+            critical: mark as critical traffic.
+
+        Raises:
+            UnknownCodec: ``medium`` is not a registered codec (a `ValueError`).
+            SignatureMismatch: ``kv`` does not fit its own model signature.
+            TransferError: the transfer failed; the subclass says why.
+        """
+        return await self._transfer([to], kv, medium=medium, deadline=deadline, critical=critical)
+
+    async def broadcast(self, to: Iterable[str], kv: KVCache, *, medium: str | None = None,
+                        deadline: float | None = None, critical: bool = False) -> TransferReport:
+        """Send one context to several agents; its bytes leave this agent once and NATS fans them out.
+
+        Raises:
+            TransferError: at least one receiver did not get it; ``failed`` maps those to their errors.
+        """
+        receivers = list(dict.fromkeys(to))
+        if not receivers:
+            raise ValueError("broadcast needs at least one receiver")
+        return await self._transfer(receivers, kv, medium=medium, deadline=deadline, critical=critical)
+
+    async def _transfer(self, receivers: list[str], kv: KVCache, *, medium: str | None, deadline: float | None,
+                        critical: bool) -> TransferReport:
+        if self.closed:
+            raise BusClosed("agent")
+        for rx in receivers:
+            check_name("agent", rx)
+        if medium is not None:
+            get_codec(medium)
+        kv.validate()
+        t0 = time.perf_counter()
+        transfer_id = uuid.uuid4().hex
+        grant = await self._request_grant(transfer_id, receivers, kv, medium, deadline, critical)
+        t_grant = time.perf_counter()
+        try:
+            codec = get_codec(grant.medium)
+            if kv.nbytes > OFFLOAD_BYTES:
+                encoded = await asyncio.to_thread(codec.encode, kv)
+            else:
+                encoded = codec.encode(kv)
+            t_enc = time.perf_counter()
+            meta = packb(encoded.meta)
+            if len(meta) > MAX_META_BYTES:
+                raise PayloadTooLarge("codec metadata", len(meta), MAX_META_BYTES)
+            chunk_size = min(grant.chunk_size or self.bus.chunk_size, self.bus.chunk_size)
+            out = OutgoingTransfer(
+                self._transport, transfer_id=transfer_id, src=self.name, codec=encoded.codec, meta=encoded.meta,
+                buffers=encoded.buffers, receivers=receivers, config=self._config,
+                chunk_size=chunk_size, inline_limit=self._config.inline_limit,
+                window=grant.window or self._config.window, rate_bps=grant.rate_bps,
+            )
+            self._outgoing[transfer_id] = out
+            try:
+                outcomes = await out.run()
+            finally:
+                self._outgoing.pop(transfer_id, None)
+            t_done = time.perf_counter()
+        except BaseException as exc:
+            await self._report_done(transfer_id, grant.medium, receivers, 0, 0.0, exc)
+            raise
+        failed = {rx: o.error for rx, o in outcomes.items() if o.error is not None}
+        error = next(iter(failed.values())) if failed else None
+        await self._report_done(transfer_id, grant.medium, receivers, out.stats.bytes_sent or encoded.nbytes,
+                                t_done - t_enc, error)
+        if error is not None:
+            error.failed = failed  # type: ignore[union-attr]
+            raise error
+        return TransferReport(
+            transfer_id=transfer_id, src=self.name, dst=tuple(receivers), medium=grant.medium,
+            nbytes=encoded.nbytes, context_bytes=kv.nbytes if kv.has_kv else kv.nbytes, chunks=out.stats.chunks_sent,
+            retransmits=out.stats.retransmits, queued_s=t_grant - t0, encode_s=t_enc - t_grant,
+            transfer_s=t_done - t_enc, decode_s={rx: o.decode_s for rx, o in outcomes.items()},
+            total_s=t_done - t0, rate_bps=grant.rate_bps,
+            decision={"reason": grant.reason} if grant.reason else {},
+        )
+
+    async def _request_grant(self, transfer_id: str, receivers: list[str], kv: KVCache, medium: str | None,
+                             deadline: float | None, critical: bool) -> Grant:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Grant] = loop.create_future()
+        self._grants[transfer_id] = fut
+        try:
+            request = TransferRequest(
+                transfer_id=transfer_id, src=self.name, dst=receivers, group=self.group, n_tokens=kv.n_tokens,
+                nbytes=kv.nbytes, signature=kv.signature.to_dict(), medium=medium,
+                deadline=time.time() + deadline if deadline is not None else None, critical=critical,
+            )
+            try:
+                data = await self._transport.request(sched_subject(self.group, "request"), request.encode(),
+                                                     timeout=self._config.request_timeout)
+            except NoResponders:
+                raise SchedulerUnavailable(transfer_id, self.group) from None
+            except TimeoutError:
+                raise TransferTimeout(transfer_id, f"asking the scheduler of group {self.group!r}",
+                                      self._config.request_timeout) from None
+            answer = decode_message(data, RequestAck, Grant)
+            if isinstance(answer, Grant):
+                grant = answer
+            else:
+                if not answer.ok:
+                    raise TransferRejected(transfer_id, f"scheduler of {self.group}", answer.reason)
+                wait = deadline if deadline is not None else self._config.grant_timeout
+                try:
+                    grant = await asyncio.wait_for(fut, wait)
+                except TimeoutError:
+                    raise TransferTimeout(transfer_id, "waiting for a grant", wait) from None
+        finally:
+            self._grants.pop(transfer_id, None)
+        if not grant.medium:
+            raise TransferRejected(transfer_id, f"scheduler of {self.group}", grant.reason)
+        delay = grant.start_at - time.time()
+        if delay > 0:
+            await asyncio.sleep(min(delay, self._config.grant_timeout))
+        return grant
+
+    async def _report_done(self, transfer_id: str, medium: str, receivers: list[str], nbytes: int, seconds: float,
+                           error: BaseException | None) -> None:
+        done = TransferDone(transfer_id=transfer_id, src=self.name, ok=error is None, medium=medium,
+                            nbytes=nbytes, seconds=seconds, error=str(error) if error else "", dst=receivers)
+        try:
+            await self._transport.publish(sched_subject(self.group, "done"), done.encode())
+        except Exception:  # noqa: BLE001 - the scheduler also expires silent transfers
+            logger.warning("could not report transfer %s done", transfer_id, exc_info=True)
+
+    # -- control and acks -------------------------------------------------------------------------
+
+    async def _on_ctl(self, msg: Msg) -> None:
+        try:
+            cmd = decode_message(msg.data, Grant, Control)
+        except WireFormatError:
+            logger.warning("agent %s: malformed control message dropped", self.name, exc_info=True)
+            return
+        if isinstance(cmd, Grant):
+            fut = self._grants.get(cmd.transfer_id)
+            if fut is not None and not fut.done():
+                fut.set_result(cmd)
+            return
+        out = self._outgoing.get(cmd.transfer_id)
+        if out is None:
+            return
+        if cmd.action == "pause":
+            out.pause()
+        elif cmd.action == "resume":
+            out.resume()
+        else:
+            for outcome in out.outcomes.values():
+                if not outcome.ok and outcome.error is None:
+                    outcome.error = TransferRejected(cmd.transfer_id, "scheduler", cmd.reason or "cancelled")
+            out.resume()
+            out._progress.set()
+
+    async def _on_ack(self, msg: Msg) -> None:
+        from kvbus.protocol import Ack
+
+        try:
+            ack = Ack.decode(msg.data)
+        except WireFormatError:
+            logger.warning("agent %s: malformed ack dropped", self.name, exc_info=True)
+            return
+        out = self._outgoing.get(ack.transfer_id)
+        if out is not None:
+            out.on_ack(ack)
+
+    # -- receiving ------------------------------------------------------------------------------
+
+    async def _on_open(self, msg: Msg) -> None:
+        try:
+            reply = await self._handle_open(msg)
+        except Exception as exc:  # noqa: BLE001 - a bad request must not kill the inbox
+            logger.exception("agent %s: error handling an open request", self.name)
+            reply = OpenReply(transfer_id="", ok=False, reason=f"internal error: {exc}")
+        await self._transport.reply(msg, reply.encode())
+
+    async def _handle_open(self, msg: Msg) -> OpenReply:
+        try:
+            open_msg, inline = Open.unframe(msg.data)
+        except WireFormatError as exc:
+            return OpenReply(transfer_id="", ok=False, reason=str(exc))
+        tid = open_msg.transfer_id
+        if tid in self._completed:
+            return OpenReply(transfer_id=tid, ok=True, done=True)
+        active = self._incoming.get(tid)
+        if active is not None:
+            return OpenReply(transfer_id=tid, ok=True, next=active.next)
+        if open_msg.total > self._config.max_transfer_bytes:
+            return OpenReply(transfer_id=tid, ok=False,
+                             reason=str(PayloadTooLarge("payload", open_msg.total, self._config.max_transfer_bytes)))
+        try:
+            codec = get_codec(open_msg.codec)
+        except CodecError as exc:
+            return OpenReply(transfer_id=tid, ok=False, reason=str(exc))
+        problem = self._check_signature(codec, open_msg.meta)
+        if problem:
+            return OpenReply(transfer_id=tid, ok=False, reason=problem)
+        if open_msg.chunk_size > self.bus.transport.max_payload:
+            return OpenReply(transfer_id=tid, ok=False, reason=f"chunk size {open_msg.chunk_size} is over the "
+                                                                f"server's max_payload {self.bus.transport.max_payload}")
+        plan = Reassembly(open_msg.sizes, open_msg.chunk_size)
+        if plan.plan.n_chunks != open_msg.n_chunks:
+            return OpenReply(transfer_id=tid, ok=False,
+                             reason=f"n_chunks {open_msg.n_chunks} does not match the chunk plan ({plan.plan.n_chunks})")
+        if open_msg.inline:
+            if len(inline) != open_msg.total:
+                return OpenReply(transfer_id=tid, ok=False, reason="inline payload has the wrong size")
+            buffers, digest = split_inline(open_msg, inline)
+            if digest != open_msg.digest:
+                return OpenReply(transfer_id=tid, ok=False, reason="inline payload failed its checksum")
+            t0 = time.perf_counter()
+            try:
+                delivery = await self._decode(open_msg, buffers, 0.0)
+            except KVBusError as exc:
+                return OpenReply(transfer_id=tid, ok=False, reason=f"cannot decode: {exc}")
+            self._deliver(delivery)
+            return OpenReply(transfer_id=tid, ok=True, done=True, decode_s=time.perf_counter() - t0)
+        incoming = IncomingTransfer(self._transport, open_msg, self.name, self._config, self._finish, plan)
+        self._incoming[tid] = incoming
+        await incoming.start()
+        return OpenReply(transfer_id=tid, ok=True)
+
+    def _check_signature(self, codec: Any, meta: dict) -> str:
+        """Why a KV medium cannot be used by this agent, or '' when it can."""
+        if not codec.needs_kv:
+            return ""
+        if self.signature is None:
+            return f"agent {self.name} has no model signature and accepts only token media, not {codec.name!r}"
+        try:
+            sender = ModelSignature.from_dict(meta.get("signature"))
+        except WireFormatError as exc:
+            return str(exc)
+        if not sender.compatible_with(self.signature):
+            return (f"KV from model {sender.model} ({sender.digest()}) cannot be used by {self.name}'s model "
+                    f"{self.signature.model} ({self.signature.digest()}); send tokens or a summary")
+        return ""
+
+    async def _finish(self, incoming: IncomingTransfer) -> None:
+        tid = incoming.open.transfer_id
+        self._incoming.pop(tid, None)
+        transfer_s = time.perf_counter() - incoming.started
+        if not incoming.verify():
+            logger.error("transfer %s: payload digest mismatch after reassembly", tid)
+            await incoming._ack(done=True, ok=False, reason="payload digest mismatch after reassembly")
+            return
+        t0 = time.perf_counter()
+        try:
+            delivery = await self._decode(incoming.open, incoming.assembly.result(), transfer_s)
+        except KVBusError as exc:
+            await incoming._ack(done=True, ok=False, reason=f"cannot decode: {exc}")
+            return
+        decode_s = time.perf_counter() - t0
+        self._deliver(delivery)
+        await incoming._ack(done=True, ok=True, decode_s=decode_s)
+
+    async def _decode(self, open_msg: Open, buffers: list[memoryview], transfer_s: float) -> Delivery:
+        codec = get_codec(open_msg.codec)
+        encoded = Encoded(codec=open_msg.codec, meta=open_msg.meta, buffers=buffers)
+        t0 = time.perf_counter()
+        heavy = open_msg.total > OFFLOAD_BYTES or not codec.needs_kv
+        if heavy:
+            kv = await asyncio.to_thread(codec.decode, encoded, runner=self.runner)
+        else:
+            kv = codec.decode(encoded, runner=self.runner)
+        if kv.has_kv and self.signature is not None:
+            kv.validate(self.signature)
+        return Delivery(transfer_id=open_msg.transfer_id, sender=open_msg.src, kv=kv, medium=open_msg.codec,
+                        nbytes=open_msg.total, transfer_s=transfer_s, decode_s=time.perf_counter() - t0)
+
+    def _deliver(self, delivery: Delivery) -> None:
+        self._completed[delivery.transfer_id] = time.monotonic()
+        while len(self._completed) > COMPLETED_MEMORY:
+            self._completed.popitem(last=False)
+        self._deliveries.put_nowait(delivery)
+
+    async def receive(self, timeout: float | None = None) -> Delivery:
+        """The next delivery in the inbox.
+
+        Raises:
+            ReceiveTimeout: nothing arrived within ``timeout`` seconds.
+        """
+        if self._stash:
+            return self._stash.popleft()
+        try:
+            return await asyncio.wait_for(self._deliveries.get(), timeout)
+        except TimeoutError:
+            raise ReceiveTimeout(timeout or 0.0) from None
+
+    async def inbox(self) -> AsyncIterator[Delivery]:
+        """Deliveries as they arrive, until the agent closes."""
+        while not self.closed:
+            yield await self.receive()
+
+    async def gather(self, from_: Iterable[str], *, timeout: float | None = None) -> dict[str, Delivery]:
+        """Wait for one delivery from each of ``from_``; others stay in the inbox for `receive`.
+
+        Raises:
+            ReceiveTimeout: not all arrived within ``timeout`` seconds.
+        """
+        wanted = set(from_)
+        got: dict[str, Delivery] = {}
+        for d in list(self._stash):
+            if d.sender in wanted and d.sender not in got:
+                got[d.sender] = d
+                self._stash.remove(d)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        others: list[Delivery] = []
+        try:
+            while len(got) < len(wanted):
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    d = await asyncio.wait_for(self._deliveries.get(), left)
+                except TimeoutError:
+                    missing = sorted(wanted - set(got))
+                    raise ReceiveTimeout(timeout or 0.0, f"delivery from {', '.join(missing)}") from None
+                if d.sender in wanted and d.sender not in got:
+                    got[d.sender] = d
+                else:
+                    others.append(d)
+        finally:
+            self._stash.extend(others)
+        return got
+
+    # -- probes and housekeeping ------------------------------------------------------------------
+
+    def compute_load(self) -> float:
+        """This process's CPU use since the last probe, as a fraction of the machine's cores."""
+        cpu, wall = time.process_time(), time.monotonic()
+        last_cpu, last_wall = self._cpu
+        self._cpu = (cpu, wall)
+        if wall <= last_wall:
+            return 0.0
+        return min(1.0, (cpu - last_cpu) / (wall - last_wall) / (os.cpu_count() or 1))
+
+    def probe(self) -> Probe:
+        return Probe(agent=self.name, group=self.group, queue_size=len(self._grants) + len(self._outgoing),
+                     cache_bytes=self.cache_bytes, compute_load=self.compute_load(),
+                     role_priority=self.priority, role=self.role)
+
+    async def _probe_loop(self) -> None:
+        subject = sched_subject(self.group, "probe")
+        while True:
+            try:
+                await self._transport.publish(subject, self.probe().encode())
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - keep probing through reconnects
+                logger.debug("probe publish failed", exc_info=True)
+            await asyncio.sleep(self._config.probe_interval)
+
+    async def _janitor(self) -> None:
+        """Free partial transfers whose sender went silent."""
+        period = min(1.0, self._config.partial_timeout / 4)
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for tid, incoming in list(self._incoming.items()):
+                if now - incoming.last_activity > self._config.partial_timeout:
+                    logger.warning("transfer %s from %s: sender silent for %.1f s, dropping %d of %d chunks",
+                                   tid, incoming.open.src, now - incoming.last_activity, incoming.count,
+                                   incoming.open.n_chunks)
+                    self._incoming.pop(tid, None)
+                    await incoming.stop()
+
+    @property
+    def partial_transfers(self) -> int:
+        """Incoming transfers still being reassembled."""
+        return len(self._incoming)
+
+
+__all__ = ["Agent", "Bus", "Delivery", "TransferError", "TransferReport"]

@@ -1,0 +1,59 @@
+"""Settings of the bus client."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvbus.config import from_env
+from kvbus.errors import ConfigError
+
+DEFAULT_CHUNK_SIZE = 1024 * 1024
+DEFAULT_WINDOW = 16
+#: Bytes of NATS headers and protocol line we keep free below the server's max_payload.
+HEADER_ROOM = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class BusConfig:
+    """How agents stream. Override any field with ``KVBUS_BUS_<FIELD>``."""
+
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    """Bytes per chunk; capped at the server's max_payload minus `HEADER_ROOM`."""
+    window: int = DEFAULT_WINDOW
+    """Chunks a sender may have in flight beyond the receiver's last acknowledgement."""
+    ack_every: int = 4
+    """The receiver acknowledges every this many chunks (and always the last one)."""
+    inline_limit: int = 2 * 1024 * 1024
+    """Payloads up to this size travel inside the `Open` message (one round trip), if it fits max_payload."""
+    max_transfer_bytes: int = 4 * 1024**3
+    """Largest payload a receiver accepts."""
+    ack_timeout: float = 2.0
+    """Seconds without acknowledgement before the sender re-checks the receiver and resends."""
+    peer_timeout: float = 15.0
+    """Seconds without any progress after which a transfer fails."""
+    request_timeout: float = 5.0
+    """Seconds to wait for a scheduler's or receiver's answer to a request."""
+    grant_timeout: float = 60.0
+    """Seconds to wait for a grant when the send has no deadline."""
+    partial_timeout: float = 30.0
+    """Seconds a receiver keeps a partial transfer whose sender went silent."""
+    probe_interval: float = 1.0
+    """Seconds between probe reports to the group scheduler."""
+    max_missing: int = 256
+    """Most chunk indices one repair request lists."""
+
+    def __post_init__(self) -> None:
+        if self.chunk_size < 1024:
+            raise ConfigError(f"chunk_size {self.chunk_size} must be at least 1024 bytes")
+        if not 1 <= self.window <= 4096:
+            raise ConfigError(f"window {self.window} must be in 1..4096")
+        if not 1 <= self.ack_every <= self.window:
+            raise ConfigError(f"ack_every {self.ack_every} must be in 1..window ({self.window})")
+        for name in ("ack_timeout", "peer_timeout", "request_timeout", "grant_timeout", "partial_timeout",
+                     "probe_interval"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive")
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> BusConfig:
+        return from_env(cls, "bus", **overrides)

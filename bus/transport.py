@@ -1,0 +1,102 @@
+"""The transport seam: what the bus needs from NATS, as a protocol tests can wrap."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+import nats
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[Msg], Awaitable[None]]
+
+#: Subscription buffers: flow control keeps us far below these, they only stop nats-py
+#: from dropping a burst of big chunks as a client-side slow consumer.
+PENDING_MSGS_LIMIT = 1 << 16
+PENDING_BYTES_LIMIT = 1 << 30
+
+
+class NoResponders(Exception):
+    """A request found no subscriber on its subject."""
+
+
+class Transport(Protocol):
+    """Publish / subscribe / request over a message broker."""
+
+    max_payload: int
+
+    async def publish(self, subject: str, payload: bytes | memoryview, headers: dict[str, str] | None = None) -> None: ...
+
+    async def request(self, subject: str, payload: bytes, timeout: float) -> bytes:
+        """Send a request and return the reply's payload.
+
+        Raises:
+            NoResponders: nobody is subscribed.
+            TimeoutError: nobody replied in time.
+        """
+        ...
+
+    async def subscribe(self, subject: str, handler: Handler, *, queue: str = "") -> Subscription: ...
+
+    async def reply(self, msg: Msg, payload: bytes) -> None: ...
+
+    async def flush(self, timeout: float = 5.0) -> None: ...
+
+
+class NatsTransport:
+    """`Transport` over a nats-py connection."""
+
+    def __init__(self, nc: Client) -> None:
+        self.nc = nc
+
+    @classmethod
+    async def connect(cls, url: str, **options: Any) -> NatsTransport:
+        opts: dict[str, Any] = {
+            "name": "kvbus",
+            "max_reconnect_attempts": -1,
+            "reconnect_time_wait": 0.5,
+            "pending_size": 64 * 1024 * 1024,
+        }
+        opts.update(options)
+        return cls(await nats.connect(url, **opts))
+
+    @property
+    def max_payload(self) -> int:
+        return int(self.nc.max_payload)
+
+    async def publish(self, subject: str, payload: bytes | memoryview, headers: dict[str, str] | None = None) -> None:
+        await self.nc.publish(subject, payload, headers=headers)  # type: ignore[arg-type]
+
+    async def request(self, subject: str, payload: bytes, timeout: float) -> bytes:
+        try:
+            msg = await self.nc.request(subject, payload, timeout=timeout)
+        except nats.errors.NoRespondersError:
+            raise NoResponders(subject) from None
+        except nats.errors.TimeoutError:
+            raise TimeoutError(f"no reply on {subject} within {timeout} s") from None
+        return msg.data
+
+    async def subscribe(self, subject: str, handler: Handler, *, queue: str = "") -> Subscription:
+        return await self.nc.subscribe(subject, queue=queue, cb=handler,
+                                       pending_msgs_limit=PENDING_MSGS_LIMIT,
+                                       pending_bytes_limit=PENDING_BYTES_LIMIT)
+
+    async def reply(self, msg: Msg, payload: bytes) -> None:
+        if msg.reply:
+            await self.nc.publish(msg.reply, payload)
+
+    async def flush(self, timeout: float = 5.0) -> None:
+        await self.nc.flush(timeout)
+
+    async def close(self) -> None:
+        if not self.nc.is_closed:
+            try:
+                await self.nc.drain()
+            except Exception:  # noqa: BLE001 - closing anyway
+                logger.debug("drain failed, closing", exc_info=True)
+                await self.nc.close()

@@ -1,0 +1,89 @@
+"""The group's state S(t): agents from probes, links from observed transfers, the work queue."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvbus.protocol import Probe, TransferRequest
+from kvbus.signature import ModelSignature
+
+
+@dataclass
+class AgentState:
+    """What the scheduler knows of one agent of its group."""
+
+    name: str
+    queue_size: int = 0
+    cache_bytes: int = 0
+    compute_load: float = 0.0
+    role_priority: float = 1.0
+    role: str = "agent"
+    last_seen: float = 0.0
+
+    def update(self, probe: Probe) -> None:
+        self.queue_size = probe.queue_size
+        self.cache_bytes = probe.cache_bytes
+        self.compute_load = probe.compute_load
+        self.role_priority = probe.role_priority
+        self.role = probe.role
+        self.last_seen = time.monotonic()
+
+
+@dataclass
+class LinkEstimate:
+    """Bandwidth of one (sender, receiver) link over a sliding window of observed transfers."""
+
+    samples: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=16))
+    """(bytes, seconds) of recent transfers."""
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        if nbytes > 0 and seconds > 0:
+            self.samples.append((float(nbytes), float(seconds)))
+
+    @property
+    def bandwidth_bps(self) -> float:
+        """Bytes over seconds across the window (weights big transfers by their size), 0 if unknown."""
+        b = sum(s[0] for s in self.samples)
+        t = sum(s[1] for s in self.samples)
+        return b / t if t > 0 else 0.0
+
+
+@dataclass
+class Pending:
+    """A transfer request waiting for, or holding, a grant."""
+
+    request: TransferRequest
+    receivers: dict[str, ModelSignature | None]
+    """Each receiver's model signature from the directory (None: accepts tokens only)."""
+    arrived: float = field(default_factory=time.monotonic)
+    granted_at: float = 0.0
+    medium: str = ""
+    rate_bps: float = 0.0
+
+    @property
+    def transfer_id(self) -> str:
+        return self.request.transfer_id
+
+
+@dataclass
+class GroupState:
+    """S(t) for one group."""
+
+    group: str
+    agents: dict[str, AgentState] = field(default_factory=dict)
+    links: dict[tuple[str, str], LinkEstimate] = field(default_factory=dict)
+    queue: list[Pending] = field(default_factory=list)
+    active: dict[str, Pending] = field(default_factory=dict)
+    bandwidth_bps: float = 0.0
+    """The group's bandwidth budget (0 = unlimited)."""
+    granted: int = 0
+    completed: int = 0
+    failed: int = 0
+
+    def on_probe(self, probe: Probe) -> None:
+        self.agents.setdefault(probe.agent, AgentState(probe.agent)).update(probe)
+
+    def link(self, src: str, dst: str) -> LinkEstimate:
+        return self.links.setdefault((src, dst), LinkEstimate())

@@ -1,0 +1,250 @@
+"""`kvbus bench transport`: kvbus send/receive vs a plain nats-py loop vs Redis SET/GET.
+
+The same bytes (a Llama-3-8B-shaped bf16 KV-cache of 64 MB, and one of 1 MB) move between two
+OS processes on the same embedded servers three ways:
+
+(a) kvbus ``send``/``receive`` with the ``full`` codec, through a group scheduler (its own
+    process), timed from ``send`` until the receiver's verdict (verified and decoded);
+(b) a plain nats-py publish/subscribe loop that publishes exactly the messages kvbus publishes
+    (the same chunk plan over the same bytes) with the same credit window and acknowledgement
+    interval, timed until the receiver has every chunk;
+(c) redis-py ``SET`` then a ``GET`` by the receiver process.
+
+Runs alternate between the three ways; the figure per way is the median of its runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import nats
+import redis.asyncio as aioredis
+import torch
+
+from kvbus.bus import Bus, BusConfig
+from kvbus.bus.stream import ChunkPlan
+from kvbus.codecs import get_codec
+from kvbus.kvcache import KVCache
+from kvbus.local import NatsServer, RedisServer
+from kvbus.signature import ModelSignature
+
+LLAMA3_8B = ModelSignature("llama-3-8b-shape", n_layers=32, n_kv_heads=8, head_dim=128, dtype="bfloat16",
+                           vocab_size=128256, rope_theta=500000.0)
+RAW_SUBJECT = "kvbus.bench.raw"
+CREDIT_SUBJECT = "kvbus.bench.raw.credit"
+REDIS_SUBJECT = "kvbus.bench.redis"
+GROUP = "bench"
+
+
+def make_kv(nbytes: int, signature: ModelSignature = LLAMA3_8B, seed: int = 0) -> KVCache:
+    """A random KV-cache of about ``nbytes`` bytes of keys and values."""
+    n_tokens = max(1, round(nbytes / signature.kv_bytes_per_token()))
+    g = torch.Generator().manual_seed(seed)
+    shape = (1, signature.n_kv_heads, n_tokens, signature.head_dim)
+    dtype = signature.torch_dtype
+    keys = [torch.randn(shape, generator=g).to(dtype) for _ in range(signature.n_layers)]
+    values = [torch.randn(shape, generator=g).to(dtype) for _ in range(signature.n_layers)]
+    return KVCache(torch.arange(n_tokens), signature, keys, values)
+
+
+# -- the receiving process ---------------------------------------------------------------------
+
+
+async def _peer(nats_url: str, redis_url: str, chunk_size: int, window: int, ack_every: int) -> None:
+    bus = await Bus.connect(nats_url, config=BusConfig(chunk_size=chunk_size, window=window, ack_every=ack_every))
+    agent = await bus.agent("bench-rx", group=GROUP, signature=LLAMA3_8B)
+    nc = await nats.connect(nats_url, pending_size=64 * 1024 * 1024)
+    r = aioredis.Redis.from_url(redis_url)
+    state: dict[str, Any] = {"n": 0, "bytes": 0, "chunks": []}
+
+    async def on_raw(msg: Any) -> None:
+        if msg.headers and "Bench-Start" in msg.headers:
+            state.update(n=int(msg.headers["Bench-Start"]), bytes=0, count=0, chunks=[])
+            return
+        state["chunks"].append(msg.data)
+        state["bytes"] += len(msg.data)
+        state["count"] += 1
+        if state["count"] % ack_every == 0 or state["count"] == state["n"]:
+            await nc.publish(CREDIT_SUBJECT, str(state["count"]).encode())
+
+    async def on_redis(msg: Any) -> None:
+        data = await r.get(msg.data.decode())
+        await nc.publish(msg.reply, str(len(data or b"")).encode())
+
+    await nc.subscribe(RAW_SUBJECT, cb=on_raw, pending_bytes_limit=1 << 30)
+    await nc.subscribe(REDIS_SUBJECT, cb=on_redis)
+    await nc.flush()
+    print("ready", flush=True)
+
+    async def drain_inbox() -> None:
+        async for _ in agent.inbox():
+            pass
+
+    task = asyncio.create_task(drain_inbox())
+    try:
+        await asyncio.Event().wait()
+    finally:
+        task.cancel()
+        await bus.close()
+        await nc.close()
+
+
+# -- the sending side --------------------------------------------------------------------------
+
+
+async def _kvbus_once(agent: Any, kv: KVCache) -> float:
+    t = time.perf_counter()
+    report = await agent.send("bench-rx", kv, medium="full")
+    dt = time.perf_counter() - t
+    assert report.nbytes >= kv.nbytes - kv.tokens.numel() * 8
+    return dt
+
+
+async def _nats_once(nc: Any, chunks: list[memoryview], window: int) -> float:
+    n = len(chunks)
+    credit = asyncio.Event()
+    acked = [0]
+
+    async def on_credit(msg: Any) -> None:
+        acked[0] = int(msg.data)
+        credit.set()
+
+    sub = await nc.subscribe(CREDIT_SUBJECT, cb=on_credit)
+    await nc.publish(RAW_SUBJECT, b"", headers={"Bench-Start": str(n)})
+    await nc.flush()
+    t = time.perf_counter()
+    sent = 0
+    while acked[0] < n:
+        if sent < n and sent < acked[0] + window:
+            await nc.publish(RAW_SUBJECT, chunks[sent])
+            sent += 1
+        else:
+            credit.clear()
+            await asyncio.wait_for(credit.wait(), 30)
+    dt = time.perf_counter() - t
+    await sub.unsubscribe()
+    return dt
+
+
+async def _redis_once(nc: Any, r: Any, payload: memoryview, key: str) -> float:
+    t = time.perf_counter()
+    await r.set(key, payload)
+    reply = await nc.request(REDIS_SUBJECT, key.encode(), timeout=60)
+    dt = time.perf_counter() - t
+    if int(reply.data) != payload.nbytes:
+        raise RuntimeError("redis GET returned the wrong size")
+    await r.delete(key)
+    return dt
+
+
+async def _run(quick: bool, nats_url: str | None) -> dict[str, Any]:
+    cfg = BusConfig.from_env()
+    chunk_size, window, ack_every = cfg.chunk_size, cfg.window, cfg.ack_every
+    sizes = {"64MB": 64 * 1024 * 1024, "1MB": 1024 * 1024}
+    reps = {"64MB": 3 if quick else 7, "1MB": 10 if quick else 30}
+    nats_srv = None if nats_url else NatsServer().start()
+    url = nats_url or nats_srv.url  # type: ignore[union-attr]
+    redis_srv = RedisServer().start()
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        env = dict(os.environ)
+        procs.append(subprocess.Popen([sys.executable, "-m", "kvbus.cli", "group-scheduler", "--group", GROUP,
+                                       "--nats-url", url], env=env, stdout=subprocess.DEVNULL))
+        peer = subprocess.Popen([sys.executable, "-m", "kvbus.bench.transport", "--peer", url, redis_srv.url,
+                                 str(chunk_size), str(window), str(ack_every)], stdout=subprocess.PIPE, env=env)
+        procs.append(peer)
+        assert peer.stdout is not None
+        line = await asyncio.to_thread(peer.stdout.readline)
+        if b"ready" not in line:
+            raise RuntimeError("benchmark peer did not start")
+        bus = await Bus.connect(url, config=cfg)
+        agent = await bus.agent("bench-tx", group=GROUP, signature=LLAMA3_8B)
+        nc = await nats.connect(url, pending_size=64 * 1024 * 1024)
+        r = aioredis.Redis.from_url(redis_srv.url)
+        results: dict[str, Any] = {}
+        for label, nbytes in sizes.items():
+            kv = make_kv(nbytes)
+            encoded = get_codec("full").encode(kv)
+            payload = memoryview(torch.cat([t.reshape(-1) for t in kv.keys + kv.values]).view(torch.uint8).numpy())
+            # The plain loop sends exactly the messages kvbus sends: the same chunk plan over the same bytes.
+            plan = ChunkPlan(encoded.sizes, min(chunk_size, bus.chunk_size))
+            flat = memoryview(b"".join(encoded.buffers))
+            chunks = [flat[lo:hi] for lo, hi in plan.ranges]
+            # Warm up every path once (connections, JIT-free first-touch allocations).
+            for _ in range(2):
+                await _kvbus_once(agent, kv)
+                await _nats_once(nc, chunks, window)
+                await _redis_once(nc, r, payload, "kvbus-bench")
+            times: dict[str, list[float]] = {"kvbus": [], "nats_py": [], "redis": []}
+            for _ in range(reps[label]):
+                times["kvbus"].append(await _kvbus_once(agent, kv))
+                times["nats_py"].append(await _nats_once(nc, chunks, window))
+                times["redis"].append(await _redis_once(nc, r, payload, "kvbus-bench"))
+            mbps = {k: kv.nbytes / statistics.median(v) / 1e6 for k, v in times.items()}
+            results[label] = {
+                "bytes": kv.nbytes,
+                "kvbus_MBps": round(mbps["kvbus"], 1),
+                "nats_py_MBps": round(mbps["nats_py"], 1),
+                "redis_MBps": round(mbps["redis"], 1),
+                "ratio_vs_nats_py": round(mbps["kvbus"] / mbps["nats_py"], 3),
+                "ratio_vs_redis": round(mbps["kvbus"] / mbps["redis"], 3),
+                "runs": reps[label],
+                "chunks": len(chunks),
+            }
+        await bus.close()
+        await nc.close()
+        await r.aclose()
+        top = results["64MB"]
+        return {
+            "suite": "transport",
+            "config": {"chunk_size": chunk_size, "window": window, "ack_every": ack_every,
+                       "sizes": sizes, "kv_shape": "llama-3-8b (32 layers, 8 kv heads, head_dim 128, bf16)",
+                       "timing": "median of alternating runs, two processes, embedded nats-server and valkey"},
+            "results": {
+                "ratio_vs_nats_py": top["ratio_vs_nats_py"],
+                "ratio_vs_redis": top["ratio_vs_redis"],
+                "kvbus_MBps": top["kvbus_MBps"],
+                "nats_py_MBps": top["nats_py_MBps"],
+                "redis_MBps": top["redis_MBps"],
+                "by_size": results,
+            },
+        }
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        redis_srv.stop()
+        if nats_srv:
+            nats_srv.stop()
+
+
+def run(*, quick: bool = False, nats_url: str | None = None) -> dict[str, Any]:
+    out = asyncio.run(_run(quick, nats_url))
+    for label, row in out["results"]["by_size"].items():
+        print(f"{label:>5}: kvbus {row['kvbus_MBps']:8.1f} MB/s  nats-py {row['nats_py_MBps']:8.1f} MB/s  "
+              f"redis {row['redis_MBps']:8.1f} MB/s  kvbus/nats-py {row['ratio_vs_nats_py']:.2f}  "
+              f"kvbus/redis {row['ratio_vs_redis']:.2f}")
+    return out
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--peer", nargs=5, metavar=("NATS", "REDIS", "CHUNK", "WINDOW", "ACK_EVERY"))
+    ns = parser.parse_args()
+    if ns.peer:
+        url, rurl, cs, w, ae = ns.peer
+        try:
+            asyncio.run(_peer(url, rurl, int(cs), int(w), int(ae)))
+        except KeyboardInterrupt:
+            pass

@@ -1,0 +1,117 @@
+"""The `kvbus` command line: up, demo, bench, group-scheduler, coordinator."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+logger = logging.getLogger("kvbus")
+
+
+def _add_urls(p: argparse.ArgumentParser, redis: bool = True) -> None:
+    p.add_argument("--nats-url", default=os.environ.get("KVBUS_NATS_URL"),
+                   help="use this NATS server instead of starting an embedded one (env KVBUS_NATS_URL)")
+    if redis:
+        p.add_argument("--redis-url", default=os.environ.get("KVBUS_REDIS_URL"),
+                       help="use this Redis server instead of starting an embedded one (env KVBUS_REDIS_URL)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvbus", description="Move context (tokens and KV-caches) between LLM agents.")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start the local stack: embedded NATS and Redis, coordinator, group schedulers")
+    _add_urls(up)
+    up.add_argument("--groups", type=int, default=1, help="number of groups (schedulers g0..gN-1, or 'default' for 1)")
+
+    demo = sub.add_parser("demo", help="two agents on SmolLM2 exchange a real KV-cache with each medium")
+    _add_urls(demo)
+    demo.add_argument("--quick", action="store_true", help="shorter prompt and continuation")
+    demo.add_argument("--new-tokens", type=int, default=None, help="tokens B generates after the transfer")
+
+    bench = sub.add_parser("bench", help="run a benchmark suite and write JSON")
+    bench.add_argument("suite", choices=["transport"], help="which suite")
+    bench.add_argument("--json", dest="json_path", default=None, help="write the results to this file")
+    bench.add_argument("--quick", action="store_true", help="fewer repetitions")
+    _add_urls(bench, redis=False)
+
+    gs = sub.add_parser("group-scheduler", help="run the scheduler of one group")
+    gs.add_argument("--group", required=True, help="group name")
+    gs.add_argument("--nats-url", default=os.environ.get("KVBUS_NATS_URL", "nats://127.0.0.1:4222"))
+    gs.add_argument("--bandwidth", type=float, default=None, help="group bandwidth budget in bytes/s (0 = unlimited)")
+
+    co = sub.add_parser("coordinator", help="run the coordinator")
+    co.add_argument("--nats-url", default=os.environ.get("KVBUS_NATS_URL", "nats://127.0.0.1:4222"))
+    return parser
+
+
+async def _up(args: argparse.Namespace) -> None:
+    from kvbus.coordinator import Coordinator
+    from kvbus.group_scheduler import GroupScheduler
+    from kvbus.local import LocalServers
+
+    groups = ["default"] if args.groups == 1 else [f"g{i}" for i in range(args.groups)]
+    with LocalServers(nats_url=args.nats_url, redis_url=args.redis_url) as servers:
+        coord = await Coordinator.connect(servers.nats_url)
+        scheds = [await GroupScheduler.connect(servers.nats_url, g) for g in groups]
+        print(f"kvbus is up\n  NATS:   {servers.nats_url}\n  Redis:  {servers.redis_url}\n"
+              f"  groups: {', '.join(groups)}\nCtrl-C stops everything.", flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            for s in scheds:
+                await s.close()
+            await coord.close()
+
+
+async def _group_scheduler(args: argparse.Namespace) -> None:
+    from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
+
+    overrides = {} if args.bandwidth is None else {"bandwidth_bps": args.bandwidth}
+    sched = await GroupScheduler.connect(args.nats_url, args.group, config=SchedulerConfig.from_env(**overrides))
+    print(f"group scheduler for {args.group!r} on {args.nats_url}", flush=True)
+    await sched.run_forever()
+
+
+async def _coordinator(args: argparse.Namespace) -> None:
+    from kvbus.coordinator import Coordinator
+
+    coord = await Coordinator.connect(args.nats_url)
+    print(f"coordinator on {args.nats_url}", flush=True)
+    await coord.run_forever()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "up":
+            asyncio.run(_up(args))
+        elif args.command == "group-scheduler":
+            asyncio.run(_group_scheduler(args))
+        elif args.command == "coordinator":
+            asyncio.run(_coordinator(args))
+        elif args.command == "demo":
+            from kvbus.demo import run_demo
+
+            return run_demo(nats_url=args.nats_url, redis_url=args.redis_url, quick=args.quick,
+                            new_tokens=args.new_tokens)
+        elif args.command == "bench":
+            from kvbus.bench import run_suite
+
+            return run_suite(args.suite, json_path=args.json_path, quick=args.quick, nats_url=args.nats_url)
+    except KeyboardInterrupt:
+        with contextlib.suppress(Exception):
+            print("stopped", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""Configuration helpers: frozen dataclasses whose fields can be overridden by ``KVBUS_*`` variables."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, TypeVar
+
+from kvbus.errors import ConfigError
+
+ENV_PREFIX = "KVBUS_"
+
+T = TypeVar("T")
+
+
+def from_env(cls: type[T], prefix: str, environ: dict[str, str] | None = None, **overrides: Any) -> T:
+    """Build a config dataclass from its defaults, then ``KVBUS_<PREFIX>_<FIELD>`` variables, then ``overrides``.
+
+    Raises:
+        ConfigError: a variable does not parse as the field's type.
+    """
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        key = f"{ENV_PREFIX}{prefix}_{f.name}".upper()
+        if key in env:
+            values[f.name] = _parse(key, env[key], f.type)
+    values.update(overrides)
+    return cls(**values)
+
+
+def _parse(key: str, raw: str, kind: Any) -> Any:
+    kind = kind if isinstance(kind, str) else getattr(kind, "__name__", str(kind))
+    try:
+        if kind == "int":
+            return int(raw)
+        if kind == "float":
+            return float(raw)
+        if kind == "bool":
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        return raw
+    except ValueError:
+        raise ConfigError(f"{key}={raw!r} is not a valid {kind}") from None

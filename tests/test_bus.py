@@ -1,0 +1,355 @@
+"""The bus end to end against a real nats-server and a real group scheduler."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import xxhash
+
+from kvbus.bus import (
+    Bus,
+    BusConfig,
+    PayloadTooLarge,
+    ReceiverGone,
+    ReceiveTimeout,
+    SchedulerUnavailable,
+    TransferRejected,
+)
+from kvbus.bus.stream import chunk_digest
+from kvbus.codecs import UnknownCodec
+from kvbus.errors import SignatureMismatch
+from kvbus.protocol import CHUNK_INDEX_HEADER, CHUNK_SUM_HEADER, Open, OpenReply, agent_subject
+from kvbus.signature import ModelSignature
+from tests.conftest import FAST
+from tests.kvutil import kv_of_bytes, random_kv
+from tests.peer import SIG, kv_digest
+
+PEER = Path(__file__).with_name("peer.py")
+OTHER = ModelSignature("other-model", n_layers=2, n_kv_heads=2, head_dim=32, dtype="float32", vocab_size=100)
+
+
+class Peer:
+    """A receiving agent in another OS process."""
+
+    def __init__(self, url: str, name: str, *extra: str) -> None:
+        self.name = name
+        self.proc = subprocess.Popen([sys.executable, str(PEER), url, name, *extra], stdout=subprocess.PIPE,
+                                     cwd=PEER.parent.parent)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if b"ready" not in line:
+            self.stop()
+            raise RuntimeError(f"peer {name} did not start: {line!r}")
+
+    async def next_delivery(self, timeout: float = 60.0) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), timeout)
+        return json.loads(line)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def peer(nats_url: str) -> Iterator[Peer]:
+    p = Peer(nats_url, "peer-rx")
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+@pytest.fixture
+async def pair(bus: Bus, nats_url: str) -> AsyncIterator[tuple[Any, Any, Bus]]:
+    """Sender on ``bus``, receiver on a second connection (as if another process)."""
+    other = await Bus.connect(nats_url, config=FAST)
+    tx = await bus.agent(f"tx-{time.monotonic_ns()}", signature=SIG)
+    rx = await other.agent(f"rx-{time.monotonic_ns()}", signature=SIG)
+    try:
+        yield tx, rx, other
+    finally:
+        await other.close()
+
+
+# -- round trips ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nbytes", [1024, 1 << 20, 16 << 20, 256 << 20], ids=["1KB", "1MB", "16MB", "256MB"])
+async def test_round_trip_across_processes_is_bit_exact(bus: Bus, peer: Peer, nbytes: int) -> None:
+    tx = await bus.agent(f"tx-{nbytes}", signature=SIG)
+    kv = kv_of_bytes(SIG, nbytes, seed=nbytes % 97)
+    report = await tx.send(peer.name, kv, medium="full")
+    got = await peer.next_delivery()
+    assert got["transfer_id"] == report.transfer_id
+    assert got["sender"] == tx.name
+    assert got["digest"] == kv_digest(kv)
+    assert report.nbytes == kv.nbytes
+    assert report.medium == "full"
+
+
+async def test_int8_round_trip_in_process(pair: tuple[Any, Any, Bus]) -> None:
+    tx, rx, _ = pair
+    kv = random_kv(SIG, 300, seed=3)
+    report = await tx.send(rx.name, kv, medium="int8")
+    d = await rx.receive(timeout=10)
+    assert d.medium == "int8"
+    assert report.nbytes < kv.nbytes * 0.6
+    assert torch.equal(d.kv.tokens, kv.tokens)
+    err = max((a.float() - b.float()).abs().max().item() for a, b in zip(d.kv.keys, kv.keys))
+    assert err < 0.05
+    assert d.kv.fidelity < 1.0
+
+
+async def test_default_medium_is_chosen_by_the_scheduler(pair: tuple[Any, Any, Bus]) -> None:
+    tx, rx, _ = pair
+    kv = random_kv(SIG, 10)
+    report = await tx.send(rx.name, kv)
+    d = await rx.receive(timeout=10)
+    assert report.medium == d.medium == "full"
+    assert d.kv.equal(kv)
+
+
+async def test_incompatible_receiver_gets_tokens(bus: Bus, nats_url: str) -> None:
+    tx = await bus.agent("tx-hetero", signature=SIG)
+    rx = await bus.agent("rx-hetero", signature=OTHER)
+    kv = random_kv(SIG, 12)
+    report = await tx.send("rx-hetero", kv)
+    d = await rx.receive(timeout=10)
+    assert report.medium == "tokens"
+    assert not d.kv.has_kv and torch.equal(d.kv.tokens, kv.tokens)
+    with pytest.raises(TransferRejected, match="cannot use"):
+        await tx.send("rx-hetero", kv, medium="full")
+
+
+# -- faults on the wire -----------------------------------------------------------------------------
+
+
+class FaultyTransport:
+    """Wraps the real transport and damages chosen chunk messages once each."""
+
+    def __init__(self, inner: Any, *, drop: set[int] = frozenset(), corrupt: set[int] = frozenset(),
+                 forge: set[int] = frozenset()) -> None:
+        self.inner = inner
+        self.drop, self.corrupt, self.forge = set(drop), set(corrupt), set(forge)
+        self.hits: list[tuple[str, int]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def publish(self, subject: str, payload: Any, headers: dict[str, str] | None = None) -> None:
+        if headers and CHUNK_INDEX_HEADER in headers:
+            i = int(headers[CHUNK_INDEX_HEADER])
+            if i in self.drop:
+                self.drop.discard(i)
+                self.hits.append(("drop", i))
+                return
+            if i in self.corrupt or i in self.forge:
+                data = bytearray(payload)
+                data[len(data) // 2] ^= 0xFF
+                headers = dict(headers)
+                if i in self.forge:
+                    # A forged chunk whose own checksum matches: only the whole-payload digest catches it.
+                    headers[CHUNK_SUM_HEADER] = chunk_digest(bytes(data))
+                    self.forge.discard(i)
+                    self.hits.append(("forge", i))
+                else:
+                    self.corrupt.discard(i)
+                    self.hits.append(("corrupt", i))
+                payload = bytes(data)
+        await self.inner.publish(subject, payload, headers)
+
+
+@pytest.mark.parametrize("fault", ["drop-middle", "corrupt-middle", "drop-last", "drop-first-and-corrupt"])
+async def test_damaged_chunks_are_recovered(pair: tuple[Any, Any, Bus], fault: str) -> None:
+    tx, rx, _ = pair
+    kv = kv_of_bytes(SIG, 6 << 20, seed=5)
+    n_chunks = 24  # 4 KB/token x 1536 tokens over 1 MB chunks, about
+    faults = {
+        "drop-middle": {"drop": {5}},
+        "corrupt-middle": {"corrupt": {7}},
+        "drop-last": {"drop": set(range(4, 40))},
+        "drop-first-and-corrupt": {"drop": {0}, "corrupt": {3}},
+    }[fault]
+    faulty = FaultyTransport(tx._transport, **faults)
+    tx._transport = faulty
+    report = await tx.send(rx.name, kv, medium="full")
+    d = await rx.receive(timeout=10)
+    assert faulty.hits, "the fault was never injected"
+    assert report.retransmits >= 1
+    assert d.kv.equal(kv)
+    assert n_chunks > 0
+
+
+async def test_forged_chunk_is_never_delivered(pair: tuple[Any, Any, Bus]) -> None:
+    tx, rx, _ = pair
+    kv = kv_of_bytes(SIG, 4 << 20, seed=6)
+    tx._transport = FaultyTransport(tx._transport, forge={2})
+    with pytest.raises(TransferRejected, match="digest mismatch"):
+        await tx.send(rx.name, kv, medium="full")
+    with pytest.raises(ReceiveTimeout):
+        await rx.receive(timeout=0.5)
+
+
+# -- bad input gives clear errors -------------------------------------------------------------------
+
+
+async def test_unknown_codec_is_a_value_error_naming_the_known_ones(pair: tuple[Any, Any, Bus]) -> None:
+    tx, rx, _ = pair
+    with pytest.raises(UnknownCodec, match="known codecs: .*full") as info:
+        await tx.send(rx.name, random_kv(SIG, 4), medium="bogus")
+    assert isinstance(info.value, ValueError)
+
+
+async def test_receiver_rejects_unknown_codec_and_keeps_working(pair: tuple[Any, Any, Bus], bus: Bus) -> None:
+    tx, rx, _ = pair
+    bad = Open(transfer_id="t1", src=tx.name, codec="no-such-codec", meta={}, sizes=[4], total=4, chunk_size=1024,
+               n_chunks=1, digest="0" * 32, window=4, data_subject="kvbus.data.x.t1", ack_subject="x", inline=True)
+    data = await bus.transport.request(agent_subject(rx.name, "inbox"), bad.frame(b"abcd"), timeout=2)
+    reply = OpenReply.decode(data)
+    assert not reply.ok and "unknown codec 'no-such-codec'" in reply.reason
+    kv = random_kv(SIG, 5)
+    await tx.send(rx.name, kv, medium="full")
+    assert (await rx.receive(timeout=5)).kv.equal(kv)
+
+
+@pytest.mark.parametrize("raw", [b"", b"\x00\x00", b"\xff\xff\xff\xff" + b"x" * 10, b"\x00\x00\x00\x05junk!"])
+async def test_malformed_and_oversized_open_headers_are_rejected(pair: tuple[Any, Any, Bus], bus: Bus,
+                                                                 raw: bytes) -> None:
+    tx, rx, _ = pair
+    data = await bus.transport.request(agent_subject(rx.name, "inbox"), raw, timeout=2)
+    reply = OpenReply.decode(data)
+    assert not reply.ok and "malformed open message" in reply.reason
+    kv = random_kv(SIG, 3)
+    await tx.send(rx.name, kv)
+    assert (await rx.receive(timeout=5)).kv.equal(kv)
+
+
+async def test_shape_or_dtype_that_does_not_match_the_signature(pair: tuple[Any, Any, Bus]) -> None:
+    tx, rx, _ = pair
+    kv = random_kv(SIG, 8)
+    kv.keys[1] = kv.keys[1][:, :2]
+    with pytest.raises(SignatureMismatch, match="keys\\[1\\]"):
+        await tx.send(rx.name, kv)
+    kv = random_kv(SIG, 8)
+    kv.values[0] = kv.values[0].float()
+    with pytest.raises(SignatureMismatch, match="values\\[0\\]"):
+        await tx.send(rx.name, kv)
+
+
+async def test_oversized_payload_is_refused_by_the_receiver(bus: Bus, nats_url: str) -> None:
+    small = await Bus.connect(nats_url, config=BusConfig(max_transfer_bytes=1 << 20, request_timeout=2))
+    try:
+        rx = await small.agent("rx-small", signature=SIG)
+        tx = await bus.agent("tx-big", signature=SIG)
+        with pytest.raises(TransferRejected, match="over the limit") as info:
+            await tx.send("rx-small", kv_of_bytes(SIG, 4 << 20))
+        assert info.value.peer == "rx-small"
+        kv = random_kv(SIG, 2)
+        await tx.send("rx-small", kv)
+        assert (await rx.receive(timeout=5)).kv.equal(kv)
+    finally:
+        await small.close()
+
+
+async def test_codec_metadata_over_the_limit(pair: tuple[Any, Any, Bus], monkeypatch: pytest.MonkeyPatch) -> None:
+    tx, rx, _ = pair
+    from kvbus.codecs.full import FullCodec
+
+    original = FullCodec.encode
+
+    def bloated(self, kv):  # noqa: ANN001, ANN202
+        enc = original(self, kv)
+        enc.meta["padding"] = "x" * (300 * 1024)
+        return enc
+
+    monkeypatch.setattr(FullCodec, "encode", bloated)
+    with pytest.raises(PayloadTooLarge, match="codec metadata"):
+        await tx.send(rx.name, random_kv(SIG, 2), medium="full")
+
+
+async def test_unknown_receiver_and_missing_scheduler(bus: Bus) -> None:
+    tx = await bus.agent("tx-lonely", signature=SIG)
+    with pytest.raises(TransferRejected, match="unknown agent"):
+        await tx.send("nobody-here", random_kv(SIG, 2))
+    orphan = await bus.agent("tx-orphan", group="no-scheduler-group", signature=SIG)
+    with pytest.raises(SchedulerUnavailable, match="no-scheduler-group"):
+        await orphan.send("tx-lonely", random_kv(SIG, 2))
+
+
+async def test_receiver_killed_mid_transfer_fails_the_send(bus: Bus, nats_url: str) -> None:
+    dying = Peer(nats_url, "peer-dying", "--die-at-chunk", "3")
+    try:
+        tx = await bus.agent("tx-to-dying", signature=SIG)
+        t0 = time.monotonic()
+        with pytest.raises(ReceiverGone, match="peer-dying"):
+            await tx.send("peer-dying", kv_of_bytes(SIG, 32 << 20), medium="full")
+        assert time.monotonic() - t0 < FAST.peer_timeout + 5
+        assert dying.proc.wait(5) == 17
+    finally:
+        dying.stop()
+
+
+async def test_sender_gone_mid_stream_frees_the_partial_buffer(pair: tuple[Any, Any, Bus]) -> None:
+    tx, rx, _ = pair
+    tx._transport = FaultyTransport(tx._transport, drop=set(range(3, 10_000)))
+    task = asyncio.create_task(tx.send(rx.name, kv_of_bytes(SIG, 16 << 20), medium="full"))
+    for _ in range(100):
+        if rx.partial_transfers:
+            break
+        await asyncio.sleep(0.02)
+    assert rx.partial_transfers == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(FAST.partial_timeout + 1.5)
+    assert rx.partial_transfers == 0
+
+
+# -- broadcast and gather ----------------------------------------------------------------------------
+
+
+async def test_broadcast_to_four_receivers_sends_the_bytes_once(bus: Bus, nats_url: str) -> None:
+    others = [await Bus.connect(nats_url, config=FAST) for _ in range(4)]
+    try:
+        rxs = [await b.agent(f"bc-rx{i}", signature=SIG) for i, b in enumerate(others)]
+        tx = await bus.agent("bc-tx", signature=SIG)
+        kv = kv_of_bytes(SIG, 8 << 20, seed=9)
+        report = await tx.broadcast([r.name for r in rxs], kv, medium="full")
+        deliveries = [await r.receive(timeout=10) for r in rxs]
+        digests = {kv_digest(d.kv) for d in deliveries}
+        assert digests == {kv_digest(kv)}
+        assert report.dst == tuple(r.name for r in rxs)
+        # One stream, fanned out by NATS: no chunk was published once per receiver.
+        assert report.chunks < 2 * (kv.nbytes // (1 << 20) + 8)
+    finally:
+        for b in others:
+            await b.close()
+
+
+async def test_gather_collects_one_from_each(bus: Bus, nats_url: str) -> None:
+    hub = await bus.agent("gather-hub", signature=SIG)
+    senders = [await bus.agent(f"gather-s{i}", signature=SIG) for i in range(3)]
+    stray = await bus.agent("gather-stray", signature=SIG)
+    await stray.send(hub.name, random_kv(SIG, 1, seed=99))
+    await asyncio.gather(*(s.send(hub.name, random_kv(SIG, 4, seed=i)) for i, s in enumerate(senders)))
+    got = await hub.gather([s.name for s in senders], timeout=5)
+    assert set(got) == {s.name for s in senders}
+    assert (await hub.receive(timeout=1)).sender == stray.name
+    with pytest.raises(ReceiveTimeout, match="gather-s0"):
+        await hub.gather(["gather-s0"], timeout=0.3)
+
+
+def test_xxhash_is_stable() -> None:
+    # Chunk and payload digests must agree across processes and machines.
+    assert xxhash.xxh3_64_hexdigest(b"kvbus") == xxhash.xxh3_64_hexdigest(bytearray(b"kvbus"))
