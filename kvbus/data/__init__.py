@@ -1,0 +1,1 @@
+"""Data shipped with kvbus (demo prompts)."""

@@ -1,0 +1,396 @@
+"""Property tests of the codecs: round trips, error bounds, zero copy, and hostile input."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from kvbus.codecs import DecodeError, Encoded, UnknownCodec, available_codecs, get_codec
+from kvbus.codecs._tensors import as_bytes, buffer_address, tensor_from
+from kvbus.errors import KVBusError
+from kvbus.kvcache import KVCache
+from kvbus.signature import ModelSignature, dtype_name
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+VOCAB = 1000
+PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# -- strategies ---------------------------------------------------------------------------------
+
+
+@st.composite
+def kv_caches(draw: st.DrawFn, *, with_kv: bool = True) -> KVCache:
+    """Random KV-caches: batch 1-2, layers 1-3, heads 1-4, seq 0..40, head_dim 1..64."""
+    batch = draw(st.integers(1, 2))
+    layers = draw(st.integers(1, 3))
+    heads = draw(st.integers(1, 4))
+    head_dim = draw(st.integers(1, 64))
+    seq = draw(st.sampled_from([0, 1]) | st.integers(0, 40))
+    n_tokens = seq + draw(st.integers(0, 3))
+    dtype = draw(st.sampled_from(DTYPES))
+    kind = draw(st.sampled_from(["randn", "zeros", "outliers", "tiny", "wide"]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    sig = ModelSignature(model="test-model", n_layers=layers, n_kv_heads=heads, head_dim=head_dim,
+                         dtype=dtype_name(dtype), vocab_size=VOCAB)
+    tokens = torch.randint(0, VOCAB, (batch, n_tokens), generator=g)
+
+    def layer() -> torch.Tensor:
+        shape = (batch, heads, seq, head_dim)
+        x = torch.randn(shape, generator=g)
+        if kind == "zeros":
+            x = torch.zeros(shape)
+        elif kind == "outliers":
+            x[..., 0] *= 50.0  # one outlier channel, as real keys have
+        elif kind == "tiny":
+            x *= 1e-6
+        elif kind == "wide":
+            x *= torch.exp(torch.randn(shape, generator=g) * 3).clamp(max=1e3)
+        return x.to(dtype)
+
+    keys = [layer() for _ in range(layers)] if with_kv else []
+    values = [layer() for _ in range(layers)] if with_kv else []
+    positions = None
+    if with_kv and draw(st.booleans()) and draw(st.booleans()):
+        positions = torch.sort(torch.randperm(seq + 5, generator=g)[:seq]).values
+    fidelity = draw(st.sampled_from([1.0, 0.75]))
+    return KVCache(tokens=tokens, signature=sig, keys=keys, values=values, positions=positions, fidelity=fidelity)
+
+
+def wire(encoded: Encoded, *, writable: bool = False) -> Encoded:
+    """What a receiver gets: msgpack'd metadata and one contiguous payload split by sizes."""
+    payload: bytes | bytearray = b"".join(encoded.buffers)
+    if writable:
+        payload = bytearray(payload)
+    meta = msgpack.unpackb(msgpack.packb(encoded.meta))
+    return Encoded.from_payload(encoded.codec, meta, payload, encoded.sizes)
+
+
+def snapshot(kv: KVCache) -> KVCache:
+    return kv.clone()
+
+
+def assert_unchanged(kv: KVCache, before: KVCache) -> None:
+    assert kv.equal(before), "encoding modified its input"
+    if before.positions is not None:
+        assert kv.positions is not None and torch.equal(kv.positions, before.positions)
+
+
+# -- full -----------------------------------------------------------------------------------------
+
+
+@PROPERTY
+@given(kv=kv_caches())
+def test_full_round_trip_is_bit_exact(kv: KVCache) -> None:
+    before = snapshot(kv)
+    codec = get_codec("full")
+    encoded = codec.encode(kv)
+    out = codec.decode(wire(encoded))
+    assert out.equal(kv)
+    assert out.dtype == kv.dtype and out.signature == kv.signature and out.fidelity == kv.fidelity
+    assert (out.positions is None) == (kv.positions is None)
+    if kv.positions is not None:
+        assert torch.equal(out.positions, kv.positions)
+    assert_unchanged(kv, before)
+    if kv.positions is None and kv.seq_len == kv.n_tokens:
+        assert encoded.nbytes == codec.estimate_nbytes(kv.signature, kv.n_tokens, kv.batch)
+
+
+@PROPERTY
+@given(kv=kv_caches())
+def test_full_encode_and_decode_are_zero_copy(kv: KVCache) -> None:
+    encoded = get_codec("full").encode(kv)
+    tensors = [kv.tokens] if kv.positions is None else [kv.tokens, kv.positions]
+    for k, v in zip(kv.keys, kv.values):
+        tensors += [k, v]
+    assert len(tensors) == len(encoded.buffers)
+    for t, buf in zip(tensors, encoded.buffers):
+        if t.numel():
+            assert buffer_address(buf) == t.data_ptr()
+    received = wire(encoded, writable=True)
+    payload = received.keepalive[0]
+    start = buffer_address(memoryview(payload))
+    out = get_codec("full").decode(received)
+    for t in [out.tokens, *out.keys, *out.values]:
+        if t.numel():
+            assert start <= t.data_ptr() < start + len(payload)
+
+
+def test_full_encodes_non_contiguous_slices() -> None:
+    g = torch.Generator().manual_seed(1)
+    sig = ModelSignature(model="m", n_layers=2, n_kv_heads=3, head_dim=8, vocab_size=VOCAB)
+    kv = KVCache(tokens=torch.randint(0, VOCAB, (2, 20), generator=g), signature=sig,
+                 keys=[torch.randn(2, 3, 20, 8, generator=g) for _ in range(2)],
+                 values=[torch.randn(2, 3, 20, 8, generator=g) for _ in range(2)])
+    part = kv.slice(5, 12)
+    assert not part.keys[0].is_contiguous()
+    out = get_codec("full").decode(wire(get_codec("full").encode(part)))
+    assert out.equal(part) and out.n_tokens == 7 and out.seq_len == 7
+
+
+@PROPERTY
+@given(kv=kv_caches(with_kv=False))
+def test_full_round_trips_a_token_only_context(kv: KVCache) -> None:
+    out = get_codec("full").decode(wire(get_codec("full").encode(kv)))
+    assert not out.has_kv
+    assert torch.equal(out.tokens, kv.tokens) and out.signature == kv.signature
+
+
+# -- int8 -----------------------------------------------------------------------------------------
+
+
+def _int8_bound(x: torch.Tensor, axis: int) -> torch.Tensor:
+    """The largest error the int8 codec may make on ``x`` (in float64)."""
+    finfo = torch.finfo(x.dtype)
+    ulp0 = finfo.tiny * finfo.eps  # the smallest subnormal
+    x64 = x.double()
+    absmax = x64.abs().amax(dim=axis, keepdim=True) if x.shape[axis] else torch.zeros((), dtype=torch.float64)
+    scale = absmax / 127 * (1 + finfo.eps) + ulp0  # absmax / 127, rounded up to the KV dtype
+    # half a quantisation step, plus one rounding of q * scale in the KV dtype
+    return scale / 2 + finfo.eps * absmax + ulp0
+
+
+@PROPERTY
+@given(kv=kv_caches())
+def test_int8_error_is_within_half_a_step(kv: KVCache) -> None:
+    before = snapshot(kv)
+    codec = get_codec("int8")
+    encoded = codec.encode(kv)
+    out = codec.decode(wire(encoded))
+    assert_unchanged(kv, before)
+    assert torch.equal(out.tokens, kv.tokens) and out.signature == kv.signature
+    assert out.dtype == kv.dtype and out.fidelity == pytest.approx(kv.fidelity * codec.fidelity)
+    for x, y, axis in [*((k, o, 2) for k, o in zip(kv.keys, out.keys)),
+                       *((v, o, 3) for v, o in zip(kv.values, out.values))]:
+        assert y.shape == x.shape and y.dtype == x.dtype
+        err = (x.double() - y.double()).abs()
+        assert bool((err <= _int8_bound(x, axis)).all()), float((err - _int8_bound(x, axis)).max())
+        if x.numel() and float(x.double().norm()) > 0:
+            assert float(err.norm() / x.double().norm()) < 0.05
+    if kv.positions is None and kv.seq_len == kv.n_tokens:
+        assert encoded.nbytes == codec.estimate_nbytes(kv.signature, kv.n_tokens, kv.batch)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("magnitude", [1e-6, 1e-30, 1e-39, 1.0, 1e3])
+def test_int8_handles_tiny_and_subnormal_magnitudes(dtype: torch.dtype, magnitude: float) -> None:
+    g = torch.Generator().manual_seed(4)
+    sig = ModelSignature(model="m", n_layers=1, n_kv_heads=2, head_dim=16, dtype=dtype_name(dtype), vocab_size=VOCAB)
+    kv = KVCache(tokens=torch.zeros(1, 9, dtype=torch.int64), signature=sig,
+                 keys=[(torch.randn(1, 2, 9, 16, generator=g) * magnitude).to(dtype)],
+                 values=[(torch.randn(1, 2, 9, 16, generator=g) * magnitude).to(dtype)])
+    out = get_codec("int8").decode(wire(get_codec("int8").encode(kv)))
+    for x, y, axis in [(kv.keys[0], out.keys[0], 2), (kv.values[0], out.values[0], 3)]:
+        assert bool(torch.isfinite(y).all())
+        assert bool(((x.double() - y.double()).abs() <= _int8_bound(x, axis)).all())
+
+
+def test_int8_is_smaller_and_accurate_on_gaussian_kv() -> None:
+    g = torch.Generator().manual_seed(2)
+    sig = ModelSignature(model="m", n_layers=2, n_kv_heads=4, head_dim=64, vocab_size=VOCAB)
+    kv = KVCache(tokens=torch.randint(0, VOCAB, (1, 128), generator=g), signature=sig,
+                 keys=[torch.randn(1, 4, 128, 64, generator=g) for _ in range(2)],
+                 values=[torch.randn(1, 4, 128, 64, generator=g) for _ in range(2)])
+    full, int8 = get_codec("full").encode(kv), get_codec("int8").encode(kv)
+    assert int8.nbytes < full.nbytes / 3
+    out = get_codec("int8").decode(wire(int8))
+    for x, y in zip(kv.keys + kv.values, out.keys + out.values):
+        assert float((x - y).norm() / x.norm()) < 0.02
+
+
+# -- tokens ---------------------------------------------------------------------------------------
+
+
+@PROPERTY
+@given(kv=kv_caches())
+def test_tokens_round_trip_without_runner_is_token_only(kv: KVCache) -> None:
+    before = snapshot(kv)
+    codec = get_codec("tokens")
+    encoded = codec.encode(kv)
+    assert encoded.nbytes == codec.estimate_nbytes(kv.signature, kv.n_tokens, kv.batch) == kv.tokens.numel() * 8
+    out = codec.decode(wire(encoded))
+    assert_unchanged(kv, before)
+    assert not out.has_kv and out.positions is None
+    assert torch.equal(out.tokens, kv.tokens) and out.signature == kv.signature and out.fidelity == kv.fidelity
+
+
+def test_codec_flags() -> None:
+    assert get_codec("full").lossless and get_codec("tokens").lossless and not get_codec("int8").lossless
+    assert not get_codec("tokens").needs_kv and get_codec("full").needs_kv
+    assert 0 < get_codec("int8").fidelity < 1
+
+
+# -- registry and helpers -------------------------------------------------------------------------
+
+
+def test_unknown_codec_lists_the_known_names() -> None:
+    with pytest.raises(ValueError, match="full.*int8.*tokens") as info:
+        get_codec("zstd-9000")
+    assert isinstance(info.value, UnknownCodec) and isinstance(info.value, KVBusError)
+    assert {"full", "int8", "tokens"} <= set(available_codecs())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_as_bytes_and_tensor_from_share_memory(dtype: torch.dtype) -> None:
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4).to(dtype)
+    buf = as_bytes(t)
+    assert buf.nbytes == 12 * dtype.itemsize and buffer_address(buf) == t.data_ptr()
+    back = tensor_from(memoryview(bytearray(buf)), dtype, (3, 4), "test")
+    assert torch.equal(back, t)
+    store = bytearray(buf)
+    view = tensor_from(memoryview(store), dtype, [3, 4], "test")
+    assert view.data_ptr() == buffer_address(memoryview(store))
+    assert torch.equal(tensor_from(bytes(buf), dtype, (3, 4), "test"), t)  # read-only: copied
+
+
+@pytest.mark.parametrize("shape", [(-1, 4), (3, 5), (3,), [True, 4], "34", (2**41, 0), (1,) * 9, (3, 4.0)])
+def test_tensor_from_rejects_bad_shapes(shape: Any) -> None:
+    buf = as_bytes(torch.zeros(3, 4))
+    with pytest.raises(DecodeError):
+        tensor_from(buf, torch.float32, shape, "test")
+
+
+# -- hostile input --------------------------------------------------------------------------------
+
+MSGPACK_INTS = st.integers(-(2**63), 2**64 - 1)
+SCALARS = (st.none() | st.booleans() | MSGPACK_INTS | st.integers(-3, 70)
+           | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=8) | st.binary(max_size=8))
+VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4)
+                      | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=8)
+CODECS = st.sampled_from(["full", "int8", "tokens"])
+
+
+def _decode_or_reject(codec: str, meta: Any, payload: bytes, sizes: Any) -> KVCache | None:
+    """Decode hostile input: it must either give a valid cache or raise a `KVBusError`."""
+    try:
+        encoded = Encoded.from_payload(codec, meta, payload, sizes)
+        out = get_codec(codec).decode(encoded)
+    except KVBusError:
+        return None
+    out.validate()
+    assert out.nbytes <= 4 * len(payload) + 64, "decoded far more than was received"
+    return out
+
+
+@FUZZ
+@given(codec=CODECS, meta=VALUES, payload=st.binary(max_size=256), sizes=st.lists(st.integers(0, 64), max_size=6))
+def test_random_metadata_is_rejected(codec: str, meta: Any, payload: bytes, sizes: list[int]) -> None:
+    _decode_or_reject(codec, meta, payload, sizes)
+
+
+def _mutate(meta: dict[str, Any], path: tuple[str, ...], value: Any, delete: bool) -> dict[str, Any]:
+    meta = msgpack.unpackb(msgpack.packb(meta))
+    target = meta
+    for key in path[:-1]:
+        target = target[key]
+    if delete:
+        target.pop(path[-1], None)
+    else:
+        target[path[-1]] = value
+    return meta
+
+
+FIELDS = [("batch",), ("n_tokens",), ("seq_len",), ("layers",), ("dtype",), ("fidelity",), ("positions",),
+          ("signature",), ("signature", "n_layers"), ("signature", "n_kv_heads"), ("signature", "head_dim"),
+          ("signature", "dtype"), ("signature", "vocab_size"), ("signature", "model"), ("signature", "rope_theta")]
+
+
+@FUZZ
+@given(kv=kv_caches(), codec=CODECS, path=st.sampled_from(FIELDS), delete=st.booleans(),
+       value=VALUES | st.integers(-2, 100) | st.sampled_from([2**15, 2**16, 2**24, 2**31, 2**40, 2**63]),
+       data=st.data())
+def test_mutated_metadata_is_rejected_or_consistent(kv: KVCache, codec: str, path: tuple[str, ...], delete: bool,
+                                                    value: Any, data: st.DataObject) -> None:
+    encoded = get_codec(codec).encode(kv)
+    meta = _mutate(encoded.meta, path, value, delete)
+    payload = b"".join(encoded.buffers)
+    sizes = encoded.sizes
+    if data.draw(st.booleans()) and sizes:
+        # move some bytes from one buffer to another: same total, wrong split
+        i, j = data.draw(st.integers(0, len(sizes) - 1)), data.draw(st.integers(0, len(sizes) - 1))
+        n = data.draw(st.integers(0, sizes[i]))
+        sizes = list(sizes)
+        sizes[i] -= n
+        sizes[j] += n
+    _decode_or_reject(codec, meta, payload, sizes)
+
+
+@PROPERTY
+@given(kv=kv_caches(), codec=CODECS, data=st.data())
+def test_truncated_payloads_are_rejected(kv: KVCache, codec: str, data: st.DataObject) -> None:
+    encoded = get_codec(codec).encode(kv)
+    payload = b"".join(encoded.buffers)
+    assume(len(payload) > 0)
+    cut = data.draw(st.integers(1, len(payload)))
+    sizes = list(encoded.sizes)
+    # truncated payload with honest sizes for what is left: the split no longer fits the shapes
+    remaining, short = len(payload) - cut, []
+    for n in sizes:
+        short.append(min(n, remaining))
+        remaining -= short[-1]
+    with pytest.raises(DecodeError):
+        get_codec(codec).decode(Encoded.from_payload(codec, encoded.meta, payload[:-cut], short))
+    with pytest.raises(DecodeError):  # sizes that claim more than was received
+        Encoded.from_payload(codec, encoded.meta, payload[:-cut], sizes)
+    # a buffer list that is one short
+    if len(encoded.buffers) > 1:
+        with pytest.raises(DecodeError):
+            get_codec(codec).decode(Encoded(codec, encoded.meta, encoded.buffers[:-1]))
+
+
+@pytest.mark.parametrize("codec", ["full", "int8", "tokens"])
+@pytest.mark.parametrize("field,value", [
+    ("batch", 2**16), ("n_tokens", 2**24), ("batch", -1), ("n_tokens", -5), ("seq_len", 2**24),
+    ("layers", 2**16), ("fidelity", math.nan), ("fidelity", 2.0), ("dtype", "float64"), ("positions", 1),
+])
+def test_huge_or_negative_claims_are_rejected_without_allocating(codec: str, field: str, value: Any) -> None:
+    sig = ModelSignature(model="m", n_layers=2, n_kv_heads=2, head_dim=4, vocab_size=VOCAB)
+    kv = KVCache(tokens=torch.arange(6).reshape(1, 6), signature=sig,
+                 keys=[torch.randn(1, 2, 6, 4) for _ in range(2)], values=[torch.randn(1, 2, 6, 4) for _ in range(2)])
+    encoded = get_codec(codec).encode(kv)
+    meta = dict(encoded.meta, **{field: value})
+    if field == "seq_len" or field == "batch" and value > 0:
+        meta["n_tokens"] = 2**24  # every count as large as allowed: 2**16 * 2**24 int64 tokens is 8 TiB
+    with pytest.raises(DecodeError):
+        get_codec(codec).decode(wire(Encoded(codec, meta, encoded.buffers)))
+
+
+def test_huge_signature_claims_are_rejected() -> None:
+    sig = ModelSignature(model="m", n_layers=1, n_kv_heads=1, head_dim=1, vocab_size=VOCAB)
+    kv = KVCache(tokens=torch.zeros(1, 1, dtype=torch.int64), signature=sig,
+                 keys=[torch.ones(1, 1, 1, 1)], values=[torch.ones(1, 1, 1, 1)])
+    encoded = get_codec("full").encode(kv)
+    for field, value in [("n_layers", 2**16), ("n_kv_heads", 2**16), ("head_dim", 2**16), ("n_layers", 0),
+                         ("head_dim", -1), ("vocab_size", 2**40), ("model", 7), ("dtype", "int8")]:
+        meta = dict(encoded.meta, signature=dict(encoded.meta["signature"], **{field: value}))
+        if field == "n_layers" and value > 0:
+            meta["layers"] = value
+        with pytest.raises(DecodeError):
+            get_codec("full").decode(Encoded("full", meta, encoded.buffers))
+
+
+def test_out_of_vocabulary_tokens_are_rejected() -> None:
+    sig = ModelSignature(model="m", n_layers=1, n_kv_heads=1, head_dim=2, vocab_size=10)
+    kv = KVCache(tokens=torch.tensor([[1, 2, 3]]), signature=sig)
+    encoded = get_codec("tokens").encode(kv)
+    bad = bytearray(b"".join(encoded.buffers))
+    bad[8:16] = (10).to_bytes(8, "little")
+    with pytest.raises(DecodeError, match="token ids"):
+        get_codec("tokens").decode(Encoded.from_payload("tokens", encoded.meta, bytes(bad), encoded.sizes))
+    bad[8:16] = (-1).to_bytes(8, "little", signed=True)
+    with pytest.raises(DecodeError, match="token ids"):
+        get_codec("full").decode(Encoded.from_payload("full", encoded.meta, bytes(bad), encoded.sizes))
+
+
+def test_decode_errors_are_kvbus_and_value_errors() -> None:
+    with pytest.raises(DecodeError) as info:
+        get_codec("full").decode(Encoded("full", "not a map", []))  # type: ignore[arg-type]
+    assert isinstance(info.value, KVBusError) and isinstance(info.value, ValueError)
