@@ -498,7 +498,7 @@ class Agent:
         codec = get_codec(open_msg.codec)
         encoded = Encoded(codec=open_msg.codec, meta=open_msg.meta, buffers=buffers)
         t0 = time.perf_counter()
-        heavy = open_msg.total > OFFLOAD_BYTES or not codec.needs_kv
+        heavy = not codec.cheap_decode and (open_msg.total > OFFLOAD_BYTES or not codec.needs_kv)
         if heavy:
             kv = await asyncio.to_thread(codec.decode, encoded, runner=self.runner)
         else:

@@ -4,8 +4,8 @@ The sender announces a transfer with an `Open` request to each receiver's inbox,
 publishes chunks once on a per-transfer data subject that every receiver subscribed to (so a
 broadcast leaves the sender once and NATS fans it out). Flow control is by credit: a sender
 keeps at most ``window`` chunks beyond the slowest receiver's acknowledged position. Each chunk
-carries its index and an xxh3-64 digest in NATS headers; the `Open` carries an xxh3-128 digest
-of the whole payload. A receiver drops corrupt or duplicate chunks, asks for missing ones, and
+carries its index and an xxh3-64 digest in NATS headers; the last chunk (or the `Open`, for an
+inline payload) carries an xxh3-128 digest of the whole payload, a hash over the chunk digests. A receiver drops corrupt or duplicate chunks, asks for missing ones, and
 answers with a final `Ack` only after the whole payload verified and decoded.
 """
 
@@ -31,6 +31,7 @@ from kvbus.bus.transport import NoResponders, Transport
 from kvbus.protocol import (
     CHUNK_INDEX_HEADER,
     CHUNK_SUM_HEADER,
+    ROOT_SUM_HEADER,
     Ack,
     Open,
     OpenReply,
@@ -169,8 +170,11 @@ class OutgoingTransfer:
         self.sizes = [b.nbytes for b in buffers]
         # Views for chunks within one buffer; small buffers packed together are joined once here.
         self._chunks = [self.plan.chunk(i) for i in range(self.plan.n_chunks)]
-        self._digests = [chunk_digest(c) for c in self._chunks]
-        self.digest = tree_digest(self._digests, self.plan.total)
+        # Chunk digests are computed as chunks first go out, while the sender would otherwise
+        # wait for credit; the whole-payload digest rides on the last chunk (or in the Open for
+        # an inline payload).
+        self._digests: list[str] = [""] * self.plan.n_chunks
+        self.digest = ""
         self.data_subject = f"kvbus.data.{src}.{transfer_id}"
         self.open = Open(
             transfer_id=transfer_id, src=src, codec=codec, meta=meta, sizes=self.sizes,
@@ -181,7 +185,9 @@ class OutgoingTransfer:
         # Inline when small enough and the framed Open (header + payload) fits the server's max_payload.
         room = transport.max_payload - len(self.open.encode()) - 1024
         if self.plan.total <= min(inline_limit, room):
-            self.open = dataclasses.replace(self.open, inline=True)
+            self._digests = [chunk_digest(c) for c in self._chunks]
+            self.digest = tree_digest(self._digests, self.plan.total)
+            self.open = dataclasses.replace(self.open, inline=True, digest=self.digest)
         self.bucket = TokenBucket(rate_bps, burst=max(chunk_size, rate_bps * 0.02))
         self.outcomes: dict[str, ReceiverOutcome] = {rx: ReceiverOutcome() for rx in self.receivers}
         self.stats = StreamStats()
@@ -277,9 +283,16 @@ class OutgoingTransfer:
     async def _send_chunk(self, index: int) -> None:
         data = self._chunks[index]
         digest = self._digests[index]
+        if not digest:
+            digest = self._digests[index] = chunk_digest(data)
+        headers = {CHUNK_INDEX_HEADER: str(index), CHUNK_SUM_HEADER: digest}
+        if index == self.plan.n_chunks - 1:
+            # Every earlier chunk went out before this one, so all digests are known.
+            if not self.digest:
+                self.digest = tree_digest(self._digests, self.plan.total)
+            headers[ROOT_SUM_HEADER] = self.digest
         await self.bucket.take(len(data))
-        await self.transport.publish(self.data_subject, data,
-                                     headers={CHUNK_INDEX_HEADER: str(index), CHUNK_SUM_HEADER: digest})
+        await self.transport.publish(self.data_subject, data, headers=headers)
         self.stats.chunks_sent += 1
         self.stats.bytes_sent += len(data)
 
@@ -398,6 +411,7 @@ class IncomingTransfer:
         self._finish = finish
         self.assembly = plan or Reassembly(open_msg.sizes, open_msg.chunk_size)
         self.digests: list[str] = [""] * open_msg.n_chunks
+        self.root = open_msg.digest
         self.have = bytearray(open_msg.n_chunks)
         self.count = 0
         self.next = 0
@@ -459,6 +473,8 @@ class IncomingTransfer:
             return
         self.assembly.add(index, data)
         self.digests[index] = digest
+        if index == self.open.n_chunks - 1:
+            self.root = headers.get(ROOT_SUM_HEADER, "")
         self.have[index] = 1
         self.count += 1
         self._since_ack += 1
@@ -477,12 +493,13 @@ class IncomingTransfer:
             await self._ack()
 
     async def _complete(self) -> None:
-        await self.stop()
         try:
             await self._finish(self)
         except Exception:
             logger.exception("transfer %s: finishing failed", self.open.transfer_id)
             await self._ack(done=True, ok=False, reason="receiver failed while finishing")
+        finally:
+            await self.stop()
 
     async def _request_missing(self, upto: int) -> None:
         """Ask for every chunk below ``upto`` not yet received and not already asked for."""
@@ -495,4 +512,4 @@ class IncomingTransfer:
 
     def verify(self) -> bool:
         """Whether the chunk digests add up to the sender's whole-payload digest."""
-        return tree_digest(self.digests, self.assembly.plan.total) == self.open.digest
+        return bool(self.root) and tree_digest(self.digests, self.assembly.plan.total) == self.root

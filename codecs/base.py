@@ -84,6 +84,8 @@ class Codec(ABC):
     """False for media that carry no KV (the receiver recomputes)."""
     fidelity: ClassVar[float] = 1.0
     """Default fidelity factor of one hop (calibration replaces it with a measured one)."""
+    cheap_decode: ClassVar[bool] = False
+    """True when decode only builds views (no pass over the data): run it on the event loop."""
 
     def usable(self, sender: ModelSignature, receiver: ModelSignature) -> bool:
         """Whether a receiver with ``receiver`` can use what a sender with ``sender`` encodes."""

@@ -18,6 +18,7 @@ class FullCodec(Codec):
     """
 
     lossless = True
+    cheap_decode = True
     fidelity = 1.0
 
     def encode(self, kv: KVCache) -> Encoded:

@@ -41,6 +41,8 @@ MAX_META_BYTES = 256 * 1024
 
 CHUNK_INDEX_HEADER = "Kvbus-Chunk"
 CHUNK_SUM_HEADER = "Kvbus-Sum"
+#: On the last chunk of a streamed transfer: the whole-payload digest.
+ROOT_SUM_HEADER = "Kvbus-Root"
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -326,7 +328,8 @@ class Open(Message):
     chunk_size: int
     n_chunks: int
     digest: str
-    """xxh3-128 hex digest of the whole payload."""
+    """xxh3-128 hex digest of the whole payload for an inline transfer; empty when streamed
+    (the last chunk carries it in `ROOT_SUM_HEADER`)."""
     window: int
     data_subject: str
     ack_subject: str
@@ -367,8 +370,8 @@ class Open(Message):
             raise WireFormatError(what, f"n_chunks {self.n_chunks} does not fit a total of {self.total} bytes")
         if not 0 < self.window <= 1 << 16:
             raise WireFormatError(what, f"window {self.window} is out of range")
-        if len(self.digest) != 32:
-            raise WireFormatError(what, "digest must be 32 hex characters")
+        if len(self.digest) not in ((32,) if self.inline else (0, 32)):
+            raise WireFormatError(what, "digest must be 32 hex characters (or empty for a streamed transfer)")
 
 
 @_message("open_reply", {"transfer_id": str, "ok": bool, "reason": str, "done": bool,
