@@ -104,7 +104,8 @@ class Bus:
         return self._directory
 
     async def agent(self, name: str, *, group: str = "default", role: str = "agent", priority: float = 1.0,
-                    signature: ModelSignature | None = None, runner: ModelRunner | None = None) -> Agent:
+                    signature: ModelSignature | None = None, runner: ModelRunner | None = None,
+                    cache: Any = None) -> Agent:
         """Register an agent on this bus and start its inbox.
 
         Args:
@@ -115,6 +116,8 @@ class Bus:
             signature: the model signature KV sent to this agent must match; taken from
                 ``runner`` when not given; None accepts only token-only contexts as-is.
             runner: the agent's model, used to recompute KV for media that carry none.
+            cache: the agent's cache tier (`kvbus.cachetier`), if it has one: its memory use
+                is reported in probes and `Agent.prefetch` goes to it.
         """
         if self.status is Status.CLOSED:
             raise BusClosed()
@@ -124,7 +127,8 @@ class Bus:
             raise ValueError(f"agent {name!r} is already registered on this bus")
         if signature is None and runner is not None:
             signature = runner.signature
-        agent = Agent(self, name, group=group, role=role, priority=priority, signature=signature, runner=runner)
+        agent = Agent(self, name, group=group, role=role, priority=priority, signature=signature, runner=runner,
+                      cache=cache)
         await agent._start()
         self._agents[name] = agent
         return agent
@@ -154,7 +158,7 @@ class Agent:
     """One agent on the bus: sends contexts, receives them in its inbox, reports its state."""
 
     def __init__(self, bus: Bus, name: str, *, group: str, role: str, priority: float,
-                 signature: ModelSignature | None, runner: ModelRunner | None) -> None:
+                 signature: ModelSignature | None, runner: ModelRunner | None, cache: Any = None) -> None:
         self.bus = bus
         self.name = name
         self.group = group
@@ -162,8 +166,9 @@ class Agent:
         self.priority = priority
         self.signature = signature
         self.runner = runner
-        self.cache_bytes = 0
-        """KV bytes this agent holds; reported in probes (the cache tier keeps it current)."""
+        self.cache = cache
+        """The agent's cache tier, or None."""
+        self._cache_bytes = 0
         self.closed = False
         self._transport = bus.transport
         self._config = bus.config
@@ -561,6 +566,29 @@ class Agent:
         finally:
             self._stash.extend(others)
         return got
+
+    # -- memory -------------------------------------------------------------------------------------
+
+    @property
+    def cache_bytes(self) -> int:
+        """KV bytes this agent holds: its cache tier's resident bytes, or what the owner set."""
+        if self.cache is not None:
+            return int(getattr(self.cache, "memory_bytes", 0))
+        return self._cache_bytes
+
+    @cache_bytes.setter
+    def cache_bytes(self, value: int) -> None:
+        self._cache_bytes = int(value)
+
+    def prefetch(self, context: Any) -> Any:
+        """Workflow hint: ``context`` (token ids or a `KVCache`) will be needed soon.
+
+        With a cache tier, its remote blocks start loading in the background; returns the tier's
+        handle (an awaitable task) or None without a tier.
+        """
+        if self.cache is None:
+            return None
+        return self.cache.prefetch(context)
 
     # -- probes and housekeeping ------------------------------------------------------------------
 

@@ -36,10 +36,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--new-tokens", type=int, default=None, help="tokens B generates after the transfer")
 
     bench = sub.add_parser("bench", help="run a benchmark suite and write JSON")
-    bench.add_argument("suite", choices=["transport"], help="which suite")
+    from kvbus.bench import SUITES
+
+    bench.add_argument("suite", choices=sorted(SUITES), help="which suite")
     bench.add_argument("--json", dest="json_path", default=None, help="write the results to this file")
     bench.add_argument("--quick", action="store_true", help="fewer repetitions")
     _add_urls(bench, redis=False)
+
+    cal = sub.add_parser("calibrate", help="measure every codec on SmolLM2 and save the calibration profile")
+    cal.add_argument("--quick", action="store_true", help="fewer windows and repetitions (under 2 minutes)")
+    cal.add_argument("--out", default=None, help="where to write the profile (default: the profile path in use)")
 
     gs = sub.add_parser("group-scheduler", help="run the scheduler of one group")
     gs.add_argument("--group", required=True, help="group name")
@@ -103,6 +109,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_demo(nats_url=args.nats_url, redis_url=args.redis_url, quick=args.quick,
                             new_tokens=args.new_tokens)
+        elif args.command == "calibrate":
+            from kvbus.calibrate import run_calibrate
+
+            return run_calibrate(quick=args.quick, out=args.out)
         elif args.command == "bench":
             from kvbus.bench import run_suite
 

@@ -9,8 +9,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+#: Suite name -> module with ``run(*, quick, **options) -> dict``.
 SUITES: dict[str, str] = {
     "transport": "kvbus.bench.transport",
+    "codecs": "kvbus.bench.codecs",
+    "select": "kvbus.bench.select",
+    "cachetier": "kvbus.bench.cachetier",
 }
 
 
