@@ -13,11 +13,12 @@ from kvbus.bus.errors import (
     TransferRejected,
     TransferTimeout,
 )
+from kvbus.bus.pacing import EmulatedLink
 from kvbus.bus.transport import NatsTransport, NoResponders, Transport
 from kvbus.bus.types import Delivery, TransferReport
 
 __all__ = [
-    "Agent", "Bus", "BusClosed", "BusConfig", "BusError", "Delivery", "NatsTransport", "NoResponders",
+    "Agent", "Bus", "BusClosed", "BusConfig", "BusError", "Delivery", "EmulatedLink", "NatsTransport", "NoResponders",
     "PayloadTooLarge", "ReceiveTimeout", "ReceiverGone", "SchedulerUnavailable", "Status", "TransferError",
     "TransferRejected", "TransferReport", "TransferTimeout", "Transport",
 ]

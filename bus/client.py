@@ -13,10 +13,12 @@ from collections.abc import AsyncIterator, Iterable
 from enum import Enum
 from typing import Any
 
+import torch
 from nats.aio.msg import Msg
 from nats.js.errors import BucketNotFoundError
 
 from kvbus.bus.config import HEADER_ROOM, BusConfig
+from kvbus.bus.pacing import EmulatedLink
 from kvbus.bus.errors import (
     BusClosed,
     PayloadTooLarge,
@@ -105,7 +107,7 @@ class Bus:
 
     async def agent(self, name: str, *, group: str = "default", role: str = "agent", priority: float = 1.0,
                     signature: ModelSignature | None = None, runner: ModelRunner | None = None,
-                    cache: Any = None) -> Agent:
+                    cache: Any = None, link: EmulatedLink | None = None) -> Agent:
         """Register an agent on this bus and start its inbox.
 
         Args:
@@ -118,6 +120,9 @@ class Bus:
             runner: the agent's model, used to recompute KV for media that carry none.
             cache: the agent's cache tier (`kvbus.cachetier`), if it has one: its memory use
                 is reported in probes and `Agent.prefetch` goes to it.
+            link: an emulated link (bandwidth, latency) for tests and benchmarks: declared to the
+                schedulers, which pace this agent's transfers to it. Real deployments leave it
+                None and the schedulers measure the real links.
         """
         if self.status is Status.CLOSED:
             raise BusClosed()
@@ -128,7 +133,7 @@ class Bus:
         if signature is None and runner is not None:
             signature = runner.signature
         agent = Agent(self, name, group=group, role=role, priority=priority, signature=signature, runner=runner,
-                      cache=cache)
+                      cache=cache, link=link)
         await agent._start()
         self._agents[name] = agent
         return agent
@@ -158,8 +163,10 @@ class Agent:
     """One agent on the bus: sends contexts, receives them in its inbox, reports its state."""
 
     def __init__(self, bus: Bus, name: str, *, group: str, role: str, priority: float,
-                 signature: ModelSignature | None, runner: ModelRunner | None, cache: Any = None) -> None:
+                 signature: ModelSignature | None, runner: ModelRunner | None, cache: Any = None,
+                 link: EmulatedLink | None = None) -> None:
         self.bus = bus
+        self.link = link
         self.name = name
         self.group = group
         self.role = role
@@ -181,6 +188,10 @@ class Agent:
         self._stash: collections.deque[Delivery] = collections.deque()
         self._tasks: list[asyncio.Task[None]] = []
         self._cpu = (time.process_time(), time.monotonic())
+        self._sent_tokens: dict[str, torch.Tensor] = {}
+        """Per receiver: the token ids of the last context it got from this agent (delta bases)."""
+        self._bases: dict[str, KVCache] = {}
+        """Per sender: the last context received from it (the base delta media decode against)."""
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -197,11 +208,18 @@ class Agent:
         self._tasks.append(asyncio.create_task(self._janitor(), name=f"kvbus-janitor-{self.name}"))
 
     async def _register(self) -> None:
+        link = self.link or EmulatedLink()
         record = AgentRecord(name=self.name, group=self.group, role=self.role, priority=self.priority,
-                             signature=self.signature.to_dict() if self.signature else None)
+                             signature=self.signature.to_dict() if self.signature else None,
+                             link_bps=link.bandwidth_bps, latency_s=link.latency_s, recompute=self.runner is not None)
         directory = await self.bus.directory()
         if directory is not None:
             await directory.put(self.name, record.encode())
+
+    async def set_link(self, link: EmulatedLink | None) -> None:
+        """Change the emulated link (e.g. to replay a bandwidth trace); schedulers see it within a second or two."""
+        self.link = link
+        await self._register()
 
     async def close(self) -> None:
         """Leave the bus: stop the inbox and the probes, fail pending sends."""
@@ -309,8 +327,12 @@ class Agent:
             raise
         failed = {rx: o.error for rx, o in outcomes.items() if o.error is not None}
         error = next(iter(failed.values())) if failed else None
+        slowest_decode = max((o.decode_s for o in outcomes.values()), default=0.0)
         await self._report_done(transfer_id, grant.medium, receivers, out.stats.bytes_sent or encoded.nbytes,
-                                t_done - t_enc, error)
+                                t_done - t_grant, error, wire_s=max(0.0, t_done - t_enc - slowest_decode))
+        for rx, o in outcomes.items():
+            if o.ok:
+                self._sent_tokens[rx] = kv.tokens
         if error is not None:
             error.failed = failed  # type: ignore[union-attr]
             raise error
@@ -320,7 +342,7 @@ class Agent:
             retransmits=out.stats.retransmits, queued_s=t_grant - t0, encode_s=t_enc - t_grant,
             transfer_s=t_done - t_enc, decode_s={rx: o.decode_s for rx, o in outcomes.items()},
             total_s=t_done - t0, rate_bps=grant.rate_bps,
-            decision={"reason": grant.reason} if grant.reason else {},
+            decision={**grant.decision, "reason": grant.reason, "observed_s": round(t_done - t_grant, 6)},
         )
 
     async def _request_grant(self, transfer_id: str, receivers: list[str], kv: KVCache, medium: str | None,
@@ -333,6 +355,7 @@ class Agent:
                 transfer_id=transfer_id, src=self.name, dst=receivers, group=self.group, n_tokens=kv.n_tokens,
                 nbytes=kv.nbytes, signature=kv.signature.to_dict(), medium=medium,
                 deadline=time.time() + deadline if deadline is not None else None, critical=critical,
+                fidelity=float(kv.fidelity), base_tokens=self._base_tokens(receivers, kv),
             )
             try:
                 data = await self._transport.request(sched_subject(self.group, "request"), request.encode(),
@@ -358,14 +381,34 @@ class Agent:
         if not grant.medium:
             raise TransferRejected(transfer_id, f"scheduler of {self.group}", grant.reason)
         delay = grant.start_at - time.time()
+        if grant.latency_s > 0:
+            # Link emulation: the transfer's round trips (request, open, verdict) on a path with
+            # this one-way latency; real links need no such sleep.
+            delay = max(delay, 0.0) + 6 * grant.latency_s
         if delay > 0:
             await asyncio.sleep(min(delay, self._config.grant_timeout))
         return grant
 
+    def _base_tokens(self, receivers: list[str], kv: KVCache) -> int:
+        """Tokens at the start of ``kv`` that every receiver already got from this agent."""
+        if kv.batch != 1:
+            return 0
+        common = kv.n_tokens
+        for rx in receivers:
+            sent = self._sent_tokens.get(rx)
+            if sent is None or sent.shape[0] != 1:
+                return 0
+            n = min(sent.shape[-1], kv.n_tokens)
+            same = (sent[0, :n] == kv.tokens[0, :n]).to(torch.int8)
+            prefix = n if bool(same.all()) else int(same.argmin())
+            common = min(common, prefix)
+        return common
+
     async def _report_done(self, transfer_id: str, medium: str, receivers: list[str], nbytes: int, seconds: float,
-                           error: BaseException | None) -> None:
+                           error: BaseException | None, wire_s: float = 0.0) -> None:
         done = TransferDone(transfer_id=transfer_id, src=self.name, ok=error is None, medium=medium,
-                            nbytes=nbytes, seconds=seconds, error=str(error) if error else "", dst=receivers)
+                            nbytes=nbytes, seconds=seconds, error=str(error) if error else "", dst=receivers,
+                            wire_s=wire_s)
         try:
             await self._transport.publish(sched_subject(self.group, "done"), done.encode())
         except Exception:  # noqa: BLE001 - the scheduler also expires silent transfers
@@ -504,10 +547,13 @@ class Agent:
         encoded = Encoded(codec=open_msg.codec, meta=open_msg.meta, buffers=buffers)
         t0 = time.perf_counter()
         heavy = not codec.cheap_decode and (open_msg.total > OFFLOAD_BYTES or not codec.needs_kv)
+        base = self._bases.get(open_msg.src)
         if heavy:
-            kv = await asyncio.to_thread(codec.decode, encoded, runner=self.runner)
+            kv = await asyncio.to_thread(codec.decode, encoded, base=base, runner=self.runner)
         else:
-            kv = codec.decode(encoded, runner=self.runner)
+            kv = codec.decode(encoded, base=base, runner=self.runner)
+        if self._config.keep_bases:
+            self._bases[open_msg.src] = kv
         if kv.has_kv and self.signature is not None:
             kv.validate(self.signature)
         return Delivery(transfer_id=open_msg.transfer_id, sender=open_msg.src, kv=kv, medium=open_msg.codec,

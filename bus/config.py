@@ -41,6 +41,8 @@ class BusConfig:
     """Seconds between probe reports to the group scheduler."""
     max_missing: int = 256
     """Most chunk indices one repair request lists."""
+    keep_bases: bool = True
+    """Keep the last context from each sender as the base for delta media (costs its memory)."""
 
     def __post_init__(self) -> None:
         if self.chunk_size < 1024:

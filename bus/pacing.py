@@ -4,6 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EmulatedLink:
+    """A link to emulate for an agent: its transfers are paced to ``bandwidth_bps`` and delayed by
+    ``latency_s`` per hop of each round trip. For tests and benchmarks; real deployments measure
+    the real links and leave this unset."""
+
+    bandwidth_bps: float = 0.0
+    """Bytes per second (0 = not emulated)."""
+    latency_s: float = 0.0
+    """One-way latency in seconds."""
+
+    @classmethod
+    def mbit(cls, mbit_per_s: float, latency_ms: float = 0.0) -> EmulatedLink:
+        return cls(mbit_per_s * 1e6 / 8, latency_ms / 1000)
 
 
 class TokenBucket:
@@ -17,7 +34,9 @@ class TokenBucket:
         self._clock = clock
         self.rate = float(rate)
         self.burst = float(burst) if burst is not None else 0.0
-        self._tokens = self.burst
+        # Start empty: a stream's first bytes are paced like the rest, so a transfer of N bytes
+        # takes N / rate (a full bucket would let the first burst through for free).
+        self._tokens = 0.0
         self._last = clock()
 
     def set_rate(self, rate: float, burst: float | None = None) -> None:

@@ -15,7 +15,9 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 from kvbus.bus.transport import NatsTransport, Transport
 from kvbus.errors import WireFormatError
 from kvbus.group_scheduler.config import SchedulerConfig
-from kvbus.group_scheduler.policy import FifoPolicy, SchedulingPolicy
+from kvbus.group_scheduler.cost_model import CostConfig, CostModel
+from kvbus.group_scheduler.policy import FifoPolicy, MediumSelector, SchedulingPolicy, StaticSelector
+from kvbus.group_scheduler.selection import AdaptiveSelector
 from kvbus.group_scheduler.state import GroupState, Pending
 from kvbus.protocol import (
     AGENTS_BUCKET,
@@ -35,6 +37,23 @@ from kvbus.signature import ModelSignature
 
 logger = logging.getLogger(__name__)
 
+#: Transfers smaller than this say more about round trips than bandwidth: not used for estimates.
+MIN_ESTIMATE_BYTES = 64 * 1024
+
+
+def default_selector(config: SchedulerConfig) -> MediumSelector:
+    """The adaptive selector over the calibration profile (fallback figures if none loads), or static."""
+    if config.selector == "static":
+        return StaticSelector()
+    try:
+        from kvbus.codecs.calibration import load_profile
+
+        model = CostModel.from_profile(load_profile(), config=CostConfig(hysteresis=config.hysteresis))
+    except Exception as exc:  # noqa: BLE001 - no profile: decisions say they used fallback figures
+        logger.warning("no calibration profile (%s); the cost model uses fallback figures", exc)
+        model = CostModel(config=CostConfig(hysteresis=config.hysteresis))
+    return AdaptiveSelector(model, default_bandwidth_bps=config.default_bandwidth_bps)
+
 
 class GroupScheduler:
     """Grants the transfers of one group's agents, one decision per state change or tick."""
@@ -44,7 +63,7 @@ class GroupScheduler:
         self.transport = transport
         self.group = check_name("group", group)
         self.config = config or SchedulerConfig.from_env()
-        self.policy = policy or FifoPolicy(max_active=self.config.max_active)
+        self.policy = policy or FifoPolicy(default_selector(self.config), max_active=self.config.max_active)
         self.state = GroupState(group, bandwidth_bps=self.config.bandwidth_bps)
         self.name = f"{group}@{socket.gethostname()}:{os.getpid()}"
         self._subs: list[Any] = []
@@ -126,6 +145,8 @@ class GroupScheduler:
             logger.warning("directory entry of %s is malformed", agent)
             record = None
         self._dir_cache[agent] = (now, record)
+        if record is not None:
+            self.state.declared[agent] = (record.link_bps, record.latency_s)
         return record
 
     # -- handlers ----------------------------------------------------------------------------------
@@ -142,6 +163,7 @@ class GroupScheduler:
             return
         sigs: dict[str, ModelSignature | None] = {}
         unknown = []
+        await self.lookup(req.src)
         for rx in receivers:
             record = await self.lookup(rx)
             if record is None:
@@ -175,8 +197,12 @@ class GroupScheduler:
             return
         if done.ok:
             self.state.completed += 1
-            for rx in done.dst:
-                self.state.link(done.src, rx).observe(done.nbytes, done.seconds)
+            if done.nbytes >= MIN_ESTIMATE_BYTES and done.wire_s > 0:
+                for rx in done.dst:
+                    self.state.link(done.src, rx).observe(done.nbytes, done.wire_s)
+            model = getattr(self.policy.selector, "model", None)
+            if model is not None and pending.predicted_s > 0 and done.seconds > 0:
+                model.observe(pending.medium, pending.predicted_s, done.seconds)
         else:
             self.state.failed += 1
             logger.info("transfer %s failed: %s", done.transfer_id, done.error)
@@ -225,8 +251,15 @@ class GroupScheduler:
         for decision in self.policy.decide(self.state, now):
             pending = decision.pending
             self.state.queue.remove(pending)
-            grant = Grant(transfer_id=pending.transfer_id, medium=decision.medium, rate_bps=decision.rate_bps,
-                          start_at=time.time(), reason=decision.reason)
+            req = pending.request
+            emulated = min((self.state.declared_bandwidth(req.src, rx) for rx in req.dst), default=0.0)
+            rate = decision.rate_bps
+            if emulated > 0:
+                rate = min(rate, emulated) if rate > 0 else emulated
+            latency = max((self.state.declared_latency(req.src, rx) for rx in req.dst), default=0.0)
+            grant = Grant(transfer_id=pending.transfer_id, medium=decision.medium, rate_bps=rate,
+                          start_at=time.time(), reason=decision.reason, decision=pending.decision,
+                          latency_s=latency)
             if decision.medium:
                 pending.granted_at = now
                 pending.medium = decision.medium

@@ -21,6 +21,8 @@ class AgentState:
     role_priority: float = 1.0
     role: str = "agent"
     last_seen: float = 0.0
+    memory_pressure: float = 0.0
+    """0..1: how far past its cache watermark (set by the memory-hint logic; 0 without a budget)."""
 
     def update(self, probe: Probe) -> None:
         self.queue_size = probe.queue_size
@@ -61,6 +63,8 @@ class Pending:
     granted_at: float = 0.0
     medium: str = ""
     rate_bps: float = 0.0
+    decision: dict = field(default_factory=dict)
+    predicted_s: float = 0.0
 
     @property
     def transfer_id(self) -> str:
@@ -87,3 +91,13 @@ class GroupState:
 
     def link(self, src: str, dst: str) -> LinkEstimate:
         return self.links.setdefault((src, dst), LinkEstimate())
+
+    declared: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Per agent: (link bytes/s, one-way latency s) it declared in the directory (0 = unknown)."""
+
+    def declared_bandwidth(self, src: str, dst: str) -> float:
+        rates = [r for r in (self.declared.get(src, (0.0, 0.0))[0], self.declared.get(dst, (0.0, 0.0))[0]) if r > 0]
+        return min(rates) if rates else 0.0
+
+    def declared_latency(self, src: str, dst: str) -> float:
+        return self.declared.get(src, (0.0, 0.0))[1] + self.declared.get(dst, (0.0, 0.0))[1]

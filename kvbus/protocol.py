@@ -180,7 +180,8 @@ _OptStr = (str, type(None))
 
 @_message("request", {"transfer_id": str, "src": str, "dst": list, "group": str, "n_tokens": int,
                       "nbytes": int, "signature": dict, "medium": _OptStr, "deadline": _OptFloat,
-                      "critical": bool, "ts": float, "traceparent": _OptStr})
+                      "critical": bool, "ts": float, "traceparent": _OptStr, "fidelity": float,
+                      "base_tokens": int})
 @dataclass(frozen=True, slots=True)
 class TransferRequest(Message):
     """An agent asks its group scheduler for permission to send."""
@@ -199,6 +200,10 @@ class TransferRequest(Message):
     critical: bool = False
     ts: float = field(default_factory=time.time)
     traceparent: str | None = None
+    fidelity: float = 1.0
+    """The context's lineage: product of the fidelity factors of the lossy hops it took."""
+    base_tokens: int = 0
+    """Tokens of this context every receiver already holds from this sender (enables delta media)."""
 
 
 @_message("request_ack", {"transfer_id": str, "ok": bool, "reason": str})
@@ -212,7 +217,7 @@ class RequestAck(Message):
 
 
 @_message("grant", {"transfer_id": str, "medium": str, "rate_bps": float, "start_at": float,
-                    "chunk_size": int, "window": int, "reason": str})
+                    "chunk_size": int, "window": int, "reason": str, "decision": dict, "latency_s": float})
 @dataclass(frozen=True, slots=True)
 class Grant(Message):
     """The scheduler's decision: send with this medium at this rate from this time.
@@ -231,6 +236,10 @@ class Grant(Message):
     window: int = 0
     """Credit window in chunks, 0 for the sender's default."""
     reason: str = ""
+    decision: dict = field(default_factory=dict)
+    """The decision record: candidates with their predicted cost terms, and why this medium."""
+    latency_s: float = 0.0
+    """Emulated one-way latency of the path, for link emulation (0 on real links)."""
 
 
 @_message("control", {"transfer_id": str, "action": str, "reason": str})
@@ -249,7 +258,7 @@ class Control(Message):
 
 
 @_message("done", {"transfer_id": str, "src": str, "ok": bool, "medium": str, "nbytes": int,
-                   "seconds": float, "error": str, "dst": list})
+                   "seconds": float, "error": str, "dst": list, "wire_s": float})
 @dataclass(frozen=True, slots=True)
 class TransferDone(Message):
     """Sender -> scheduler: the transfer finished (or failed); observed size and time."""
@@ -260,8 +269,11 @@ class TransferDone(Message):
     medium: str
     nbytes: int
     seconds: float
+    """Encode + transfer + the receivers' decode: what the cost model predicted."""
     error: str = ""
     dst: list = field(default_factory=list)
+    wire_s: float = 0.0
+    """Time on the wire (transfer minus the slowest receiver's decode), for the link estimate."""
 
 
 @_message("probe", {"agent": str, "group": str, "queue_size": int, "cache_bytes": int,
@@ -281,7 +293,7 @@ class Probe(Message):
 
 
 @_message("agent", {"name": str, "group": str, "role": str, "priority": float, "signature": _Any,
-                    "ts": float})
+                    "ts": float, "link_bps": float, "latency_s": float, "recompute": bool})
 @dataclass(frozen=True, slots=True)
 class AgentRecord(Message):
     """An agent's entry in the directory (JetStream KV bucket `AGENTS_BUCKET`)."""
@@ -293,6 +305,12 @@ class AgentRecord(Message):
     signature: Any
     """`ModelSignature.to_dict()`, or None for an agent that takes any context as tokens."""
     ts: float = field(default_factory=time.time)
+    link_bps: float = 0.0
+    """Declared (or emulated) link capacity in bytes/s; 0 when unknown."""
+    latency_s: float = 0.0
+    """Declared (or emulated) one-way latency."""
+    recompute: bool = False
+    """Whether the agent has a model to rebuild KV from tokens."""
 
 
 @_message("group", {"group": str, "scheduler": str, "agents": int, "ts": float})

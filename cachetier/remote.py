@@ -1,0 +1,186 @@
+"""`RemoteStore`: block records in a Redis-protocol server, read and written in pipelines.
+
+Any server that speaks the Redis protocol works (Redis, Valkey, KeyDB, managed services), by
+URL: ``redis://[[user]:password@]host:port/db`` or ``rediss://...`` for TLS (redis-py's URL
+options apply, e.g. ``?ssl_cert_reqs=none``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from kvbus.cachetier.config import CacheTierConfig
+from kvbus.cachetier.errors import RemoteUnavailable
+from kvbus.cachetier.record import META_FIELD
+
+logger = logging.getLogger(__name__)
+
+#: Failures of a remote call, as the tier sees them: each turns into `RemoteUnavailable`.
+REMOTE_ERRORS = (RedisError, OSError)
+
+
+def redact(url: str) -> str:
+    """``url`` without its password (for logs and error messages)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable url>"
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    user = parts.username or ""
+    return urlunsplit((parts.scheme, f"{user}:***@{host}", parts.path, parts.query, parts.fragment))
+
+
+class RemoteStore:
+    """The remote tier of one agent: a redis-py asyncio client and the key layout.
+
+    A block's record is the hash ``{key_prefix}{codec}:{block key}``: tiers with the same
+    prefix on the same server share (and deduplicate) the blocks they store with the same codec.
+    """
+
+    def __init__(self, url: str, config: CacheTierConfig) -> None:
+        """Create the client (no connection yet; see `connect`)."""
+        self.url = redact(url)
+        self.config = config
+        retry = Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.5), config.retries,
+                      supported_errors=(RedisConnectionError, RedisTimeoutError, OSError))
+        try:
+            self.client = aioredis.Redis.from_url(
+                url, socket_connect_timeout=config.connect_timeout, socket_timeout=config.socket_timeout,
+                retry=retry, decode_responses=False)
+        except (ValueError, RedisError) as exc:
+            raise RemoteUnavailable(self.url, f"bad URL: {exc}") from None
+
+    @classmethod
+    async def connect(cls, url: str, config: CacheTierConfig) -> RemoteStore:
+        """A store whose server answered a ``PING`` (which also checks the password).
+
+        Raises:
+            RemoteUnavailable: the URL is malformed, or the server is unreachable or refuses us.
+        """
+        store = cls(url, config)
+        try:
+            await store.client.ping()
+        except REMOTE_ERRORS as exc:
+            await store.close()
+            raise RemoteUnavailable(store.url, _describe(exc)) from None
+        return store
+
+    def record_key(self, codec: str, key: str) -> str:
+        """The Redis key of the record of block ``key`` stored with ``codec``."""
+        return f"{self.config.key_prefix}{codec}:{key}"
+
+    async def metas(self, record_keys: Sequence[str]) -> list[bytes | None]:
+        """The ``meta`` field of each record (None where there is no record), in one round trip.
+
+        Raises:
+            RemoteUnavailable: the server could not be reached.
+        """
+        if not record_keys:
+            return []
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for rk in record_keys:
+                    pipe.hget(rk, META_FIELD)
+                return list(await pipe.execute())
+        except REMOTE_ERRORS as exc:
+            raise RemoteUnavailable(self.url, _describe(exc)) from None
+
+    async def write(self, records: Sequence[tuple[str, Mapping[bytes, Any]]]) -> list[bool]:
+        """Write records (one ``HSET`` each, so each is whole or absent) in one pipeline.
+
+        With a TTL an ``EXPIRE`` follows each ``HSET``; a record whose ``EXPIRE`` failed is
+        still whole (it only lives until the server evicts it).
+
+        Returns:
+            Per record, whether the server confirmed it.
+
+        Raises:
+            RemoteUnavailable: the server could not be reached: none of the records may be
+                assumed written.
+        """
+        if not records:
+            return []
+        ttl = self.config.remote_ttl
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for rk, fields in records:
+                    pipe.hset(rk, mapping=dict(fields))
+                    if ttl:
+                        pipe.expire(rk, ttl)
+                replies = await pipe.execute(raise_on_error=False)
+        except REMOTE_ERRORS as exc:
+            raise RemoteUnavailable(self.url, _describe(exc)) from None
+        step = 2 if ttl else 1
+        confirmed = []
+        for i, (rk, _) in enumerate(records):
+            reply = replies[i * step]
+            ok = not isinstance(reply, BaseException)
+            if not ok:
+                logger.warning("remote tier refused %s: %s", rk, reply)
+            confirmed.append(ok)
+        return confirmed
+
+    async def touch(self, record_keys: Sequence[str]) -> None:
+        """Restart the TTL of existing records (a no-op without TTL)."""
+        ttl = self.config.remote_ttl
+        if not ttl or not record_keys:
+            return
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for rk in record_keys:
+                    pipe.expire(rk, ttl)
+                await pipe.execute(raise_on_error=False)
+        except REMOTE_ERRORS as exc:
+            raise RemoteUnavailable(self.url, _describe(exc)) from None
+
+    async def read(self, record_keys: Sequence[str]) -> list[dict[bytes, bytes]]:
+        """Every field of each record (an empty dict where there is none), in one pipeline.
+
+        With a TTL, each read also restarts its record's TTL: blocks in use stay.
+
+        Raises:
+            RemoteUnavailable: the server could not be reached.
+        """
+        if not record_keys:
+            return []
+        ttl = self.config.remote_ttl
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for rk in record_keys:
+                    pipe.hgetall(rk)
+                    if ttl:
+                        pipe.expire(rk, ttl)
+                replies = await pipe.execute(raise_on_error=False)
+        except REMOTE_ERRORS as exc:
+            raise RemoteUnavailable(self.url, _describe(exc)) from None
+        step = 2 if ttl else 1
+        out: list[dict[bytes, bytes]] = []
+        for i, rk in enumerate(record_keys):
+            reply = replies[i * step]
+            if isinstance(reply, BaseException) or not isinstance(reply, dict):
+                logger.warning("remote tier could not read %s: %s", rk, reply)
+                reply = {}
+            out.append(reply)
+        return out
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}" if text != type(exc).__name__ else text

@@ -1,0 +1,312 @@
+"""The cost model: for a transfer of N tokens from A to B, the predicted latency of every medium.
+
+    Latency(m) = C_comm(m) + C_comp(m) + C_loss(m)
+
+- ``C_comm = bytes(m) / bandwidth(A,B) + round_trips * rtt + chunks(m) * per_chunk``
+- ``C_comp = encode(m) on A + decode(m) on B + recompute on B`` (for ``tokens``: B's prefill of
+  the N tokens; for ``summary``: A writes the summary, B prefills it), scaled by the compute
+  load each side reports in its probes.
+- ``C_loss = loss_weight * extra_tokens(m) * B's per-token decode time``, with
+  ``extra_tokens(m) = output_tokens * (1 - fidelity(m))``: a hop that keeps a fraction f of the
+  model's greedy choices (calibrated top-1 agreement) is charged as if the receiver had to
+  generate the other (1 - f) of its expected answer again. Lossless media cost nothing here.
+
+Memory pressure on B (its reported cache bytes over its budget's watermark) adds a penalty per
+byte it must hold (the payload while it arrives, then the decoded KV), so a pressed receiver
+prefers compact payloads and, where available, media that leave less resident (sparse, summary). The figures per medium come from
+the calibration profile (`kvbus calibrate`), never from constants here; the defaults below are
+only a fallback when no profile can be loaded, and are labelled as such in every decision.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kvbus.signature import ModelSignature
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class MediumFigures:
+    """What the cost model needs to know about one medium (from calibration)."""
+
+    ratio: float = 1.0
+    """Uncompressed KV bytes / encoded bytes."""
+    encode_gbps: float = 1e6
+    """Encode throughput in GB/s of uncompressed KV."""
+    decode_gbps: float = 1e6
+    """Decode throughput in GB/s of uncompressed KV."""
+    fidelity: float = 1.0
+    """Fidelity factor of one hop (1.0 = lossless)."""
+    needs_kv: bool = True
+    """False for media that carry tokens (the receiver recomputes)."""
+    lossless: bool = True
+    summary_tokens: int = 0
+    """For ``summary``: tokens in the summary (the sender generates them, the receiver prefills them)."""
+    resident_fraction: float = 1.0
+    """Share of the context's KV the receiver holds after decoding (a sparsified cache keeps less)."""
+
+
+#: Fallback figures, used only when no calibration profile is available (decisions say so).
+FALLBACK_FIGURES: dict[str, MediumFigures] = {
+    "full": MediumFigures(1.0, 1e6, 1e6, 1.0, True, True),
+    "int8": MediumFigures(1.9, 1.0, 2.0, 0.99, True, False),
+    "int4": MediumFigures(3.5, 0.6, 1.2, 0.97, True, False),
+    "tokens": MediumFigures(1.0, 1e6, 1e6, 1.0, False, True),
+}
+FALLBACK_PREFILL_TPS = 800.0
+FALLBACK_DECODE_TOKEN_S = 0.03
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCosts:
+    """Compute figures of the receiving (or summarising) model."""
+
+    prefill_tokens_per_s: float = FALLBACK_PREFILL_TPS
+    decode_token_s: float = FALLBACK_DECODE_TOKEN_S
+
+
+@dataclass(frozen=True, slots=True)
+class CostConfig:
+    """Knobs of the cost model."""
+
+    round_trips: int = 3
+    """Control round trips per transfer (scheduler, open, final verdict)."""
+    rtt_s: float = 0.0005
+    """Round-trip time used when a link reports none."""
+    per_chunk_s: float = 0.0001
+    """Fixed cost per chunk on top of its bytes."""
+    chunk_bytes: int = 1 << 20
+    output_tokens: int = 128
+    """Tokens the receiver is expected to generate after the transfer (for C_loss)."""
+    loss_weight: float = 1.0
+    """Scale of C_loss (0 ignores fidelity, larger values protect quality harder)."""
+    memory_penalty_s_per_gb: float = 1.0
+    """Seconds charged per GB B must hold, multiplied by how far B is past its watermark (0..1)."""
+    refresh_threshold: float = 0.9
+    """Below this lineage fidelity the next hop is forced lossless."""
+    hysteresis: float = 0.15
+    """A pair switches medium only if the new one is predicted at least this much faster."""
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """What the scheduler knows of the path A -> B."""
+
+    bandwidth_bps: float
+    """Bytes per second (estimate or configured capacity)."""
+    rtt_s: float = 0.0
+    source: str = "estimate"
+    """``estimate`` (observed transfers), ``configured`` (declared capacity) or ``default``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One side of a transfer as the cost model sees it."""
+
+    signature: ModelSignature | None
+    compute_load: float = 0.0
+    """0..1 share of the machine busy (from probes); recompute time is divided by (1 - load)."""
+    memory_pressure: float = 0.0
+    """0..1: how far the agent's cache is past its high watermark."""
+    model: ModelCosts = field(default_factory=ModelCosts)
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """Predicted cost terms of one candidate medium."""
+
+    medium: str
+    nbytes: int
+    comm_s: float
+    comp_s: float
+    loss_s: float
+    fidelity: float
+    usable: bool = True
+    why_not: str = ""
+
+    @property
+    def total_s(self) -> float:
+        return self.comm_s + self.comp_s + self.loss_s if self.usable else math.inf
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"medium": self.medium, "bytes": self.nbytes, "comm_s": round(self.comm_s, 6),
+                "comp_s": round(self.comp_s, 6), "loss_s": round(self.loss_s, 6),
+                "total_s": round(self.total_s, 6) if self.usable else None, "fidelity": self.fidelity,
+                **({"why_not": self.why_not} if self.why_not else {})}
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The chosen medium with the reasons."""
+
+    medium: str
+    estimate: Estimate
+    candidates: tuple[Estimate, ...]
+    reason: str
+    forced_lossless: bool = False
+    kept_by_hysteresis: bool = False
+
+    def record(self) -> dict[str, Any]:
+        """The decision record that travels in the grant and ends up in the TransferReport."""
+        return {"medium": self.medium, "reason": self.reason, "predicted_s": round(self.estimate.total_s, 6),
+                "forced_lossless": self.forced_lossless, "kept_by_hysteresis": self.kept_by_hysteresis,
+                "candidates": [c.as_dict() for c in self.candidates]}
+
+
+def base_medium(spec: str) -> str:
+    """The last stage of a composed spec (``delta+int8`` -> ``int8``), without parameters."""
+    return spec.split("+")[-1].split("(")[0]
+
+
+class CostModel:
+    """Predicts the latency of each medium and chooses one, with hysteresis and precision refresh."""
+
+    def __init__(self, figures: Mapping[str, MediumFigures] | None = None, *, config: CostConfig | None = None,
+                 calibrated: bool = True) -> None:
+        self.figures = dict(figures or FALLBACK_FIGURES)
+        self.config = config or CostConfig()
+        self.calibrated = calibrated and figures is not None
+        self.bias: dict[str, float] = {}
+        """Observed / predicted time per medium (online correction), 1.0 until observed."""
+
+    @classmethod
+    def from_profile(cls, profile: Any, *, config: CostConfig | None = None) -> CostModel:
+        """Build from a `kvbus.codecs.calibration.CalibrationProfile` (duck-typed)."""
+        from kvbus.codecs import get_codec
+
+        figures: dict[str, MediumFigures] = {}
+        for spec, f in profile.codecs.items():
+            try:
+                codec = get_codec(spec)
+            except Exception:  # noqa: BLE001 - a profile may name codecs this build lacks
+                logger.info("calibration profile names unknown medium %r; ignored", spec)
+                continue
+            figures[spec] = MediumFigures(
+                ratio=max(float(f.ratio), 1e-6), encode_gbps=max(float(f.encode_gbps), 1e-6),
+                decode_gbps=max(float(f.decode_gbps), 1e-6), fidelity=min(1.0, max(0.0, float(f.fidelity))),
+                needs_kv=bool(codec.needs_kv), lossless=bool(codec.lossless),
+                summary_tokens=int(getattr(f, "summary_tokens", 0) or (64 if base_medium(spec) == "summary" else 0)),
+            )
+        for name, fb in FALLBACK_FIGURES.items():
+            figures.setdefault(name, fb)
+        model = cls(figures, config=config, calibrated=True)
+        model.default_model_costs = ModelCosts(float(profile.prefill_tokens_per_s), float(profile.decode_token_s))
+        return model
+
+    default_model_costs: ModelCosts = ModelCosts()
+
+    # -- prediction ---------------------------------------------------------------------------------
+
+    def estimate(self, medium: str, *, n_tokens: int, kv_bytes: int, link: Link, sender: Endpoint,
+                 receiver: Endpoint, base_tokens: int = 0) -> Estimate:
+        """Predicted cost terms of sending ``n_tokens`` (``kv_bytes`` uncompressed) with ``medium``."""
+        cfg = self.config
+        fig = self.figures.get(medium)
+        if fig is None:
+            return Estimate(medium, 0, 0, 0, 0, 0, usable=False, why_not="no figures for this medium")
+        if fig.needs_kv and (receiver.signature is None or sender.signature is None
+                             or not sender.signature.compatible_with(receiver.signature)):
+            return Estimate(medium, 0, 0, 0, 0, fig.fidelity, usable=False, why_not="receiver cannot use this KV")
+        delta = medium.startswith("delta+")
+        if delta and base_tokens <= 0:
+            return Estimate(medium, 0, 0, 0, 0, fig.fidelity, usable=False, why_not="receiver holds no base")
+        new_tokens = max(0, n_tokens - base_tokens) if delta else n_tokens
+        share = new_tokens / n_tokens if n_tokens else 0.0
+        per_token_bytes = kv_bytes / n_tokens if n_tokens else 0.0
+        kind = base_medium(medium)
+        if not fig.needs_kv:
+            if kind == "summary":
+                nbytes = 8 * max(1, fig.summary_tokens)
+            else:
+                nbytes = 8 * new_tokens
+            raw = 0.0
+        else:
+            raw = per_token_bytes * new_tokens
+            nbytes = int(raw / fig.ratio) + 8 * n_tokens
+        bw = max(link.bandwidth_bps, 1.0)
+        rtt = link.rtt_s or cfg.rtt_s
+        chunks = max(1, math.ceil(nbytes / cfg.chunk_bytes))
+        comm = nbytes / bw + cfg.round_trips * rtt + chunks * cfg.per_chunk_s
+        enc = raw / (fig.encode_gbps * 1e9) / _free(sender.compute_load)
+        dec = raw / (fig.decode_gbps * 1e9) / _free(receiver.compute_load)
+        recompute = 0.0
+        if kind == "tokens":
+            recompute = new_tokens / receiver.model.prefill_tokens_per_s / _free(receiver.compute_load)
+        elif kind == "summary":
+            write = fig.summary_tokens * sender.model.decode_token_s / _free(sender.compute_load)
+            read = fig.summary_tokens / receiver.model.prefill_tokens_per_s / _free(receiver.compute_load)
+            recompute = write + read
+        comp = enc + dec + recompute
+        fidelity = fig.fidelity
+        loss = cfg.loss_weight * cfg.output_tokens * (1.0 - fidelity) * receiver.model.decode_token_s
+        # What B must hold: the payload while it arrives, then the decoded KV.
+        if kind == "summary":
+            resident = per_token_bytes * fig.summary_tokens
+        else:
+            resident = kv_bytes * fig.resident_fraction
+        comp += cfg.memory_penalty_s_per_gb * receiver.memory_pressure * (nbytes + resident) / 1e9
+        bias = self.bias.get(medium, 1.0)
+        return Estimate(medium, nbytes, comm * bias, comp * bias, loss, fidelity)
+
+    def choose(self, candidates: Iterable[str], *, n_tokens: int, kv_bytes: int, link: Link, sender: Endpoint,
+               receiver: Endpoint, lineage: float = 1.0, current: str | None = None,
+               base_tokens: int = 0) -> Choice:
+        """The medium with the lowest predicted latency.
+
+        Args:
+            candidates: media to consider.
+            lineage: the context's fidelity product so far; if one more lossy hop would take it
+                below ``refresh_threshold``, only lossless media are considered.
+            current: the medium this pair used last; kept unless another is predicted at least
+                ``hysteresis`` faster.
+            base_tokens: tokens of this context the receiver already holds (enables delta media).
+        """
+        cfg = self.config
+        ests = [self.estimate(m, n_tokens=n_tokens, kv_bytes=kv_bytes, link=link, sender=sender, receiver=receiver,
+                              base_tokens=base_tokens) for m in dict.fromkeys(candidates)]
+        pool = [e for e in ests if e.usable]
+        if not pool:
+            raise ValueError("no usable medium among " + ", ".join(e.medium for e in ests))
+        # Precision refresh: a lossy hop that would take the lineage below the threshold is
+        # not allowed; lossless media keep the product (``tokens`` even resets it to 1).
+        allowed = [e for e in pool if self.figures[e.medium].lossless or lineage * e.fidelity >= cfg.refresh_threshold]
+        allowed = allowed or pool
+        forced = min(pool, key=lambda e: e.total_s) not in allowed
+        pool = allowed
+        best = min(pool, key=lambda e: e.total_s)
+        kept = False
+        reason = f"lowest predicted latency ({best.total_s * 1000:.1f} ms)"
+        if current is not None and current != best.medium:
+            cur = next((e for e in pool if e.medium == current), None)
+            if cur is not None and best.total_s > (1.0 - cfg.hysteresis) * cur.total_s:
+                best, kept = cur, True
+                reason = f"kept {current}: the best alternative is less than {cfg.hysteresis:.0%} faster"
+        if forced:
+            reason = f"precision refresh (lineage {lineage:.3f}); " + reason
+        if not self.calibrated:
+            reason += " [uncalibrated fallback figures]"
+        return Choice(best.medium, best, tuple(ests), reason, forced_lossless=forced, kept_by_hysteresis=kept)
+
+    # -- online correction ------------------------------------------------------------------------
+
+    def observe(self, medium: str, predicted_s: float, observed_s: float, *, weight: float = 0.2) -> None:
+        """Move the medium's bias towards observed / predicted (an EWMA, clamped to 0.25..4)."""
+        if predicted_s <= 0 or observed_s <= 0:
+            return
+        ratio = min(4.0, max(0.25, observed_s / (predicted_s / self.bias.get(medium, 1.0))))
+        self.bias[medium] = (1 - weight) * self.bias.get(medium, 1.0) + weight * ratio
+
+
+def _free(load: float) -> float:
+    """Share of compute left to a job on a machine this busy (never below 10 %)."""
+    return max(0.1, 1.0 - min(max(load, 0.0), 1.0))
+
+
+def with_model(endpoint: Endpoint, model: ModelCosts) -> Endpoint:
+    return replace(endpoint, model=model)

@@ -1,0 +1,117 @@
+"""Adaptive medium selection: the cost model applied to the group's live state."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+from kvbus.group_scheduler.cost_model import Choice, CostModel, Endpoint, Estimate, Link, ModelCosts
+from kvbus.group_scheduler.policy import MediumSelector
+from kvbus.group_scheduler.state import GroupState, Pending
+from kvbus.signature import ModelSignature
+
+logger = logging.getLogger(__name__)
+
+#: Media the adaptive selector considers when none are configured (those without figures are skipped).
+DEFAULT_CANDIDATES = ("full", "int8", "int4", "topk(0.25)+int8", "lowrank(64)", "tokens", "summary",
+                      "delta+full", "delta+int8", "delta+int4")
+
+
+@dataclass(frozen=True, slots=True)
+class Decided:
+    medium: str
+    reason: str
+    choice: Choice | None
+
+
+class AdaptiveSelector(MediumSelector):
+    """For each transfer, the medium with the lowest predicted end-to-end latency.
+
+    Bandwidth per pair is the group's sliding-window estimate from observed transfers, else the
+    capacity the agents declared (link emulation), else ``default_bandwidth_bps``. A pair keeps
+    its medium unless another is predicted ``hysteresis`` faster. The sender's explicit medium,
+    when given, is honoured (and still recorded with its predicted cost).
+    """
+
+    def __init__(self, model: CostModel | None = None, *, candidates: tuple[str, ...] = DEFAULT_CANDIDATES,
+                 default_bandwidth_bps: float = 1e9) -> None:
+        self.model = model or CostModel()
+        self.candidates = tuple(m for m in candidates if m in self.model.figures)
+        self.default_bandwidth_bps = default_bandwidth_bps
+        self.last: dict[tuple[str, str], str] = {}
+        self.switches = 0
+
+    def link(self, state: GroupState, src: str, dst: str) -> Link:
+        est = state.link(src, dst)
+        if est.samples:
+            return Link(est.bandwidth_bps, 2 * state.declared_latency(src, dst), "estimate")
+        declared = state.declared_bandwidth(src, dst)
+        if declared > 0:
+            return Link(declared, 2 * state.declared_latency(src, dst), "configured")
+        return Link(self.default_bandwidth_bps, 0.0, "default")
+
+    def endpoint(self, state: GroupState, name: str, signature: ModelSignature | None) -> Endpoint:
+        agent = state.agents.get(name)
+        load = agent.compute_load if agent else 0.0
+        pressure = agent.memory_pressure if agent else 0.0
+        return Endpoint(signature, load, pressure, getattr(self.model, "default_model_costs", ModelCosts()))
+
+    def choose(self, state: GroupState, pending: Pending) -> tuple[str, str]:
+        decided = self.decide(state, pending)
+        pending.decision = decided.choice.record() if decided.choice else {}
+        if decided.choice is not None:
+            pending.predicted_s = decided.choice.estimate.total_s
+        return decided.medium, decided.reason
+
+    def decide(self, state: GroupState, pending: Pending) -> Decided:
+        req = pending.request
+        try:
+            sender_sig = ModelSignature.from_dict(req.signature)
+        except Exception as exc:  # noqa: BLE001 - validated on arrival; be safe anyway
+            return Decided("", f"bad sender signature: {exc}", None)
+        sender = self.endpoint(state, req.src, sender_sig)
+        candidates = (req.medium,) if req.medium else self.candidates
+        per_rx: list[Choice] = []
+        for rx, sig in pending.receivers.items():
+            try:
+                per_rx.append(self.model.choose(
+                    candidates, n_tokens=req.n_tokens, kv_bytes=req.nbytes, link=self.link(state, req.src, rx),
+                    sender=sender, receiver=self.endpoint(state, rx, sig), lineage=req.fidelity,
+                    current=None if req.medium else self.last.get((req.src, rx)), base_tokens=req.base_tokens))
+            except ValueError:
+                if req.medium:
+                    return Decided("", f"medium {req.medium!r} carries KV that {rx} cannot use (different model); "
+                                       f"send with medium='tokens' or let kvbus choose", None)
+                return Decided("", f"no medium can reach {rx}", None)
+        choice = per_rx[0] if len(per_rx) == 1 else self._broadcast_choice(per_rx)
+        if choice is None:
+            return Decided("", "no medium is usable by every receiver", None)
+        for rx in pending.receivers:
+            previous = self.last.get((req.src, rx))
+            if previous is not None and previous != choice.medium:
+                self.switches += 1
+            self.last[(req.src, rx)] = choice.medium
+        reason = "requested by the sender" if req.medium else choice.reason
+        return Decided(choice.medium, reason, choice)
+
+    def _broadcast_choice(self, per_rx: list[Choice]) -> Choice | None:
+        """One medium for all receivers: the one whose slowest receiver is fastest."""
+        media = [e.medium for e in per_rx[0].candidates]
+        best: tuple[float, str] | None = None
+        for m in media:
+            worst = 0.0
+            for c in per_rx:
+                est = next((e for e in c.candidates if e.medium == m), None)
+                if est is None or not est.usable:
+                    worst = math.inf
+                    break
+                worst = max(worst, est.total_s)
+            if worst < math.inf and (best is None or worst < best[0]):
+                best = (worst, m)
+        if best is None:
+            return None
+        medium = best[1]
+        slowest: Estimate = max((next(e for e in c.candidates if e.medium == medium) for c in per_rx),
+                                key=lambda e: e.total_s)
+        return Choice(medium, slowest, per_rx[0].candidates, f"broadcast: slowest receiver fastest with {medium}")
