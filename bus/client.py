@@ -220,6 +220,7 @@ class Agent:
         """Change the emulated link (e.g. to replay a bandwidth trace); schedulers see it within a second or two."""
         self.link = link
         await self._register()
+        await self._transport.publish(sched_subject(self.group, "probe"), self.probe().encode())
 
     async def close(self) -> None:
         """Leave the bus: stop the inbox and the probes, fail pending sends."""
@@ -648,9 +649,11 @@ class Agent:
         return min(1.0, (cpu - last_cpu) / (wall - last_wall) / (os.cpu_count() or 1))
 
     def probe(self) -> Probe:
+        link = self.link or EmulatedLink()
         return Probe(agent=self.name, group=self.group, queue_size=len(self._grants) + len(self._outgoing),
                      cache_bytes=self.cache_bytes, compute_load=self.compute_load(),
-                     role_priority=self.priority, role=self.role)
+                     role_priority=self.priority, role=self.role, link_bps=link.bandwidth_bps,
+                     latency_s=link.latency_s)
 
     async def _probe_loop(self) -> None:
         subject = sched_subject(self.group, "probe")

@@ -94,8 +94,7 @@ class Stub:
         if len(raw) > MAX_META_BYTES:
             raise RecordFormatError("record meta", f"{len(raw)} bytes is more than {MAX_META_BYTES}")
         try:
-            data = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True,
-                                   max_buffer_size=MAX_META_BYTES)
+            data = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True)
         except Exception as exc:  # noqa: BLE001 - msgpack raises many types on hostile input
             raise RecordFormatError("record meta", f"not msgpack ({type(exc).__name__})") from None
         if not isinstance(data, dict):

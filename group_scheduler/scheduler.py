@@ -145,8 +145,9 @@ class GroupScheduler:
             logger.warning("directory entry of %s is malformed", agent)
             record = None
         self._dir_cache[agent] = (now, record)
-        if record is not None:
-            self.state.declared[agent] = (record.link_bps, record.latency_s)
+        if record is not None and agent not in self.state.agents:
+            # Agents of this group declare their links in probes; others only in the directory.
+            self.state.declare(agent, record.link_bps, record.latency_s)
         return record
 
     # -- handlers ----------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ class AdaptiveSelector(MediumSelector):
 
     def link(self, state: GroupState, src: str, dst: str) -> Link:
         est = state.link(src, dst)
-        if est.samples:
+        if est.known:
             return Link(est.bandwidth_bps, 2 * state.declared_latency(src, dst), "estimate")
         declared = state.declared_bandwidth(src, dst)
         if declared > 0:

@@ -37,19 +37,32 @@ class AgentState:
 class LinkEstimate:
     """Bandwidth of one (sender, receiver) link over a sliding window of observed transfers."""
 
-    samples: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=16))
-    """(bytes, seconds) of recent transfers."""
+    samples: deque[tuple[float, float, float]] = field(default_factory=lambda: deque(maxlen=16))
+    """(bytes, seconds, when) of recent transfers."""
+    max_age_s: float = 60.0
+    """Samples older than this are forgotten (links change; an unused estimate goes stale)."""
 
-    def observe(self, nbytes: int, seconds: float) -> None:
+    def observe(self, nbytes: int, seconds: float, now: float | None = None) -> None:
         if nbytes > 0 and seconds > 0:
-            self.samples.append((float(nbytes), float(seconds)))
+            self.samples.append((float(nbytes), float(seconds), time.monotonic() if now is None else now))
+
+    def _fresh(self) -> list[tuple[float, float, float]]:
+        cutoff = time.monotonic() - self.max_age_s
+        while self.samples and self.samples[0][2] < cutoff:
+            self.samples.popleft()
+        return list(self.samples)
 
     @property
     def bandwidth_bps(self) -> float:
         """Bytes over seconds across the window (weights big transfers by their size), 0 if unknown."""
-        b = sum(s[0] for s in self.samples)
-        t = sum(s[1] for s in self.samples)
+        fresh = self._fresh()
+        b = sum(s[0] for s in fresh)
+        t = sum(s[1] for s in fresh)
         return b / t if t > 0 else 0.0
+
+    @property
+    def known(self) -> bool:
+        return bool(self._fresh())
 
 
 @dataclass
@@ -88,6 +101,17 @@ class GroupState:
 
     def on_probe(self, probe: Probe) -> None:
         self.agents.setdefault(probe.agent, AgentState(probe.agent)).update(probe)
+        self.declare(probe.agent, probe.link_bps, probe.latency_s)
+
+    def declare(self, agent: str, link_bps: float, latency_s: float) -> None:
+        """Record an agent's declared link; a changed declaration resets the estimates of its links
+        (the declaration is newer information than the samples)."""
+        new = (float(link_bps), float(latency_s))
+        old = self.declared.get(agent)
+        self.declared[agent] = new
+        if old is not None and old != new:
+            for key in [k for k in self.links if agent in k]:
+                self.links[key].samples.clear()
 
     def link(self, src: str, dst: str) -> LinkEstimate:
         return self.links.setdefault((src, dst), LinkEstimate())

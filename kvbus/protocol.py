@@ -277,7 +277,8 @@ class TransferDone(Message):
 
 
 @_message("probe", {"agent": str, "group": str, "queue_size": int, "cache_bytes": int,
-                    "compute_load": float, "role_priority": float, "role": str, "ts": float})
+                    "compute_load": float, "role_priority": float, "role": str, "ts": float,
+                    "link_bps": float, "latency_s": float})
 @dataclass(frozen=True, slots=True)
 class Probe(Message):
     """An agent's state, reported periodically to its group scheduler."""
@@ -290,6 +291,9 @@ class Probe(Message):
     role_priority: float
     role: str = "agent"
     ts: float = field(default_factory=time.time)
+    link_bps: float = 0.0
+    """Declared (or emulated) link capacity, bytes/s (0 = unknown)."""
+    latency_s: float = 0.0
 
 
 @_message("agent", {"name": str, "group": str, "role": str, "priority": float, "signature": _Any,

@@ -125,18 +125,18 @@ def test_sliding_window_estimate_is_not_the_last_sample() -> None:
 
 
 async def test_estimator_converges_to_an_emulated_link(nats_url: str, scheduler: GroupScheduler) -> None:
-    rate = 25e6  # 200 Mbit/s
+    rate = 10e6  # 80 Mbit/s: transfers of half a second, so fixed round trips weigh little
     bus = await Bus.connect(nats_url, config=FAST)
     try:
         tx = await bus.agent("emu-tx", signature=SIG, link=EmulatedLink(rate))
         rx = await bus.agent("emu-rx", signature=SIG)
-        kv = kv_of_bytes(SIG, 3 << 20)
-        for _ in range(4):
+        kv = kv_of_bytes(SIG, 5 << 20)
+        for _ in range(3):
             report = await tx.send("emu-rx", kv, medium="full")
             await rx.receive(timeout=10)
             assert report.rate_bps == pytest.approx(rate)
         est = scheduler.state.links[("emu-tx", "emu-rx")].bandwidth_bps
-        assert abs(est - rate) / rate < 0.10, est
+        assert abs(est - rate) / rate < 0.10, (est, list(scheduler.state.links[("emu-tx", "emu-rx")].samples))
     finally:
         await bus.close()
 
