@@ -6,6 +6,7 @@ import logging
 import math
 from dataclasses import dataclass
 
+from kvbus.codecs import get_codec
 from kvbus.group_scheduler.cost_model import Choice, CostModel, Endpoint, Estimate, Link, ModelCosts
 from kvbus.group_scheduler.policy import MediumSelector
 from kvbus.group_scheduler.state import GroupState, Pending
@@ -16,6 +17,14 @@ logger = logging.getLogger(__name__)
 #: Media the adaptive selector considers when none are configured (those without figures are skipped).
 DEFAULT_CANDIDATES = ("full", "int8", "int4", "topk(0.25)+int8", "lowrank(64)", "tokens", "summary",
                       "delta+full", "delta+int8", "delta+int4")
+
+
+def _known(spec: str) -> bool:
+    try:
+        get_codec(spec)
+    except Exception:  # noqa: BLE001 - not in this build
+        return False
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +46,7 @@ class AdaptiveSelector(MediumSelector):
     def __init__(self, model: CostModel | None = None, *, candidates: tuple[str, ...] = DEFAULT_CANDIDATES,
                  default_bandwidth_bps: float = 1e9) -> None:
         self.model = model or CostModel()
-        self.candidates = tuple(m for m in candidates if m in self.model.figures)
+        self.candidates = tuple(m for m in candidates if m in self.model.figures and _known(m))
         self.default_bandwidth_bps = default_bandwidth_bps
         self.last: dict[tuple[str, str], str] = {}
         self.switches = 0
