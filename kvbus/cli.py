@@ -5,12 +5,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import sys
+from pathlib import Path
 from collections.abc import Sequence
 
 logger = logging.getLogger("kvbus")
+
+
+STACK_FILE = Path(os.environ.get("KVBUS_STACK_FILE", Path.home() / ".cache" / "kvbus" / "stack.json"))
+
+
+def _stack_nats_url() -> str:
+    """NATS URL of a running `kvbus up` (from its stack file), else the default local server."""
+    try:
+        data = json.loads(STACK_FILE.read_text())
+        os.kill(int(data["pid"]), 0)
+        return str(data["nats_url"])
+    except (OSError, ValueError, KeyError):
+        return "nats://127.0.0.1:4222"
 
 
 def _add_urls(p: argparse.ArgumentParser, redis: bool = True) -> None:
@@ -52,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     gs.add_argument("--nats-url", default=os.environ.get("KVBUS_NATS_URL", "nats://127.0.0.1:4222"))
     gs.add_argument("--bandwidth", type=float, default=None, help="group bandwidth budget in bytes/s (0 = unlimited)")
 
+    tp = sub.add_parser("top", help="live view of groups, agents, transfers and links")
+    tp.add_argument("--nats-url", default=os.environ.get("KVBUS_NATS_URL"),
+                    help="NATS of the deployment (default: the running `kvbus up`, else nats://127.0.0.1:4222)")
+    tp.add_argument("--group", action="append", default=None, help="group to show (default: all the coordinator knows)")
+    tp.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    tp.add_argument("--once", action="store_true", help="print one frame and exit")
+
     co = sub.add_parser("coordinator", help="run the coordinator")
     co.add_argument("--nats-url", default=os.environ.get("KVBUS_NATS_URL", "nats://127.0.0.1:4222"))
     return parser
@@ -66,11 +88,15 @@ async def _up(args: argparse.Namespace) -> None:
     with LocalServers(nats_url=args.nats_url, redis_url=args.redis_url) as servers:
         coord = await Coordinator.connect(servers.nats_url)
         scheds = [await GroupScheduler.connect(servers.nats_url, g) for g in groups]
+        STACK_FILE.parent.mkdir(parents=True, exist_ok=True)
+        STACK_FILE.write_text(json.dumps({"nats_url": servers.nats_url, "redis_url": servers.redis_url,
+                                          "groups": groups, "pid": os.getpid()}))
         print(f"kvbus is up\n  NATS:   {servers.nats_url}\n  Redis:  {servers.redis_url}\n"
-              f"  groups: {', '.join(groups)}\nCtrl-C stops everything.", flush=True)
+              f"  groups: {', '.join(groups)}\n`kvbus top` shows it live. Ctrl-C stops everything.", flush=True)
         try:
             await asyncio.Event().wait()
         finally:
+            STACK_FILE.unlink(missing_ok=True)
             for s in scheds:
                 await s.close()
             await coord.close()
@@ -104,6 +130,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             asyncio.run(_group_scheduler(args))
         elif args.command == "coordinator":
             asyncio.run(_coordinator(args))
+        elif args.command == "top":
+            from kvbus.top import top
+
+            asyncio.run(top(args.nats_url or _stack_nats_url(), groups=args.group, interval=args.interval,
+                            once=args.once))
         elif args.command == "demo":
             from kvbus.demo import run_demo
 
