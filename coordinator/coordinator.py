@@ -1,39 +1,78 @@
-"""The coordinator, first cut: group membership from scheduler heartbeats, kept in JetStream KV.
-
-The coordinator issue adds inter-group bandwidth leases, the reservation table and agent
-placement; this part already gives every deployment one place that knows which groups are
-alive, and keeps it in a JetStream KV bucket so a restarted coordinator starts from it.
+"""The coordinator: group membership, inter-group bandwidth leases, the reservation table,
+agent placement. Its state lives in a JetStream KV bucket, so a restarted (or standby) coordinator
+continues where the last one stopped; replicas elect a leader by a lease in the same bucket.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 from nats.aio.msg import Msg
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError
 
 from kvbus.bus.transport import NatsTransport, Transport
+from kvbus.coordinator.arbiter import weighted_max_min
+from kvbus.coordinator.config import CoordinatorConfig
+from kvbus.coordinator.leader import LeaderLease
 from kvbus.errors import WireFormatError
-from kvbus.protocol import COORD_GROUPS, COORD_REGISTER, GROUPS_BUCKET, GroupHeartbeat, packb
+from kvbus.protocol import (
+    AGENTS_BUCKET,
+    COORD_BUCKET,
+    COORD_GROUPS,
+    COORD_LEASE,
+    COORD_LEAVE,
+    COORD_PLACE,
+    COORD_REGISTER,
+    COORD_RESERVE,
+    COORD_UNRESERVE,
+    AgentRecord,
+    GroupHeartbeat,
+    GroupLeave,
+    LeaseGrant,
+    LeaseRequest,
+    PlacementReply,
+    PlacementRequest,
+    ReservationCancel,
+    ReservationReply,
+    ReservationRequest,
+    packb,
+)
 
 logger = logging.getLogger(__name__)
 
-#: A group whose scheduler has not been heard from for this long is considered gone.
-GROUP_TTL_S = 10.0
+
+@dataclass
+class Lease:
+    group: str
+    demand_bps: float
+    priority: float
+    share_bps: float
+    renewed: float
+    """Epoch seconds of the last renewal."""
 
 
 class Coordinator:
-    """Tracks the live groups of a deployment."""
+    """One per deployment (plus standbys). Arbitrates only between groups, never per agent."""
 
-    def __init__(self, transport: Transport, *, group_ttl: float = GROUP_TTL_S) -> None:
+    def __init__(self, transport: Transport, *, config: CoordinatorConfig | None = None) -> None:
         self.transport = transport
-        self.group_ttl = group_ttl
+        self.config = config or CoordinatorConfig.from_env()
+        self.name = f"coordinator@{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.groups: dict[str, GroupHeartbeat] = {}
+        self.leases: dict[str, Lease] = {}
+        self.reservations: dict[str, tuple[ReservationRequest, float]] = {}
         self._bucket: Any = None
+        self._agents: Any = None
         self._subs: list[Any] = []
+        self._leader: LeaderLease | None = None
         self.closed = False
 
     @classmethod
@@ -42,65 +81,63 @@ class Coordinator:
         await coord.start()
         return coord
 
-    async def start(self) -> None:
+    # -- lifecycle -----------------------------------------------------------------------------------
+
+    async def start(self, *, wait_leader: bool = True) -> None:
+        """Open the durable state, then campaign for leadership; the leader serves requests."""
         nc = getattr(self.transport, "nc", None)
         if nc is not None:
             js = nc.jetstream()
-            try:
-                self._bucket = await js.key_value(GROUPS_BUCKET)
-            except BucketNotFoundError:
-                self._bucket = await js.create_key_value(bucket=GROUPS_BUCKET, history=1)
-            await self._restore()
+            self._bucket = await _bucket(js, COORD_BUCKET)
+            self._agents = await _bucket(js, AGENTS_BUCKET)
+            self._leader = LeaderLease(self._bucket, "leader", self.name, ttl=self.config.leader_ttl_s,
+                                       on_elected=self._serve, on_lost=self._stop_serving)
+            if wait_leader:
+                if await self._leader.try_acquire():
+                    self._leader.is_leader = True
+                    await self._serve()
+            self._leader.start()
+        else:
+            await self._serve()
+
+    async def _serve(self) -> None:
+        if self._subs:
+            return
+        await self._restore()
+        t = self.transport
+        q = "kvbus-coordinator"
         self._subs = [
-            await self.transport.subscribe(COORD_REGISTER, self._on_heartbeat),
-            await self.transport.subscribe(COORD_GROUPS, self._on_groups, queue="kvbus-coordinator"),
+            await t.subscribe(COORD_REGISTER, self._on_heartbeat),
+            await t.subscribe(COORD_LEAVE, self._on_leave),
+            await t.subscribe(COORD_GROUPS, self._on_groups, queue=q),
+            await t.subscribe(COORD_LEASE, self._on_lease, queue=q),
+            await t.subscribe(COORD_RESERVE, self._on_reserve, queue=q),
+            await t.subscribe(COORD_UNRESERVE, self._on_unreserve, queue=q),
+            await t.subscribe(COORD_PLACE, self._on_place, queue=q),
         ]
-        await self.transport.flush()
+        await t.flush()
+        logger.info("%s serving (%d groups, %d reservations restored)", self.name, len(self.groups),
+                    len(self.reservations))
 
-    async def _restore(self) -> None:
-        try:
-            keys = await self._bucket.keys()
-        except NoKeysError:
-            return
-        for key in keys:
+    async def _stop_serving(self) -> None:
+        subs, self._subs = self._subs, []
+        for sub in subs:
             try:
-                entry = await self._bucket.get(key)
-                self.groups[key] = GroupHeartbeat.decode(entry.value)
-            except (KeyNotFoundError, WireFormatError):
-                continue
-        logger.info("coordinator restored %d group(s) from JetStream", len(self.groups))
+                await sub.unsubscribe()
+            except Exception:  # noqa: BLE001
+                logger.debug("unsubscribe failed", exc_info=True)
 
-    async def _on_heartbeat(self, msg: Msg) -> None:
-        try:
-            hb = GroupHeartbeat.decode(msg.data)
-        except WireFormatError:
-            logger.warning("malformed group heartbeat dropped")
-            return
-        is_new = hb.group not in self.groups
-        self.groups[hb.group] = hb
-        if is_new:
-            logger.info("group %s joined (scheduler %s)", hb.group, hb.scheduler)
-        if self._bucket is not None:
-            await self._bucket.put(hb.group, hb.encode())
-
-    def live_groups(self) -> dict[str, GroupHeartbeat]:
-        now = time.time()
-        return {g: hb for g, hb in self.groups.items() if now - hb.ts <= self.group_ttl}
-
-    async def _on_groups(self, msg: Msg) -> None:
-        body = {g: {"scheduler": hb.scheduler, "agents": hb.agents, "age_s": round(time.time() - hb.ts, 3)}
-                for g, hb in self.live_groups().items()}
-        await self.transport.reply(msg, packb(body))
+    @property
+    def serving(self) -> bool:
+        return bool(self._subs)
 
     async def close(self) -> None:
         if self.closed:
             return
         self.closed = True
-        for sub in self._subs:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # noqa: BLE001
-                logger.debug("unsubscribe failed", exc_info=True)
+        await self._stop_serving()
+        if self._leader is not None:
+            await self._leader.release()
         close = getattr(self.transport, "close", None)
         if close is not None:
             await close()
@@ -110,3 +147,209 @@ class Coordinator:
             await asyncio.Event().wait()
         finally:
             await self.close()
+
+    # -- durable state ---------------------------------------------------------------------------------
+
+    async def _put(self, key: str, value: bytes) -> None:
+        if self._bucket is not None:
+            await self._bucket.put(key, value)
+
+    async def _delete(self, key: str) -> None:
+        if self._bucket is not None:
+            try:
+                await self._bucket.delete(key)
+            except KeyNotFoundError:
+                pass
+
+    async def _restore(self) -> None:
+        if self._bucket is None:
+            return
+        try:
+            keys = await self._bucket.keys()
+        except NoKeysError:
+            return
+        for key in keys:
+            try:
+                entry = await self._bucket.get(key)
+            except KeyNotFoundError:
+                continue
+            if not entry.value:
+                continue
+            try:
+                if key.startswith("group."):
+                    hb = GroupHeartbeat.decode(entry.value)
+                    self.groups[hb.group] = hb
+                elif key.startswith("res."):
+                    req = ReservationRequest.decode(entry.value)
+                    self.reservations[req.reservation_id] = (req, _reservation_rate(req))
+                elif key.startswith("lease."):
+                    grant = LeaseGrant.decode(entry.value)
+                    self.leases[grant.group] = Lease(grant.group, grant.share_bps, 1.0, grant.share_bps,
+                                                     grant.expires_at - grant.epoch_s * self.config.lease_grace_epochs)
+            except WireFormatError:
+                logger.warning("coordinator state %s is malformed; ignored", key)
+
+    # -- membership -------------------------------------------------------------------------------------
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        try:
+            hb = GroupHeartbeat.decode(msg.data)
+        except WireFormatError:
+            logger.warning("malformed group heartbeat dropped")
+            return
+        if hb.group not in self.groups:
+            logger.info("group %s joined (scheduler %s)", hb.group, hb.scheduler)
+        self.groups[hb.group] = hb
+        await self._put(f"group.{hb.group}", hb.encode())
+
+    async def _on_leave(self, msg: Msg) -> None:
+        try:
+            leave = GroupLeave.decode(msg.data)
+        except WireFormatError:
+            return
+        self.groups.pop(leave.group, None)
+        self.leases.pop(leave.group, None)
+        await self._delete(f"group.{leave.group}")
+        await self._delete(f"lease.{leave.group}")
+        logger.info("group %s left", leave.group)
+
+    def live_groups(self) -> dict[str, GroupHeartbeat]:
+        now = time.time()
+        return {g: hb for g, hb in self.groups.items() if now - hb.ts <= self.config.group_ttl_s}
+
+    async def _on_groups(self, msg: Msg) -> None:
+        body = {g: {"scheduler": hb.scheduler, "agents": hb.agents, "age_s": round(time.time() - hb.ts, 3)}
+                for g, hb in self.live_groups().items()}
+        await self.transport.reply(msg, packb(body))
+
+    # -- leases -----------------------------------------------------------------------------------------
+
+    @property
+    def reserved_bps(self) -> float:
+        return sum(rate for _, rate in self.reservations.values())
+
+    def lease_capacity(self) -> float:
+        return max(0.0, self.config.capacity_bps - self.reserved_bps)
+
+    def expire_leases(self, now: float | None = None) -> list[str]:
+        now = time.time() if now is None else now
+        limit = self.config.epoch_s * self.config.lease_grace_epochs
+        gone = [g for g, lease in self.leases.items() if now - lease.renewed > limit]
+        for g in gone:
+            del self.leases[g]
+        return gone
+
+    def allocate(self, now: float | None = None) -> dict[str, float]:
+        """Weighted max-min shares of the leasable capacity among the live leases."""
+        self.expire_leases(now)
+        shares = weighted_max_min(self.lease_capacity(), {g: lz.demand_bps for g, lz in self.leases.items()},
+                                  {g: max(lz.priority, 1e-6) for g, lz in self.leases.items()})
+        for g, share in shares.items():
+            self.leases[g].share_bps = share
+        return shares
+
+    async def _on_lease(self, msg: Msg) -> None:
+        try:
+            req = LeaseRequest.decode(msg.data)
+        except WireFormatError as exc:
+            await self.transport.reply(msg, LeaseGrant("", 0.0, 0.0, self.config.epoch_s).encode())
+            logger.warning("bad lease request: %s", exc)
+            return
+        now = time.time()
+        if req.demand_bps <= 0:
+            self.leases.pop(req.group, None)
+            await self._delete(f"lease.{req.group}")
+            share = 0.0
+        else:
+            self.leases[req.group] = Lease(req.group, req.demand_bps, req.priority, 0.0, now)
+            share = self.allocate(now).get(req.group, 0.0)
+        expires = now + self.config.epoch_s * self.config.lease_grace_epochs
+        grant = LeaseGrant(req.group, share, expires, self.config.epoch_s, self.config.capacity_bps)
+        await self.transport.reply(msg, grant.encode())
+        await self._put(f"lease.{req.group}", grant.encode())
+
+    # -- reservations ------------------------------------------------------------------------------------
+
+    def admit(self, req: ReservationRequest) -> ReservationReply:
+        """Admission control: the reservation's peak rate must fit in what reservations may take."""
+        if req.period_s <= 0 or req.deadline_s <= 0 or req.size_bytes <= 0:
+            return ReservationReply(req.reservation_id, False, "period, deadline and size must be positive")
+        if req.deadline_s > req.period_s:
+            return ReservationReply(req.reservation_id, False,
+                                    f"deadline {req.deadline_s} s is longer than the period {req.period_s} s")
+        rate = _reservation_rate(req)
+        limit = self.config.capacity_bps * self.config.reservable_fraction
+        others = sum(r for rid, (_, r) in self.reservations.items() if rid != req.reservation_id)
+        if others + rate > limit:
+            return ReservationReply(
+                req.reservation_id, False,
+                f"needs {rate * 8 / 1e6:.1f} Mbit/s ({req.size_bytes} B within {req.deadline_s} s); only "
+                f"{max(0.0, limit - others) * 8 / 1e6:.1f} of the {limit * 8 / 1e6:.1f} Mbit/s reservations may "
+                f"take is left")
+        self.reservations[req.reservation_id] = (req, rate)
+        return ReservationReply(req.reservation_id, True, "admitted", rate)
+
+    async def _on_reserve(self, msg: Msg) -> None:
+        try:
+            req = ReservationRequest.decode(msg.data)
+        except WireFormatError as exc:
+            await self.transport.reply(msg, ReservationReply("", False, str(exc)).encode())
+            return
+        reply = self.admit(req)
+        if reply.ok:
+            await self._put(f"res.{req.reservation_id}", req.encode())
+            self.allocate()
+        await self.transport.reply(msg, reply.encode())
+
+    async def _on_unreserve(self, msg: Msg) -> None:
+        try:
+            req = ReservationCancel.decode(msg.data)
+        except WireFormatError:
+            return
+        self.reservations.pop(req.reservation_id, None)
+        await self._delete(f"res.{req.reservation_id}")
+        await self.transport.reply(msg, ReservationReply(req.reservation_id, True, "cancelled").encode())
+
+    # -- placement ---------------------------------------------------------------------------------------
+
+    async def place(self, agent: str, talks_to: list[str]) -> PlacementReply:
+        """The group of the agents it talks to most, else the least loaded live group."""
+        live = self.live_groups()
+        if not live:
+            return PlacementReply(agent, "", "no live group")
+        peers: Counter[str] = Counter()
+        if self._agents is not None:
+            for peer in talks_to[:64]:
+                try:
+                    entry = await self._agents.get(peer)
+                    record = AgentRecord.decode(entry.value)
+                except Exception:  # noqa: BLE001 - unknown or malformed: skip
+                    continue
+                if record.group in live:
+                    peers[record.group] += 1
+        if peers:
+            group, n = peers.most_common(1)[0]
+            return PlacementReply(agent, group, f"{n} of the agents it talks to are there")
+        group = min(live, key=lambda g: (live[g].agents, g))
+        return PlacementReply(agent, group, f"least loaded ({live[group].agents} agents)")
+
+    async def _on_place(self, msg: Msg) -> None:
+        try:
+            req = PlacementRequest.decode(msg.data)
+        except WireFormatError as exc:
+            await self.transport.reply(msg, PlacementReply("", "", str(exc)).encode())
+            return
+        reply = await self.place(req.agent, [p for p in req.talks_to if isinstance(p, str)])
+        await self.transport.reply(msg, reply.encode())
+
+
+def _reservation_rate(req: ReservationRequest) -> float:
+    """Bandwidth a periodic flow needs: its size within its deadline."""
+    return req.size_bytes / req.deadline_s if req.deadline_s > 0 else float("inf")
+
+
+async def _bucket(js: Any, name: str) -> Any:
+    try:
+        return await js.key_value(name)
+    except BucketNotFoundError:
+        return await js.create_key_value(bucket=name, history=1)

@@ -75,6 +75,13 @@ def data_subject(agent: str, transfer_id: str) -> str:
 
 COORD_REGISTER = "kvbus.coord.register"
 COORD_GROUPS = "kvbus.coord.groups"
+COORD_LEAVE = "kvbus.coord.leave"
+COORD_LEASE = "kvbus.coord.lease"
+COORD_RESERVE = "kvbus.coord.reserve"
+COORD_UNRESERVE = "kvbus.coord.unreserve"
+COORD_PLACE = "kvbus.coord.place"
+#: JetStream KV bucket of the coordinator's durable state (groups, leases, reservations, tickets).
+COORD_BUCKET = "kvbus_coord"
 
 
 # -- encoding helpers ---------------------------------------------------------------------------
@@ -450,3 +457,89 @@ def decode_message(data: bytes | bytearray | memoryview, *types: type[M]) -> M:
     if tag not in names:
         raise WireFormatError("/".join(names) + " message", f"unexpected type tag {tag!r}")
     return names[tag].from_map(body)
+
+
+# -- coordinator ---------------------------------------------------------------------------------
+
+
+@_message("leave", {"group": str, "scheduler": str})
+@dataclass(frozen=True, slots=True)
+class GroupLeave(Message):
+    """A group scheduler deregisters (its group's lease is released at once)."""
+
+    group: str
+    scheduler: str = ""
+
+
+@_message("lease_request", {"group": str, "scheduler": str, "demand_bps": float, "priority": float})
+@dataclass(frozen=True, slots=True)
+class LeaseRequest(Message):
+    """A group asks for its share of the shared (inter-group) capacity for the next epoch."""
+
+    group: str
+    scheduler: str
+    demand_bps: float
+    """Bandwidth its inter-group transfers want (0 releases the lease)."""
+    priority: float = 1.0
+    """Weight of the group in the max-min split."""
+
+
+@_message("lease", {"group": str, "share_bps": float, "expires_at": float, "epoch_s": float, "capacity_bps": float})
+@dataclass(frozen=True, slots=True)
+class LeaseGrant(Message):
+    """The coordinator's answer: the group's share until ``expires_at`` (epoch seconds)."""
+
+    group: str
+    share_bps: float
+    expires_at: float
+    epoch_s: float
+    capacity_bps: float = 0.0
+
+
+@_message("reserve", {"reservation_id": str, "group": str, "who": str, "period_s": float, "size_bytes": int,
+                      "deadline_s": float})
+@dataclass(frozen=True, slots=True)
+class ReservationRequest(Message):
+    """A periodic critical flow asks for bandwidth set aside: ``size_bytes`` every ``period_s``,
+    each due within ``deadline_s`` of its period's start."""
+
+    reservation_id: str
+    group: str
+    who: str
+    period_s: float
+    size_bytes: int
+    deadline_s: float
+
+
+@_message("reserve_reply", {"reservation_id": str, "ok": bool, "reason": str, "rate_bps": float})
+@dataclass(frozen=True, slots=True)
+class ReservationReply(Message):
+    """Admitted (with the rate set aside) or refused with the reason."""
+
+    reservation_id: str
+    ok: bool
+    reason: str = ""
+    rate_bps: float = 0.0
+
+
+@_message("unreserve", {"reservation_id": str})
+@dataclass(frozen=True, slots=True)
+class ReservationCancel(Message):
+    reservation_id: str
+
+
+@_message("place", {"agent": str, "talks_to": list})
+@dataclass(frozen=True, slots=True)
+class PlacementRequest(Message):
+    """Which group should this agent join? ``talks_to`` names the agents it exchanges most with."""
+
+    agent: str
+    talks_to: list = field(default_factory=list)
+
+
+@_message("placement", {"agent": str, "group": str, "reason": str})
+@dataclass(frozen=True, slots=True)
+class PlacementReply(Message):
+    agent: str
+    group: str
+    reason: str = ""

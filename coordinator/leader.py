@@ -1,0 +1,98 @@
+"""Leader election by a lease in a JetStream KV bucket (compare-and-set on the key's revision).
+
+Used by coordinator replicas and by group scheduler replicas: the holder renews the lease every
+``ttl / 3``; a standby takes it over when it has not been renewed for ``ttl``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+
+logger = logging.getLogger(__name__)
+
+
+class LeaderLease:
+    """Holds or waits for the lease ``key`` in ``bucket``; calls ``on_elected`` once when it wins."""
+
+    def __init__(self, bucket: Any, key: str, holder: str, *, ttl: float = 3.0,
+                 on_elected: Callable[[], Awaitable[None]] | None = None,
+                 on_lost: Callable[[], Awaitable[None]] | None = None) -> None:
+        self.bucket = bucket
+        self.key = key
+        self.holder = holder
+        self.ttl = ttl
+        self.on_elected = on_elected
+        self.on_lost = on_lost
+        self.is_leader = False
+        self._revision: int | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def _value(self) -> bytes:
+        return json.dumps({"holder": self.holder, "ts": time.time()}).encode()
+
+    async def try_acquire(self) -> bool:
+        """One attempt: create the key, renew it if ours, or take it over if stale."""
+        try:
+            if self.is_leader and self._revision is not None:
+                self._revision = await self.bucket.update(self.key, self._value(), last=self._revision)
+                return True
+            try:
+                entry = await self.bucket.get(self.key)
+            except KeyNotFoundError:
+                entry = None
+            if entry is None or entry.value is None:
+                self._revision = await self.bucket.create(self.key, self._value())
+                return True
+            current = json.loads(entry.value)
+            if current.get("holder") == self.holder or time.time() - float(current.get("ts", 0)) > self.ttl:
+                self._revision = await self.bucket.update(self.key, self._value(), last=entry.revision)
+                return True
+            return False
+        except KeyWrongLastSequenceError:
+            return False
+        except Exception:  # noqa: BLE001 - lost contact: not leader until proven again
+            logger.warning("lease %s: could not reach the bucket", self.key, exc_info=True)
+            return False
+
+    async def run(self) -> None:
+        """Campaign and renew until cancelled."""
+        while True:
+            won = await self.try_acquire()
+            if won and not self.is_leader:
+                self.is_leader = True
+                logger.info("%s is now the leader for %s", self.holder, self.key)
+                if self.on_elected:
+                    await self.on_elected()
+            elif not won and self.is_leader:
+                self.is_leader = False
+                self._revision = None
+                logger.warning("%s lost the lease %s", self.holder, self.key)
+                if self.on_lost:
+                    await self.on_lost()
+            await asyncio.sleep(self.ttl / 3)
+
+    def start(self) -> asyncio.Task[None]:
+        self._task = asyncio.create_task(self.run(), name=f"kvbus-lease-{self.key}")
+        return self._task
+
+    async def release(self) -> None:
+        """Stop campaigning and give the lease up (delete it if ours)."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        if self.is_leader:
+            try:
+                await self.bucket.delete(self.key)
+            except Exception:  # noqa: BLE001
+                logger.debug("could not delete lease %s", self.key, exc_info=True)
+        self.is_leader = False

@@ -1,0 +1,173 @@
+"""The coordinator: max-min shares, leases, reservations, durable state, leader failover, placement."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbus.bus import Bus
+from kvbus.bus.transport import NatsTransport
+from kvbus.coordinator import Coordinator, CoordinatorClient, CoordinatorConfig, weighted_max_min
+from kvbus.coordinator.client import ReservationRefused
+from kvbus.local import NatsServer
+from kvbus.protocol import COORD_REGISTER, GroupHeartbeat
+from tests.peer import SIG
+
+CFG = CoordinatorConfig(capacity_bps=1000.0, epoch_s=0.05, lease_grace_epochs=3, reservable_fraction=0.5,
+                        leader_ttl_s=0.6)
+
+
+@pytest.fixture
+def nats() -> Iterator[NatsServer]:
+    """A fresh server per test: the coordinator's bucket must start empty."""
+    server = NatsServer().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+async def coord(nats: NatsServer) -> AsyncIterator[Coordinator]:
+    c = await Coordinator.connect(nats.url, config=CFG)
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+# -- max-min -------------------------------------------------------------------------------------
+
+
+def test_max_min_on_constructed_demands() -> None:
+    assert weighted_max_min(10, {"a": 2, "b": 8, "c": 8}) == pytest.approx({"a": 2, "b": 4, "c": 4})
+    assert weighted_max_min(10, {"a": 2, "b": 8, "c": 8}, {"a": 1, "b": 1, "c": 2}) == pytest.approx(
+        {"a": 2, "b": 8 / 3, "c": 16 / 3})
+    assert weighted_max_min(100, {"a": 2, "b": 8}) == pytest.approx({"a": 2, "b": 8})
+    assert weighted_max_min(0, {"a": 2}) == {"a": 0.0}
+    with pytest.raises(ValueError, match="weight"):
+        weighted_max_min(1, {"a": 1}, {"a": 0})
+
+
+@settings(max_examples=200, deadline=None)
+@given(cap=st.floats(0, 1e6), demands=st.dictionaries(st.sampled_from("abcdefg"), st.floats(0, 1e6), min_size=1),
+       weights=st.dictionaries(st.sampled_from("abcdefg"), st.floats(0.1, 10)))
+def test_max_min_properties(cap: float, demands: dict[str, float], weights: dict[str, float]) -> None:
+    shares = weighted_max_min(cap, demands, weights)
+    total = sum(shares.values())
+    assert total == pytest.approx(min(cap, sum(demands.values())), rel=1e-6, abs=1e-6)
+    for k, s in shares.items():
+        assert -1e-9 <= s <= demands[k] + 1e-6
+    # Nobody left wanting has a smaller weighted share than anybody else.
+    wanting = [k for k in shares if shares[k] < demands[k] - 1e-6]
+    for k in wanting:
+        for j in shares:
+            assert shares[k] / weights.get(k, 1.0) >= shares[j] / weights.get(j, 1.0) - 1e-6 * max(1.0, cap)
+
+
+# -- leases and reservations -----------------------------------------------------------------------
+
+
+async def test_leases_split_by_max_min_and_expire(coord: Coordinator, nats: NatsServer) -> None:
+    t = await NatsTransport.connect(nats.url)
+    try:
+        client = CoordinatorClient(t)
+        a = await client.lease("ga", "s", 300)
+        b = await client.lease("gb", "s", 2000, priority=1)
+        assert a.share_bps == pytest.approx(300)
+        assert b.share_bps == pytest.approx(700)
+        assert a.expires_at > time.time()
+        await asyncio.sleep(CFG.epoch_s * (CFG.lease_grace_epochs + 1))
+        b = await client.lease("gb", "s", 2000)  # ga stopped renewing: its share is gone
+        assert "ga" not in coord.leases
+        assert b.share_bps == pytest.approx(1000)
+    finally:
+        await t.close()
+
+
+async def test_a_reservation_over_capacity_is_refused(coord: Coordinator, nats: NatsServer) -> None:
+    t = await NatsTransport.connect(nats.url)
+    try:
+        client = CoordinatorClient(t)
+        ok = await client.reserve("ga", "heartbeat", period_s=1.0, size_bytes=100, deadline_s=0.5)
+        assert ok.ok and ok.rate_bps == pytest.approx(200)
+        with pytest.raises(ReservationRefused, match="only 2.4 of the 4.0 Mbit/s|only .* is left") as info:
+            await client.reserve("gb", "sync", period_s=1.0, size_bytes=200, deadline_s=0.5)
+        assert "Mbit/s" in info.value.reason
+        # What is reserved is not leased out.
+        lease = await client.lease("gc", "s", 10_000)
+        assert lease.share_bps == pytest.approx(800)
+    finally:
+        await t.close()
+
+
+async def test_state_survives_a_coordinator_restart(nats: NatsServer) -> None:
+    first = await Coordinator.connect(nats.url, config=CFG)
+    t = await NatsTransport.connect(nats.url)
+    try:
+        client = CoordinatorClient(t)
+        await client.reserve("ga", "heartbeat", period_s=1.0, size_bytes=100, deadline_s=0.5, reservation_id="r1")
+        await t.publish(COORD_REGISTER, GroupHeartbeat("ga", "sched-a", agents=3).encode())
+        await t.flush()
+        await asyncio.sleep(0.1)
+        await first.close()
+        second = await Coordinator.connect(nats.url, config=CFG)
+        try:
+            assert "r1" in second.reservations
+            assert "ga" in second.groups and second.groups["ga"].agents == 3
+            assert (await client.groups())["ga"]["scheduler"] == "sched-a"
+        finally:
+            await second.close()
+    finally:
+        await t.close()
+
+
+async def test_standby_takes_over_when_the_leader_dies(nats: NatsServer) -> None:
+    leader = await Coordinator.connect(nats.url, config=CFG)
+    standby = await Coordinator.connect(nats.url, config=CFG)
+    t = await NatsTransport.connect(nats.url)
+    try:
+        assert leader.serving and not standby.serving
+        # A crash: no clean release of the lease.
+        assert leader._leader is not None and leader._leader._task is not None
+        leader._leader._task.cancel()
+        await leader._stop_serving()
+        await leader.transport.close()  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 5 * CFG.leader_ttl_s
+        while not standby.serving and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert standby.serving
+        lease = await CoordinatorClient(t).lease("gx", "s", 10)
+        assert lease.share_bps == pytest.approx(10)
+    finally:
+        await standby.close()
+        leader.closed = True
+        await t.close()
+
+
+async def test_new_agents_go_to_a_group_added_at_run_time(coord: Coordinator, nats: NatsServer) -> None:
+    t = await NatsTransport.connect(nats.url)
+    bus = await Bus.connect(nats.url)
+    try:
+        client = CoordinatorClient(t)
+        await t.publish(COORD_REGISTER, GroupHeartbeat("g0", "s0", agents=10).encode())
+        await t.flush()
+        await asyncio.sleep(0.05)
+        assert (await client.place("new1")).group == "g0"
+        await bus.agent("peer-in-g0", group="g0", signature=SIG)
+        # A group is added while everything runs: new agents go there (least loaded) ...
+        await t.publish(COORD_REGISTER, GroupHeartbeat("g1", "s1", agents=0).encode())
+        await t.flush()
+        await asyncio.sleep(0.05)
+        placed = await client.place("new2")
+        assert placed.group == "g1" and "least loaded" in placed.reason
+        # ... unless they talk mostly to agents of another group.
+        assert (await client.place("new3", ["peer-in-g0"])).group == "g0"
+    finally:
+        await bus.close()
+        await t.close()
