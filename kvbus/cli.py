@@ -74,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     tp.add_argument("--once", action="store_true", help="print one frame and exit")
 
+    st = sub.add_parser("selftest", help="send one context through a running deployment and check it")
+    st.add_argument("--nats-url", default=os.environ.get("KVBUS_NATS_URL"))
+    st.add_argument("--group", default=os.environ.get("KVBUS_GROUP", "default"))
+    st.add_argument("--bytes", type=int, default=4 << 20)
+
     co = sub.add_parser("coordinator", help="run the coordinator")
     co.add_argument("--nats-url", default=os.environ.get("KVBUS_NATS_URL", "nats://127.0.0.1:4222"))
     return parser
@@ -130,6 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             asyncio.run(_group_scheduler(args))
         elif args.command == "coordinator":
             asyncio.run(_coordinator(args))
+        elif args.command == "selftest":
+            from kvbus.selftest import selftest
+
+            return asyncio.run(selftest(args.nats_url or _stack_nats_url(), args.group, args.bytes))
         elif args.command == "top":
             from kvbus.top import top
 
