@@ -1,0 +1,99 @@
+"""Per-agent NATS permissions: who may publish and subscribe to what.
+
+`permissions_config` writes the ``authorization`` block of a nats-server configuration with
+one user per agent, per group scheduler and for the coordinator:
+
+- an agent may publish only on its group scheduler's request/done/probe subjects, on other
+  agents' ``inbox`` (to open a transfer) and ``ack`` subjects (to acknowledge one), and on data
+  subjects addressed to a receiver (``kvbus.agent.<rx>.data.*``) or on its own broadcast
+  subjects (``kvbus.bcast.<self>.*``); it may subscribe only under its own prefix
+  (``kvbus.agent.<self>.>``), to its own reply inbox (``_INBOX.<self>.>``) and to the broadcast
+  subjects of the senders it joined;
+- only group schedulers may publish on ``kvbus.agent.*.ctl`` (grants, pause/resume), and
+  replies (grants given as replies) are allowed only to requests the replier received;
+- schedulers and the coordinator may use JetStream (the directory and the coordinator's state).
+
+Passwords are random and returned to the caller; nothing here logs them.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass, field
+
+from kvbus.protocol import check_name
+
+
+@dataclass(frozen=True)
+class AgentGrant:
+    """One agent's place in the permission scheme."""
+
+    name: str
+    group: str
+    broadcasts_from: tuple[str, ...] = ()
+    """Senders whose broadcasts this agent may receive."""
+
+
+@dataclass
+class Credentials:
+    """User names and passwords, by role."""
+
+    agents: dict[str, tuple[str, str]] = field(default_factory=dict)
+    schedulers: dict[str, tuple[str, str]] = field(default_factory=dict)
+    coordinator: tuple[str, str] = ("", "")
+
+    def url_for(self, base_url: str, user: str, password: str) -> str:
+        scheme, rest = base_url.split("://", 1)
+        return f"{scheme}://{user}:{password}@{rest}"
+
+
+def agent_permissions(grant: AgentGrant) -> dict[str, object]:
+    a, g = check_name("agent", grant.name), check_name("group", grant.group)
+    subscribe = [f"kvbus.agent.{a}.>", f"_INBOX.{a}.>"]
+    subscribe += [f"kvbus.bcast.{check_name('agent', s)}.>" for s in grant.broadcasts_from]
+    return {
+        "publish": {"allow": [f"kvbus.sched.{g}.request", f"kvbus.sched.{g}.done", f"kvbus.sched.{g}.probe",
+                              f"kvbus.sched.{g}.register", "kvbus.agent.*.inbox", "kvbus.agent.*.ack",
+                              "kvbus.agent.*.ping", "kvbus.agent.*.data.>", f"kvbus.bcast.{a}.>",
+                              "kvbus.coord.place"]},
+        "subscribe": {"allow": subscribe},
+        "allow_responses": True,
+    }
+
+
+def scheduler_permissions(group: str) -> dict[str, object]:
+    g = check_name("group", group)
+    return {
+        "publish": {"allow": ["kvbus.agent.*.ctl", "kvbus.coord.>", "$JS.API.>", "$KV.kvbus_agents.>",
+                              "$KV.kvbus_coord.>", f"_INBOX.sched-{g}.>"]},
+        "subscribe": {"allow": [f"kvbus.sched.{g}.>", f"_INBOX.sched-{g}.>", "$KV.kvbus_agents.>"]},
+        "allow_responses": True,
+    }
+
+
+def coordinator_permissions() -> dict[str, object]:
+    return {
+        "publish": {"allow": ["$JS.API.>", "$KV.kvbus_coord.>", "_INBOX.coord.>"]},
+        "subscribe": {"allow": ["kvbus.coord.>", "_INBOX.coord.>", "$KV.kvbus_coord.>"]},
+        "allow_responses": True,
+    }
+
+
+def permissions_config(agents: list[AgentGrant], groups: list[str]) -> tuple[str, Credentials]:
+    """The nats-server ``authorization`` block for these agents and groups, and their credentials."""
+    creds = Credentials()
+    users = []
+    for a in agents:
+        pw = secrets.token_urlsafe(18)
+        creds.agents[a.name] = (f"agent-{a.name}", pw)
+        users.append({"user": f"agent-{a.name}", "password": pw, "permissions": agent_permissions(a)})
+    for g in groups:
+        pw = secrets.token_urlsafe(18)
+        creds.schedulers[g] = (f"sched-{g}", pw)
+        users.append({"user": f"sched-{g}", "password": pw, "permissions": scheduler_permissions(g)})
+    pw = secrets.token_urlsafe(18)
+    creds.coordinator = ("coordinator", pw)
+    users.append({"user": "coordinator", "password": pw, "permissions": coordinator_permissions()})
+    # nats-server's configuration format accepts JSON values.
+    return "authorization {\n  users: " + json.dumps(users, indent=2) + "\n}\n", creds
