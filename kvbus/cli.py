@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     gs.add_argument("--group", required=True, help="group name")
     gs.add_argument("--nats-url", default=os.environ.get("KVBUS_NATS_URL", "nats://127.0.0.1:4222"))
     gs.add_argument("--bandwidth", type=float, default=None, help="group bandwidth budget in bytes/s (0 = unlimited)")
+    gs.add_argument("--policy", default=None,
+                    help="scheduling policy: wrr (weighted round robin, preemption, reservations; the default) "
+                         "or fifo (env KVBUS_SCHEDULER_POLICY)")
 
     tp = sub.add_parser("top", help="live view of groups, agents, transfers and links")
     tp.add_argument("--nats-url", default=os.environ.get("KVBUS_NATS_URL"),
@@ -110,9 +113,12 @@ async def _up(args: argparse.Namespace) -> None:
 async def _group_scheduler(args: argparse.Namespace) -> None:
     from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
 
-    overrides = {} if args.bandwidth is None else {"bandwidth_bps": args.bandwidth}
-    sched = await GroupScheduler.connect(args.nats_url, args.group, config=SchedulerConfig.from_env(**overrides))
-    print(f"group scheduler for {args.group!r} on {args.nats_url}", flush=True)
+    overrides: dict[str, object] = {} if args.bandwidth is None else {"bandwidth_bps": args.bandwidth}
+    if args.policy is not None:
+        overrides["policy"] = args.policy
+    config = SchedulerConfig.from_env(**overrides)
+    sched = await GroupScheduler.connect(args.nats_url, args.group, config=config)
+    print(f"group scheduler for {args.group!r} on {args.nats_url} ({config.policy} policy)", flush=True)
     await sched.run_forever()
 
 
@@ -128,6 +134,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command in ("coordinator", "group-scheduler", "selftest", "up", "demo"):
+        from kvbus import telemetry
+
+        # Traces and metrics only when the standard OTEL_* / KVBUS_METRICS_PORT variables say so.
+        telemetry.setup(service_name=f"kvbus-{args.command}")
     try:
         if args.command == "up":
             asyncio.run(_up(args))
