@@ -14,6 +14,7 @@ from kvbus.cachetier.errors import (
     RecordFormatError,
     RemoteUnavailable,
     TierClosed,
+    UnsuitableCodec,
 )
 from kvbus.cachetier.keys import BlockSpan, block_spans
 from kvbus.cachetier.policy import Action, BlockInfo, ShedPolicy, Usage, UtilityPolicy
@@ -25,6 +26,6 @@ from kvbus.cachetier.types import ShedReport, Status, TierListener, TierStats
 __all__ = [
     "Action", "BlockInfo", "BlockSpan", "BlockUnavailable", "CacheTier", "CacheTierConfig", "CacheTierError",
     "ContextMismatch", "RecordFormatError", "RemoteStore", "RemoteUnavailable", "ShedPolicy", "ShedReport",
-    "Status", "Stub", "TierClosed", "TierListener", "TierStats", "Usage", "UtilityPolicy", "block_spans",
-    "parse_record",
+    "Status", "Stub", "TierClosed", "TierListener", "TierStats", "UnsuitableCodec", "Usage", "UtilityPolicy",
+    "block_spans", "parse_record",
 ]

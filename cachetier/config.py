@@ -16,7 +16,7 @@ DEFAULT_HALF_LIFE = 60.0
 DEFAULT_DROP_BELOW = 0.1
 DEFAULT_KEY_PREFIX = "kvbus:kv:"
 DEFAULT_REMOTE_TTL = 24 * 3600
-DEFAULT_BATCH_BYTES = 48 * 1024 * 1024
+DEFAULT_BATCH_BYTES = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +42,9 @@ class CacheTierConfig:
     remote_ttl: int = DEFAULT_REMOTE_TTL
     """Seconds a remote block lives after its last write or read (0: until the server evicts it)."""
     write_batch_bytes: int = DEFAULT_BATCH_BYTES
-    """Payload bytes per pipelined write; the next batch is encoded while one is in flight."""
+    """Payload bytes per pipelined write (a bigger block goes alone); the next batch is encoded
+    while one is in flight. Small blocks share round trips; multi-MB ones gain nothing from
+    sharing one, and redis-py moves them slower in big pipelines (buffering)."""
     read_batch_bytes: int = DEFAULT_BATCH_BYTES
     """Payload bytes per pipelined read; one batch is verified and decoded while the next is read."""
     connect_timeout: float = 5.0

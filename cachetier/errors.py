@@ -69,3 +69,17 @@ class ContextMismatch(CacheTierError, ValueError):
         self.expected = expected
         self.got = got
         super().__init__(f"context does not fit the cache tier: expected {expected}, got {got}")
+
+
+class UnsuitableCodec(CacheTierError, ValueError):
+    """A codec cannot store blocks on its own (it carries no KV, or needs a base to decode).
+
+    Attributes:
+        codec: the codec spec.
+        reason: why it does not fit.
+    """
+
+    def __init__(self, codec: str, reason: str) -> None:
+        self.codec = codec
+        self.reason = reason
+        super().__init__(f"codec {codec!r} cannot store cache-tier blocks: {reason}")

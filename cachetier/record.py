@@ -3,10 +3,12 @@
 A block lives remotely as one Redis hash, written by a single ``HSET`` (atomic: the payload and
 its metadata exist together or not at all, whatever the server evicts or expires):
 
-- ``meta``: msgpack of the `Stub` (codec, codec metadata, layer shape, dtype, buffer sizes,
-  xxh3-64 checksum of the payload, sizes);
+- ``meta``: msgpack of the `Stub` (codec, the codec's metadata as an embedded msgpack blob,
+  layer shape, dtype, buffer sizes, payload and decoded sizes, and an xxh3-64 checksum over the
+  codec's metadata blob and the buffers, so that neither can be altered alone);
 - ``0`` .. ``n-1``: the codec's buffers, each its own field, so that neither the writer nor the
-  reader copies them into one contiguous payload.
+  reader copies them into one contiguous payload (and because Valkey moved an 11 MB block as
+  61 fields as fast as one ``SET``/``GET``, but as one field over twice as slowly).
 
 Everything read back is untrusted: `Stub.from_bytes` and `parse_record` check every field and
 raise only `RecordFormatError` (a `KVBusError`), and `open_record` checks that what the codec
@@ -24,8 +26,8 @@ import msgpack
 import torch
 import xxhash
 
-from kvbus.cachetier.errors import RecordFormatError
-from kvbus.codecs import Encoded, get_codec
+from kvbus.cachetier.errors import RecordFormatError, UnsuitableCodec
+from kvbus.codecs import Codec, Encoded, get_codec
 from kvbus.errors import KVBusError
 from kvbus.kvcache import KVCache
 from kvbus.signature import DTYPES, ModelSignature, dtype_name
@@ -43,7 +45,9 @@ MAX_PAYLOAD = 1 << 40
 #: Largest dimension of a layer shape.
 MAX_DIM = 1 << 24
 _KEY_RE = re.compile(r"[0-9a-f]{8,128}")
-_CODEC_RE = re.compile(r"[A-Za-z0-9_.:+-]{1,64}")
+#: Characters of a codec spec (``int8``, ``int4(64)``, ``topk(keep=0.25)+int8``); the codec
+#: library parses it, this only bounds it.
+_CODEC_RE = re.compile(r"[A-Za-z0-9_.+(),=\- ]{1,256}")
 
 
 def buffer_field(i: int) -> bytes:
@@ -64,22 +68,24 @@ class Stub:
     dtype: str
     """The KV dtype once decoded."""
     checksum: int
-    """xxh3-64 of the payload's buffers back to back."""
+    """xxh3-64 of the codec metadata blob and the payload's buffers, back to back."""
     size: int
     """Payload bytes in the remote tier."""
     nbytes: int
     """Resident bytes of the block once fetched and decoded (KV plus token ids)."""
     sizes: tuple[int, ...]
     """Bytes of each buffer, in order."""
+    meta_blob: bytes = b"\x80"
+    """The codec's metadata, msgpack (the checksum covers these exact bytes)."""
     meta: dict[str, Any] = field(default_factory=dict)
-    """The codec's metadata."""
+    """The codec's metadata, decoded from `meta_blob`."""
 
     def to_bytes(self) -> bytes:
         """The record's ``meta`` field."""
         return msgpack.packb({
             "v": RECORD_VERSION, "key": self.key, "codec": self.codec, "shape": list(self.shape),
             "dtype": self.dtype, "checksum": self.checksum, "size": self.size, "nbytes": self.nbytes,
-            "sizes": list(self.sizes), "meta": self.meta,
+            "sizes": list(self.sizes), "meta": self.meta_blob,
         }, use_bin_type=True)
 
     @classmethod
@@ -126,14 +132,21 @@ class Stub:
             raise RecordFormatError("record meta", f"sizes must be 1..{MAX_BUFFERS} integers in 0..{MAX_PAYLOAD}")
         if sum(sizes) != size:
             raise RecordFormatError("record meta", f"buffer sizes add up to {sum(sizes)}, size says {size}")
-        meta = _get(data, "meta", dict)
+        blob = _get(data, "meta", bytes)
+        try:
+            meta = msgpack.unpackb(blob, raw=False, strict_map_key=True, use_list=True)
+        except Exception as exc:  # noqa: BLE001 - msgpack raises many types on hostile input
+            raise RecordFormatError("record meta", f"codec metadata is not msgpack ({type(exc).__name__})") from None
+        if not isinstance(meta, dict):
+            raise RecordFormatError("record meta", f"codec metadata must be a map, got {type(meta).__name__}")
         return cls(key=key, codec=codec, shape=(shape[0], shape[1], shape[2], shape[3]), dtype=dtype,
-                   checksum=checksum, size=size, nbytes=nbytes, sizes=tuple(sizes), meta=meta)
+                   checksum=checksum, size=size, nbytes=nbytes, sizes=tuple(sizes), meta_blob=blob, meta=meta)
 
     def same_payload(self, other: Stub) -> bool:
-        """Whether ``other`` describes the very payload this stub was written with."""
+        """Whether ``other`` describes the very record this stub was written with."""
         return (self.key == other.key and self.codec == other.codec and self.checksum == other.checksum
-                and self.sizes == other.sizes)
+                and self.sizes == other.sizes and self.meta_blob == other.meta_blob and self.shape == other.shape
+                and self.dtype == other.dtype and self.nbytes == other.nbytes)
 
 
 def _get(data: dict[str, Any], name: str, kind: type) -> Any:
@@ -150,12 +163,36 @@ def _int_in(value: object, lo: int, hi: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
 
 
-def checksum(buffers: list[memoryview] | list[bytes]) -> int:
-    """xxh3-64 of ``buffers`` back to back (no copy)."""
-    h = xxhash.xxh3_64()
+def checksum(meta_blob: bytes, buffers: list[memoryview] | list[bytes]) -> int:
+    """xxh3-64 of ``meta_blob`` then ``buffers``, back to back (no copy)."""
+    h = xxhash.xxh3_64(meta_blob)
     for b in buffers:
         h.update(b)
     return h.intdigest()
+
+
+def storage_codec(spec: str) -> Codec:
+    """The codec ``spec`` names, checked to store a block on its own.
+
+    A block must decode from its record alone into dense KV for every one of its tokens: media
+    that carry no KV (``tokens``, ``summary``), need the receiver's previous context (``delta``)
+    or keep only some positions (``topk``) cannot store one.
+
+    Raises:
+        UnsuitableCodec: it cannot; also for a spec the codec library refuses.
+    """
+    try:
+        codec = get_codec(spec)
+    except KVBusError as exc:
+        raise UnsuitableCodec(str(spec)[:80], str(exc)) from None
+    if not codec.needs_kv:
+        raise UnsuitableCodec(codec.name, "it carries no KV")
+    stage = getattr(codec, "stage", "kv")
+    if stage == "delta":
+        raise UnsuitableCodec(codec.name, "it needs the receiver's previous context to decode")
+    if stage != "kv":
+        raise UnsuitableCodec(codec.name, "it does not keep the KV of every position")
+    return codec
 
 
 def build_record(key: str, kv: KVCache, codec: str) -> tuple[Stub, dict[bytes, Any], Encoded]:
@@ -164,12 +201,17 @@ def build_record(key: str, kv: KVCache, codec: str) -> tuple[Stub, dict[bytes, A
     Returns:
         ``(stub, fields, encoded)``: the stub to keep once the write is confirmed, the hash
         fields to write (views of ``encoded``'s buffers, which must stay alive until written).
+
+    Raises:
+        UnsuitableCodec: ``codec`` cannot store a block on its own.
     """
-    encoded = get_codec(codec).encode(kv)
+    medium = storage_codec(codec)
+    encoded = medium.encode(kv)
     sizes = tuple(encoded.sizes)
-    stub = Stub(key=key, codec=codec, shape=_layer_shape(kv), dtype=dtype_name(kv.dtype),
-                checksum=checksum(encoded.buffers), size=sum(sizes), nbytes=kv.nbytes, sizes=sizes,
-                meta=encoded.meta)
+    blob = msgpack.packb(encoded.meta, use_bin_type=True)
+    stub = Stub(key=key, codec=medium.name, shape=_layer_shape(kv), dtype=dtype_name(kv.dtype),
+                checksum=checksum(blob, encoded.buffers), size=sum(sizes), nbytes=kv.nbytes, sizes=sizes,
+                meta_blob=blob, meta=encoded.meta)
     fields: dict[bytes, Any] = {META_FIELD: stub.to_bytes()}
     for i, buf in enumerate(encoded.buffers):
         fields[buffer_field(i)] = buf
@@ -215,8 +257,8 @@ def parse_record(fields: Mapping[Any, Any], key: str, expected: Stub | None = No
         if view.nbytes != want:
             raise RecordFormatError("record", f"buffer {i} has {view.nbytes} bytes, expected {want}")
         buffers.append(view)
-    if checksum(buffers) != stub.checksum:
-        raise RecordFormatError("record", "payload checksum mismatch")
+    if checksum(stub.meta_blob, buffers) != stub.checksum:
+        raise RecordFormatError("record", "checksum mismatch (payload or codec metadata altered)")
     return stub, Encoded(codec=stub.codec, meta=stub.meta, buffers=buffers, keepalive=[fields])
 
 
@@ -228,7 +270,7 @@ def open_record(stub: Stub, encoded: Encoded, tokens: torch.Tensor, signature: M
             block has other tokens, another model, dtype or shape than asked for.
     """
     try:
-        kv = get_codec(stub.codec).decode(encoded)
+        kv = storage_codec(stub.codec).decode(encoded)
     except KVBusError as exc:
         raise RecordFormatError("record payload", str(exc)) from None
     want_dtype = DTYPES[stub.dtype]

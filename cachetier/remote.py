@@ -84,7 +84,7 @@ class RemoteStore:
         return f"{self.config.key_prefix}{codec}:{key}"
 
     async def metas(self, record_keys: Sequence[str]) -> list[bytes | None]:
-        """The ``meta`` field of each record (None where there is no record), in one round trip.
+        """The ``meta`` field of each record (None where there is no readable one), in one round trip.
 
         Raises:
             RemoteUnavailable: the server could not be reached.
@@ -95,9 +95,11 @@ class RemoteStore:
             async with self.client.pipeline(transaction=False) as pipe:
                 for rk in record_keys:
                     pipe.hget(rk, META_FIELD)
-                return list(await pipe.execute())
+                replies = await pipe.execute(raise_on_error=False)
         except REMOTE_ERRORS as exc:
             raise RemoteUnavailable(self.url, _describe(exc)) from None
+        # A refused read (e.g. a key of another type) counts as no record: our write is refused too.
+        return [r if isinstance(r, bytes) else None for r in replies]
 
     async def write(self, records: Sequence[tuple[str, Mapping[bytes, Any]]]) -> list[bool]:
         """Write records (one ``HSET`` each, so each is whole or absent) in one pipeline.

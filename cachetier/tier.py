@@ -27,23 +27,25 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from kvbus.cachetier.blocks import Block, assemble, prefill_blocks, split_blocks
 from kvbus.cachetier.config import CacheTierConfig
-from kvbus.cachetier.errors import BlockUnavailable, ContextMismatch, RemoteUnavailable, TierClosed
+from kvbus.cachetier.errors import BlockUnavailable, ContextMismatch, RemoteUnavailable, TierClosed, UnsuitableCodec
 from kvbus.cachetier.keys import BlockSpan, block_spans
-from kvbus.cachetier.policy import Action, BlockInfo, ShedPolicy, Usage, UtilityPolicy
-from kvbus.cachetier.record import Stub, build_record, open_record, parse_record
+from kvbus.cachetier.policy import Action, BlockInfo, ShedPolicy, UtilityPolicy
+from kvbus.cachetier.record import Stub, build_record, open_record, parse_record, storage_codec
 from kvbus.cachetier.remote import RemoteStore
 from kvbus.cachetier.types import ShedReport, Status, TierListener, TierStats
-from kvbus.codecs import ModelRunner, get_codec
+from kvbus.codecs import Codec, ModelRunner
 from kvbus.errors import KVBusError
 from kvbus.kvcache import KVCache
 from kvbus.signature import ModelSignature, dtype_name
@@ -52,39 +54,6 @@ logger = logging.getLogger(__name__)
 
 #: How often `get` retries blocks whose concurrent loader gave up before it raises.
 LOAD_ATTEMPTS = 3
-
-
-@dataclass(eq=False, slots=True)
-class Block:
-    """One block held by the tier."""
-
-    key: str
-    tokens: torch.Tensor
-    """Its token ids ``[batch, n]`` (its own copy)."""
-    kv: KVCache | None = None
-    """Its KV when resident (tensors owned by the tier, never modified)."""
-    stub: Stub | None = None
-    """Its remote record, when the tier wrote, adopted or fetched one."""
-    usage: Usage = field(default_factory=Usage)
-    start: int = 0
-    """First token of the block in the context it was stored from."""
-    busy: bool = False
-    """Being offloaded (not a candidate for another shed)."""
-
-    @property
-    def resident(self) -> bool:
-        return self.kv is not None
-
-    @property
-    def n_tokens(self) -> int:
-        return int(self.tokens.shape[-1])
-
-    @property
-    def memory(self) -> int:
-        """Bytes this block keeps in memory."""
-        if self.kv is not None:
-            return self.kv.nbytes
-        return self.tokens.numel() * self.tokens.element_size()
 
 
 @dataclass(eq=False, slots=True)
@@ -138,7 +107,9 @@ class CacheTier:
         self.config = config or CacheTierConfig.from_env()
         self.policy = policy or UtilityPolicy(codec=self.config.codec, half_life=self.config.half_life,
                                               drop_below=self.config.drop_below)
-        get_codec(self.policy.codec_for(BlockInfo("0" * 32, 0, 1, 0, 1.0)))  # fail early on an unknown codec
+        self._codecs: dict[str, Codec] = {}
+        # Fail now, not at the first offload, on a codec that cannot store blocks.
+        self._codec(self.policy.codec_for(BlockInfo("0" * 32, 0, self.config.block_tokens, 0, 1.0)))
         self.listener = listener or TierListener()
         self.clock = clock
         self.stats = TierStats()
@@ -268,6 +239,17 @@ class CacheTier:
             if block is not None:
                 block.usage.touch(now, self.policy.half_life)
 
+    def _codec(self, spec: str) -> Codec:
+        """The storage codec a policy's spec names (cached; its ``name`` is the canonical spec).
+
+        Raises:
+            UnsuitableCodec: the spec is malformed or names a codec that cannot store blocks.
+        """
+        codec = self._codecs.get(spec)
+        if codec is None:
+            codec = self._codecs[spec] = storage_codec(spec)
+        return codec
+
     def _estimate(self, span: BlockSpan, batch: int) -> int:
         block = self._blocks.get(span.key)
         if block is not None and block.stub is not None:
@@ -301,7 +283,7 @@ class CacheTier:
             incoming = sum(self._estimate(s, kv.batch) for s in new)
             await self._reserve(incoming)
             try:
-                parts = await asyncio.to_thread(_split, kv, ids, new) if new else []
+                parts = await asyncio.to_thread(split_blocks, kv, ids, new) if new else []
                 for span, part in zip(new, parts):
                     self._install(span, part)
             finally:
@@ -338,9 +320,10 @@ class CacheTier:
                     await self._ensure(waiting, ids)
                 finally:
                     self.stats.stall_seconds += time.perf_counter() - t0
+            self._check_open()
             self._touch(keys)
             parts = [self._blocks[k].kv for k in keys]
-            kv = await asyncio.to_thread(_assemble, parts, ids, self.signature, self.dtype)
+            kv = await asyncio.to_thread(assemble, parts, ids, self.signature, self.dtype)
         finally:
             self._unpin(keys)
         await self._maybe_shed()
@@ -428,8 +411,8 @@ class CacheTier:
     def _unpin(self, keys: Sequence[str]) -> None:
         self._pins.subtract(keys)
         for key in keys:
-            if self._pins[key] <= 0:
-                del self._pins[key]
+            if self._pins.get(key, 0) <= 0:
+                self._pins.pop(key, None)
 
     def _resident(self, key: str) -> bool:
         block = self._blocks.get(key)
@@ -458,6 +441,9 @@ class CacheTier:
             await self._maybe_shed()
             return len(waiting)
         except asyncio.CancelledError:
+            raise
+        except KVBusError as exc:
+            logger.warning("prefetch of %d tokens failed: %s", ids.shape[-1], exc)
             raise
         except Exception:
             logger.exception("prefetch of %d tokens failed", ids.shape[-1])
@@ -504,7 +490,7 @@ class CacheTier:
         await self._reserve(incoming)
         try:
             fetched = await self._fetch(spans, ids)
-            rest = [s for s in spans if s.key not in fetched]
+            rest = [s for s in spans if s.key not in fetched and not self._resident(s.key)]
             if rest:
                 await self._recompute(rest, ids)
         finally:
@@ -517,13 +503,19 @@ class CacheTier:
         loads: list[_Load] = []
         for span in spans:
             block = self._blocks.get(span.key)
+            if block is not None and block.resident:
+                continue  # a concurrent put brought it back
             if block is not None and block.stub is not None:
                 stub = block.stub
                 loads.append(_Load(span, self.remote.record_key(stub.codec, span.key), stub, stub.size))
             elif block is None:
                 size = self._estimate(span, int(ids.shape[0]))
                 info = BlockInfo(span.key, span.start, span.n_tokens, size, 0.0)
-                codec = self.policy.codec_for(info)
+                try:
+                    codec = self._codec(self.policy.codec_for(info)).name
+                except UnsuitableCodec as exc:
+                    logger.warning("not looking for block %s remotely: %s", span.key[:16], exc)
+                    continue
                 loads.append(_Load(span, self.remote.record_key(codec, span.key), None, size))
         if not loads:
             return set()
@@ -538,11 +530,11 @@ class CacheTier:
                     logger.warning("remote tier read failed, recomputing %d block(s): %s", len(batch), exc.reason)
                     break
                 self.stats.remote_reads += len(batch)
-                # Verify and decode this batch in a thread while the next one is read.
-                task = asyncio.ensure_future(asyncio.to_thread(_open_batch, batch, records, ids, self.signature))
+                # Verify and decode this batch in a thread while the next one is read (one decode
+                # at a time, as in `_ahead`).
                 if pending is not None:
                     done |= self._install_loads(await pending)
-                pending = task
+                pending = asyncio.ensure_future(asyncio.to_thread(_open_batch, batch, records, ids, self.signature))
             if pending is not None:
                 done |= self._install_loads(await pending)
                 pending = None
@@ -588,7 +580,7 @@ class CacheTier:
             raise BlockUnavailable([s.key for s in spans], "not in memory nor in the remote tier, and the tier "
                                                            "has no model runner to recompute them")
         stop = max(s.stop for s in spans)
-        parts = await asyncio.to_thread(_prefill_blocks, runner, ids, stop, spans)
+        parts = await asyncio.to_thread(prefill_blocks, runner, ids, stop, spans)
         for span, part in zip(spans, parts):
             self._check_recomputed(part)
             self._install(span, part)
@@ -647,18 +639,24 @@ class CacheTier:
         released = [b for _, b in victims if b.stub is not None]
         drop = [b for i, b in victims if b.stub is None and self.policy.action(i) is Action.DROP]
         offload = [(i, b) for i, b in victims if b.stub is None and self.policy.action(i) is Action.OFFLOAD]
+        # Free what needs no I/O before the first await: a `get` that starts meanwhile must not
+        # pin a block that is about to disappear under it.
         for block in released:
             self._set_kv(block, None)
+        self._drop(drop)
         written, adopted, nbytes, failed = await self._offload(offload)
-        drop += failed
-        for block in drop:
-            self._remove(block)
+        self._drop(failed)
         self.stats.released += len(released)
-        self.stats.dropped += len(drop)
-        if drop:
-            self._notify("dropped", [b.key for b in drop])
-        return ShedReport(dropped=len(drop), offloaded=written, adopted=adopted, released=len(released),
-                          bytes_freed=before - self._memory, bytes_written=nbytes, memory_bytes=self._memory)
+        return ShedReport(dropped=len(drop) + len(failed), offloaded=written, adopted=adopted,
+                          released=len(released), bytes_freed=before - self._memory, bytes_written=nbytes,
+                          memory_bytes=self._memory)
+
+    def _drop(self, blocks: list[Block]) -> None:
+        for block in blocks:
+            self._remove(block)
+        self.stats.dropped += len(blocks)
+        if blocks:
+            self._notify("dropped", [b.key for b in blocks])
 
     async def _offload(self, victims: list[tuple[BlockInfo, Block]]) -> tuple[int, int, int, list[Block]]:
         """Write ``victims`` to the remote tier; returns (written, adopted, bytes, blocks that failed)."""
@@ -669,16 +667,21 @@ class CacheTier:
         remote = self.remote
         for _, block in victims:
             block.busy = True
-        todo = [(block, self.policy.codec_for(info)) for info, block in victims]
+        todo: list[tuple[Block, Codec]] = []
+        for info, block in victims:
+            try:
+                todo.append((block, self._codec(self.policy.codec_for(info))))
+            except UnsuitableCodec as exc:
+                logger.warning("dropping block %s instead of offloading it: %s", block.key[:16], exc)
         written = adopted = nbytes = 0
         try:
             # Deduplication: a record another tier (or an earlier life of this one) wrote is adopted.
-            rkeys = [remote.record_key(codec, b.key) for b, codec in todo]
+            rkeys = [remote.record_key(codec.name, b.key) for b, codec in todo]
             metas = await remote.metas(rkeys)
-            rest: list[tuple[Block, str]] = []
+            rest: list[tuple[Block, Codec]] = []
             adopted_keys: list[str] = []
             for (block, codec), rk, raw in zip(todo, rkeys, metas):
-                stub = _adoptable(raw, block, codec)
+                stub = _adoptable(raw, block, codec.name)
                 if stub is None:
                     rest.append((block, codec))
                 else:
@@ -689,16 +692,11 @@ class CacheTier:
             if adopted_keys:
                 await remote.touch(adopted_keys)
             todo = rest
-            # Encode the next batch in a thread while this one is written.
-            batches = _batches([(b, c, get_codec(c).estimate_nbytes(self.signature, b.n_tokens, b.tokens.shape[0]))
+            batches = _batches([(b, c.name, c.estimate_nbytes(self.signature, b.n_tokens, b.tokens.shape[0]))
                                 for b, c in todo], self.config.write_batch_bytes, size=lambda t: t[2])
-            pending = asyncio.ensure_future(asyncio.to_thread(_encode_batch, batches[0])) if batches else None
-            try:
-                for i in range(len(batches)):
-                    assert pending is not None
-                    encoded = await pending
-                    pending = (asyncio.ensure_future(asyncio.to_thread(_encode_batch, batches[i + 1]))
-                               if i + 1 < len(batches) else None)
+            # The next batch is encoded in a thread while this one is written.
+            async with contextlib.aclosing(_ahead(_encode_batch, batches)) as encoded_batches:
+                async for encoded in encoded_batches:
                     records = [(remote.record_key(stub.codec, stub.key), fields) for _, stub, fields in encoded]
                     confirmed = await remote.write(records)
                     keys = []
@@ -712,9 +710,6 @@ class CacheTier:
                             self.stats.bytes_written += stub.size
                     if keys:
                         self._notify("offloaded", keys)
-            finally:
-                if pending is not None:
-                    pending.cancel()
         except RemoteUnavailable as exc:
             self.stats.remote_errors += 1
             logger.warning("remote tier write failed; dropping blocks that were not written: %s", exc.reason)
@@ -741,6 +736,22 @@ class CacheTier:
 # -- work done in threads ------------------------------------------------------------------------
 
 
+async def _ahead(fn: Callable[[Any], Any], items: list[Any]) -> AsyncIterator[Any]:
+    """``fn(item)`` for each item in order, each computed in a worker thread while the caller
+    handles the previous result (one at a time: torch already spreads one call over the cores)."""
+    if not items:
+        return
+    nxt = asyncio.ensure_future(asyncio.to_thread(fn, items[0]))
+    try:
+        for i in range(len(items)):
+            result = await nxt
+            if i + 1 < len(items):
+                nxt = asyncio.ensure_future(asyncio.to_thread(fn, items[i + 1]))
+            yield result
+    finally:
+        nxt.cancel()
+
+
 def _batches(items: list[Any], limit: int, *, size: Callable[[Any], int] = lambda ld: ld.size) -> list[list[Any]]:
     """``items`` in order, in batches of at most ``limit`` bytes (a bigger item is a batch alone)."""
     out: list[list[Any]] = []
@@ -758,50 +769,17 @@ def _batches(items: list[Any], limit: int, *, size: Callable[[Any], int] = lambd
     return out
 
 
-def _split(kv: KVCache, ids: torch.Tensor, spans: list[BlockSpan]) -> list[KVCache]:
-    """Each span of ``kv`` as a block owning contiguous copies of its tensors."""
-    out = []
-    for span in spans:
-        out.append(KVCache(
-            tokens=ids[:, span.start:span.stop].clone(),
-            signature=kv.signature,
-            keys=[k[:, :, span.start:span.stop].clone(memory_format=torch.contiguous_format) for k in kv.keys],
-            values=[v[:, :, span.start:span.stop].clone(memory_format=torch.contiguous_format) for v in kv.values],
-            fidelity=kv.fidelity,
-        ))
-    return out
-
-
-def _assemble(parts: list[KVCache | None], ids: torch.Tensor, signature: ModelSignature,
-              dtype: torch.dtype) -> KVCache:
-    blocks = [p for p in parts if p is not None]
-    if len(blocks) != len(parts):
-        raise RuntimeError("a block left memory while pinned")  # a bug, not a user error
-    if not blocks:
-        shape = (ids.shape[0], signature.n_kv_heads, 0, signature.head_dim)
-        empty = [torch.empty(shape, dtype=dtype) for _ in range(signature.n_layers)]
-        return KVCache(tokens=ids.clone(), signature=signature, keys=empty, values=[e.clone() for e in empty])
-    n = blocks[0].n_layers
-    keys = [torch.cat([b.keys[i] for b in blocks], dim=2) for i in range(n)]
-    values = [torch.cat([b.values[i] for b in blocks], dim=2) for i in range(n)]
-    fidelity = min(b.fidelity for b in blocks)
-    return KVCache(tokens=ids.clone(), signature=blocks[0].signature, keys=keys, values=values, fidelity=fidelity)
-
-
-def _prefill_blocks(runner: ModelRunner, ids: torch.Tensor, stop: int, spans: list[BlockSpan]) -> list[KVCache]:
-    kv = runner.prefill(ids[:, :stop])
-    if kv.seq_len < stop:
-        raise ContextMismatch(f"the runner to return KV for {stop} tokens", f"{kv.seq_len} positions")
-    return _split(kv, ids, spans)
-
-
 def _encode_batch(batch: list[tuple[Block, str, int]]) -> list[tuple[Block, Stub, dict[bytes, Any]]]:
     out = []
     for block, codec, _ in batch:
         kv = block.kv
         if kv is None:  # cannot happen: busy blocks keep their tensors until written
             continue
-        stub, fields, _encoded = build_record(block.key, kv, codec)
+        try:
+            stub, fields, _encoded = build_record(block.key, kv, codec)
+        except Exception:  # the block is dropped instead (it can be recomputed); a bug, so say it loudly
+            logger.exception("encoding block %s with %s failed", block.key[:16], codec)
+            continue
         out.append((block, stub, fields))
     return out
 

