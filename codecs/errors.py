@@ -12,7 +12,7 @@ class CodecError(KVBusError):
 
 
 class UnknownCodec(CodecError, ValueError):
-    """A medium name is not registered.
+    """A medium name is not registered (a `ValueError`, like `SpecError`).
 
     Attributes:
         name: the name asked for.
@@ -39,3 +39,57 @@ class RecomputeUnavailable(CodecError):
     def __init__(self, codec: str) -> None:
         self.codec = codec
         super().__init__(f"the {codec!r} medium needs a model runner on the receiver to recompute the KV")
+
+
+class SpecError(CodecError, ValueError):
+    """A medium spec (``"topk(0.25)+int8"``) is malformed, has a bad parameter, or composes badly.
+
+    Attributes:
+        spec: the spec as given (shortened when long).
+        reason: what is wrong with it.
+    """
+
+    def __init__(self, spec: str, reason: str) -> None:
+        self.spec = spec
+        self.reason = reason
+        super().__init__(f"bad medium spec {spec!r}: {reason}")
+
+
+class DeltaBaseMismatch(CodecError, ValueError):
+    """A delta payload does not apply to the receiver's base (missing, wrong, stale or too short).
+
+    The receiver must ask for a full (non-delta) transfer; it never gets a wrong cache.
+
+    Attributes:
+        reason: what did not match.
+    """
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(f"delta does not apply to the receiver's base: {reason}")
+
+
+class SummaryUnavailable(CodecError):
+    """The `summary` medium cannot summarise: the sender gave no model runner that can generate.
+
+    Attributes:
+        reason: what is missing.
+    """
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(f"cannot make a summary: {reason}")
+
+
+class CalibrationError(CodecError, ValueError):
+    """A calibration profile is missing, malformed, or of an unknown version.
+
+    Attributes:
+        path: where it was read from (or ``"<memory>"``).
+        reason: what was wrong.
+    """
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"calibration profile {path}: {reason}")

@@ -21,7 +21,7 @@ class FullCodec(Codec):
     cheap_decode = True
     fidelity = 1.0
 
-    def encode(self, kv: KVCache) -> Encoded:
+    def encode(self, kv: KVCache, *, base: KVCache | None = None, runner: ModelRunner | None = None) -> Encoded:
         """Encode ``kv``; the buffers share memory with its (contiguous) tensors.
 
         Raises:

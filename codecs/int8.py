@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from kvbus.codecs._header import KVHeader, encode_buffers
+from kvbus.codecs._kernels import int8_decode, int8_encode
 from kvbus.codecs._tensors import check_buffer_count, require_map, tensor_from
 from kvbus.codecs.base import Codec, Encoded, ModelRunner, register
 from kvbus.kvcache import KVCache
@@ -25,29 +24,14 @@ def quantise(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
 
     Returns ``(q, scale)`` with ``q`` int8 of ``x``'s shape and ``scale`` in ``x``'s dtype with
     ``axis`` reduced to 1, such that ``|x - q * scale| <= scale / 2`` element-wise. A slice that
-    is all zeros gets scale 1. ``x`` is never modified.
+    is all zeros gets scale 1. ``x`` is never modified. (`kvbus.codecs._kernels.int8_encode`.)
     """
-    dtype = x.dtype
-    xf = x.float()  # the same tensor when x is float32: only out-of-place ops on it below
-    if x.shape[axis] == 0:
-        shape = list(x.shape)
-        shape[axis] = 1
-        absmax = torch.zeros(shape, dtype=torch.float32)
-    else:
-        absmax = xf.abs().amax(dim=axis, keepdim=True)
-    # The scale is stored in the KV dtype. Where that cast rounds it below absmax / 127 (by one
-    # ulp for normal numbers, by far more for subnormals, down to 0), step it up one ulp so that
-    # |x| / scale <= 127 and no element is clamped. The scales are small, so float64 is cheap.
-    exact = torch.where(absmax > 0, absmax.double() / QMAX, 1.0)
-    scale = exact.to(dtype)
-    scale = torch.where(scale.double() < exact, torch.nextafter(scale, torch.full_like(scale, math.inf)), scale)
-    q = torch.round(xf / scale.float()).clamp_(-QMAX, QMAX).to(torch.int8)
-    return q, scale
+    return int8_encode(x, axis)
 
 
 def dequantise(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``q * scale`` computed in ``scale``'s dtype (one new tensor)."""
-    return q.to(scale.dtype).mul_(scale)
+    return int8_decode(q, scale)
 
 
 @register("int8")
@@ -63,7 +47,7 @@ class Int8Codec(Codec):
     lossless = False
     fidelity = 0.99
 
-    def encode(self, kv: KVCache) -> Encoded:
+    def encode(self, kv: KVCache, *, base: KVCache | None = None, runner: ModelRunner | None = None) -> Encoded:
         """Quantise ``kv`` (its tensors are not modified).
 
         Raises:

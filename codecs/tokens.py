@@ -17,11 +17,12 @@ class TokensCodec(Codec):
     Lossless for the context, and usable between any two models; the receiver pays a prefill.
     """
 
+    stage = "tokens"
     lossless = True
     needs_kv = False
     fidelity = 1.0
 
-    def encode(self, kv: KVCache) -> Encoded:
+    def encode(self, kv: KVCache, *, base: KVCache | None = None, runner: ModelRunner | None = None) -> Encoded:
         """Encode the token ids of ``kv`` (zero copy when they are contiguous int64)."""
         header = KVHeader.of(kv.token_only())
         tensors = header.prefix_tensors(kv)
@@ -31,8 +32,9 @@ class TokensCodec(Codec):
                runner: ModelRunner | None = None) -> KVCache:
         """Rebuild the context: recomputed by ``runner`` if given, else token-only.
 
-        A token-only result (no layers) tells the receiver to recompute the KV later. The
-        sender's fidelity is kept either way.
+        A token-only result (no layers) tells the receiver to recompute the KV later; it keeps
+        the sender's fidelity (a later recompute resets it). KV recomputed here from the exact
+        tokens is exact: its fidelity is 1.0, which is what makes ``tokens`` a precision refresh.
 
         Raises:
             DecodeError: the metadata or the buffer is malformed, or a token id is outside the
@@ -48,7 +50,7 @@ class TokensCodec(Codec):
             return header.finish(kv, self.name)
         check_tokens(tokens, runner.signature.vocab_size, self.name)
         kv = runner.prefill(tokens)
-        kv.fidelity = header.fidelity
+        kv.fidelity = 1.0
         return kv
 
     def estimate_nbytes(self, signature: ModelSignature, n_tokens: int, batch: int = 1) -> int:

@@ -195,6 +195,14 @@ class CostModel:
             )
         for name, fb in FALLBACK_FIGURES.items():
             figures.setdefault(name, fb)
+        # delta+X costs what X costs on the tokens the receiver lacks (estimate() scales it).
+        for inner in ("full", "int8", "int4"):
+            if inner in figures:
+                try:
+                    spec = get_codec(f"delta+{inner}").name
+                except Exception:  # noqa: BLE001 - no delta in this build
+                    continue
+                figures.setdefault(spec, figures[inner])
         model = cls(figures, config=config, calibrated=True)
         model.default_model_costs = ModelCosts(float(profile.prefill_tokens_per_s), float(profile.decode_token_s))
         return model

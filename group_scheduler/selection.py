@@ -15,8 +15,15 @@ from kvbus.signature import ModelSignature
 logger = logging.getLogger(__name__)
 
 #: Media the adaptive selector considers when none are configured (those without figures are skipped).
-DEFAULT_CANDIDATES = ("full", "int8", "int4", "topk(0.25)+int8", "lowrank(64)", "tokens", "summary",
+DEFAULT_CANDIDATES = ("full", "int8", "int4", "topk+int8", "lowrank", "tokens", "summary",
                       "delta+full", "delta+int8", "delta+int4")
+
+
+def _canonical(spec: str) -> str:
+    try:
+        return get_codec(spec).name
+    except Exception:  # noqa: BLE001 - unknown here: left as is and filtered out
+        return spec
 
 
 def _known(spec: str) -> bool:
@@ -46,7 +53,8 @@ class AdaptiveSelector(MediumSelector):
     def __init__(self, model: CostModel | None = None, *, candidates: tuple[str, ...] = DEFAULT_CANDIDATES,
                  default_bandwidth_bps: float = 1e9) -> None:
         self.model = model or CostModel()
-        self.candidates = tuple(m for m in candidates if m in self.model.figures and _known(m))
+        self.candidates = tuple(dict.fromkeys(
+            c for c in (_canonical(m) for m in candidates) if c in self.model.figures and _known(c)))
         self.default_bandwidth_bps = default_bandwidth_bps
         self.last: dict[tuple[str, str], str] = {}
         self.switches = 0

@@ -101,6 +101,64 @@ class HFRunner:
         cache = part.to(self.model.dtype).to_hf(self.model.config) if part is not None and part.seq_len else None
         return cache, ids[:, start:], start
 
+    def attention_mass(self, kv: KVCache, window: int) -> torch.Tensor | None:
+        """How much attention the real queries of the last ``window`` tokens pay to each KV entry.
+
+        SnapKV's observation window with the model's own queries: the last ``window`` tokens
+        are run again over the cache of the ones before them, each layer's queries are rebuilt
+        from its input hidden states (norm, ``q_proj``, rotary embedding at the true positions)
+        and scored against the cached keys. Per layer and head the causal softmax is summed
+        over the window; heads and batch are averaged and layers summed: float32 ``[seq]``.
+        Nothing about the model is changed (no switch of attention implementation), so this is
+        safe while other threads use the model.
+
+        Returns:
+            The scores, or ``None`` when the cache is sparsified or has fewer than 2 entries, or
+            the model is not a Llama-style decoder (``model.layers[i].self_attn.q_proj``,
+            ``input_layernorm``, ``rotary_emb``).
+        """
+        base = getattr(self.model, "model", None)
+        layers = getattr(base, "layers", None)
+        rotary = getattr(base, "rotary_emb", None)
+        if layers is None or rotary is None or kv.positions is not None or kv.seq_len < 2 or not kv.has_kv:
+            return None
+        if not all(hasattr(layer, "input_layernorm") and hasattr(getattr(layer, "self_attn", None), "q_proj")
+                   for layer in layers):
+            return None
+        kv.validate(self.signature)
+        n = kv.seq_len
+        w = min(window, n - 1)
+        ids = self._ids(kv.tokens)[:, :n]
+        cache = kv.slice(0, n - w).to(self.model.dtype).to_hf(self.model.config)
+        positions = torch.arange(n - w, n).unsqueeze(0).expand(ids.shape[0], -1)
+        total = torch.zeros(n, dtype=torch.float32)
+        mask = torch.ones(w, n, dtype=torch.bool).triu_(n - w + 1)
+        with torch.inference_mode():
+            out = base(input_ids=ids[:, n - w:], cache=cache, position_ids=positions, use_cache=True,
+                       output_hidden_states=True)
+            hidden = out.hidden_states
+            cos, sin = rotary(hidden[0], positions)
+            cos, sin = cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
+            for i, layer in enumerate(layers):
+                attn = layer.self_attn
+                h = layer.input_layernorm(hidden[i])
+                b = h.shape[0]
+                d = self.signature.head_dim
+                q = attn.q_proj(h).view(b, w, -1, d).transpose(1, 2)
+                if hasattr(attn, "q_norm"):
+                    q = attn.q_norm(q)
+                q = q.float()
+                half = d // 2
+                rotated = torch.cat([-q[..., half:], q[..., :half]], dim=-1)
+                q = q * cos + rotated * sin
+                k = kv.keys[i].float()
+                k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+                scale = getattr(attn, "scaling", d ** -0.5)
+                logits = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+                logits.masked_fill_(mask, float("-inf"))
+                total += logits.softmax(dim=-1).sum(dim=2).mean(dim=(0, 1))
+        return total
+
     def score(self, kv: KVCache, following: torch.Tensor) -> torch.Tensor:
         """Teacher-forced logits after the context ``kv``: ``out[:, i]`` predicts ``following[:, i]``.
 
@@ -145,12 +203,33 @@ class HFRunner:
             GenerationError: the context has no tokens, bad positions, or the count is negative.
             SignatureMismatch: the KV was made by an incompatible model.
         """
+        new, _ = self._greedy(kv, max_new_tokens, eos_token_id)
+        return new
+
+    def continue_context(self, kv: KVCache, max_new_tokens: int, *, eos_token_id: int | None = None) -> KVCache:
+        """Like `generate`, but return the grown context: the tokens of ``kv`` followed by the new
+        ones, with the KV the model holds after generating (it covers every token but the last
+        generated one, whose KV is computed when the context is continued again).
+
+        The lineage is kept: continuing a degraded cache does not make it exact.
+        """
+        new, cache = self._greedy(kv, max_new_tokens, eos_token_id)
+        tokens = torch.cat([self._ids(kv.tokens), new], dim=1)
+        if cache is None or kv.positions is not None:
+            # Nothing computed (no new tokens), or a sparse cache: hand back tokens only.
+            return KVCache(tokens=tokens, signature=self.signature, fidelity=kv.fidelity)
+        grown = KVCache.from_hf(cache, tokens, self.model.config, model=self.name)
+        grown.fidelity = kv.fidelity
+        return grown
+
+    def _greedy(self, kv: KVCache, max_new_tokens: int, eos_token_id: int | None) -> tuple[torch.Tensor, Any]:
+        """Greedy decoding from ``kv``: the new tokens and the final `transformers` cache (or None)."""
         if max_new_tokens < 0:
             raise GenerationError(f"max_new_tokens={max_new_tokens} is negative")
         cache, feed, start = self._resume(kv)
         batch = feed.shape[0]
         if max_new_tokens == 0:
-            return feed.new_empty((batch, 0))
+            return feed.new_empty((batch, 0)), cache
         sparse = kv.positions is not None
         new: list[torch.Tensor] = []
         done = torch.zeros(batch, dtype=torch.bool)
@@ -168,4 +247,4 @@ class HFRunner:
                     done |= feed[:, 0] == eos_token_id
                     if bool(done.all()):
                         break
-        return torch.cat(new, dim=1)
+        return torch.cat(new, dim=1), cache

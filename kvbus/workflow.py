@@ -88,12 +88,23 @@ class Workflow:
         self.bus_config = bus_config or BusConfig(peer_timeout=120, grant_timeout=300, request_timeout=30)
 
     async def run(self, nats_url: str, policy: str, *, progress: Callable[[str], None] | None = None) -> RunResult:
-        """Run every round with ``policy`` (``adaptive`` or a medium forced on every transfer)."""
-        medium = None if policy == "adaptive" else policy
+        """Run every round over the bus with ``policy`` (``adaptive`` or a medium forced on every transfer)."""
+        bus = await Bus.connect(nats_url, config=self.bus_config)
+        try:
+            channel = await BusChannel.open(bus, self, policy)
+            return await self._rounds(channel, policy, progress)
+        finally:
+            await bus.close()
+
+    async def reference(self) -> RunResult:
+        """The same rounds in one process with contexts handed over as objects: the ground truth."""
+        return await self._rounds(LocalChannel(), "reference", None)
+
+    async def _rounds(self, channel: Channel, policy: str, progress: Callable[[str], None] | None) -> RunResult:
         result = RunResult(policy)
         say = progress or (lambda _msg: None)
-        bus = await Bus.connect(nats_url, config=self.bus_config)
         t0 = time.perf_counter()
+        channel.start(result, t0)
         held: dict[str, int] = {}
 
         def hold(agent: str, kv: KVCache) -> None:
@@ -103,76 +114,110 @@ class Workflow:
         def out(agent: str, tokens: torch.Tensor) -> None:
             result.outputs.setdefault(agent, []).append(tokens)
 
-        async def send(round_: int, agent: Any, to: list[str], kv: KVCache, *, foreign: bool = False) -> None:
-            start = time.perf_counter() - t0
-            # A static policy still cannot send KV to a different model: it falls back to tokens there.
-            use = "tokens" if foreign and medium is not None else medium
-            if len(to) == 1:
-                report = await agent.send(to[0], kv, medium=use)
-            else:
-                report = await agent.broadcast(to, kv, medium=use)
-            result.transfers.append(TransferRecord(
-                round_, agent.name, tuple(to), report.medium, report.nbytes, kv.nbytes, kv.n_tokens, start,
-                time.perf_counter() - t0, max(report.decode_s.values(), default=0.0)))
-            result.recompute_s += sum(report.decode_s.values()) if report.medium in ("tokens", "summary") else 0.0
+        coord, verifier = self.coordinator, self.verifier
+        history = self.encode("You coordinate a small team. Keep every step short and concrete.\n")
+        ctx: KVCache | None = None
+        for r, task in enumerate(self.tasks):
+            say(f"round {r + 1}/{len(self.tasks)}: coordinator plans")
+            prompt = torch.cat([history, self.encode(f"\nTask: {task}\nPlan in {len(self.executors)} parts:")], dim=-1)
+            ctx = await asyncio.to_thread(_extend, coord.runner, ctx, prompt, self.new_tokens)
+            out(coord.name, ctx.tokens[:, -self.new_tokens:])
+            hold(coord.name, ctx)
+            say(f"round {r + 1}: broadcast the plan to {len(self.executors)} executors")
+            plans = await channel.transfer(r, coord.name, [e.name for e in self.executors], ctx)
+            results: list[KVCache] = []
+            for i, ex in enumerate(self.executors):
+                got = plans[ex.name]
+                ask = torch.cat([got.tokens, self.encode(f"\nExecutor {i + 1}, do part {i + 1}:")], dim=-1)
+                say(f"round {r + 1}: executor {i + 1} works")
+                mine = await asyncio.to_thread(_extend, ex.runner, got, ask, self.new_tokens)
+                out(ex.name, mine.tokens[:, -self.new_tokens:])
+                hold(ex.name, mine)
+                results.append(mine)
+            say(f"round {r + 1}: executors -> verifier (gather)")
+            gathered = await asyncio.gather(*(channel.transfer(r, ex.name, [verifier.name], kv)
+                                              for ex, kv in zip(self.executors, results)))
+            # The verifier reads the last executor's context and checks it.
+            last = gathered[-1][verifier.name]
+            hold(verifier.name, last)
+            check = torch.cat([last.tokens, self.encode("\nVerifier: is the work correct? Answer:")], dim=-1)
+            say(f"round {r + 1}: verifier checks")
+            verdict = await asyncio.to_thread(_extend, verifier.runner, last, check, self.new_tokens)
+            out(verifier.name, verdict.tokens[:, -self.new_tokens:])
+            say(f"round {r + 1}: verdict -> coordinator")
+            ctx = (await channel.transfer(r, verifier.name, [coord.name], verdict))[coord.name]
+            hold(coord.name, ctx)
+            history = ctx.tokens
+            if self.archivist is not None:
+                arch = self.archivist
+                say(f"round {r + 1}: coordinator -> archivist (a different model)")
+                got = (await channel.transfer(r, coord.name, [arch.name], ctx, foreign=True))[arch.name]
+                note = torch.cat([got.tokens, self.encode("\nArchive note:")], dim=-1)
+                kept = await asyncio.to_thread(_extend, arch.runner, got, note, 8)
+                out(arch.name, kept.tokens[:, -8:])
+                hold(arch.name, kept)
+        result.e2e_s = time.perf_counter() - t0
+        return result
 
-        try:
-            tag = f"{policy.replace('(', '').replace(')', '').replace('+', '-').replace('.', '')}"
-            live = {}
-            for spec in [self.coordinator, *self.executors, self.verifier, *([self.archivist] if self.archivist else [])]:
-                live[spec.name] = await bus.agent(f"{spec.name}-{tag}", group=spec.group, role=spec.role,
-                                                  priority=spec.priority, runner=spec.runner, link=spec.link)
-            coord = live[self.coordinator.name]
-            verifier = live[self.verifier.name]
-            executors = [live[e.name] for e in self.executors]
-            history = self.encode("You coordinate a small team. Keep every step short and concrete.\n")
-            ctx: KVCache | None = None
-            for r, task in enumerate(self.tasks):
-                say(f"round {r + 1}/{len(self.tasks)}: coordinator plans")
-                prompt = torch.cat([history, self.encode(f"\nTask: {task}\nPlan in {len(executors)} parts:")], dim=-1)
-                ctx = await asyncio.to_thread(_extend, self.coordinator.runner, ctx, prompt, self.new_tokens)
-                out(coord.name, ctx.tokens[:, -self.new_tokens:])
-                hold(coord.name, ctx)
-                say(f"round {r + 1}: broadcast the plan to {len(executors)} executors")
-                await send(r, coord, [e.name for e in executors], ctx)
-                results: list[KVCache] = []
-                for i, ex in enumerate(executors):
-                    d = await ex.receive(timeout=300)
-                    ask = torch.cat([d.kv.tokens, self.encode(f"\nExecutor {i + 1}, do part {i + 1}:")], dim=-1)
-                    say(f"round {r + 1}: executor {i + 1} works")
-                    mine = await asyncio.to_thread(_extend, self.executors[i].runner, d.kv, ask, self.new_tokens)
-                    out(ex.name, mine.tokens[:, -self.new_tokens:])
-                    hold(ex.name, mine)
-                    results.append(mine)
-                say(f"round {r + 1}: executors -> verifier (gather)")
-                await asyncio.gather(*(send(r, ex, [verifier.name], kv) for ex, kv in zip(executors, results)))
-                got = await verifier.gather([e.name for e in executors], timeout=300)
-                # The verifier reads the last executor's full context and checks it.
-                last = got[executors[-1].name].kv
-                hold(verifier.name, last)
-                check = torch.cat([last.tokens, self.encode("\nVerifier: is the work correct? Answer:")], dim=-1)
-                say(f"round {r + 1}: verifier checks")
-                verdict = await asyncio.to_thread(_extend, self.verifier.runner, last, check, self.new_tokens)
-                out(verifier.name, verdict.tokens[:, -self.new_tokens:])
-                say(f"round {r + 1}: verdict -> coordinator")
-                await send(r, verifier, [coord.name], verdict)
-                back = await coord.receive(timeout=300)
-                ctx = back.kv
-                hold(coord.name, ctx)
-                history = ctx.tokens
-                if self.archivist is not None:
-                    arch = live[self.archivist.name]
-                    say(f"round {r + 1}: coordinator -> archivist (a different model)")
-                    await send(r, coord, [arch.name], ctx, foreign=True)
-                    d = await arch.receive(timeout=300)
-                    note = torch.cat([d.kv.tokens, self.encode("\nArchive note:")], dim=-1)
-                    kept = await asyncio.to_thread(_extend, self.archivist.runner, d.kv, note, 8)
-                    out(arch.name, kept.tokens[:, -8:])
-                    hold(arch.name, kept)
-            result.e2e_s = time.perf_counter() - t0
-            return result
-        finally:
-            await bus.close()
+
+class Channel:
+    """How contexts move between the workflow's agents."""
+
+    result: RunResult
+    t0: float
+
+    def start(self, result: RunResult, t0: float) -> None:
+        self.result, self.t0 = result, t0
+
+    async def transfer(self, round_: int, src: str, dst: list[str], kv: KVCache, *,
+                       foreign: bool = False) -> dict[str, KVCache]:
+        """Move ``kv`` from ``src`` to every agent of ``dst``; return what each one has."""
+        raise NotImplementedError
+
+
+class LocalChannel(Channel):
+    """Hands the object over: no bus, no codec (the reference run)."""
+
+    async def transfer(self, round_: int, src: str, dst: list[str], kv: KVCache, *,
+                       foreign: bool = False) -> dict[str, KVCache]:
+        return {d: kv.token_only() if foreign else kv for d in dst}
+
+
+class BusChannel(Channel):
+    """Real transfers on kvbus, one `send`/`broadcast` each, with a record per transfer."""
+
+    def __init__(self, agents: dict[str, Any], medium: str | None) -> None:
+        self.agents = agents
+        self.medium = medium
+
+    @classmethod
+    async def open(cls, bus: Bus, flow: Workflow, policy: str) -> BusChannel:
+        tag = policy.replace("(", "").replace(")", "").replace("+", "-").replace(".", "")
+        agents = {}
+        specs = [flow.coordinator, *flow.executors, flow.verifier, *([flow.archivist] if flow.archivist else [])]
+        for spec in specs:
+            agents[spec.name] = await bus.agent(f"{spec.name}-{tag}", group=spec.group, role=spec.role,
+                                                priority=spec.priority, runner=spec.runner, link=spec.link)
+        return cls(agents, None if policy == "adaptive" else policy)
+
+    async def transfer(self, round_: int, src: str, dst: list[str], kv: KVCache, *,
+                       foreign: bool = False) -> dict[str, KVCache]:
+        sender = self.agents[src]
+        receivers = [self.agents[d] for d in dst]
+        start = time.perf_counter() - self.t0
+        # A static policy still cannot send KV to a different model: it falls back to tokens there.
+        medium = "tokens" if foreign and self.medium is not None else self.medium
+        if len(receivers) == 1:
+            report = await sender.send(receivers[0].name, kv, medium=medium)
+        else:
+            report = await sender.broadcast([r.name for r in receivers], kv, medium=medium)
+        got = {d: (await r.gather([sender.name], timeout=300))[sender.name].kv for d, r in zip(dst, receivers)}
+        self.result.transfers.append(TransferRecord(
+            round_, src, tuple(dst), report.medium, report.nbytes, kv.nbytes, kv.n_tokens, start,
+            time.perf_counter() - self.t0, max(report.decode_s.values(), default=0.0)))
+        if report.medium in ("tokens", "summary") or report.medium.startswith("summary"):
+            self.result.recompute_s += sum(report.decode_s.values())
+        return got
 
 
 def _extend(runner: Any, kv: KVCache | None, tokens: torch.Tensor, n: int) -> KVCache:

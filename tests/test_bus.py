@@ -268,8 +268,8 @@ async def test_codec_metadata_over_the_limit(pair: tuple[Any, Any, Bus], monkeyp
 
     original = FullCodec.encode
 
-    def bloated(self, kv):  # noqa: ANN001, ANN202
-        enc = original(self, kv)
+    def bloated(self, kv, **kw):  # noqa: ANN001, ANN003, ANN202
+        enc = original(self, kv, **kw)
         enc.meta["padding"] = "x" * (300 * 1024)
         return enc
 
@@ -353,3 +353,20 @@ async def test_gather_collects_one_from_each(bus: Bus, nats_url: str) -> None:
 def test_xxhash_is_stable() -> None:
     # Chunk and payload digests must agree across processes and machines.
     assert xxhash.xxh3_64_hexdigest(b"kvbus") == xxhash.xxh3_64_hexdigest(bytearray(b"kvbus"))
+
+
+async def test_delta_sends_only_new_tokens_and_falls_back_when_the_base_is_gone(pair: tuple[Any, Any, Bus]) -> None:
+    tx, rx, _ = pair
+    whole = random_kv(SIG, 500, seed=21)
+    await tx.send(rx.name, whole.slice(0, 300), medium="full")
+    assert (await rx.receive(timeout=5)).kv.equal(whole.slice(0, 300))
+    grown = whole.slice(0, 400)
+    report = await tx.send(rx.name, grown, medium="delta+full")
+    d = await rx.receive(timeout=5)
+    assert d.kv.equal(grown)
+    assert report.nbytes < 0.35 * grown.nbytes
+    rx._bases.clear()  # the receiver lost its base (a restart, say): never a wrong cache
+    report = await tx.send(rx.name, whole, medium="delta+full")
+    d = await rx.receive(timeout=5)
+    assert d.kv.equal(whole)
+    assert report.medium == "full"

@@ -1,0 +1,264 @@
+"""Calibration profiles: measured speed, size and fidelity of every medium, saved and reused.
+
+`kvbus calibrate` (`kvbus.calibrate`) measures them on a real model and writes a profile; the
+cost model and the codecs load it. Lookup order of `load_profile` without a path:
+``$KVBUS_CALIBRATION``, else ``~/.cache/kvbus/calibration.json``, else the profile shipped
+with kvbus (``kvbus/data/calibration_default.json``, measured on SmolLM2-135M-Instruct on a
+2-core CPU).
+
+Fidelity factor of a lossy medium: ``top1 * exp(-kl)``, clamped to ``[0.001, 1]``, where
+``top1`` is the agreement of the greedy next token with the uncompressed cache's and ``kl`` the
+mean next-token KL divergence (nats), both averaged over the tokens that follow the context.
+``top1`` alone is the chance a greedy step is unchanged; ``exp(-kl)`` further discounts media
+that keep the argmax but flatten or shift the distribution (which sampling and later steps
+feel). Lossless media have exactly 1.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from kvbus.codecs.errors import CalibrationError
+
+logger = logging.getLogger(__name__)
+
+#: Version of the profile format; a profile of another version is refused.
+PROFILE_VERSION = 1
+#: Environment variable naming the profile to use.
+PROFILE_ENV = "KVBUS_CALIBRATION"
+#: Lower bound of a lossy medium's fidelity factor.
+MIN_FIDELITY = 1e-3
+#: Largest profile file read (bytes).
+MAX_PROFILE_BYTES = 4 << 20
+
+
+def fidelity_from(top1: float, kl: float, *, lossless: bool = False) -> float:
+    """The fidelity factor of a medium from its measured top-1 agreement and KL (see module doc)."""
+    if lossless:
+        return 1.0
+    if not (math.isfinite(top1) and math.isfinite(kl)):
+        return MIN_FIDELITY
+    return float(min(1.0, max(MIN_FIDELITY, top1 * math.exp(-max(kl, 0.0)))))
+
+
+@dataclass(frozen=True, slots=True)
+class CodecFigures:
+    """What one medium costs and loses, measured on the profile's model and machine."""
+
+    encode_gbps: float
+    """Encode throughput, GB/s of uncompressed KV bytes (1e9 bytes)."""
+    decode_gbps: float
+    """Decode throughput, GB/s of uncompressed KV bytes (``tokens``, ``summary``: with the receiver's prefill)."""
+    ratio: float
+    """Uncompressed KV bytes / encoded bytes (>= 1 for compressing media)."""
+    rel_error: float
+    """Relative L2 error of the decoded keys and values (0 for lossless; nan where not comparable)."""
+    kl: float
+    """Mean next-token KL divergence (nats) from the uncompressed cache's distribution."""
+    top1: float
+    """Fraction of following positions where the greedy token agrees with the uncompressed cache's."""
+    nll_delta: float
+    """Mean change in NLL per following token vs the uncompressed cache (nats; > 0 is worse)."""
+    fidelity: float
+    """Fidelity factor in (0, 1]: ``top1 * exp(-kl)`` clamped (1.0 for lossless)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationProfile:
+    """A calibration run: per-medium figures and the model's own costs."""
+
+    version: int
+    """Format version (`PROFILE_VERSION`)."""
+    model: dict[str, Any]
+    """Signature of the model measured (`ModelSignature.to_dict`)."""
+    machine: dict[str, Any]
+    """Where it was measured (python, torch, platform, cpus)."""
+    created: str
+    """When (ISO 8601, UTC)."""
+    codecs: dict[str, CodecFigures]
+    """Figures per medium, keyed by canonical spec."""
+    prefill_tokens_per_s: float
+    """The model's prefill throughput over ``context_tokens`` tokens (the cost of ``tokens``)."""
+    decode_token_s: float
+    """Seconds per generated token (greedy, batch 1, after a ``context_tokens`` context)."""
+    context_tokens: int
+    """Length of the context windows measured."""
+    details: dict[str, Any] = field(default_factory=dict)
+    """How it was measured (windows, following tokens, compile mode, ...)."""
+
+    def figures(self, spec: str) -> CodecFigures | None:
+        """The figures of a medium, ``spec`` in any form (canonicalised first), or None."""
+        hit = self.codecs.get(spec)
+        if hit is not None:
+            return hit
+        try:
+            from kvbus.codecs.base import get_codec
+
+            return self.codecs.get(get_codec(spec).name)
+        except ValueError:
+            return None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The profile as JSON-able data."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["codecs"] = {k: asdict(v) for k, v in self.codecs.items()}
+        return out
+
+    @classmethod
+    def from_dict(cls, data: object, path: str = "<memory>") -> CalibrationProfile:
+        """Validate and build a profile from parsed JSON.
+
+        Raises:
+            CalibrationError: a field is missing, of the wrong type, or the version is unknown.
+        """
+        if not isinstance(data, dict):
+            raise CalibrationError(path, f"expected a JSON object, got {type(data).__name__}")
+        version = data.get("version")
+        if version != PROFILE_VERSION:
+            raise CalibrationError(path, f"version {version!r} is not the supported {PROFILE_VERSION}")
+
+        def get(key: str, kind: type | tuple[type, ...]) -> Any:
+            if key not in data:
+                raise CalibrationError(path, f"field {key!r} is missing")
+            value = data[key]
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise CalibrationError(path, f"field {key!r} has type {type(value).__name__}")
+            return value
+
+        raw_codecs = get("codecs", dict)
+        codecs: dict[str, CodecFigures] = {}
+        names = [f.name for f in fields(CodecFigures)]
+        for spec, figs in raw_codecs.items():
+            if not isinstance(figs, dict):
+                raise CalibrationError(path, f"codecs[{spec!r}] is not an object")
+            values = {}
+            for name in names:
+                value = figs.get(name)
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise CalibrationError(path, f"codecs[{spec!r}].{name} must be a number, got {value!r}")
+                values[name] = float(value)
+            if not 0 < values["fidelity"] <= 1:
+                raise CalibrationError(path, f"codecs[{spec!r}].fidelity={values['fidelity']} is outside (0, 1]")
+            if not values["ratio"] > 0:
+                raise CalibrationError(path, f"codecs[{spec!r}].ratio={values['ratio']} is not positive")
+            codecs[str(spec)] = CodecFigures(**values)
+        prefill = float(get("prefill_tokens_per_s", (int, float)))
+        decode = float(get("decode_token_s", (int, float)))
+        if not (prefill > 0 and decode > 0 and math.isfinite(prefill) and math.isfinite(decode)):
+            raise CalibrationError(path, "prefill_tokens_per_s and decode_token_s must be positive")
+        return cls(version=version, model=get("model", dict), machine=get("machine", dict),
+                   created=get("created", str), codecs=codecs, prefill_tokens_per_s=prefill,
+                   decode_token_s=decode, context_tokens=int(get("context_tokens", int)),
+                   details=dict(data.get("details") or {}))
+
+
+def shipped_profile_path() -> Path:
+    """The profile shipped with kvbus (``kvbus/data/calibration_default.json``)."""
+    import kvbus.data
+
+    return Path(kvbus.data.__file__).resolve().parent / "calibration_default.json"
+
+
+def user_profile_path() -> Path:
+    """Where `kvbus calibrate` writes by default: ``$KVBUS_CALIBRATION``, else ``~/.cache/kvbus/calibration.json``."""
+    env = os.environ.get(PROFILE_ENV)
+    if env:
+        return Path(env).expanduser()
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "kvbus" / "calibration.json"
+
+
+def default_profile_path() -> Path:
+    """The profile `load_profile` reads without a path: the user's if it exists, else the shipped one.
+
+    ``$KVBUS_CALIBRATION`` is returned as is when set, even if the file is missing (loading it
+    then fails loudly rather than silently using another profile).
+    """
+    user = user_profile_path()
+    if os.environ.get(PROFILE_ENV) or user.is_file():
+        return user
+    return shipped_profile_path()
+
+
+def load_profile(path: str | Path | None = None) -> CalibrationProfile:
+    """Read a calibration profile (``path``, else `default_profile_path`).
+
+    Raises:
+        CalibrationError: the file is missing, unreadable, not JSON, or not a valid profile.
+    """
+    p = Path(path).expanduser() if path is not None else default_profile_path()
+    try:
+        with open(p, "rb") as fh:
+            raw = fh.read(MAX_PROFILE_BYTES + 1)
+    except OSError as exc:
+        raise CalibrationError(str(p), f"cannot read it ({exc.strerror or exc})") from None
+    if len(raw) > MAX_PROFILE_BYTES:
+        raise CalibrationError(str(p), f"larger than {MAX_PROFILE_BYTES} bytes")
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CalibrationError(str(p), f"not valid JSON ({exc})") from None
+    return CalibrationProfile.from_dict(data, str(p))
+
+
+def save_profile(profile: CalibrationProfile, path: str | Path) -> Path:
+    """Write ``profile`` as JSON to ``path`` atomically (a temporary file, then a rename)."""
+    p = Path(path).expanduser()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(profile.to_dict(), indent=2, sort_keys=False, allow_nan=True) + "\n")
+    os.replace(tmp, p)
+    return p
+
+
+# -- the profile codecs use ---------------------------------------------------------------------
+
+_lock = threading.Lock()
+_active: CalibrationProfile | None = None
+_loaded = False
+
+
+def active_profile() -> CalibrationProfile | None:
+    """The profile codecs take their fidelity factors from (loaded once from the default path).
+
+    A profile that cannot be loaded is logged and ignored: codecs then use their class defaults.
+    """
+    global _active, _loaded
+    with _lock:
+        if not _loaded:
+            _loaded = True
+            try:
+                _active = load_profile()
+            except CalibrationError as exc:
+                logger.warning("no usable calibration profile (%s); codecs use their default fidelity factors", exc)
+                _active = None
+        return _active
+
+
+def set_active_profile(profile: CalibrationProfile | str | Path | None) -> CalibrationProfile | None:
+    """Use ``profile`` (or the profile at a path, or none) for codecs built from now on.
+
+    Raises:
+        CalibrationError: a path was given that does not hold a valid profile.
+    """
+    global _active, _loaded
+    loaded = load_profile(profile) if isinstance(profile, (str, Path)) else profile
+    with _lock:
+        _active, _loaded = loaded, True
+    return loaded
+
+
+def measured_fidelity(spec: str) -> float | None:
+    """The active profile's fidelity factor for canonical ``spec``, or None."""
+    profile = active_profile()
+    if profile is None:
+        return None
+    figs = profile.codecs.get(spec)
+    return figs.fidelity if figs is not None else None
