@@ -8,6 +8,7 @@ from kvbus.bus.errors import (
     PayloadTooLarge,
     ReceiverGone,
     ReceiveTimeout,
+    ReservationRefused,
     SchedulerUnavailable,
     TransferError,
     TransferRejected,
@@ -19,6 +20,6 @@ from kvbus.bus.types import Delivery, TransferReport
 
 __all__ = [
     "Agent", "Bus", "BusClosed", "BusConfig", "BusError", "Delivery", "EmulatedLink", "NatsTransport", "NoResponders",
-    "PayloadTooLarge", "ReceiveTimeout", "ReceiverGone", "SchedulerUnavailable", "Status", "TransferError",
+    "PayloadTooLarge", "ReceiveTimeout", "ReceiverGone", "ReservationRefused", "SchedulerUnavailable", "Status", "TransferError",
     "TransferRejected", "TransferReport", "TransferTimeout", "Transport",
 ]

@@ -18,11 +18,13 @@ from nats.aio.msg import Msg
 from nats.js.errors import BucketNotFoundError
 
 from kvbus.bus.config import HEADER_ROOM, BusConfig
+from kvbus.bus.control import TransferControls
 from kvbus.bus.pacing import EmulatedLink
 from kvbus.bus.errors import (
     BusClosed,
     PayloadTooLarge,
     ReceiveTimeout,
+    ReservationRefused,
     SchedulerUnavailable,
     TransferError,
     TransferRejected,
@@ -40,11 +42,13 @@ from kvbus.protocol import (
     MAX_META_BYTES,
     AgentRecord,
     Control,
+    FlowReservation,
     Grant,
     Open,
     OpenReply,
     Probe,
     RequestAck,
+    ReservationReply,
     TransferDone,
     TransferRequest,
     agent_subject,
@@ -181,7 +185,11 @@ class Agent:
         self._config = bus.config
         self._subs: list[Any] = []
         self._grants: dict[str, asyncio.Future[Grant]] = {}
-        self._outgoing: dict[str, OutgoingTransfer] = {}
+        self._controls = TransferControls()
+        self._outgoing: dict[str, OutgoingTransfer] = self._controls.outgoing
+        self._scheduler_seen = False
+        """Whether the group scheduler has answered this agent (a silent one is then waited for)."""
+        self._shed_tasks: set[asyncio.Task[Any]] = set()
         self._incoming: dict[str, IncomingTransfer] = {}
         self._completed: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._deliveries: asyncio.Queue[Delivery] = asyncio.Queue()
@@ -273,7 +281,7 @@ class Agent:
             SignatureMismatch: ``kv`` does not fit its own model signature.
             TransferError: the transfer failed; the subclass says why.
         """
-        return await self._transfer([to], kv, medium=medium, deadline=deadline, critical=critical)
+        return await self._send_with_fallback([to], kv, medium=medium, deadline=deadline, critical=critical)
 
     async def broadcast(self, to: Iterable[str], kv: KVCache, *, medium: str | None = None,
                         deadline: float | None = None, critical: bool = False) -> TransferReport:
@@ -285,7 +293,22 @@ class Agent:
         receivers = list(dict.fromkeys(to))
         if not receivers:
             raise ValueError("broadcast needs at least one receiver")
-        return await self._transfer(receivers, kv, medium=medium, deadline=deadline, critical=critical)
+        return await self._send_with_fallback(receivers, kv, medium=medium, deadline=deadline, critical=critical)
+
+    async def _send_with_fallback(self, receivers: list[str], kv: KVCache, *, medium: str | None,
+                                  deadline: float | None, critical: bool) -> TransferReport:
+        """`_transfer`, sent again without delta when a receiver no longer holds the base it was
+        encoded against (it restarted, or got a context from us it could not keep)."""
+        try:
+            return await self._transfer(receivers, kv, medium=medium, deadline=deadline, critical=critical)
+        except TransferRejected as exc:
+            if "DeltaBaseMismatch" not in exc.reason and "delta base" not in exc.reason:
+                raise
+            for rx in receivers:
+                self._sent_tokens.pop(rx, None)
+            logger.info("transfer %s: a receiver lost its delta base; sending the whole context", exc.transfer_id)
+            retry = medium.split("+", 1)[1] if medium and medium.startswith("delta+") else medium
+            return await self._transfer(receivers, kv, medium=retry, deadline=deadline, critical=critical)
 
     async def _transfer(self, receivers: list[str], kv: KVCache, *, medium: str | None, deadline: float | None,
                         critical: bool) -> TransferReport:
@@ -302,10 +325,12 @@ class Agent:
         t_grant = time.perf_counter()
         try:
             codec = get_codec(grant.medium)
-            if kv.nbytes > OFFLOAD_BYTES:
-                encoded = await asyncio.to_thread(codec.encode, kv)
+            # What the receivers already hold from this agent (delta media send only the rest).
+            base = self._delta_base(receivers, kv)
+            if kv.nbytes > OFFLOAD_BYTES or not codec.needs_kv:
+                encoded = await asyncio.to_thread(codec.encode, kv, base=base, runner=self.runner)
             else:
-                encoded = codec.encode(kv)
+                encoded = codec.encode(kv, base=base, runner=self.runner)
             t_enc = time.perf_counter()
             meta = packb(encoded.meta)
             if len(meta) > MAX_META_BYTES:
@@ -348,6 +373,13 @@ class Agent:
 
     async def _request_grant(self, transfer_id: str, receivers: list[str], kv: KVCache, medium: str | None,
                              deadline: float | None, critical: bool) -> Grant:
+        """Ask the group scheduler for a grant and wait for it.
+
+        A queued request is asked again every ``regrant_interval`` (the same transfer id, so the
+        scheduler keeps one entry): a scheduler that restarted, or a standby that took over,
+        learns of it that way. While no scheduler answers, a sender that has seen one keeps
+        trying until its wait is over; one that never saw a scheduler fails at once.
+        """
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Grant] = loop.create_future()
         self._grants[transfer_id] = fut
@@ -358,29 +390,13 @@ class Agent:
                 deadline=time.time() + deadline if deadline is not None else None, critical=critical,
                 fidelity=float(kv.fidelity), base_tokens=self._base_tokens(receivers, kv),
             )
-            try:
-                data = await self._transport.request(sched_subject(self.group, "request"), request.encode(),
-                                                     timeout=self._config.request_timeout)
-            except NoResponders:
-                raise SchedulerUnavailable(transfer_id, self.group) from None
-            except TimeoutError:
-                raise TransferTimeout(transfer_id, f"asking the scheduler of group {self.group!r}",
-                                      self._config.request_timeout) from None
-            answer = decode_message(data, RequestAck, Grant)
-            if isinstance(answer, Grant):
-                grant = answer
-            else:
-                if not answer.ok:
-                    raise TransferRejected(transfer_id, f"scheduler of {self.group}", answer.reason)
-                wait = deadline if deadline is not None else self._config.grant_timeout
-                try:
-                    grant = await asyncio.wait_for(fut, wait)
-                except TimeoutError:
-                    raise TransferTimeout(transfer_id, "waiting for a grant", wait) from None
+            wait = deadline if deadline is not None else self._config.grant_timeout
+            grant = await self._ask_scheduler(transfer_id, request.encode(), fut, wait)
         finally:
             self._grants.pop(transfer_id, None)
         if not grant.medium:
             raise TransferRejected(transfer_id, f"scheduler of {self.group}", grant.reason)
+        self._controls.granted(transfer_id)
         delay = grant.start_at - time.time()
         if grant.latency_s > 0:
             # Link emulation: the transfer's round trips (request, open, verdict) on a path with
@@ -389,6 +405,86 @@ class Agent:
         if delay > 0:
             await asyncio.sleep(min(delay, self._config.grant_timeout))
         return grant
+
+    async def _ask_scheduler(self, transfer_id: str, payload: bytes, fut: asyncio.Future[Grant], wait: float) -> Grant:
+        subject = sched_subject(self.group, "request")
+        give_up = time.monotonic() + max(wait, self._config.request_timeout)
+        backoff = 0.05
+        while True:
+            left = give_up - time.monotonic()
+            if fut.done():
+                return fut.result()
+            if left <= 0:
+                stage = "waiting for a grant" if self._scheduler_seen else f"asking the scheduler of group {self.group!r}"
+                raise TransferTimeout(transfer_id, stage, wait)
+            try:
+                data = await self._transport.request(subject, payload, timeout=min(self._config.request_timeout, left))
+            except NoResponders:
+                if not self._scheduler_seen:
+                    raise SchedulerUnavailable(transfer_id, self.group) from None
+                # Its scheduler is gone (restarting, failing over): ask again shortly.
+                await asyncio.wait({fut}, timeout=min(backoff, left))
+                backoff = min(2 * backoff, self._config.regrant_interval)
+                continue
+            except TimeoutError:
+                continue
+            self._scheduler_seen = True
+            backoff = 0.05
+            answer = decode_message(data, RequestAck, Grant)
+            if isinstance(answer, Grant):
+                return answer
+            if not answer.ok:
+                raise TransferRejected(transfer_id, f"scheduler of {self.group}", answer.reason)
+            # Queued: the grant comes on the ctl subject. Ask again if it takes long.
+            await asyncio.wait({fut}, timeout=min(self._config.regrant_interval, max(0.0, give_up - time.monotonic())))
+
+    async def reserve(self, to: str | Iterable[str], *, period: float, size: int, deadline: float) -> str:
+        """Reserve bandwidth for a periodic critical flow from this agent: ``size`` bytes every
+        ``period`` seconds, each due ``deadline`` seconds after its period starts.
+
+        Critical sends (``critical=True``) to exactly ``to`` then use the bandwidth set aside.
+
+        Returns:
+            The reservation id (for `unreserve`).
+
+        Raises:
+            ReservationRefused: admission control said no; ``reason`` says why.
+            SchedulerUnavailable: no scheduler answers for this agent's group.
+        """
+        receivers = [to] if isinstance(to, str) else list(dict.fromkeys(to))
+        for rx in receivers:
+            check_name("agent", rx)
+        rid = uuid.uuid4().hex[:16]
+        msg = FlowReservation(reservation_id=rid, src=self.name, dst=receivers, group=self.group,
+                              period_s=float(period), size_bytes=int(size), deadline_s=float(deadline))
+        reply = await self._reservation_request(msg)
+        if not reply.ok:
+            raise ReservationRefused(rid, reply.reason)
+        return rid
+
+    async def unreserve(self, reservation_id: str) -> None:
+        """Release a reservation made with `reserve`."""
+        msg = FlowReservation(reservation_id=reservation_id, src=self.name, dst=[], group=self.group, period_s=0.0,
+                              size_bytes=0, deadline_s=0.0, cancel=True)
+        await self._reservation_request(msg)
+
+    async def _reservation_request(self, msg: FlowReservation) -> ReservationReply:
+        try:
+            data = await self._transport.request(sched_subject(self.group, "reserve"), msg.encode(),
+                                                 timeout=self._config.request_timeout)
+        except NoResponders:
+            raise SchedulerUnavailable(msg.reservation_id, self.group) from None
+        except TimeoutError:
+            raise TransferTimeout(msg.reservation_id, f"asking the scheduler of group {self.group!r} for a "
+                                  f"reservation", self._config.request_timeout) from None
+        return ReservationReply.decode(data)
+
+    def _delta_base(self, receivers: list[str], kv: KVCache) -> KVCache | None:
+        """A token-only context of what every receiver last got from this agent (None if they differ)."""
+        sent = [self._sent_tokens.get(rx) for rx in receivers]
+        if any(t is None for t in sent) or any(not torch.equal(t, sent[0]) for t in sent[1:]):
+            return None
+        return KVCache(tokens=sent[0], signature=kv.signature)
 
     def _base_tokens(self, receivers: list[str], kv: KVCache) -> int:
         """Tokens at the start of ``kv`` that every receiver already got from this agent."""
@@ -428,19 +524,33 @@ class Agent:
             if fut is not None and not fut.done():
                 fut.set_result(cmd)
             return
-        out = self._outgoing.get(cmd.transfer_id)
-        if out is None:
+        if cmd.action == "shed":
+            self._shed(cmd)
             return
-        if cmd.action == "pause":
-            out.pause()
-        elif cmd.action == "resume":
-            out.resume()
-        else:
-            for outcome in out.outcomes.values():
-                if not outcome.ok and outcome.error is None:
-                    outcome.error = TransferRejected(cmd.transfer_id, "scheduler", cmd.reason or "cancelled")
-            out.resume()
-            out._progress.set()
+        reply = self._controls.apply(cmd)
+        if not reply.ok:
+            logger.debug("agent %s: %s of %s declined: %s", self.name, cmd.action, cmd.transfer_id, reply.reason)
+        if msg.reply:
+            await self._transport.reply(msg, reply.encode())
+
+    def _shed(self, cmd: Control) -> None:
+        """Memory hint from the scheduler: the cache passed its watermark. Without a cache tier, ignored."""
+        shed = getattr(self.cache, "shed", None)
+        if shed is None:
+            return
+        logger.info("agent %s: shedding cache (%s)", self.name, cmd.reason)
+
+        async def run() -> None:
+            try:
+                await shed(cmd.nbytes or None)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("agent %s: shedding the cache failed", self.name)
+
+        task = asyncio.create_task(run(), name=f"kvbus-shed-{self.name}")
+        self._shed_tasks.add(task)
+        task.add_done_callback(self._shed_tasks.discard)
 
     async def _on_ack(self, msg: Msg) -> None:
         from kvbus.protocol import Ack
@@ -502,7 +612,7 @@ class Agent:
             try:
                 delivery = await self._decode(open_msg, buffers, 0.0)
             except KVBusError as exc:
-                return OpenReply(transfer_id=tid, ok=False, reason=f"cannot decode: {exc}")
+                return OpenReply(transfer_id=tid, ok=False, reason=f"cannot decode ({type(exc).__name__}): {exc}")
             self._deliver(delivery)
             return OpenReply(transfer_id=tid, ok=True, done=True, decode_s=time.perf_counter() - t0)
         incoming = IncomingTransfer(self._transport, open_msg, self.name, self._config, self._finish, plan)
@@ -537,7 +647,7 @@ class Agent:
         try:
             delivery = await self._decode(incoming.open, incoming.assembly.result(), transfer_s)
         except KVBusError as exc:
-            await incoming._ack(done=True, ok=False, reason=f"cannot decode: {exc}")
+            await incoming._ack(done=True, ok=False, reason=f"cannot decode ({type(exc).__name__}): {exc}")
             return
         decode_s = time.perf_counter() - t0
         self._deliver(delivery)

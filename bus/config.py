@@ -35,6 +35,9 @@ class BusConfig:
     """Seconds to wait for a scheduler's or receiver's answer to a request."""
     grant_timeout: float = 60.0
     """Seconds to wait for a grant when the send has no deadline."""
+    regrant_interval: float = 1.0
+    """A queued sender asks its scheduler again after this many seconds without a grant (the
+    scheduler may have restarted); also the longest pause between tries while none answers."""
     partial_timeout: float = 30.0
     """Seconds a receiver keeps a partial transfer whose sender went silent."""
     probe_interval: float = 1.0
@@ -51,8 +54,8 @@ class BusConfig:
             raise ConfigError(f"window {self.window} must be in 1..4096")
         if not 1 <= self.ack_every <= self.window:
             raise ConfigError(f"ack_every {self.ack_every} must be in 1..window ({self.window})")
-        for name in ("ack_timeout", "peer_timeout", "request_timeout", "grant_timeout", "partial_timeout",
-                     "probe_interval"):
+        for name in ("ack_timeout", "peer_timeout", "request_timeout", "grant_timeout", "regrant_interval",
+                     "partial_timeout", "probe_interval"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
 

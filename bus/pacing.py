@@ -26,8 +26,9 @@ class EmulatedLink:
 class TokenBucket:
     """Allows ``rate`` bytes/s on average with bursts up to ``burst`` bytes.
 
-    A rate of 0 means unpaced. `set_rate` takes effect on the next `take`, so a scheduler can
-    change a running stream's rate.
+    A rate of 0 means unpaced. `set_rate` takes effect at once, also for a `take` already
+    waiting (its remaining wait is recomputed at the new rate), so a scheduler can change a
+    running stream's rate without the chunk in flight keeping the old one.
     """
 
     def __init__(self, rate: float = 0.0, burst: float | None = None, clock=time.monotonic) -> None:
@@ -38,12 +39,16 @@ class TokenBucket:
         # takes N / rate (a full bucket would let the first burst through for free).
         self._tokens = 0.0
         self._last = clock()
+        self._waiter: asyncio.Future[None] | None = None
 
     def set_rate(self, rate: float, burst: float | None = None) -> None:
         self._refill()
         self.rate = float(rate)
         if burst is not None:
             self.burst = float(burst)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def _refill(self) -> None:
         now = self._clock()
@@ -59,7 +64,35 @@ class TokenBucket:
         self._tokens -= nbytes
         return 0.0 if self._tokens >= 0 else -self._tokens / self.rate
 
+    def restart(self) -> None:
+        """Forget credit saved while the stream was idle (paused): it restarts at its rate, no burst."""
+        self._refill()
+        self._tokens = min(self._tokens, 0.0)
+
+    def _debt_delay(self) -> float:
+        """Seconds until the bytes already reserved are earned at the current rate."""
+        if self.rate <= 0:
+            return 0.0
+        self._refill()
+        return 0.0 if self._tokens >= 0 else -self._tokens / self.rate
+
     async def take(self, nbytes: int) -> None:
         delay = self.delay_for(nbytes)
-        if delay > 0:
-            await asyncio.sleep(delay)
+        while delay > 0:
+            loop = asyncio.get_running_loop()
+            waiter = self._waiter = loop.create_future()
+            timer = loop.call_later(delay, _release, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+            # Woken early by set_rate: wait out the rest of the debt at the new rate.
+            delay = self._debt_delay()
+            if self.rate <= 0:
+                self._tokens = 0.0  # unpaced now: the debt is forgiven
+
+
+def _release(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

@@ -146,9 +146,15 @@ class ReceiverOutcome:
 @dataclass
 class StreamStats:
     chunks_sent: int = 0
+    """Chunk messages published, retransmissions included."""
     retransmits: int = 0
     bytes_sent: int = 0
     pauses: int = 0
+    declined_pauses: int = 0
+    """Pause requests refused because too much had been sent already."""
+    rate_changes: int = 0
+    paused_s: float = 0.0
+    """Time spent paused."""
     started: float = field(default_factory=time.perf_counter)
     finished: float = 0.0
 
@@ -197,21 +203,63 @@ class OutgoingTransfer:
         self._progress = asyncio.Event()
         self._running = asyncio.Event()
         self._running.set()
+        self._paused_at = 0.0
+        self._started = False
         self._last_progress = time.monotonic()
 
     # -- control from the scheduler --------------------------------------------------------
 
-    def pause(self) -> None:
+    @property
+    def paused(self) -> bool:
+        return not self._running.is_set()
+
+    @property
+    def fraction_sent(self) -> float:
+        """Share of the payload's bytes that have gone out at least once (exact, at chunk boundaries)."""
+        if not self._started:
+            return 0.0
+        if self.open.inline:
+            return 1.0
+        if not self.plan.total or not self._next:
+            return 0.0
+        return self.plan.plan.ranges[self._next - 1][1] / self.plan.total
+
+    def pause(self, max_fraction: float = 1.0) -> bool:
+        """Stop at the next chunk boundary, unless ``max_fraction`` or more of the payload has been sent.
+
+        Returns whether the transfer is paused. An inline payload, once started, travels in one
+        message and cannot pause. Chunks already sent are not sent again on `resume`.
+        """
+        if self._started and (self.open.inline or self.fraction_sent >= max_fraction):
+            self.stats.declined_pauses += 1
+            return False
         if self._running.is_set():
             self.stats.pauses += 1
-        self._running.clear()
+            self._paused_at = time.monotonic()
+            self._running.clear()
+            self._progress.set()  # wake a sender waiting for credit so it sees the pause
+        return True
 
     def resume(self) -> None:
+        """Continue from the first chunk not yet sent."""
+        if not self._running.is_set():
+            self.stats.paused_s += time.monotonic() - self._paused_at
+            self.bucket.restart()  # no burst of credit saved up while paused
         self._last_progress = time.monotonic()
         self._running.set()
 
     def set_rate(self, rate_bps: float) -> None:
+        """Pace the rest of the transfer at ``rate_bps`` bytes/s (0 = unpaced)."""
+        self.stats.rate_changes += 1
         self.bucket.set_rate(rate_bps, burst=max(self.plan.chunk_size, rate_bps * 0.02))
+
+    def cancel(self, reason: str) -> None:
+        """Give up: every receiver still pending fails with ``reason``."""
+        for rx, outcome in self.outcomes.items():
+            if not outcome.ok and outcome.error is None:
+                outcome.error = TransferRejected(self.transfer_id, "scheduler", reason or "cancelled")
+        self.resume()
+        self._progress.set()
 
     @property
     def fraction_acked(self) -> float:
@@ -251,6 +299,14 @@ class OutgoingTransfer:
         """Open, stream and wait for every receiver's verdict; never raises for a receiver's failure."""
         inline = self.open.inline
         frame = self.open.frame(b"".join(self.plan.buffers) if inline else b"")
+        # Paused before it started (preempted while encoding): start when resumed.
+        await self._running.wait()
+        if not self._active():
+            return self.outcomes
+        self._started = True
+        if inline:
+            # The whole payload goes in the Open: pace it like chunks (0 = unpaced takes no time).
+            await self.bucket.take(self.plan.total)
         await asyncio.gather(*(self._open(rx, frame) for rx in self.receivers))
         if not inline:
             await self._stream()

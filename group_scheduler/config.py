@@ -6,20 +6,41 @@ from dataclasses import dataclass
 
 from kvbus.config import from_env
 from kvbus.errors import ConfigError
+from kvbus.group_scheduler.preemption import DEFAULT_RATIO, DEFAULT_THRESHOLD
+from kvbus.group_scheduler.reservations import DEFAULT_HEADROOM, DEFAULT_RESERVABLE_FRACTION
+from kvbus.group_scheduler.weights import (
+    DEFAULT_ALPHA,
+    DEFAULT_BASE,
+    DEFAULT_BETA,
+    DEFAULT_CRITICAL_BOOST,
+    DEFAULT_DEADLINE_BOOST,
+    DEFAULT_DEADLINE_HORIZON_S,
+    DEFAULT_MAX_DELAY_S,
+)
+
+DEFAULT_TICK_S = 0.010
+MIN_TICK_S = 0.005
+MAX_TICK_S = 0.020
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """Override any field with ``KVBUS_SCHEDULER_<FIELD>``."""
 
+    policy: str = "wrr"
+    """Scheduling policy: ``wrr`` (weighted round robin, max-min rates, preemption, reservations) or ``fifo``."""
     bandwidth_bps: float = 0.0
     """The group's bandwidth budget in bytes/s (0 = unlimited)."""
-    max_active: int = 4
-    """Transfers running at once in the group."""
-    tick_s: float = 0.010
-    """Time slice of the scheduling loop; the loop sleeps when nothing changes."""
+    max_active: int = 8
+    """Transfers running at once in the group (urgent and reserved ones may go beyond it)."""
+    per_pair: int = 1
+    """Ordinary transfers running at once per (sender, receivers) pair (``wrr``)."""
+    tick_s: float = DEFAULT_TICK_S
+    """Time slice of the scheduling loop (5-20 ms); the loop sleeps when nothing changes."""
     transfer_timeout: float = 300.0
     """A granted transfer that reports nothing for this long is dropped from the active set."""
+    probe_ttl_s: float = 5.0
+    """An agent with no probe for this long is marked down and its queued transfers are refused."""
     heartbeat_s: float = 2.0
     """Seconds between announcements to the coordinator."""
     directory_ttl: float = 2.0
@@ -30,16 +51,98 @@ class SchedulerConfig:
     """A pair switches medium only if the new one is predicted at least this much faster."""
     default_bandwidth_bps: float = 1e9
     """Bandwidth assumed for a pair with no observation and no declared capacity."""
+    # -- weights: W_ij = role_priority_i + role_priority_j + urgency ----------------------------
+    urgency_base: float = DEFAULT_BASE
+    """Urgency every transfer has."""
+    urgency_alpha: float = DEFAULT_ALPHA
+    """Scale of the queue-delay term alpha * exp(beta * queue_delay)."""
+    urgency_beta: float = DEFAULT_BETA
+    """Growth of the queue-delay term per second of waiting."""
+    urgency_max_delay_s: float = DEFAULT_MAX_DELAY_S
+    """Queue delay beyond which urgency stops growing."""
+    deadline_boost: float = DEFAULT_DEADLINE_BOOST
+    """Urgency added at a transfer's deadline (less the further away it is)."""
+    deadline_horizon_s: float = DEFAULT_DEADLINE_HORIZON_S
+    """Scale of how far ahead a deadline starts to raise urgency."""
+    critical_boost: float = DEFAULT_CRITICAL_BOOST
+    """Urgency added for a critical transfer."""
+    # -- preemption -----------------------------------------------------------------------------
+    preempt: bool = True
+    """Whether urgent transfers pause running ones (``wrr``)."""
+    preempt_ratio: float = DEFAULT_RATIO
+    """A transfer outranks a running one when its urgency is this many times larger."""
+    preempt_threshold: float = DEFAULT_THRESHOLD
+    """Only transfers that have sent less than this share of their bytes are paused."""
+    preempt_min_bytes: int = 1 << 20
+    """Smaller urgent transfers pause nothing: they are over before a pause takes effect."""
+    max_pause_s: float = 10.0
+    """A paused transfer resumes after this long regardless (keep it below the receivers' partial_timeout)."""
+    rate_epsilon: float = 0.05
+    """A running transfer is told a new rate only when it changes by more than this fraction."""
+    # -- reservations ---------------------------------------------------------------------------
+    admission: str = "local"
+    """Who admits reservations: ``local`` (the group's own budget) or ``coordinator`` (that, and
+    then the deployment's reservation table)."""
+    reservable_fraction: float = DEFAULT_RESERVABLE_FRACTION
+    """Share of the group budget (and of each agent's link) that reservations may take."""
+    reservation_headroom: float = DEFAULT_HEADROOM
+    """A reservation gets this times size/deadline (room for round trips and encode)."""
+    reservation_lead_s: float = 0.02
+    """How long before an expected instance of a reservation its bandwidth is set aside."""
+    # -- memory hints ---------------------------------------------------------------------------
+    memory_watermark_bytes: int = 0
+    """Cache bytes above which an agent is told to shed (0 = no hints unless set per agent)."""
+    memory_watermarks: str = ""
+    """Per-agent watermarks, ``name=bytes,name=bytes`` (overrides the default for those agents)."""
+    shed_target: float = 0.8
+    """A shed hint asks the agent to go down to this share of its watermark."""
+    shed_interval_s: float = 5.0
+    """At most one shed hint per agent in this many seconds."""
 
     def __post_init__(self) -> None:
-        if not 0.001 <= self.tick_s <= 1.0:
-            raise ConfigError(f"tick_s {self.tick_s} must be within 1 ms .. 1 s")
-        if self.max_active < 1:
-            raise ConfigError("max_active must be at least 1")
+        if not MIN_TICK_S <= self.tick_s <= MAX_TICK_S:
+            raise ConfigError(f"tick_s {self.tick_s} must be within {MIN_TICK_S * 1000:.0f}.."
+                              f"{MAX_TICK_S * 1000:.0f} ms")
+        if self.max_active < 1 or self.per_pair < 1:
+            raise ConfigError("max_active and per_pair must be at least 1")
         if self.selector not in ("adaptive", "static"):
             raise ConfigError(f"selector {self.selector!r} must be 'adaptive' or 'static'")
         if not 0 <= self.hysteresis < 1:
             raise ConfigError(f"hysteresis {self.hysteresis} must be in [0, 1)")
+        if self.probe_ttl_s <= 0:
+            raise ConfigError("probe_ttl_s must be positive")
+        if not 0 <= self.preempt_threshold <= 1:
+            raise ConfigError(f"preempt_threshold {self.preempt_threshold} must be within 0..1")
+        if self.preempt_ratio <= 1:
+            raise ConfigError(f"preempt_ratio {self.preempt_ratio} must be above 1")
+        if self.admission not in ("local", "coordinator"):
+            raise ConfigError(f"admission {self.admission!r} must be 'local' or 'coordinator'")
+        if not 0 < self.reservable_fraction <= 1:
+            raise ConfigError("reservable_fraction must be in (0, 1]")
+        if self.reservation_headroom < 1:
+            raise ConfigError("reservation_headroom must be at least 1")
+        if not 0 < self.shed_target <= 1:
+            raise ConfigError("shed_target must be in (0, 1]")
+        if self.bandwidth_bps < 0 or self.memory_watermark_bytes < 0:
+            raise ConfigError("bandwidth_bps and memory_watermark_bytes must not be negative")
+        self.watermarks()  # validates the per-agent table
+
+    def watermarks(self) -> dict[str, int]:
+        """The per-agent watermark table parsed from `memory_watermarks`.
+
+        Raises:
+            ConfigError: an entry is not ``name=bytes``.
+        """
+        out: dict[str, int] = {}
+        for item in filter(None, (x.strip() for x in self.memory_watermarks.split(","))):
+            name, sep, value = item.partition("=")
+            try:
+                if not sep or not name.strip():
+                    raise ValueError(item)
+                out[name.strip()] = int(float(value))
+            except ValueError:
+                raise ConfigError(f"memory_watermarks entry {item!r} is not name=bytes") from None
+        return out
 
     @classmethod
     def from_env(cls, **overrides: object) -> SchedulerConfig:

@@ -111,7 +111,7 @@ class Endpoint:
 
     signature: ModelSignature | None
     compute_load: float = 0.0
-    """0..1 share of the machine busy (from probes); recompute time is divided by (1 - load)."""
+    """0..1 share of the machine busy (from probes); compute terms are scaled by (1 + load)."""
     memory_pressure: float = 0.0
     """0..1: how far the agent's cache is past its high watermark."""
     model: ModelCosts = field(default_factory=ModelCosts)
@@ -312,8 +312,14 @@ class CostModel:
 
 
 def _free(load: float) -> float:
-    """Share of compute left to a job on a machine this busy (never below 10 %)."""
-    return max(0.1, 1.0 - min(max(load, 0.0), 1.0))
+    """Speed of a new job on a machine this busy, relative to an idle one.
+
+    A job sharing the machine with one other busy job runs at about half speed, hence
+    ``1 / (1 + load)``: at full load twice as slow. (``1 - load`` would explode near full load,
+    and an agent's reported load includes its own last recompute, which made the prediction
+    oscillate between media.)
+    """
+    return 1.0 / (1.0 + min(max(load, 0.0), 1.0))
 
 
 def with_model(endpoint: Endpoint, model: ModelCosts) -> Endpoint:

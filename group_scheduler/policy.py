@@ -1,7 +1,8 @@
 """Scheduling policies: who may send now, with which medium and at what rate.
 
-A policy is a strategy object passed to the `GroupScheduler`; the scheduling issue adds
-weighted round robin with preemption and reservations next to the first-come-first-served one.
+A policy is a strategy object passed to the `GroupScheduler`. `FifoPolicy` (first come, first
+served) is the baseline; `kvbus.group_scheduler.weighted.WeightedPolicy` (weighted round robin,
+max-min rates, preemption, reservations) is the default.
 """
 
 from __future__ import annotations
@@ -17,12 +18,34 @@ from kvbus.signature import ModelSignature
 
 @dataclass(frozen=True)
 class Decision:
-    """What the policy decided for one pending transfer."""
+    """What the policy decided for one pending transfer: (destination, medium, rate, scheduled time)."""
 
     pending: Pending
     medium: str
     """Empty to refuse the transfer."""
     rate_bps: float = 0.0
+    """Allocated bandwidth in bytes/s (0 = unpaced)."""
+    reason: str = ""
+    start_at: float = 0.0
+    """Monotonic time at which sending may begin (0 = now)."""
+
+    @property
+    def destination(self) -> tuple[str, ...]:
+        return tuple(self.pending.request.dst)
+
+    def as_tuple(self) -> tuple[tuple[str, ...], str, float, float]:
+        """The design's decision tuple: (destination, medium, allocated bandwidth, scheduled time)."""
+        return self.destination, self.medium, self.rate_bps, self.start_at
+
+
+@dataclass(frozen=True)
+class Adjustment:
+    """A change to a running transfer: ``pause`` (conditional on ``max_fraction``), ``resume`` or ``rate``."""
+
+    pending: Pending
+    action: str
+    rate_bps: float = 0.0
+    max_fraction: float = 1.0
     reason: str = ""
 
 
@@ -63,7 +86,15 @@ class StaticSelector(MediumSelector):
 
 
 class SchedulingPolicy(ABC):
-    """Decides, each time the state changes, which queued transfers start now."""
+    """Decides, each time the state changes, which queued transfers start now.
+
+    The scheduler calls `decide` on every event (request, done, control reply) and at least
+    once per time slice while work waits, and `adjust` at most once per slice; `next_wakeup`
+    tells it when to look again if nothing happens, so an idle scheduler sleeps.
+    """
+
+    tick_s: float = 0.010
+    """The time slice: how often a policy with nothing better to go by looks again while work waits."""
 
     def __init__(self, selector: MediumSelector | None = None) -> None:
         self.selector = selector or StaticSelector()
@@ -72,6 +103,22 @@ class SchedulingPolicy(ABC):
     def decide(self, state: GroupState, now: float) -> list[Decision]:
         """Pick transfers from ``state.queue`` to grant now (the scheduler moves them to active)."""
 
+    def adjust(self, state: GroupState, now: float) -> list[Adjustment]:
+        """Changes to running transfers (rates, pauses, resumes); none by default."""
+        return []
+
+    def next_wakeup(self, state: GroupState, now: float) -> float | None:
+        """Monotonic time the policy wants to run again without an event, or None to wait for
+        one (default: a slice later while transfers wait)."""
+        return now + self.tick_s if state.queue else None
+
+    def changed(self) -> None:  # noqa: B027 - optional hook
+        """Something outside `decide` changed the running set (a done, a declined pause)."""
+
+    def released(self, pending: Pending) -> None:
+        """``pending`` left the active set (done, failed, expired); the default just notes a change."""
+        self.changed()
+
 
 class FifoPolicy(SchedulingPolicy):
     """First come, first served, with at most ``max_active`` transfers running and one per sender.
@@ -79,9 +126,10 @@ class FifoPolicy(SchedulingPolicy):
     The group's bandwidth budget (if any) is split evenly between running transfers.
     """
 
-    def __init__(self, selector: MediumSelector | None = None, *, max_active: int = 4) -> None:
+    def __init__(self, selector: MediumSelector | None = None, *, max_active: int = 4, tick_s: float = 0.010) -> None:
         super().__init__(selector)
         self.max_active = max_active
+        self.tick_s = tick_s
 
     def decide(self, state: GroupState, now: float) -> list[Decision]:
         decisions: list[Decision] = []

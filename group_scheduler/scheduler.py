@@ -1,4 +1,12 @@
-"""The group scheduler process: request -> grant -> (stream) -> done for one group."""
+"""The group scheduler process: request -> grant -> (stream) -> done for one group.
+
+It keeps the group's state S(t) (agents from probes, links from observed transfers, the queue
+and the running transfers), runs the policy on every event and once per time slice while work
+waits, and sleeps when nothing can change (an idle scheduler uses no CPU). It marks agents
+whose probes stop as down and refuses their queued transfers, sends running transfers their
+pause / resume / rate controls, tells agents over their cache watermark to shed, and admits
+reservations (kept in JetStream KV, so a restarted scheduler still has them).
+"""
 
 from __future__ import annotations
 
@@ -10,27 +18,42 @@ import time
 from typing import Any
 
 from nats.aio.msg import Msg
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError
 
-from kvbus.bus.transport import NatsTransport, Transport
+from kvbus.bus.transport import NatsTransport, NoResponders, Transport
 from kvbus.errors import WireFormatError
 from kvbus.group_scheduler.config import SchedulerConfig
 from kvbus.group_scheduler.cost_model import CostConfig, CostModel
-from kvbus.group_scheduler.policy import FifoPolicy, MediumSelector, SchedulingPolicy, StaticSelector
+from kvbus.group_scheduler.policies import make_policy
+from kvbus.group_scheduler.policy import Adjustment, Decision, MediumSelector, SchedulingPolicy, StaticSelector
+from kvbus.group_scheduler.reservations import (
+    Admission,
+    AdmissionControl,
+    CoordinatorAdmission,
+    LocalAdmission,
+    Reservation,
+    ReservationTable,
+)
 from kvbus.group_scheduler.selection import AdaptiveSelector
+from kvbus.group_scheduler.snapshot import snapshot
 from kvbus.group_scheduler.state import GroupState, Pending
 from kvbus.protocol import (
     AGENTS_BUCKET,
     COORD_REGISTER,
     AgentRecord,
+    Control,
+    ControlReply,
+    FlowReservation,
     Grant,
     GroupHeartbeat,
     Probe,
     RequestAck,
+    ReservationReply,
     TransferDone,
     TransferRequest,
     agent_subject,
     check_name,
+    packb,
     sched_subject,
 )
 from kvbus.signature import ModelSignature
@@ -39,6 +62,12 @@ logger = logging.getLogger(__name__)
 
 #: Transfers smaller than this say more about round trips than bandwidth: not used for estimates.
 MIN_ESTIMATE_BYTES = 64 * 1024
+#: JetStream KV bucket where group schedulers keep their admitted reservations (key ``<group>.<id>``).
+RESERVATIONS_BUCKET = "kvbus_sched_reservations"
+#: How long a pause request waits for the sender's answer.
+PAUSE_TIMEOUT_S = 2.0
+#: A re-sent request keeps its original queue time, but never more than this much of it.
+MAX_CARRIED_WAIT_S = 600.0
 
 
 def default_selector(config: SchedulerConfig) -> MediumSelector:
@@ -56,20 +85,42 @@ def default_selector(config: SchedulerConfig) -> MediumSelector:
 
 
 class GroupScheduler:
-    """Grants the transfers of one group's agents, one decision per state change or tick."""
+    """Grants the transfers of one group's agents, one decision per state change or time slice.
+
+    Args:
+        transport: the NATS seam.
+        group: the group's name.
+        policy: the scheduling strategy (default: the one ``config.policy`` names, ``wrr``).
+        config: settings (default: `SchedulerConfig.from_env`).
+        admission: admission control for reservations (default: ``config.admission``: the group's
+            own budget, or that and the coordinator's table).
+    """
 
     def __init__(self, transport: Transport, group: str, *, policy: SchedulingPolicy | None = None,
-                 config: SchedulerConfig | None = None) -> None:
+                 config: SchedulerConfig | None = None, admission: AdmissionControl | None = None) -> None:
         self.transport = transport
         self.group = check_name("group", group)
         self.config = config or SchedulerConfig.from_env()
-        self.policy = policy or FifoPolicy(default_selector(self.config), max_active=self.config.max_active)
+        self.policy = policy or make_policy(self.config, default_selector(self.config))
         self.state = GroupState(group, bandwidth_bps=self.config.bandwidth_bps)
+        local = LocalAdmission(self.config.reservable_fraction, self.config.reservation_headroom)
+        if admission is None and self.config.admission == "coordinator":
+            admission = CoordinatorAdmission(transport, self.group, local)
+        self.admission = admission or local
         self.name = f"{group}@{socket.gethostname()}:{os.getpid()}"
+        self.slices = 0
+        """Scheduling passes run (an idle scheduler runs none)."""
+        self.sheds = 0
+        """Shed hints sent."""
+        self.reservation_stats: dict[str, list[float]] = {}
+        """Per reservation: seconds from each instance's request to its done report."""
+        self._watermarks = self.config.watermarks()
         self._subs: list[Any] = []
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._side_tasks: set[asyncio.Task[Any]] = set()
         self._directory: Any = None
+        self._store: Any = None
         self._dir_cache: dict[str, tuple[float, AgentRecord | None]] = {}
         self.closed = False
 
@@ -79,31 +130,41 @@ class GroupScheduler:
         await sched.start()
         return sched
 
+    @property
+    def reservations(self) -> ReservationTable | None:
+        """The policy's reservation table (None for a policy without reservations)."""
+        return getattr(self.policy, "reservations", None)
+
     async def start(self) -> None:
         t = self.transport
+        await self._restore_reservations()
         # A queue group lets standby replicas share the subjects; exactly one answers each request.
         q = f"kvbus-sched-{self.group}"
         self._subs = [
             await t.subscribe(sched_subject(self.group, "request"), self._on_request, queue=q),
             await t.subscribe(sched_subject(self.group, "done"), self._on_done, queue=q),
             await t.subscribe(sched_subject(self.group, "probe"), self._on_probe),
+            await t.subscribe(sched_subject(self.group, "reserve"), self._on_reserve, queue=q),
+            await t.subscribe(sched_subject(self.group, "state"), self._on_state, queue=q),
         ]
         await t.flush()
         self._tasks = [asyncio.create_task(self._loop(), name=f"kvbus-sched-{self.group}"),
                        asyncio.create_task(self._heartbeat(), name=f"kvbus-sched-hb-{self.group}")]
-        logger.info("group scheduler %s started", self.name)
+        logger.info("group scheduler %s started (%s policy)", self.name, type(self.policy).__name__)
 
     async def close(self) -> None:
         if self.closed:
             return
         self.closed = True
-        for task in self._tasks:
+        for task in [*self._tasks, *self._side_tasks]:
             task.cancel()
-        for task in self._tasks:
+        for task in [*self._tasks, *self._side_tasks]:
             try:
                 await task
             except asyncio.CancelledError:
                 pass
+            except Exception:  # noqa: BLE001 - closing anyway
+                logger.debug("task failed while closing", exc_info=True)
         for sub in self._subs:
             try:
                 await sub.unsubscribe()
@@ -121,21 +182,26 @@ class GroupScheduler:
 
     # -- directory ------------------------------------------------------------------------------
 
+    async def _bucket(self, name: str) -> Any:
+        nc = getattr(self.transport, "nc", None)
+        if nc is None:
+            return None
+        js = nc.jetstream()
+        try:
+            return await js.key_value(name)
+        except BucketNotFoundError:
+            return await js.create_key_value(bucket=name, history=1)
+
     async def lookup(self, agent: str) -> AgentRecord | None:
         """An agent's record from the JetStream directory (cached for ``directory_ttl``)."""
         now = time.monotonic()
         hit = self._dir_cache.get(agent)
         if hit is not None and now - hit[0] < self.config.directory_ttl and hit[1] is not None:
             return hit[1]
-        nc = getattr(self.transport, "nc", None)
-        if nc is None:
-            return None
         if self._directory is None:
-            js = nc.jetstream()
-            try:
-                self._directory = await js.key_value(AGENTS_BUCKET)
-            except BucketNotFoundError:
-                self._directory = await js.create_key_value(bucket=AGENTS_BUCKET, history=1)
+            self._directory = await self._bucket(AGENTS_BUCKET)
+            if self._directory is None:
+                return None
         try:
             entry = await self._directory.get(agent)
             record = AgentRecord.decode(entry.value) if entry.value else None
@@ -145,9 +211,11 @@ class GroupScheduler:
             logger.warning("directory entry of %s is malformed", agent)
             record = None
         self._dir_cache[agent] = (now, record)
-        if record is not None and agent not in self.state.agents:
-            # Agents of this group declare their links in probes; others only in the directory.
-            self.state.declare(agent, record.link_bps, record.latency_s)
+        if record is not None:
+            self.state.priorities[agent] = record.priority
+            if agent not in self.state.agents:
+                # Agents of this group declare their links in probes; others only in the directory.
+                self.state.declare(agent, record.link_bps, record.latency_s)
         return record
 
     # -- handlers ----------------------------------------------------------------------------------
@@ -161,6 +229,13 @@ class GroupScheduler:
                 raise ValueError("no receivers")
         except (WireFormatError, ValueError) as exc:
             await self.transport.reply(msg, RequestAck(transfer_id="", ok=False, reason=f"bad request: {exc}").encode())
+            return
+        known = self.state.find(req.transfer_id)
+        if known is not None:
+            # Asked again (the reply or the grant went astray, or the sender checks after a
+            # failover): one entry per transfer id, the grant again if it has one.
+            answer = known.grant or RequestAck(req.transfer_id, ok=True, reason="queued").encode()
+            await self.transport.reply(msg, answer)
             return
         sigs: dict[str, ModelSignature | None] = {}
         unknown = []
@@ -178,14 +253,22 @@ class GroupScheduler:
             reason = f"unknown agent(s): {', '.join(unknown)} (not registered on the bus)"
             await self.transport.reply(msg, RequestAck(req.transfer_id, ok=False, reason=reason).encode())
             return
-        self.state.queue.append(Pending(req, sigs))
+        now = time.monotonic()
+        down = [a for a in [req.src, *receivers] if self.state.is_down(a)]
+        if down:
+            await self.transport.reply(msg, RequestAck(req.transfer_id, ok=False,
+                                                       reason=self._down_reason(down[0], req.src, now)).encode())
+            return
+        waited = min(max(0.0, time.time() - req.ts), MAX_CARRIED_WAIT_S)
+        deadline_at = now + (req.deadline - time.time()) if req.deadline is not None else None
+        self.state.queue.append(Pending(req, sigs, arrived=now - waited, deadline_at=deadline_at))
         # Decide now: a transfer that can start at once gets its grant as the reply (one round
         # trip instead of two); otherwise the reply says "queued" and the grant follows on ctl.
         replies = {req.transfer_id: msg}
         await self.schedule_once(replies)
         if req.transfer_id in replies:
-            await self.transport.reply(msg, RequestAck(req.transfer_id, ok=True).encode())
-            self._wake.set()
+            await self.transport.reply(msg, RequestAck(req.transfer_id, ok=True, reason="queued").encode())
+        self._wake.set()  # the loop's next deadline may have moved (a slice's reallocation, aging)
 
     async def _on_done(self, msg: Msg) -> None:
         try:
@@ -196,6 +279,7 @@ class GroupScheduler:
         pending = self.state.active.pop(done.transfer_id, None)
         if pending is None:
             return
+        self.policy.released(pending)
         if done.ok:
             self.state.completed += 1
             if done.nbytes >= MIN_ESTIMATE_BYTES and done.wire_s > 0:
@@ -204,6 +288,8 @@ class GroupScheduler:
             model = getattr(self.policy.selector, "model", None)
             if model is not None and pending.predicted_s > 0 and done.seconds > 0:
                 model.observe(pending.medium, pending.predicted_s, done.seconds)
+            if pending.reservation:
+                self.reservation_stats.setdefault(pending.reservation, []).append(time.monotonic() - pending.arrived)
         else:
             self.state.failed += 1
             logger.info("transfer %s failed: %s", done.transfer_id, done.error)
@@ -214,66 +300,297 @@ class GroupScheduler:
             probe = Probe.decode(msg.data)
         except WireFormatError:
             return
-        if probe.group == self.group:
-            self.state.on_probe(probe)
+        if probe.group != self.group:
+            return
+        now = time.monotonic()
+        agent = self.state.on_probe(probe, now)
+        watermark = self._watermarks.get(agent.name, self.config.memory_watermark_bytes)
+        if watermark <= 0:
+            return
+        agent.memory_pressure = min(1.0, max(0.0, (agent.cache_bytes - watermark) / watermark))
+        if agent.cache_bytes > watermark and now - agent.last_shed >= self.config.shed_interval_s:
+            agent.last_shed = now
+            target = int(watermark * self.config.shed_target)
+            hint = Control(transfer_id="", action="shed", nbytes=target,
+                           reason=f"cache {agent.cache_bytes} B is over its watermark {watermark} B")
+            self.sheds += 1
+            try:
+                await self.transport.publish(agent_subject(agent.name, "ctl"), hint.encode())
+            except Exception:  # noqa: BLE001 - the next probe tries again
+                logger.debug("shed hint to %s failed", agent.name, exc_info=True)
+
+    async def _on_state(self, msg: Msg) -> None:
+        try:
+            await self.transport.reply(msg, packb(snapshot(self)))
+        except Exception:  # noqa: BLE001 - an operator view must not hurt scheduling
+            logger.debug("state snapshot failed", exc_info=True)
+
+    def set_watermark(self, agent: str, nbytes: int) -> None:
+        """Set (or, with 0, clear) an agent's cache watermark for memory hints."""
+        if nbytes > 0:
+            self._watermarks[agent] = int(nbytes)
+        else:
+            self._watermarks.pop(agent, None)
+
+    # -- reservations ------------------------------------------------------------------------------
+
+    async def reserve(self, src: str, dst: list[str], *, period_s: float, size_bytes: int, deadline_s: float,
+                      reservation_id: str | None = None) -> Admission:
+        """Admit (or refuse) a periodic critical flow; the same as an agent's `Agent.reserve`."""
+        import uuid
+
+        msg = FlowReservation(reservation_id=reservation_id or uuid.uuid4().hex[:16], src=src, dst=list(dst),
+                              group=self.group, period_s=float(period_s), size_bytes=int(size_bytes),
+                              deadline_s=float(deadline_s))
+        return await self._admit(msg)
+
+    async def unreserve(self, reservation_id: str) -> bool:
+        table = self.reservations
+        r = table.remove(reservation_id) if table is not None else None
+        if r is None:
+            return False
+        await self.admission.release(r)
+        await self._forget(reservation_id)
+        self.policy.changed()
+        self._wake.set()
+        return True
+
+    async def _admit(self, msg: FlowReservation) -> Admission:
+        table = self.reservations
+        if table is None:
+            return Admission(False, f"the {type(self.policy).__name__} policy does not support reservations")
+        try:
+            for name in [msg.src, *msg.dst]:
+                check_name("agent", name)
+            if not msg.dst:
+                raise ValueError("a reservation needs at least one receiver")
+        except ValueError as exc:
+            return Admission(False, str(exc))
+        r = Reservation.from_message(msg, time.monotonic())
+        verdict = await self.admission.admit(r, table, self.state)
+        if not verdict.ok:
+            logger.info("reservation %s (%s -> %s) refused: %s", r.reservation_id, r.src, ",".join(r.dst),
+                        verdict.reason)
+            return verdict
+        r.rate_bps = verdict.rate_bps
+        table.add(r)
+        await self._persist(r)
+        self.policy.changed()
+        self._wake.set()
+        return verdict
+
+    async def _on_reserve(self, msg: Msg) -> None:
+        try:
+            req = FlowReservation.decode(msg.data)
+        except WireFormatError as exc:
+            await self.transport.reply(msg, ReservationReply("", False, str(exc)).encode())
+            return
+        if req.cancel:
+            found = await self.unreserve(req.reservation_id)
+            reply = ReservationReply(req.reservation_id, found, "cancelled" if found else "no such reservation")
+        else:
+            verdict = await self._admit(req)
+            reply = ReservationReply(req.reservation_id, verdict.ok, verdict.reason, verdict.rate_bps)
+        await self.transport.reply(msg, reply.encode())
+
+    async def _persist(self, r: Reservation) -> None:
+        try:
+            if self._store is None:
+                self._store = await self._bucket(RESERVATIONS_BUCKET)
+            if self._store is not None:
+                await self._store.put(f"{self.group}.{r.reservation_id}", r.message(self.group).encode())
+        except Exception:  # noqa: BLE001 - it still holds in memory
+            logger.warning("could not persist reservation %s", r.reservation_id, exc_info=True)
+
+    async def _forget(self, reservation_id: str) -> None:
+        try:
+            if self._store is not None:
+                await self._store.delete(f"{self.group}.{reservation_id}")
+        except Exception:  # noqa: BLE001
+            logger.debug("could not delete reservation %s", reservation_id, exc_info=True)
+
+    async def _restore_reservations(self) -> None:
+        table = self.reservations
+        if table is None:
+            return
+        try:
+            self._store = await self._bucket(RESERVATIONS_BUCKET)
+            if self._store is None:
+                return
+            try:
+                keys = await self._store.keys()
+            except NoKeysError:
+                return
+            now = time.monotonic()
+            for key in keys:
+                if not key.startswith(f"{self.group}."):
+                    continue
+                entry = await self._store.get(key)
+                msg = FlowReservation.decode(entry.value)
+                r = Reservation.from_message(msg, now)
+                r.rate_bps = self.config.reservation_headroom * r.size_bytes / r.deadline_s
+                table.add(r)
+            if len(table):
+                logger.info("group %s: %d reservations restored", self.group, len(table))
+        except Exception:  # noqa: BLE001 - start without them rather than not at all
+            logger.warning("could not restore the reservations of group %s", self.group, exc_info=True)
 
     # -- the loop --------------------------------------------------------------------------------
+
+    def _next_timeout(self) -> float | None:
+        """Seconds until the next pass is due without an event, or None to sleep until one."""
+        now = time.monotonic()
+        times = []
+        wanted = self.policy.next_wakeup(self.state, now)
+        if wanted is not None:
+            times.append(wanted)
+        if self.state.queue or self.state.active:
+            expiry = self.state.next_expiry(self.config.probe_ttl_s)
+            if expiry is not None:
+                times.append(expiry + 0.001)
+        if self.state.active:
+            times.append(min(p.granted_at for p in self.state.active.values()) + self.config.transfer_timeout)
+        return max(0.0, min(times) - now) if times else None
 
     async def _loop(self) -> None:
         while True:
             try:
-                await self._wake.wait()
+                timeout = self._next_timeout()
+                if timeout is None:
+                    await self._wake.wait()
+                elif timeout > 0:
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), timeout)
+                    except TimeoutError:
+                        pass
                 self._wake.clear()
                 await self.schedule_once()
-                if self.state.queue:
-                    # Work is waiting for a slot: look again next slice (or earlier, on an event).
-                    try:
-                        await asyncio.wait_for(self._wake.wait(), self.config.tick_s)
-                    except TimeoutError:
-                        self._wake.set()
             except asyncio.CancelledError:
                 raise
             except Exception:
                 logger.exception("scheduler loop of %s failed; continuing", self.group)
                 await asyncio.sleep(self.config.tick_s)
 
+    def _down_reason(self, agent: str, src: str, now: float) -> str:
+        a = self.state.agents.get(agent)
+        age = now - a.last_seen if a is not None else 0.0
+        who = "sender" if agent == src else "receiver"
+        return (f"{who} {agent!r} is down: no probe for {age:.1f} s (probe_ttl_s {self.config.probe_ttl_s:g} s); "
+                f"transfers to or from it are refused until it probes again")
+
+    def _expire(self, now: float) -> list[Decision]:
+        """Mark silent agents down, release their running transfers, refuse their queued ones
+        (they leave the queue here; the refusals are returned to be sent)."""
+        for tid, p in list(self.state.active.items()):
+            if now - p.granted_at > self.config.transfer_timeout:
+                logger.warning("transfer %s reported nothing for %.0f s; releasing its slot", tid, now - p.granted_at)
+                del self.state.active[tid]
+                self.policy.released(p)
+        gone = self.state.expire(now, self.config.probe_ttl_s)
+        for name in gone:
+            logger.warning("group %s: agent %s sent no probe for %.1f s; marked down", self.group, name,
+                           now - self.state.agents[name].last_seen)
+        refusals = []
+        if any(a.down for a in self.state.agents.values()):
+            for p in list(self.state.queue):
+                down = next((a for a in (p.src, *p.dst) if self.state.is_down(a)), None)
+                if down is not None:
+                    self.state.drop(p)
+                    refusals.append(Decision(p, "", 0.0, self._down_reason(down, p.src, now)))
+            for tid, p in list(self.state.active.items()):
+                if any(self.state.is_down(a) for a in (p.src, *p.dst)):
+                    del self.state.active[tid]
+                    self.policy.released(p)
+        return refusals
+
     async def schedule_once(self, replies: dict[str, Msg] | None = None) -> int:
-        """Expire stale active transfers, ask the policy, send the grants; returns how many were granted.
+        """One scheduling pass: expire, ask the policy (`decide`, then `adjust` with the new grants
+        active), send grants and controls; returns how many were granted.
 
         ``replies`` maps transfer ids to requests still waiting for their reply: a grant for one of
         them goes out as that reply (and the entry is removed) instead of on the sender's ctl subject.
         """
         now = time.monotonic()
-        for tid, p in list(self.state.active.items()):
-            if now - p.granted_at > self.config.transfer_timeout:
-                logger.warning("transfer %s reported nothing for %.0f s; releasing its slot", tid, now - p.granted_at)
-                del self.state.active[tid]
+        self.slices += 1
+        decisions = self._expire(now)
+        expired = len(decisions)
+        decisions += self.policy.decide(self.state, now)
+        # All state changes first, then the messages: a pass that runs while this one awaits
+        # its sends sees a consistent state. New grants are active before `adjust` looks.
+        out: list[tuple[Pending, bytes]] = []
         granted = 0
-        for decision in self.policy.decide(self.state, now):
+        wall = time.time()
+        for i, decision in enumerate(decisions):
             pending = decision.pending
-            self.state.queue.remove(pending)
+            if i >= expired:
+                self.state.queue.remove(pending)
             req = pending.request
-            emulated = min((self.state.declared_bandwidth(req.src, rx) for rx in req.dst), default=0.0)
             rate = decision.rate_bps
+            emulated = min((self.state.declared_bandwidth(req.src, rx) for rx in req.dst), default=0.0)
             if emulated > 0:
                 rate = min(rate, emulated) if rate > 0 else emulated
             latency = max((self.state.declared_latency(req.src, rx) for rx in req.dst), default=0.0)
-            grant = Grant(transfer_id=pending.transfer_id, medium=decision.medium, rate_bps=rate,
-                          start_at=time.time(), reason=decision.reason, decision=pending.decision,
-                          latency_s=latency)
+            start = wall + max(0.0, decision.start_at - now) if decision.start_at else wall
+            grant = Grant(transfer_id=pending.transfer_id, medium=decision.medium, rate_bps=rate, start_at=start,
+                          reason=decision.reason, decision=pending.decision, latency_s=latency)
+            data = grant.encode()
             if decision.medium:
                 pending.granted_at = now
                 pending.medium = decision.medium
-                pending.rate_bps = decision.rate_bps
+                pending.rate_bps = rate
+                pending.grant = data
                 self.state.active[pending.transfer_id] = pending
                 self.state.granted += 1
                 granted += 1
+            else:
+                self.state.refused += 1
+            out.append((pending, data))
+        adjustments = self.policy.adjust(self.state, now)
+        for pending, data in out:
             request_msg = replies.pop(pending.transfer_id, None) if replies else None
             if request_msg is not None:
-                await self.transport.reply(request_msg, grant.encode())
+                await self.transport.reply(request_msg, data)
             else:
-                await self.transport.publish(agent_subject(pending.request.src, "ctl"), grant.encode())
+                await self.transport.publish(agent_subject(pending.request.src, "ctl"), data)
+        for adj in adjustments:
+            await self._control(adj)
         return granted
+
+    async def _control(self, adj: Adjustment) -> None:
+        p = adj.pending
+        ctl = Control(transfer_id=p.transfer_id, action=adj.action, reason=adj.reason, rate_bps=adj.rate_bps,
+                      max_fraction=adj.max_fraction)
+        if adj.action == "pause":
+            # Conditional: the sender answers whether it paused (it declines past the threshold).
+            self.state.preemptions += 1
+            task = asyncio.create_task(self._pause(p, ctl), name=f"kvbus-pause-{p.transfer_id}")
+            self._side_tasks.add(task)
+            task.add_done_callback(self._side_tasks.discard)
+            return
+        try:
+            await self.transport.publish(agent_subject(p.src, "ctl"), ctl.encode())
+        except Exception:  # noqa: BLE001 - the transfer goes on at its old rate
+            logger.warning("could not send %s to %s", adj.action, p.src, exc_info=True)
+
+    async def _pause(self, p: Pending, ctl: Control) -> None:
+        try:
+            data = await self.transport.request(agent_subject(p.src, "ctl"), ctl.encode(), timeout=PAUSE_TIMEOUT_S)
+            reply = ControlReply.decode(data)
+            ok, why = reply.ok, reply.reason
+        except (NoResponders, TimeoutError, WireFormatError) as exc:
+            ok, why = False, f"no answer ({type(exc).__name__})"
+        if ok:
+            logger.debug("transfer %s paused at %.0f%%", p.transfer_id, 100 * reply.fraction)
+            return
+        if self.state.active.get(p.transfer_id) is not p:
+            return
+        logger.info("transfer %s not paused: %s", p.transfer_id, why)
+        p.paused = False
+        p.paused_by.clear()
+        p.unpreemptible = True
+        self.state.declined_pauses += 1
+        self.policy.changed()
+        self._wake.set()
 
     async def _heartbeat(self) -> None:
         while True:

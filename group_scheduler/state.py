@@ -1,10 +1,15 @@
-"""The group's state S(t): agents from probes, links from observed transfers, the work queue."""
+"""The group's state S(t): agents from probes, links from observed transfers, the work queue.
+
+Everything time-dependent here takes ``now`` from `time.monotonic` (or a simulated clock),
+so policies can be driven by a simulation as well as by the live scheduler.
+"""
 
 from __future__ import annotations
 
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from kvbus.protocol import Probe, TransferRequest
 from kvbus.signature import ModelSignature
@@ -21,16 +26,22 @@ class AgentState:
     role_priority: float = 1.0
     role: str = "agent"
     last_seen: float = 0.0
+    """Monotonic time of its last probe."""
     memory_pressure: float = 0.0
     """0..1: how far past its cache watermark (set by the memory-hint logic; 0 without a budget)."""
+    down: bool = False
+    """No probe for longer than the probe TTL: its queued transfers were refused."""
+    last_shed: float = -1e18
+    """Monotonic time of the last ``shed`` hint sent to it."""
 
-    def update(self, probe: Probe) -> None:
+    def update(self, probe: Probe, now: float | None = None) -> None:
         self.queue_size = probe.queue_size
         self.cache_bytes = probe.cache_bytes
         self.compute_load = probe.compute_load
         self.role_priority = probe.role_priority
         self.role = probe.role
-        self.last_seen = time.monotonic()
+        self.last_seen = time.monotonic() if now is None else now
+        self.down = False
 
 
 @dataclass
@@ -65,7 +76,7 @@ class LinkEstimate:
         return bool(self._fresh())
 
 
-@dataclass
+@dataclass(eq=False)
 class Pending:
     """A transfer request waiting for, or holding, a grant."""
 
@@ -73,15 +84,44 @@ class Pending:
     receivers: dict[str, ModelSignature | None]
     """Each receiver's model signature from the directory (None: accepts tokens only)."""
     arrived: float = field(default_factory=time.monotonic)
+    """Monotonic time the request arrived (a re-sent request keeps its original time)."""
     granted_at: float = 0.0
     medium: str = ""
     rate_bps: float = 0.0
+    """The rate the sender was last told (grant or ``rate`` control); 0 = unpaced."""
     decision: dict = field(default_factory=dict)
     predicted_s: float = 0.0
+    deadline_at: float | None = None
+    """The request's deadline on the monotonic clock, or None."""
+    grant: bytes = b""
+    """The encoded grant, re-sent if the sender asks again (its first copy was lost)."""
+    # -- running-transfer state kept by the weighted policy ----------------------------------
+    paused: bool = False
+    """Told to pause (and not declined)."""
+    paused_at: float = 0.0
+    paused_by: set[str] = field(default_factory=set)
+    """Transfers that preempted this one; it resumes when they are done."""
+    unpreemptible: bool = False
+    """The sender declined a pause (past the threshold, inline): never asked again."""
+    reservation: str = ""
+    """Id of the reservation whose bandwidth it uses, if any."""
 
     @property
     def transfer_id(self) -> str:
         return self.request.transfer_id
+
+    @property
+    def src(self) -> str:
+        return self.request.src
+
+    @cached_property
+    def dst(self) -> tuple[str, ...]:
+        return tuple(self.request.dst)
+
+    @cached_property
+    def pair(self) -> tuple[str, tuple[str, ...]]:
+        """The (sender, receivers) pair the round robin serves."""
+        return self.request.src, self.dst
 
 
 @dataclass
@@ -98,10 +138,22 @@ class GroupState:
     granted: int = 0
     completed: int = 0
     failed: int = 0
+    refused: int = 0
+    preemptions: int = 0
+    declined_pauses: int = 0
+    queue_epoch: int = 0
+    """Bumped by `drop`: the queue lost entries other than by the policy's decisions (policies
+    that index the queue resynchronise on a change)."""
+    declared: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Per agent: (link bytes/s, one-way latency s) it declared in the directory (0 = unknown)."""
+    priorities: dict[str, float] = field(default_factory=dict)
+    """Role priorities from the directory, for agents that do not probe this group (other groups)."""
 
-    def on_probe(self, probe: Probe) -> None:
-        self.agents.setdefault(probe.agent, AgentState(probe.agent)).update(probe)
+    def on_probe(self, probe: Probe, now: float | None = None) -> AgentState:
+        agent = self.agents.setdefault(probe.agent, AgentState(probe.agent))
+        agent.update(probe, now)
         self.declare(probe.agent, probe.link_bps, probe.latency_s)
+        return agent
 
     def declare(self, agent: str, link_bps: float, latency_s: float) -> None:
         """Record an agent's declared link; a changed declaration resets the estimates of its links
@@ -116,12 +168,64 @@ class GroupState:
     def link(self, src: str, dst: str) -> LinkEstimate:
         return self.links.setdefault((src, dst), LinkEstimate())
 
-    declared: dict[str, tuple[float, float]] = field(default_factory=dict)
-    """Per agent: (link bytes/s, one-way latency s) it declared in the directory (0 = unknown)."""
-
     def declared_bandwidth(self, src: str, dst: str) -> float:
         rates = [r for r in (self.declared.get(src, (0.0, 0.0))[0], self.declared.get(dst, (0.0, 0.0))[0]) if r > 0]
         return min(rates) if rates else 0.0
 
     def declared_latency(self, src: str, dst: str) -> float:
         return self.declared.get(src, (0.0, 0.0))[1] + self.declared.get(dst, (0.0, 0.0))[1]
+
+    def role_priority(self, name: str) -> float:
+        """An agent's role priority: from its probes, else the directory, else 1.0."""
+        agent = self.agents.get(name)
+        if agent is not None:
+            return agent.role_priority
+        return self.priorities.get(name, 1.0)
+
+    def capacity(self, agent: str) -> float:
+        """An agent's declared link capacity in bytes/s, used for both its egress and its ingress (0 = unknown)."""
+        return self.declared.get(agent, (0.0, 0.0))[0]
+
+    # -- liveness -----------------------------------------------------------------------------
+
+    def expire(self, now: float, ttl_s: float) -> list[str]:
+        """Mark agents whose last probe is older than ``ttl_s`` as down; returns the newly down ones."""
+        gone = []
+        for agent in self.agents.values():
+            if not agent.down and agent.last_seen and now - agent.last_seen > ttl_s:
+                agent.down = True
+                gone.append(agent.name)
+        return gone
+
+    def is_down(self, name: str) -> bool:
+        agent = self.agents.get(name)
+        return agent is not None and agent.down
+
+    def next_expiry(self, ttl_s: float) -> float | None:
+        """Monotonic time at which the next live agent's probe expires, or None."""
+        times = [a.last_seen + ttl_s for a in self.agents.values() if not a.down and a.last_seen]
+        return min(times) if times else None
+
+    # -- resource levels ----------------------------------------------------------------------
+
+    @property
+    def bandwidth_in_use(self) -> float:
+        """Sum of the rates allocated to running (not paused) transfers, bytes/s."""
+        return sum(p.rate_bps for p in self.active.values() if not p.paused)
+
+    @property
+    def memory_in_use(self) -> int:
+        """Cache bytes the group's live agents report."""
+        return sum(a.cache_bytes for a in self.agents.values() if not a.down)
+
+    def drop(self, p: Pending) -> None:
+        """Remove ``p`` from the queue other than by a policy decision (refused, withdrawn)."""
+        self.queue.remove(p)
+        self.queue_epoch += 1
+
+    def find(self, transfer_id: str) -> Pending | None:
+        """A queued or active transfer by id."""
+        p = self.active.get(transfer_id)
+        if p is not None:
+            return p
+        return next((q for q in self.queue if q.transfer_id == transfer_id), None)

@@ -12,7 +12,9 @@ Subjects (``<x>`` are names: letters, digits, ``-`` and ``_``):
 ``kvbus.sched.<group>.request``        agent -> its group scheduler: `TransferRequest` (reply: `RequestAck`)
 ``kvbus.sched.<group>.done``           agent -> scheduler: `TransferDone`
 ``kvbus.sched.<group>.probe``          agent -> scheduler: `Probe`
-``kvbus.agent.<agent>.ctl``            scheduler -> agent: `Grant`, `Control` (pause/resume/cancel)
+``kvbus.sched.<group>.reserve``        agent -> scheduler: `FlowReservation` (reply: `ReservationReply`)
+``kvbus.agent.<agent>.ctl``            scheduler -> agent: `Grant`, `Control` (pause/resume/cancel/rate/shed;
+                                       a conditional pause is a request, answered with `ControlReply`)
 ``kvbus.agent.<agent>.inbox``          sender -> receiver: `Open` (request; reply: `OpenReply`)
 ``kvbus.agent.<agent>.ack``            receiver -> sender: `Ack`
 ``kvbus.data.<agent>.<transfer>``      sender -> receivers: chunk messages
@@ -249,19 +251,78 @@ class Grant(Message):
     """Emulated one-way latency of the path, for link emulation (0 on real links)."""
 
 
-@_message("control", {"transfer_id": str, "action": str, "reason": str})
+@_message("control", {"transfer_id": str, "action": str, "reason": str, "rate_bps": float,
+                      "max_fraction": float, "nbytes": int})
 @dataclass(frozen=True, slots=True)
 class Control(Message):
-    """Scheduler -> sender: ``pause``, ``resume`` or ``cancel`` a running transfer."""
+    """Scheduler -> agent: act on a running transfer, or (``shed``) on the agent's memory.
 
-    ACTIONS: ClassVar[tuple[str, ...]] = ("pause", "resume", "cancel")
+    - ``pause``: stop at the next chunk boundary, but only if less than ``max_fraction`` of the
+      payload has gone out; sent as a request, answered with a `ControlReply` (declined past it).
+    - ``resume``: continue from the first chunk not yet sent (nothing acknowledged is resent).
+    - ``cancel``: give up the transfer (``reason`` says why).
+    - ``rate``: pace the transfer at ``rate_bps`` bytes/s from now on (0 = unpaced).
+    - ``shed``: the agent's cache passed its watermark; shed down to ``nbytes`` (0 = the tier's
+      own low watermark). ``transfer_id`` is empty.
+    """
+
+    ACTIONS: ClassVar[tuple[str, ...]] = ("pause", "resume", "cancel", "rate", "shed")
     transfer_id: str
     action: str
     reason: str = ""
+    rate_bps: float = 0.0
+    """For ``rate``: the new allocated rate in bytes/s."""
+    max_fraction: float = 1.0
+    """For ``pause``: pause only if less than this fraction of the payload has been sent."""
+    nbytes: int = 0
+    """For ``shed``: resident cache bytes to shed down to (0 = the tier's default)."""
 
     def __post_init__(self) -> None:
         if self.action not in self.ACTIONS:
             raise WireFormatError("control message", f"action {self.action!r} is not one of {self.ACTIONS}")
+        if not (0 <= self.rate_bps < float("inf")) or self.nbytes < 0:
+            raise WireFormatError("control message", "rate_bps must be finite and nbytes not negative")
+        if not 0 <= self.max_fraction <= 1:
+            raise WireFormatError("control message", f"max_fraction {self.max_fraction} must be within 0..1")
+
+
+@_message("control_reply", {"transfer_id": str, "action": str, "ok": bool, "fraction": float, "reason": str})
+@dataclass(frozen=True, slots=True)
+class ControlReply(Message):
+    """Agent -> scheduler: the answer to a `Control` sent as a request (a conditional ``pause``).
+
+    ``ok`` false means the agent declined (``reason`` says why: past the threshold, inline,
+    unknown transfer); ``fraction`` is the share of the payload it had sent.
+    """
+
+    transfer_id: str
+    action: str
+    ok: bool
+    fraction: float = 0.0
+    reason: str = ""
+
+
+@_message("flow_reserve", {"reservation_id": str, "src": str, "dst": list, "group": str, "period_s": float,
+                           "size_bytes": int, "deadline_s": float, "cancel": bool, "ts": float})
+@dataclass(frozen=True, slots=True)
+class FlowReservation(Message):
+    """Agent -> its group scheduler (request on ``kvbus.sched.<group>.reserve``): a periodic critical
+    flow from ``src`` to ``dst``: ``size_bytes`` every ``period_s``, each due within ``deadline_s``
+    of its period's start. ``cancel`` releases it. Answered with a `ReservationReply`.
+
+    Critical sends from ``src`` to exactly ``dst`` then use the bandwidth set aside.
+    """
+
+    reservation_id: str
+    src: str
+    dst: list
+    group: str
+    period_s: float
+    size_bytes: int
+    deadline_s: float
+    cancel: bool = False
+    ts: float = field(default_factory=time.time)
+    """When it was first admitted (wall clock); kept when the scheduler persists it."""
 
 
 @_message("done", {"transfer_id": str, "src": str, "ok": bool, "medium": str, "nbytes": int,

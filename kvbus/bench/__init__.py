@@ -15,6 +15,7 @@ SUITES: dict[str, str] = {
     "codecs": "kvbus.bench.codecs",
     "select": "kvbus.bench.select",
     "cachetier": "kvbus.bench.cachetier",
+    "sched": "kvbus.bench.sched",
 }
 
 

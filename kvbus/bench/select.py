@@ -19,6 +19,7 @@ reported too.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -118,7 +119,11 @@ class Harness:
         return cfg.loss_weight * cfg.output_tokens * (1 - fig.fidelity) * self.model.default_model_costs.decode_token_s
 
     async def once(self, tx: Any, rx: Any, kv: KVCache, medium: str | None) -> tuple[float, str, int]:
-        report = await tx.send(rx.name, kv, medium=medium)
+        # A fresh context each time (new token ids over the same tensors): the receiver holds no
+        # prefix of it, so delta media cannot make a repeated send look free.
+        self.n += 1
+        fresh = dataclasses.replace(kv, tokens=(kv.tokens + self.n) % kv.signature.vocab_size)
+        report = await tx.send(rx.name, fresh, medium=medium)
         await rx.receive(timeout=600)
         return report.total_s, report.medium, report.nbytes
 
@@ -199,25 +204,32 @@ async def _fluctuating(h: Harness, shape: str, n: int, quick: bool) -> dict[str,
 
 
 async def _switches(url: str, h: Harness, shape: str, n: int, hysteresis: float, samples: int) -> int:
-    """Switches of one pair's medium over a link whose rate jitters +-10 % around a crossover."""
+    """Switches of one pair's medium over a link whose rate jitters +-10 % around the crossover of
+    the two best media. The crossover is re-solved from every decision record (the predicted
+    terms of each candidate), so the link stays where the choice is closest even as the
+    scheduler's estimates and the agents' load move it."""
     sched = await GroupScheduler.connect(url, f"hyst{int(hysteresis * 100)}",
                                          config=SchedulerConfig(hysteresis=hysteresis))
     try:
         sig = SHAPES[shape]
-        crossover = _crossover(h, shape, n)
+        center = _crossover(h, shape, n)
         g = torch.Generator().manual_seed(3)
         runner = CalibratedRunner(sig, h.prefill_tps[shape])
         tx = await h.tx_bus.agent(f"hyst-tx{int(hysteresis * 100)}", group=sched.group, signature=sig, runner=runner,
-                                  link=EmulatedLink.mbit(crossover))
+                                  link=EmulatedLink.mbit(center))
         rx = await h.rx_bus.agent(f"hyst-rx{int(hysteresis * 100)}", group=sched.group, signature=sig, runner=runner)
         kv = make_kv(sig, n, seed=11)
         media = []
         for _ in range(samples):
-            jitter = 1 + 0.1 * (2 * float(torch.rand(1, generator=g)) - 1)
-            await tx.set_link(EmulatedLink.mbit(crossover * jitter))
+            rate = center * (1 + 0.1 * (2 * float(torch.rand(1, generator=g)) - 1))
+            await tx.set_link(EmulatedLink.mbit(rate))
             await asyncio.sleep(0.02)
-            _, used, _ = await h.once(tx, rx, kv, None)
-            media.append(used)
+            h.n += 1
+            fresh = dataclasses.replace(kv, tokens=(kv.tokens + h.n) % sig.vocab_size)
+            report = await tx.send(rx.name, fresh)
+            await rx.receive(timeout=600)
+            media.append(report.medium)
+            center = _solve_crossover(report.decision.get("candidates", []), rate) or center
         await tx.close()
         await rx.close()
         return sum(1 for a, b in zip(media, media[1:]) if a != b)
@@ -225,12 +237,35 @@ async def _switches(url: str, h: Harness, shape: str, n: int, hysteresis: float,
         await sched.close()
 
 
+def _solve_crossover(candidates: list[dict[str, Any]], mbit: float) -> float | None:
+    """The link rate (Mbit/s) at which the two best candidates of a decision would cost the same."""
+    bps = mbit * 1e6 / 8
+    usable = sorted((c for c in candidates if c.get("total_s") is not None), key=lambda c: c["total_s"])
+    for i, a in enumerate(usable):
+        for b in usable[i + 1:i + 3]:
+            if a["bytes"] == b["bytes"]:
+                continue
+            other_a = a["total_s"] - a["bytes"] / bps
+            other_b = b["total_s"] - b["bytes"] / bps
+            if other_b == other_a:
+                continue
+            rate = (a["bytes"] - b["bytes"]) / (other_b - other_a)
+            if rate > 0:
+                return min(1e5, max(1.0, rate * 8 / 1e6))
+        break
+    return None
+
+
 def _crossover(h: Harness, shape: str, n: int) -> float:
-    """A link rate (Mbit/s) where the two best media are predicted within a few percent."""
+    """A link rate (Mbit/s) where the two best media are predicted within a few percent (by a fresh
+    model, as the hysteresis runs' schedulers start without learned corrections)."""
+    fresh = CostModel(h.model.figures, config=h.model.config)
+    fresh.default_model_costs = h.model.default_model_costs
+    probe = Harness(h.url, h.sched, h.tx_bus, h.rx_bus, fresh, h.prefill_tps, h.media, h.cap_s)
     best_gap, best_rate = math.inf, 100.0
-    for i in range(60):
-        mbit = 10 ** (1 + 3 * i / 59)
-        preds = sorted(h.predict(shape, n, mbit, m) for m in h.media)
+    for i in range(120):
+        mbit = 10 ** (1 + 3 * i / 119)
+        preds = sorted(probe.predict(shape, n, mbit, m) for m in h.media)
         gap = (preds[1] - preds[0]) / preds[0] if len(preds) > 1 and preds[0] > 0 else math.inf
         if gap < best_gap and preds[0] < h.cap_s:
             best_gap, best_rate = gap, mbit
