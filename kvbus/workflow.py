@@ -1,11 +1,12 @@
 """A small multi-agent workflow on kvbus, the engine behind `kvbus demo` (and an example).
 
 A coordinator agent decomposes a task, executor agents work on its parts, a verifier checks
-them, and the coordinator aggregates; every round the shared context grows. All four
-communication patterns occur: broadcast (plan -> executors), point-to-point (coordinator ->
-archivist, verifier -> coordinator), and gather (executors -> verifier). Agents sit in two groups
-with different emulated links, and the archivist runs a different model, so for it only token
-media are possible.
+them, and the coordinator aggregates; every round the shared context grows. All the
+communication patterns occur: point-to-point (the plan to each executor, verifier ->
+coordinator, coordinator -> archivist), gather (executors -> verifier) and broadcast (the
+coordinator shares each round's outcome with its own group). Agents sit in groups with
+different emulated links, and the archivist runs a different model, so for it only token media
+are possible.
 
 Each agent really generates with its model; the same workflow runs once per policy (adaptive,
 or a static medium forced on every transfer) with the same prompts, so the runs can be compared
@@ -76,7 +77,8 @@ class Workflow:
     """Coordinator -> executors -> verifier -> coordinator, for a number of rounds."""
 
     def __init__(self, agents: list[AgentSpec], tasks: list[str], encode: Callable[[str], torch.Tensor], *,
-                 new_tokens: int = 24, bus_config: BusConfig | None = None) -> None:
+                 new_tokens: int = 24, bus_config: BusConfig | None = None,
+                 preamble: str = "You coordinate a small team. Keep every step short and concrete.\n") -> None:
         self.specs = {a.role if a.role != "executor" else a.name: a for a in agents}
         self.coordinator = next(a for a in agents if a.role == "coordinator")
         self.executors = [a for a in agents if a.role == "executor"]
@@ -85,6 +87,7 @@ class Workflow:
         self.tasks = tasks
         self.encode = encode
         self.new_tokens = new_tokens
+        self.preamble = preamble
         self.bus_config = bus_config or BusConfig(peer_timeout=120, grant_timeout=300, request_timeout=30)
 
     async def run(self, nats_url: str, policy: str, *, progress: Callable[[str], None] | None = None) -> RunResult:
@@ -115,7 +118,7 @@ class Workflow:
             result.outputs.setdefault(agent, []).append(tokens)
 
         coord, verifier = self.coordinator, self.verifier
-        history = self.encode("You coordinate a small team. Keep every step short and concrete.\n")
+        history = self.encode(self.preamble)
         ctx: KVCache | None = None
         for r, task in enumerate(self.tasks):
             say(f"round {r + 1}/{len(self.tasks)}: coordinator plans")
@@ -123,14 +126,14 @@ class Workflow:
             ctx = await asyncio.to_thread(_extend, coord.runner, ctx, prompt, self.new_tokens)
             out(coord.name, ctx.tokens[:, -self.new_tokens:])
             hold(coord.name, ctx)
-            say(f"round {r + 1}: broadcast the plan to {len(self.executors)} executors")
-            plans = await channel.transfer(r, coord.name, [e.name for e in self.executors], ctx)
+            say(f"round {r + 1}: the plan goes to {len(self.executors)} executors")
+            plans = await asyncio.gather(*(channel.transfer(r, coord.name, [e.name], ctx) for e in self.executors))
             results: list[KVCache] = []
-            for i, ex in enumerate(self.executors):
-                got = plans[ex.name]
-                ask = torch.cat([got.tokens, self.encode(f"\nExecutor {i + 1}, do part {i + 1}:")], dim=-1)
+            for i, (ex, got) in enumerate(zip(self.executors, plans)):
+                mine_ctx = got[ex.name]
+                ask = torch.cat([mine_ctx.tokens, self.encode(f"\nExecutor {i + 1}, do part {i + 1}:")], dim=-1)
                 say(f"round {r + 1}: executor {i + 1} works")
-                mine = await asyncio.to_thread(_extend, ex.runner, got, ask, self.new_tokens)
+                mine = await asyncio.to_thread(_extend, ex.runner, mine_ctx, ask, self.new_tokens)
                 out(ex.name, mine.tokens[:, -self.new_tokens:])
                 hold(ex.name, mine)
                 results.append(mine)
@@ -148,13 +151,19 @@ class Workflow:
             ctx = (await channel.transfer(r, verifier.name, [coord.name], verdict))[coord.name]
             hold(coord.name, ctx)
             history = ctx.tokens
+            team = [a.name for a in [verifier, *self.executors] if a.group == coord.group]
+            if len(team) > 1:
+                say(f"round {r + 1}: coordinator broadcasts the outcome to its group")
+                shared = await channel.transfer(r, coord.name, team, ctx)
+                for name, kv in shared.items():
+                    hold(name, kv)
             if self.archivist is not None:
                 arch = self.archivist
                 say(f"round {r + 1}: coordinator -> archivist (a different model)")
                 got = (await channel.transfer(r, coord.name, [arch.name], ctx, foreign=True))[arch.name]
                 note = torch.cat([got.tokens, self.encode("\nArchive note:")], dim=-1)
-                kept = await asyncio.to_thread(_extend, arch.runner, got, note, 8)
-                out(arch.name, kept.tokens[:, -8:])
+                kept = await asyncio.to_thread(_extend, arch.runner, got, note, 4)
+                out(arch.name, kept.tokens[:, -4:])
                 hold(arch.name, kept)
         result.e2e_s = time.perf_counter() - t0
         return result

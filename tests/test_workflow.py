@@ -30,7 +30,7 @@ def flow() -> Workflow:
         AgentSpec("coordinator", "coordinator", "wf-plan", 3.0, runner, EmulatedLink.mbit(1000)),
         AgentSpec("verifier", "verifier", "wf-plan", 2.0, runner),
         AgentSpec("executor1", "executor", "wf-exec", 1.0, runner, EmulatedLink.mbit(200)),
-        AgentSpec("executor2", "executor", "wf-exec", 1.0, runner, EmulatedLink.mbit(200)),
+        AgentSpec("executor2", "executor", "wf-plan", 1.0, runner, EmulatedLink.mbit(200)),
         AgentSpec("archivist", "archivist", "wf-exec", 0.5, other, EmulatedLink.mbit(50)),
     ]
     return Workflow(agents, ["Plan a library reminder service."], encode, new_tokens=4)

@@ -12,10 +12,12 @@ from typing import Any
 #: Suite name -> module with ``run(*, quick, **options) -> dict``.
 SUITES: dict[str, str] = {
     "transport": "kvbus.bench.transport",
+    "e2e": "kvbus.bench.e2e",
     "codecs": "kvbus.bench.codecs",
     "select": "kvbus.bench.select",
     "cachetier": "kvbus.bench.cachetier",
     "sched": "kvbus.bench.sched",
+    "scale": "kvbus.bench.scale",
 }
 
 
