@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import os
 import time
@@ -17,6 +18,9 @@ import torch
 from nats.aio.msg import Msg
 from nats.js.errors import BucketNotFoundError
 
+from opentelemetry.trace import SpanKind, use_span
+
+from kvbus import telemetry
 from kvbus.bus.config import HEADER_ROOM, BusConfig
 from kvbus.bus.control import TransferControls
 from kvbus.bus.pacing import EmulatedLink
@@ -52,6 +56,7 @@ from kvbus.protocol import (
     TransferDone,
     TransferRequest,
     agent_subject,
+    check_data_subject,
     check_name,
     decode_message,
     packb,
@@ -78,18 +83,29 @@ class Bus:
     Create with ``await Bus.connect(url)``; use as ``async with``.
     """
 
-    def __init__(self, transport: Transport, *, config: BusConfig | None = None) -> None:
+    def __init__(self, transport: Transport, *, config: BusConfig | None = None, secure: bool = False) -> None:
         self.transport = transport
         self.config = config or BusConfig.from_env()
+        self.secure = secure
+        """Agents have no JetStream access (per-agent permissions): they register through their
+        group scheduler instead of writing the directory themselves."""
         self.status = Status.CONNECTED
         self._agents: dict[str, Agent] = {}
         self._directory: Any = None
 
     @classmethod
     async def connect(cls, url: str = "nats://127.0.0.1:4222", *, config: BusConfig | None = None,
-                      **nats_options: Any) -> Bus:
-        """Connect to NATS at ``url`` (extra keyword arguments go to `nats.connect`)."""
-        return cls(await NatsTransport.connect(url, **nats_options), config=config)
+                      secure: bool = False, **nats_options: Any) -> Bus:
+        """Connect to NATS at ``url`` (extra keyword arguments go to `nats.connect`).
+
+        Args:
+            secure: the server enforces per-agent permissions (`kvbus up --secure`,
+                `kvbus.security`): pass the agent's ``user``/``password`` (or ``token``,
+                ``nkeys_seed``, ``user_credentials``, ``tls``) and ``inbox_prefix=f"_INBOX.{agent}"``
+                in ``nats_options`` (`kvbus.security.agent_connect_options` builds them), and use
+                one bus per agent.
+        """
+        return cls(await NatsTransport.connect(url, **nats_options), config=config, secure=secure)
 
     @property
     def chunk_size(self) -> int:
@@ -100,7 +116,7 @@ class Bus:
         """The JetStream KV bucket of agent records (created on first use)."""
         if self._directory is None:
             nc = getattr(self.transport, "nc", None)
-            if nc is None:
+            if nc is None or self.secure:
                 return None
             js = nc.jetstream()
             try:
@@ -109,14 +125,15 @@ class Bus:
                 self._directory = await js.create_key_value(bucket=AGENTS_BUCKET, history=1)
         return self._directory
 
-    async def agent(self, name: str, *, group: str = "default", role: str = "agent", priority: float = 1.0,
+    async def agent(self, name: str, *, group: str | None = "default", role: str = "agent", priority: float = 1.0,
                     signature: ModelSignature | None = None, runner: ModelRunner | None = None,
                     cache: Any = None, link: EmulatedLink | None = None) -> Agent:
         """Register an agent on this bus and start its inbox.
 
         Args:
             name: unique agent name (letters, digits, ``-``, ``_``).
-            group: the group whose scheduler grants its transfers.
+            group: the group whose scheduler grants its transfers; None asks the coordinator to
+                place it (raises `CoordinatorUnavailable` when none answers or no group is live).
             role: free-form role (``coordinator``, ``executor``, ``verifier`` ...).
             priority: role priority used in scheduling weights.
             signature: the model signature KV sent to this agent must match; taken from
@@ -131,6 +148,8 @@ class Bus:
         if self.status is Status.CLOSED:
             raise BusClosed()
         check_name("agent", name)
+        if group is None:
+            group = await self._place(name)
         check_name("group", group)
         if name in self._agents:
             raise ValueError(f"agent {name!r} is already registered on this bus")
@@ -141,6 +160,14 @@ class Bus:
         await agent._start()
         self._agents[name] = agent
         return agent
+
+    async def _place(self, name: str) -> str:
+        from kvbus.coordinator.client import CoordinatorClient, CoordinatorUnavailable
+
+        reply = await CoordinatorClient(self.transport).place(name)
+        if not reply.group:
+            raise CoordinatorUnavailable(f"placement of {name}: {reply.reason}")
+        return reply.group
 
     async def close(self) -> None:
         if self.status is Status.CLOSED:
@@ -179,6 +206,9 @@ class Agent:
         self.runner = runner
         self.cache = cache
         """The agent's cache tier, or None."""
+        if cache is not None and type(getattr(cache, "listener", None)).__name__ == "TierListener":
+            # The tier's default (silent) listener: count its hits and misses as metrics instead.
+            cache.listener = self._cache_metrics = telemetry.CacheMetrics(name)
         self._cache_bytes = 0
         self.closed = False
         self._transport = bus.transport
@@ -220,6 +250,14 @@ class Agent:
         record = AgentRecord(name=self.name, group=self.group, role=self.role, priority=self.priority,
                              signature=self.signature.to_dict() if self.signature else None,
                              link_bps=link.bandwidth_bps, latency_s=link.latency_s, recompute=self.runner is not None)
+        if self.bus.secure:
+            # No JetStream rights: the group scheduler writes the record to the directory.
+            try:
+                await self._transport.request(sched_subject(self.group, "register"), record.encode(),
+                                              timeout=self._config.request_timeout)
+            except (NoResponders, TimeoutError):
+                logger.warning("agent %s: no scheduler of group %s confirmed its registration", self.name, self.group)
+            return
         directory = await self.bus.directory()
         if directory is not None:
             await directory.put(self.name, record.encode())
@@ -321,55 +359,70 @@ class Agent:
         kv.validate()
         t0 = time.perf_counter()
         transfer_id = uuid.uuid4().hex
-        grant = await self._request_grant(transfer_id, receivers, kv, medium, deadline, critical)
-        t_grant = time.perf_counter()
-        try:
-            codec = get_codec(grant.medium)
-            # What the receivers already hold from this agent (delta media send only the rest).
-            base = self._delta_base(receivers, kv)
-            if kv.nbytes > OFFLOAD_BYTES or not codec.needs_kv:
-                encoded = await asyncio.to_thread(codec.encode, kv, base=base, runner=self.runner)
-            else:
-                encoded = codec.encode(kv, base=base, runner=self.runner)
-            t_enc = time.perf_counter()
-            meta = packb(encoded.meta)
-            if len(meta) > MAX_META_BYTES:
-                raise PayloadTooLarge("codec metadata", len(meta), MAX_META_BYTES)
-            chunk_size = min(grant.chunk_size or self.bus.chunk_size, self.bus.chunk_size)
-            out = OutgoingTransfer(
-                self._transport, transfer_id=transfer_id, src=self.name, codec=encoded.codec, meta=encoded.meta,
-                buffers=encoded.buffers, receivers=receivers, config=self._config,
-                chunk_size=chunk_size, inline_limit=self._config.inline_limit,
-                window=grant.window or self._config.window, rate_bps=grant.rate_bps,
-            )
-            self._outgoing[transfer_id] = out
+        with telemetry.span("kvbus.send", kind=SpanKind.PRODUCER, attributes={
+                telemetry.MESSAGING_SYSTEM: "nats", telemetry.MESSAGING_OPERATION: "send",
+                telemetry.MESSAGING_DESTINATION: ",".join(receivers), telemetry.MESSAGE_ID: transfer_id,
+                "kvbus.transfer_id": transfer_id, "kvbus.src": self.name,
+                "kvbus.context_bytes": kv.nbytes}) as send_span:
+            grant = await self._request_grant(transfer_id, receivers, kv, medium, deadline, critical)
+            t_grant = time.perf_counter()
+            send_span.set_attribute("kvbus.medium", grant.medium)
             try:
-                outcomes = await out.run()
-            finally:
-                self._outgoing.pop(transfer_id, None)
-            t_done = time.perf_counter()
-        except BaseException as exc:
-            await self._report_done(transfer_id, grant.medium, receivers, 0, 0.0, exc)
-            raise
-        failed = {rx: o.error for rx, o in outcomes.items() if o.error is not None}
-        error = next(iter(failed.values())) if failed else None
-        slowest_decode = max((o.decode_s for o in outcomes.values()), default=0.0)
-        await self._report_done(transfer_id, grant.medium, receivers, out.stats.bytes_sent or encoded.nbytes,
-                                t_done - t_grant, error, wire_s=max(0.0, t_done - t_enc - slowest_decode))
-        for rx, o in outcomes.items():
-            if o.ok:
-                self._sent_tokens[rx] = kv.tokens
-        if error is not None:
-            error.failed = failed  # type: ignore[union-attr]
-            raise error
-        return TransferReport(
-            transfer_id=transfer_id, src=self.name, dst=tuple(receivers), medium=grant.medium,
-            nbytes=encoded.nbytes, context_bytes=kv.nbytes if kv.has_kv else kv.nbytes, chunks=out.stats.chunks_sent,
-            retransmits=out.stats.retransmits, queued_s=t_grant - t0, encode_s=t_enc - t_grant,
-            transfer_s=t_done - t_enc, decode_s={rx: o.decode_s for rx, o in outcomes.items()},
-            total_s=t_done - t0, rate_bps=grant.rate_bps,
-            decision={**grant.decision, "reason": grant.reason, "observed_s": round(t_done - t_grant, 6)},
-        )
+                codec = get_codec(grant.medium)
+                # What the receivers already hold from this agent (delta media send only the rest).
+                base = self._delta_base(receivers, kv)
+                with telemetry.span("kvbus.encode", attributes={"kvbus.medium": grant.medium}):
+                    if kv.nbytes > OFFLOAD_BYTES or not codec.needs_kv:
+                        encoded = await asyncio.to_thread(codec.encode, kv, base=base, runner=self.runner)
+                    else:
+                        encoded = codec.encode(kv, base=base, runner=self.runner)
+                t_enc = time.perf_counter()
+                meta = packb(encoded.meta)
+                if len(meta) > MAX_META_BYTES:
+                    raise PayloadTooLarge("codec metadata", len(meta), MAX_META_BYTES)
+                chunk_size = min(grant.chunk_size or self.bus.chunk_size, self.bus.chunk_size)
+                out = OutgoingTransfer(
+                    self._transport, transfer_id=transfer_id, src=self.name, codec=encoded.codec, meta=encoded.meta,
+                    buffers=encoded.buffers, receivers=receivers, config=self._config,
+                    chunk_size=chunk_size, inline_limit=self._config.inline_limit,
+                    window=grant.window or self._config.window, rate_bps=grant.rate_bps,
+                    traceparent=telemetry.traceparent(),
+                )
+                self._outgoing[transfer_id] = out
+                try:
+                    with telemetry.span("kvbus.stream", attributes={"kvbus.rate_bps": grant.rate_bps}) as stream_span:
+                        out.span = stream_span
+                        outcomes = await out.run()
+                        stream_span.set_attributes({"kvbus.chunks": out.stats.chunks_sent,
+                                                    "kvbus.retransmits": out.stats.retransmits,
+                                                    "kvbus.pauses": out.stats.pauses})
+                finally:
+                    self._outgoing.pop(transfer_id, None)
+                t_done = time.perf_counter()
+            except BaseException as exc:
+                telemetry.instruments().transfers.add(1, {"medium": grant.medium, "outcome": type(exc).__name__})
+                await self._report_done(transfer_id, grant.medium, receivers, 0, 0.0, exc)
+                raise
+            failed = {rx: o.error for rx, o in outcomes.items() if o.error is not None}
+            error = next(iter(failed.values())) if failed else None
+            slowest_decode = max((o.decode_s for o in outcomes.values()), default=0.0)
+            await self._report_done(transfer_id, grant.medium, receivers, out.stats.bytes_sent or encoded.nbytes,
+                                    t_done - t_grant, error, wire_s=max(0.0, t_done - t_enc - slowest_decode))
+            for rx, o in outcomes.items():
+                if o.ok:
+                    self._sent_tokens[rx] = kv.tokens
+            _record_send(send_span, self.name, grant, out, encoded.nbytes, t0, t_grant, t_done, error)
+            if error is not None:
+                error.failed = failed  # type: ignore[union-attr]
+                raise error
+            return TransferReport(
+                transfer_id=transfer_id, src=self.name, dst=tuple(receivers), medium=grant.medium,
+                nbytes=encoded.nbytes, context_bytes=kv.nbytes if kv.has_kv else kv.nbytes, chunks=out.stats.chunks_sent,
+                retransmits=out.stats.retransmits, queued_s=t_grant - t0, encode_s=t_enc - t_grant,
+                transfer_s=t_done - t_enc, decode_s={rx: o.decode_s for rx, o in outcomes.items()},
+                total_s=t_done - t0, rate_bps=grant.rate_bps,
+                decision={**grant.decision, "reason": grant.reason, "observed_s": round(t_done - t_grant, 6)},
+            )
 
     async def _request_grant(self, transfer_id: str, receivers: list[str], kv: KVCache, medium: str | None,
                              deadline: float | None, critical: bool) -> Grant:
@@ -383,27 +436,39 @@ class Agent:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Grant] = loop.create_future()
         self._grants[transfer_id] = fut
+        wait_span = telemetry.start("kvbus.grant.wait")
         try:
             request = TransferRequest(
                 transfer_id=transfer_id, src=self.name, dst=receivers, group=self.group, n_tokens=kv.n_tokens,
                 nbytes=kv.nbytes, signature=kv.signature.to_dict(), medium=medium,
                 deadline=time.time() + deadline if deadline is not None else None, critical=critical,
                 fidelity=float(kv.fidelity), base_tokens=self._base_tokens(receivers, kv),
+                traceparent=telemetry.traceparent(wait_span),
             )
             wait = deadline if deadline is not None else self._config.grant_timeout
-            grant = await self._ask_scheduler(transfer_id, request.encode(), fut, wait)
+            with use_span(wait_span, end_on_exit=False, record_exception=True, set_status_on_exception=True):
+                grant = await self._ask_scheduler(transfer_id, request.encode(), fut, wait)
+        except BaseException:
+            wait_span.end()
+            raise
         finally:
             self._grants.pop(transfer_id, None)
-        if not grant.medium:
-            raise TransferRejected(transfer_id, f"scheduler of {self.group}", grant.reason)
-        self._controls.granted(transfer_id)
-        delay = grant.start_at - time.time()
-        if grant.latency_s > 0:
-            # Link emulation: the transfer's round trips (request, open, verdict) on a path with
-            # this one-way latency; real links need no such sleep.
-            delay = max(delay, 0.0) + 6 * grant.latency_s
-        if delay > 0:
-            await asyncio.sleep(min(delay, self._config.grant_timeout))
+        try:
+            if not grant.medium:
+                raise TransferRejected(transfer_id, f"scheduler of {self.group}", grant.reason)
+            self._controls.granted(transfer_id)
+            delay = grant.start_at - time.time()
+            if grant.latency_s > 0:
+                # Link emulation: the transfer's round trips (request, open, verdict) on a path with
+                # this one-way latency; real links need no such sleep.
+                delay = max(delay, 0.0) + 6 * grant.latency_s
+            if delay > 0:
+                with use_span(wait_span, end_on_exit=False):
+                    await asyncio.sleep(min(delay, self._config.grant_timeout))
+        finally:
+            if wait_span.is_recording():
+                wait_span.set_attributes({"kvbus.medium": grant.medium, "kvbus.reason": grant.reason})
+            wait_span.end()
         return grant
 
     async def _ask_scheduler(self, transfer_id: str, payload: bytes, fut: asyncio.Future[Grant], wait: float) -> Grant:
@@ -609,13 +674,27 @@ class Agent:
             if digest != open_msg.digest:
                 return OpenReply(transfer_id=tid, ok=False, reason="inline payload failed its checksum")
             t0 = time.perf_counter()
-            try:
-                delivery = await self._decode(open_msg, buffers, 0.0)
-            except KVBusError as exc:
-                return OpenReply(transfer_id=tid, ok=False, reason=f"cannot decode ({type(exc).__name__}): {exc}")
+            with use_span(_receive_span(self.name, open_msg), end_on_exit=True) as receive_span:
+                try:
+                    delivery = await self._decode(open_msg, buffers, 0.0)
+                except KVBusError as exc:
+                    telemetry.fail(receive_span, exc)
+                    return OpenReply(transfer_id=tid, ok=False, reason=f"cannot decode ({type(exc).__name__}): {exc}")
             self._deliver(delivery)
             return OpenReply(transfer_id=tid, ok=True, done=True, decode_s=time.perf_counter() - t0)
+        # A streamed transfer makes this agent subscribe and publish: only on the subjects the
+        # protocol names for it, never where a hostile Open points.
+        try:
+            check_name("agent", open_msg.src)
+            check_name("transfer", tid)
+            check_data_subject(open_msg.data_subject, open_msg.src, self.name, tid)
+            if open_msg.ack_subject != agent_subject(open_msg.src, "ack"):
+                raise WireFormatError("open message", f"ack subject must be {agent_subject(open_msg.src, 'ack')!r}")
+        except (ValueError, WireFormatError) as exc:
+            return OpenReply(transfer_id=tid, ok=False, reason=str(exc))
         incoming = IncomingTransfer(self._transport, open_msg, self.name, self._config, self._finish, plan)
+        receive_span = _receive_span(self.name, open_msg)
+        incoming.spans = (receive_span, telemetry.start("kvbus.reassemble", parent=receive_span))
         self._incoming[tid] = incoming
         await incoming.start()
         return OpenReply(transfer_id=tid, ok=True)
@@ -639,19 +718,27 @@ class Agent:
         tid = incoming.open.transfer_id
         self._incoming.pop(tid, None)
         transfer_s = time.perf_counter() - incoming.started
-        if not incoming.verify():
-            logger.error("transfer %s: payload digest mismatch after reassembly", tid)
-            await incoming._ack(done=True, ok=False, reason="payload digest mismatch after reassembly")
-            return
-        t0 = time.perf_counter()
-        try:
-            delivery = await self._decode(incoming.open, incoming.assembly.result(), transfer_s)
-        except KVBusError as exc:
-            await incoming._ack(done=True, ok=False, reason=f"cannot decode ({type(exc).__name__}): {exc}")
-            return
-        decode_s = time.perf_counter() - t0
-        self._deliver(delivery)
-        await incoming._ack(done=True, ok=True, decode_s=decode_s)
+        receive_span, reassemble_span = incoming.spans
+        with use_span(receive_span, end_on_exit=True):
+            with use_span(reassemble_span, end_on_exit=True):
+                reassemble_span.set_attributes({"kvbus.chunks": incoming.count, "kvbus.corrupt": incoming.corrupt,
+                                                "kvbus.duplicates": incoming.duplicates})
+                verified = incoming.verify()
+            if not verified:
+                logger.error("transfer %s: payload digest mismatch after reassembly", tid)
+                telemetry.fail(receive_span, TransferError(tid, "payload digest mismatch after reassembly"))
+                await incoming._ack(done=True, ok=False, reason="payload digest mismatch after reassembly")
+                return
+            t0 = time.perf_counter()
+            try:
+                delivery = await self._decode(incoming.open, incoming.assembly.result(), transfer_s)
+            except KVBusError as exc:
+                telemetry.fail(receive_span, exc)
+                await incoming._ack(done=True, ok=False, reason=f"cannot decode ({type(exc).__name__}): {exc}")
+                return
+            decode_s = time.perf_counter() - t0
+            self._deliver(delivery)
+            await incoming._ack(done=True, ok=True, decode_s=decode_s)
 
     async def _decode(self, open_msg: Open, buffers: list[memoryview], transfer_s: float) -> Delivery:
         codec = get_codec(open_msg.codec)
@@ -659,10 +746,13 @@ class Agent:
         t0 = time.perf_counter()
         heavy = not codec.cheap_decode and (open_msg.total > OFFLOAD_BYTES or not codec.needs_kv)
         base = self._bases.get(open_msg.src)
-        if heavy:
-            kv = await asyncio.to_thread(codec.decode, encoded, base=base, runner=self.runner)
-        else:
-            kv = codec.decode(encoded, base=base, runner=self.runner)
+        with telemetry.span("kvbus.decode", attributes={"kvbus.medium": open_msg.codec, "kvbus.bytes": open_msg.total}), \
+                (contextlib.nullcontext() if codec.needs_kv else telemetry.span("kvbus.recompute")):
+            # A medium without KV is decoded by prefilling its tokens: that is the recompute.
+            if heavy:
+                kv = await asyncio.to_thread(codec.decode, encoded, base=base, runner=self.runner)
+            else:
+                kv = codec.decode(encoded, base=base, runner=self.runner)
         if self._config.keep_bases:
             self._bases[open_msg.src] = kv
         if kv.has_kv and self.signature is not None:
@@ -760,6 +850,9 @@ class Agent:
 
     def probe(self) -> Probe:
         link = self.link or EmulatedLink()
+        cache_metrics = getattr(self, "_cache_metrics", None)
+        if cache_metrics is not None:
+            cache_metrics.observe(self.cache.stats)
         return Probe(agent=self.name, group=self.group, queue_size=len(self._grants) + len(self._outgoing),
                      cache_bytes=self.cache_bytes, compute_load=self.compute_load(),
                      role_priority=self.priority, role=self.role, link_bps=link.bandwidth_bps,
@@ -788,12 +881,48 @@ class Agent:
                                    tid, incoming.open.src, now - incoming.last_activity, incoming.count,
                                    incoming.open.n_chunks)
                     self._incoming.pop(tid, None)
+                    for s in reversed(incoming.spans):
+                        telemetry.fail(s, TransferError(tid, "sender went silent"))
+                        s.end()
                     await incoming.stop()
 
     @property
     def partial_transfers(self) -> int:
         """Incoming transfers still being reassembled."""
         return len(self._incoming)
+
+
+def _receive_span(rx: str, open_msg: Open) -> Any:
+    """The receiver's ``kvbus.receive`` span, a child of the sender's via the Open's traceparent."""
+    return telemetry.start("kvbus.receive", parent=open_msg.traceparent, kind=SpanKind.CONSUMER, attributes={
+        telemetry.MESSAGING_SYSTEM: "nats", telemetry.MESSAGING_OPERATION: "receive",
+        telemetry.MESSAGING_DESTINATION: rx, telemetry.MESSAGE_ID: open_msg.transfer_id,
+        telemetry.MESSAGE_BODY_SIZE: open_msg.total, "kvbus.transfer_id": open_msg.transfer_id,
+        "kvbus.src": open_msg.src, "kvbus.medium": open_msg.codec, "kvbus.chunks": open_msg.n_chunks,
+        "kvbus.inline": open_msg.inline})
+
+
+def _record_send(span: Any, agent: str, grant: Grant, out: OutgoingTransfer, nbytes: int, t0: float, t_grant: float,
+                 t_done: float, error: BaseException | None) -> None:
+    """Metrics of one finished send, and its span's result attributes (predicted vs observed time)."""
+    m = telemetry.instruments()
+    by_medium = {"medium": grant.medium}
+    m.transfers.add(1, {**by_medium, "outcome": "ok" if error is None else type(error).__name__})
+    if error is None:
+        m.transfer_latency.record(t_done - t0, by_medium)
+        m.transfer_bytes.add(nbytes, by_medium)
+    m.queue_delay.record(t_grant - t0, {"agent": agent})
+    if out.stats.retransmits:
+        m.retransmits.add(out.stats.retransmits, {"agent": agent})
+    if span.is_recording():
+        predicted = grant.decision.get("predicted_s")
+        span.set_attributes({
+            telemetry.MESSAGE_BODY_SIZE: nbytes, "kvbus.bytes": nbytes, "kvbus.medium": grant.medium,
+            "kvbus.chunks": out.stats.chunks_sent, "kvbus.retransmits": out.stats.retransmits,
+            "kvbus.pauses": out.stats.pauses, "kvbus.rate_bps": grant.rate_bps, "kvbus.reason": grant.reason,
+            "kvbus.queued_s": t_grant - t0, "kvbus.observed_s": t_done - t_grant, "kvbus.total_s": t_done - t0,
+            **({"kvbus.predicted_s": float(predicted)} if isinstance(predicted, (int, float)) else {}),
+        })
 
 
 __all__ = ["Agent", "Bus", "Delivery", "TransferError", "TransferReport"]

@@ -23,6 +23,7 @@ import torch
 import xxhash
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from opentelemetry.trace import INVALID_SPAN, Span
 
 from kvbus.bus.config import BusConfig
 from kvbus.bus.errors import ReceiverGone, TransferError, TransferRejected, TransferTimeout
@@ -36,6 +37,8 @@ from kvbus.protocol import (
     Open,
     OpenReply,
     agent_subject,
+    bcast_subject,
+    data_subject,
 )
 
 logger = logging.getLogger(__name__)
@@ -181,7 +184,10 @@ class OutgoingTransfer:
         # an inline payload).
         self._digests: list[str] = [""] * self.plan.n_chunks
         self.digest = ""
-        self.data_subject = f"kvbus.data.{src}.{transfer_id}"
+        # Unicast chunks go under the receiver's prefix, broadcasts under the sender's: the
+        # permission scheme (kvbus.security) lets only the addressed agents subscribe.
+        self.data_subject = (data_subject(self.receivers[0], transfer_id) if len(self.receivers) == 1
+                             else bcast_subject(src, transfer_id))
         self.open = Open(
             transfer_id=transfer_id, src=src, codec=codec, meta=meta, sizes=self.sizes,
             total=self.plan.total, chunk_size=chunk_size, n_chunks=self.plan.n_chunks, digest=self.digest,
@@ -205,6 +211,8 @@ class OutgoingTransfer:
         self._running.set()
         self._paused_at = 0.0
         self._started = False
+        self.span: Span = INVALID_SPAN
+        """The sender's ``kvbus.stream`` span: pause, resume and retransmit become its events."""
         self._last_progress = time.monotonic()
 
     # -- control from the scheduler --------------------------------------------------------
@@ -232,9 +240,11 @@ class OutgoingTransfer:
         """
         if self._started and (self.open.inline or self.fraction_sent >= max_fraction):
             self.stats.declined_pauses += 1
+            self.span.add_event("pause.declined", {"kvbus.fraction_sent": self.fraction_sent})
             return False
         if self._running.is_set():
             self.stats.pauses += 1
+            self.span.add_event("pause", {"kvbus.fraction_sent": self.fraction_sent})
             self._paused_at = time.monotonic()
             self._running.clear()
             self._progress.set()  # wake a sender waiting for credit so it sees the pause
@@ -245,6 +255,7 @@ class OutgoingTransfer:
         if not self._running.is_set():
             self.stats.paused_s += time.monotonic() - self._paused_at
             self.bucket.restart()  # no burst of credit saved up while paused
+            self.span.add_event("resume", {"kvbus.fraction_sent": self.fraction_sent})
         self._last_progress = time.monotonic()
         self._running.set()
 
@@ -366,6 +377,7 @@ class OutgoingTransfer:
                 index = min(self._resend)
                 self._resend.discard(index)
                 self.stats.retransmits += 1
+                self.span.add_event("retransmit", {"kvbus.chunk": index})
                 await self._send_chunk(index)
                 continue
             low = min(self._acked.get(rx, 0) for rx in active)
@@ -407,6 +419,7 @@ class OutgoingTransfer:
                 self._acked[rx] = start
                 self._resend.update(range(start, min(self._next, start + self.window)))
                 logger.info("transfer %s: %s stalled at chunk %d, resending", self.transfer_id, rx, start)
+                self.span.add_event("stalled", {"kvbus.receiver": rx, "kvbus.chunk": start})
 
 
 class Reassembly:
@@ -480,6 +493,8 @@ class IncomingTransfer:
         self._since_ack = 0
         self._asked: set[int] = set()
         self._done_task: asyncio.Task[None] | None = None
+        self.spans: tuple[Span, Span] = (INVALID_SPAN, INVALID_SPAN)
+        """The receiver's ``kvbus.receive`` and ``kvbus.reassemble`` spans (set by the agent)."""
 
     async def start(self) -> None:
         self._sub = await self.transport.subscribe(self.open.data_subject, self._on_chunk)

@@ -76,8 +76,10 @@ class Coordinator:
         self.closed = False
 
     @classmethod
-    async def connect(cls, url: str, **kwargs: Any) -> Coordinator:
-        coord = cls(await NatsTransport.connect(url, name="kvbus-coordinator"), **kwargs)
+    async def connect(cls, url: str, *, nats_options: dict[str, Any] | None = None, **kwargs: Any) -> Coordinator:
+        """Connect to NATS (``nats_options`` go to `nats.connect`: credentials, TLS, inbox prefix) and start."""
+        opts = {"name": "kvbus-coordinator", **(nats_options or {})}
+        coord = cls(await NatsTransport.connect(url, **opts), **kwargs)
         await coord.start()
         return coord
 

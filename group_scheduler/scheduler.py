@@ -11,19 +11,24 @@ reservations (kept in JetStream KV, so a restarted scheduler still has them).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import socket
 import time
+import uuid
 from typing import Any
 
 from nats.aio.msg import Msg
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError
 
+from kvbus import telemetry
 from kvbus.bus.transport import NatsTransport, NoResponders, Transport
 from kvbus.errors import WireFormatError
 from kvbus.group_scheduler.config import SchedulerConfig
+from kvbus.coordinator.leader import LeaderLease
 from kvbus.group_scheduler.cost_model import CostConfig, CostModel
+from kvbus.group_scheduler.intergroup import InterGroupLease
 from kvbus.group_scheduler.policies import make_policy
 from kvbus.group_scheduler.policy import Adjustment, Decision, MediumSelector, SchedulingPolicy, StaticSelector
 from kvbus.group_scheduler.reservations import (
@@ -39,6 +44,7 @@ from kvbus.group_scheduler.snapshot import snapshot
 from kvbus.group_scheduler.state import GroupState, Pending
 from kvbus.protocol import (
     AGENTS_BUCKET,
+    COORD_BUCKET,
     COORD_REGISTER,
     AgentRecord,
     Control,
@@ -107,7 +113,8 @@ class GroupScheduler:
         if admission is None and self.config.admission == "coordinator":
             admission = CoordinatorAdmission(transport, self.group, local)
         self.admission = admission or local
-        self.name = f"{group}@{socket.gethostname()}:{os.getpid()}"
+        # Unique per replica: the leader lease tells holders apart by name.
+        self.name = f"{group}@{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.slices = 0
         """Scheduling passes run (an idle scheduler runs none)."""
         self.sheds = 0
@@ -122,11 +129,25 @@ class GroupScheduler:
         self._directory: Any = None
         self._store: Any = None
         self._dir_cache: dict[str, tuple[float, AgentRecord | None]] = {}
+        self._probe_sub: Any = None
+        self._leader: LeaderLease | None = None
+        self.inter = InterGroupLease(transport, self.state, self.name,
+                                     default_bps=self.config.default_bandwidth_bps,
+                                     priority=self.config.lease_priority, timeout=self.config.coordinator_timeout_s,
+                                     on_change=self._lease_changed)
+        """The group's inter-group bandwidth lease from the coordinator."""
         self.closed = False
 
+    def _lease_changed(self) -> None:
+        self.policy.changed()
+        self._wake.set()
+
     @classmethod
-    async def connect(cls, url: str, group: str, **kwargs: Any) -> GroupScheduler:
-        sched = cls(await NatsTransport.connect(url, name=f"kvbus-scheduler-{group}"), group, **kwargs)
+    async def connect(cls, url: str, group: str, *, nats_options: dict[str, Any] | None = None,
+                      **kwargs: Any) -> GroupScheduler:
+        """Connect to NATS (``nats_options`` go to `nats.connect`: credentials, TLS, inbox prefix) and start."""
+        opts = {"name": f"kvbus-scheduler-{group}", **(nats_options or {})}
+        sched = cls(await NatsTransport.connect(url, **opts), group, **kwargs)
         await sched.start()
         return sched
 
@@ -136,26 +157,66 @@ class GroupScheduler:
         return getattr(self.policy, "reservations", None)
 
     async def start(self) -> None:
+        """Restore reservations, then serve the group, or (with replicas) campaign and serve once elected."""
         t = self.transport
         await self._restore_reservations()
-        # A queue group lets standby replicas share the subjects; exactly one answers each request.
+        # Probes reach every replica, so a standby's S(t) is warm when it takes over.
+        self._probe_sub = await t.subscribe(sched_subject(self.group, "probe"), self._on_probe)
+        self._tasks = [asyncio.create_task(self._loop(), name=f"kvbus-sched-{self.group}"),
+                       asyncio.create_task(self._heartbeat(), name=f"kvbus-sched-hb-{self.group}"),
+                       asyncio.create_task(self.inter.run(), name=f"kvbus-sched-lease-{self.group}")]
+        bucket = await self._bucket(COORD_BUCKET) if self.config.leader_ttl_s > 0 else None
+        if bucket is None:
+            await self._serve()
+        else:
+            self._leader = LeaderLease(bucket, f"sched.{self.group}", self.name, ttl=self.config.leader_ttl_s,
+                                       on_elected=self._serve, on_lost=self._stop_serving)
+            if await self._leader.try_acquire():
+                self._leader.is_leader = True
+                await self._serve()
+            else:
+                logger.info("group scheduler %s is a standby", self.name)
+            self._leader.start()
+
+    @property
+    def serving(self) -> bool:
+        """Whether this replica answers the group's requests (the leader, or the only one)."""
+        return bool(self._subs)
+
+    async def _serve(self) -> None:
+        if self._subs or self.closed:
+            return
+        t = self.transport
+        # Without an election a queue group lets replicas share the subjects; with one, only the
+        # leader subscribes and the queue group is moot.
         q = f"kvbus-sched-{self.group}"
         self._subs = [
             await t.subscribe(sched_subject(self.group, "request"), self._on_request, queue=q),
             await t.subscribe(sched_subject(self.group, "done"), self._on_done, queue=q),
-            await t.subscribe(sched_subject(self.group, "probe"), self._on_probe),
             await t.subscribe(sched_subject(self.group, "reserve"), self._on_reserve, queue=q),
             await t.subscribe(sched_subject(self.group, "state"), self._on_state, queue=q),
+            await t.subscribe(sched_subject(self.group, "register"), self._on_register, queue=q),
         ]
         await t.flush()
-        self._tasks = [asyncio.create_task(self._loop(), name=f"kvbus-sched-{self.group}"),
-                       asyncio.create_task(self._heartbeat(), name=f"kvbus-sched-hb-{self.group}")]
-        logger.info("group scheduler %s started (%s policy)", self.name, type(self.policy).__name__)
+        self._wake.set()
+        logger.info("group scheduler %s serving (%s policy)", self.name, type(self.policy).__name__)
+
+    async def _stop_serving(self) -> None:
+        subs, self._subs = self._subs, []
+        for sub in subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # noqa: BLE001
+                logger.debug("unsubscribe failed", exc_info=True)
 
     async def close(self) -> None:
         if self.closed:
             return
         self.closed = True
+        if self.serving:
+            await self.inter.leave()
+        if self._leader is not None:
+            await self._leader.release()
         for task in [*self._tasks, *self._side_tasks]:
             task.cancel()
         for task in [*self._tasks, *self._side_tasks]:
@@ -165,11 +226,12 @@ class GroupScheduler:
                 pass
             except Exception:  # noqa: BLE001 - closing anyway
                 logger.debug("task failed while closing", exc_info=True)
-        for sub in self._subs:
+        for sub in [*self._subs, *([self._probe_sub] if self._probe_sub is not None else [])]:
             try:
                 await sub.unsubscribe()
             except Exception:  # noqa: BLE001
                 logger.debug("unsubscribe failed", exc_info=True)
+        self._subs = []
         close = getattr(self.transport, "close", None)
         if close is not None:
             await close()
@@ -211,6 +273,10 @@ class GroupScheduler:
             logger.warning("directory entry of %s is malformed", agent)
             record = None
         self._dir_cache[agent] = (now, record)
+        if record is not None and record.group != self.group:
+            self.state.remote[agent] = record.group
+        else:
+            self.state.remote.pop(agent, None)
         if record is not None:
             self.state.priorities[agent] = record.priority
             if agent not in self.state.agents:
@@ -261,7 +327,10 @@ class GroupScheduler:
             return
         waited = min(max(0.0, time.time() - req.ts), MAX_CARRIED_WAIT_S)
         deadline_at = now + (req.deadline - time.time()) if req.deadline is not None else None
-        self.state.queue.append(Pending(req, sigs, arrived=now - waited, deadline_at=deadline_at))
+        pending = Pending(req, sigs, arrived=now - waited, deadline_at=deadline_at)
+        self.state.queue.append(pending)
+        if self.state.remote and self.state.inter_group(pending):
+            self.inter.wake()
         # Decide now: a transfer that can start at once gets its grant as the reply (one round
         # trip instead of two); otherwise the reply says "queued" and the grant follows on ctl.
         replies = {req.transfer_id: msg}
@@ -285,15 +354,42 @@ class GroupScheduler:
             if done.nbytes >= MIN_ESTIMATE_BYTES and done.wire_s > 0:
                 for rx in done.dst:
                     self.state.link(done.src, rx).observe(done.nbytes, done.wire_s)
+                    telemetry.instruments().link_bandwidth.record(done.nbytes / done.wire_s,
+                                                                  {"group": self.group, "link": f"{done.src}->{rx}"})
             model = getattr(self.policy.selector, "model", None)
             if model is not None and pending.predicted_s > 0 and done.seconds > 0:
                 model.observe(pending.medium, pending.predicted_s, done.seconds)
             if pending.reservation:
-                self.reservation_stats.setdefault(pending.reservation, []).append(time.monotonic() - pending.arrived)
+                took = time.monotonic() - pending.arrived
+                self.reservation_stats.setdefault(pending.reservation, []).append(took)
+                table = self.reservations
+                r = table.get(pending.reservation) if table is not None else None
+                if r is not None and took > r.deadline_s:
+                    telemetry.instruments().reservation_misses.add(1, {"group": self.group})
         else:
             self.state.failed += 1
             logger.info("transfer %s failed: %s", done.transfer_id, done.error)
         self._wake.set()
+
+    async def _on_register(self, msg: Msg) -> None:
+        """An agent's record, sent to us because it has no JetStream rights (secure mode): we write it."""
+        try:
+            record = AgentRecord.decode(msg.data)
+            check_name("agent", record.name)
+            if record.group != self.group:
+                raise WireFormatError("agent record", f"group {record.group!r} is not {self.group!r}")
+        except (WireFormatError, ValueError) as exc:
+            logger.info("group %s: registration refused: %s", self.group, exc)
+            return
+        try:
+            if self._directory is None:
+                self._directory = await self._bucket(AGENTS_BUCKET)
+            if self._directory is not None:
+                await self._directory.put(record.name, record.encode())
+            self._dir_cache.pop(record.name, None)
+            await self.transport.reply(msg, b"ok")
+        except Exception:  # noqa: BLE001 - the agent re-registers when its link changes; keep serving
+            logger.exception("group %s: could not write %s to the directory", self.group, record.name)
 
     async def _on_probe(self, msg: Msg) -> None:
         try:
@@ -304,6 +400,7 @@ class GroupScheduler:
             return
         now = time.monotonic()
         agent = self.state.on_probe(probe, now)
+        telemetry.instruments().memory_peak.record(probe.cache_bytes, {"group": self.group, "agent": probe.agent})
         watermark = self._watermarks.get(agent.name, self.config.memory_watermark_bytes)
         if watermark <= 0:
             return
@@ -534,6 +631,7 @@ class GroupScheduler:
             grant = Grant(transfer_id=pending.transfer_id, medium=decision.medium, rate_bps=rate, start_at=start,
                           reason=decision.reason, decision=pending.decision, latency_s=latency)
             data = grant.encode()
+            _record_decision(pending, decision, rate, wall, now)
             if decision.medium:
                 pending.granted_at = now
                 pending.medium = decision.medium
@@ -563,6 +661,7 @@ class GroupScheduler:
         if adj.action == "pause":
             # Conditional: the sender answers whether it paused (it declines past the threshold).
             self.state.preemptions += 1
+            telemetry.instruments().preemptions.add(1, {"group": self.group})
             task = asyncio.create_task(self._pause(p, ctl), name=f"kvbus-pause-{p.transfer_id}")
             self._side_tasks.add(task)
             task.add_done_callback(self._side_tasks.discard)
@@ -595,8 +694,9 @@ class GroupScheduler:
     async def _heartbeat(self) -> None:
         while True:
             try:
-                hb = GroupHeartbeat(group=self.group, scheduler=self.name, agents=len(self.state.agents))
-                await self.transport.publish(COORD_REGISTER, hb.encode())
+                if self.serving:  # a standby is not the group's scheduler (yet)
+                    hb = GroupHeartbeat(group=self.group, scheduler=self.name, agents=len(self.state.agents))
+                    await self.transport.publish(COORD_REGISTER, hb.encode())
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001
@@ -609,3 +709,24 @@ class GroupScheduler:
             await asyncio.Event().wait()
         finally:
             await self.close()
+
+
+def _record_decision(pending: Pending, decision: Decision, rate: float, wall: float, now: float) -> None:
+    """The ``kvbus.schedule`` span of one decided transfer: a child of the sender's grant wait
+    (the request's ``traceparent``), from the request's arrival to the decision."""
+    parent = pending.request.traceparent
+    if not parent:
+        return
+    arrived_ns = int((wall - max(0.0, now - pending.arrived)) * 1e9)
+    span = telemetry.start("kvbus.schedule", parent=parent, start_time=arrived_ns, attributes={
+        "kvbus.transfer_id": pending.transfer_id, "kvbus.medium": decision.medium, "kvbus.rate_bps": rate})
+    if span.is_recording():
+        choice = pending.decision or {}
+        span.set_attributes({
+            "kvbus.group": pending.request.group, "kvbus.src": pending.src, "kvbus.dst": ",".join(pending.dst),
+            "kvbus.reason": decision.reason, "kvbus.granted": bool(decision.medium),
+            "kvbus.queue_wait_s": max(0.0, now - pending.arrived),
+            "kvbus.predicted_s": float(choice.get("predicted_s") or 0.0),
+            "kvbus.candidates": json.dumps(choice.get("candidates", []), separators=(",", ":"), default=str),
+        })
+    span.end()

@@ -148,6 +148,14 @@ class GroupState:
     """Per agent: (link bytes/s, one-way latency s) it declared in the directory (0 = unknown)."""
     priorities: dict[str, float] = field(default_factory=dict)
     """Role priorities from the directory, for agents that do not probe this group (other groups)."""
+    remote: dict[str, str] = field(default_factory=dict)
+    """Agents of other groups (name -> their group) seen as receivers: transfers to them are inter-group."""
+    inter_bps: float = 0.0
+    """Cap on the summed rate of the inter-group transfers: the coordinator's lease (0 = no cap)."""
+
+    def inter_group(self, p: Pending) -> bool:
+        """Whether a transfer has a receiver in another group (it draws on the coordinator's lease)."""
+        return any(rx in self.remote for rx in p.dst)
 
     def on_probe(self, probe: Probe, now: float | None = None) -> AgentState:
         agent = self.agents.setdefault(probe.agent, AgentState(probe.agent))

@@ -52,6 +52,8 @@ from kvbus.group_scheduler.weights import UrgencyModel
 from kvbus.group_scheduler.wrr import PairPicker, SmoothWRR
 
 BUDGET = "budget"
+#: The resource every inter-group transfer crosses: the group's lease from the coordinator.
+INTER = "inter"
 #: Rates never go below this (a rate of 0 means unpaced on the wire).
 MIN_RATE_BPS = 1024.0
 
@@ -158,6 +160,8 @@ class WeightedPolicy(SchedulingPolicy):
         res: list[Hashable] = []
         if state.bandwidth_bps > 0:
             res.append(BUDGET)
+        if state.remote and state.inter_group(p):
+            res.append(INTER)  # always listed: the lease comes and goes while the transfer runs
         if state.capacity(p.src) > 0:
             res.append(("out", p.src))
         for rx in p.dst:
@@ -167,12 +171,18 @@ class WeightedPolicy(SchedulingPolicy):
 
     @staticmethod
     def _capacity(state: GroupState, key: Hashable) -> float:
-        return state.bandwidth_bps if key == BUDGET else state.capacity(key[1])  # type: ignore[index]
+        if key == BUDGET:
+            return state.bandwidth_bps
+        if key == INTER:
+            return state.inter_bps
+        return state.capacity(key[1])  # type: ignore[index]
 
     @staticmethod
     def competes(state: GroupState, a: Pending, b: Pending) -> bool:
         """Whether two transfers share a resource (the budget, a sender, a receiver)."""
         if state.bandwidth_bps > 0 or a.src == b.src:
+            return True
+        if state.inter_bps > 0 and state.inter_group(a) and state.inter_group(b):
             return True
         return any(rx in b.dst for rx in a.dst)
 
@@ -408,12 +418,16 @@ class WeightedPolicy(SchedulingPolicy):
         level = math.inf
         load = self._load
         for r in run.resources:
-            full = state.bandwidth_bps if r == BUDGET else state.capacity(r[1])  # type: ignore[index]
+            full = self._capacity(state, r)
+            if full <= 0:
+                continue  # uncapped right now (no lease in force)
             cap = full - held[r] if held and r in held else full
             cap = max(cap, 0.01 * full, MIN_RATE_BPS)
             share = cap / max(load.get(r, 0.0), run.weight)
             if share < level:
                 level = share
+        if level == math.inf:
+            return 0.0
         return max(run.weight * level, MIN_RATE_BPS)
 
     def _preempt(self, state: GroupState, p: Pending, u: float, u_own: float, now: float) -> None:
@@ -486,7 +500,9 @@ class WeightedPolicy(SchedulingPolicy):
             flows.append(Flow(f.transfer_id, run.weight, run.resources))
             for key in run.resources:
                 if key not in caps:
-                    caps[key] = self._capacity(state, key)
+                    cap = self._capacity(state, key)
+                    if cap > 0:  # 0: uncapped for now (the inter-group lease when none is in force)
+                        caps[key] = cap
         for p in state.active.values():
             if p.reservation:
                 r = self.reservations.get(p.reservation)

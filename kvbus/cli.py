@@ -8,14 +8,19 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from collections.abc import Sequence
+
+from kvbus.config import redact_url
 
 logger = logging.getLogger("kvbus")
 
 
 STACK_FILE = Path(os.environ.get("KVBUS_STACK_FILE", Path.home() / ".cache" / "kvbus" / "stack.json"))
+CREDENTIALS_FILE = Path(os.environ.get("KVBUS_CREDENTIALS_FILE",
+                                       Path.home() / ".cache" / "kvbus" / "credentials.json"))
 
 
 def _stack_nats_url() -> str:
@@ -44,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start the local stack: embedded NATS and Redis, coordinator, group schedulers")
     _add_urls(up)
     up.add_argument("--groups", type=int, default=1, help="number of groups (schedulers g0..gN-1, or 'default' for 1)")
+    up.add_argument("--secure", action="store_true",
+                    help="per-agent NATS users and permissions (agents are kept apart; only schedulers grant); "
+                         f"credentials go to {CREDENTIALS_FILE} (mode 0600)")
+    up.add_argument("--agents", default=os.environ.get("KVBUS_AGENTS", ""),
+                    help="with --secure: comma-separated agent names to create users for "
+                         "(each joins the others' broadcasts); agents of group g use the first group")
 
     demo = sub.add_parser("demo", help="two agents on SmolLM2 exchange a real KV-cache with each medium")
     _add_urls(demo)
@@ -56,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("suite", choices=sorted(SUITES), help="which suite")
     bench.add_argument("--json", dest="json_path", default=None, help="write the results to this file")
     bench.add_argument("--quick", action="store_true", help="fewer repetitions")
+    bench.add_argument("--seconds", type=float, default=None, help="duration of the soak suite")
     _add_urls(bench, redis=False)
 
     cal = sub.add_parser("calibrate", help="measure every codec on SmolLM2 and save the calibration profile")
@@ -93,14 +105,31 @@ async def _up(args: argparse.Namespace) -> None:
     from kvbus.local import LocalServers
 
     groups = ["default"] if args.groups == 1 else [f"g{i}" for i in range(args.groups)]
-    with LocalServers(nats_url=args.nats_url, redis_url=args.redis_url) as servers:
-        coord = await Coordinator.connect(servers.nats_url)
-        scheds = [await GroupScheduler.connect(servers.nats_url, g) for g in groups]
+    extra, creds = "", None
+    if args.secure:
+        from kvbus.security import AgentGrant, permissions_config, save_credentials
+
+        if args.nats_url:
+            raise SystemExit("--secure starts its own nats-server with the generated permissions; "
+                             "drop --nats-url (or configure your server with kvbus.security.permissions_config)")
+        names = [n.strip() for n in args.agents.split(",") if n.strip()]
+        grants = [AgentGrant(n, groups[0], broadcasts_from=tuple(m for m in names if m != n)) for n in names]
+        extra, creds = permissions_config(grants, groups)
+        save_credentials(creds, CREDENTIALS_FILE)
+    with LocalServers(nats_url=args.nats_url, redis_url=args.redis_url, nats_extra_config=extra) as servers:
+        coord = await Coordinator.connect(servers.nats_url,
+                                          nats_options=creds.coordinator_options() if creds else None)
+        scheds = [await GroupScheduler.connect(servers.nats_url, g,
+                                               nats_options=creds.scheduler_options(g) if creds else None)
+                  for g in groups]
         STACK_FILE.parent.mkdir(parents=True, exist_ok=True)
         STACK_FILE.write_text(json.dumps({"nats_url": servers.nats_url, "redis_url": servers.redis_url,
-                                          "groups": groups, "pid": os.getpid()}))
-        print(f"kvbus is up\n  NATS:   {servers.nats_url}\n  Redis:  {servers.redis_url}\n"
-              f"  groups: {', '.join(groups)}\n`kvbus top` shows it live. Ctrl-C stops everything.", flush=True)
+                                          "groups": groups, "pid": os.getpid(), "secure": bool(creds),
+                                          "credentials": str(CREDENTIALS_FILE) if creds else None}))
+        secure = (f"  secure: {len(creds.agents)} agent users; credentials in {CREDENTIALS_FILE} (0600); "
+                  f"connect with Bus.connect(url, secure=True, **creds.agent_options(name))\n") if creds else ""
+        print(f"kvbus is up\n  NATS:   {redact_url(servers.nats_url)}\n  Redis:  {redact_url(servers.redis_url)}\n"
+              f"  groups: {', '.join(groups)}\n{secure}`kvbus top` shows it live. Ctrl-C stops everything.", flush=True)
         try:
             await asyncio.Event().wait()
         finally:
@@ -118,7 +147,7 @@ async def _group_scheduler(args: argparse.Namespace) -> None:
         overrides["policy"] = args.policy
     config = SchedulerConfig.from_env(**overrides)
     sched = await GroupScheduler.connect(args.nats_url, args.group, config=config)
-    print(f"group scheduler for {args.group!r} on {args.nats_url} ({config.policy} policy)", flush=True)
+    print(f"group scheduler for {args.group!r} on {redact_url(args.nats_url)} ({config.policy} policy)", flush=True)
     await sched.run_forever()
 
 
@@ -126,7 +155,7 @@ async def _coordinator(args: argparse.Namespace) -> None:
     from kvbus.coordinator import Coordinator
 
     coord = await Coordinator.connect(args.nats_url)
-    print(f"coordinator on {args.nats_url}", flush=True)
+    print(f"coordinator on {redact_url(args.nats_url)}", flush=True)
     await coord.run_forever()
 
 
@@ -139,6 +168,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         # Traces and metrics only when the standard OTEL_* / KVBUS_METRICS_PORT variables say so.
         telemetry.setup(service_name=f"kvbus-{args.command}")
+        if args.command in ("coordinator", "group-scheduler", "up"):
+            # Stopped by a supervisor (SIGTERM): shut down as for Ctrl-C, so spans are flushed.
+            signal.signal(signal.SIGTERM, _interrupt)
     try:
         if args.command == "up":
             asyncio.run(_up(args))
@@ -167,11 +199,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "bench":
             from kvbus.bench import run_suite
 
-            return run_suite(args.suite, json_path=args.json_path, quick=args.quick, nats_url=args.nats_url)
+            extra = {} if args.seconds is None else {"seconds": args.seconds}
+            return run_suite(args.suite, json_path=args.json_path, quick=args.quick, nats_url=args.nats_url, **extra)
     except KeyboardInterrupt:
         with contextlib.suppress(Exception):
             print("stopped", file=sys.stderr)
+    finally:
+        if "kvbus.telemetry" in sys.modules:
+            sys.modules["kvbus.telemetry"].shutdown()
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -45,3 +45,23 @@ def _parse(key: str, raw: str, kind: Any) -> Any:
         return raw
     except ValueError:
         raise ConfigError(f"{key}={raw!r} is not a valid {kind}") from None
+
+
+def redact_url(url: str | None) -> str:
+    """``url`` with any password or token replaced by ``***``, for prints and logs.
+
+    ``nats://user:secret@host:4222`` becomes ``nats://user:***@host:4222`` and a bare token
+    (``nats://s3cr3t@host``) becomes ``nats://***@host``; comma-separated server lists are
+    redacted one by one. URLs without credentials come back unchanged.
+    """
+    if not url:
+        return ""
+    if "," in url:
+        return ",".join(redact_url(u.strip()) for u in url.split(","))
+    scheme, sep, rest = url.rpartition("://")
+    userinfo, at, hostpart = rest.rpartition("@")
+    if not at:
+        return url
+    user, colon, _secret = userinfo.partition(":")
+    masked = f"{user}:***" if colon else "***"
+    return f"{scheme}{sep}{masked}@{hostpart}"

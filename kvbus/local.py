@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from kvbus.config import redact_url
 from kvbus.errors import MissingBinaryError, ServerStartError
 
 logger = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ class EmbeddedServer:
             match = self.ready_pattern.search(text)
             if match:
                 self._on_ready(match, text)
-                logger.info("%s ready at %s", self.name, self.url)
+                logger.info("%s ready at %s", self.name, redact_url(self.url))
                 return self
             if self._proc.poll() is not None:
                 break
@@ -236,8 +237,9 @@ class RedisServer(EmbeddedServer):
 class LocalServers:
     """The embedded NATS and Redis pair that `kvbus up`, `kvbus demo` and the tests use."""
 
-    def __init__(self, *, nats_url: str | None = None, redis_url: str | None = None) -> None:
-        self.nats: NatsServer | None = None if nats_url else NatsServer()
+    def __init__(self, *, nats_url: str | None = None, redis_url: str | None = None,
+                 nats_extra_config: str = "") -> None:
+        self.nats: NatsServer | None = None if nats_url else NatsServer(extra_config=nats_extra_config)
         self.redis: RedisServer | None = None if redis_url else RedisServer()
         self._nats_url = nats_url
         self._redis_url = redis_url

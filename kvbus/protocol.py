@@ -17,7 +17,10 @@ Subjects (``<x>`` are names: letters, digits, ``-`` and ``_``):
                                        a conditional pause is a request, answered with `ControlReply`)
 ``kvbus.agent.<agent>.inbox``          sender -> receiver: `Open` (request; reply: `OpenReply`)
 ``kvbus.agent.<agent>.ack``            receiver -> sender: `Ack`
-``kvbus.data.<agent>.<transfer>``      sender -> receivers: chunk messages
+``kvbus.agent.<rx>.data.<transfer>``   sender -> receiver: chunk messages of a unicast transfer
+``kvbus.bcast.<sender>.<transfer>``    sender -> receivers: chunk messages of a broadcast
+``kvbus.sched.<group>.register``       agent -> scheduler: `AgentRecord` (secure mode: the scheduler
+                                       writes the directory, agents have no JetStream access)
 ``kvbus.coord.*``                      group schedulers <-> coordinator
 =====================================  ========================================================
 """
@@ -72,7 +75,24 @@ def agent_subject(agent: str, kind: str) -> str:
 
 
 def data_subject(agent: str, transfer_id: str) -> str:
-    return f"kvbus.data.{agent}.{transfer_id}"
+    """Chunks of a unicast transfer, under the receiver's own prefix (only it may subscribe)."""
+    return f"kvbus.agent.{agent}.data.{transfer_id}"
+
+
+def bcast_subject(sender: str, transfer_id: str) -> str:
+    """Chunks of a broadcast, under the sender's broadcast prefix (receivers that joined it subscribe)."""
+    return f"kvbus.bcast.{sender}.{transfer_id}"
+
+
+def check_data_subject(subject: str, src: str, rx: str, transfer_id: str) -> None:
+    """Reject an `Open` whose data subject is not one a receiver may subscribe to for it.
+
+    Raises:
+        WireFormatError: ``subject`` is neither ``data_subject(rx, tid)`` nor ``bcast_subject(src, tid)``.
+    """
+    if subject not in (data_subject(rx, transfer_id), bcast_subject(src, transfer_id)):
+        raise WireFormatError("open message", f"data subject {subject[:200]!r} is neither "
+                                              f"{data_subject(rx, transfer_id)!r} nor {bcast_subject(src, transfer_id)!r}")
 
 
 COORD_REGISTER = "kvbus.coord.register"

@@ -19,8 +19,11 @@ Passwords are random and returned to the caller; nothing here logs them.
 from __future__ import annotations
 
 import json
+import os
 import secrets
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from kvbus.protocol import check_name
 
@@ -46,6 +49,57 @@ class Credentials:
     def url_for(self, base_url: str, user: str, password: str) -> str:
         scheme, rest = base_url.split("://", 1)
         return f"{scheme}://{user}:{password}@{rest}"
+
+    def agent_options(self, agent: str) -> dict[str, Any]:
+        """`nats.connect` options for ``agent``: its user, password and private reply inbox.
+
+        Raises:
+            KeyError: the permission set has no user for ``agent``.
+        """
+        user, password = self.agents[agent]
+        return {"user": user, "password": password, "inbox_prefix": f"_INBOX.{agent}", "name": f"kvbus-{agent}"}
+
+    def scheduler_options(self, group: str) -> dict[str, Any]:
+        """`nats.connect` options for the scheduler of ``group``."""
+        user, password = self.schedulers[group]
+        return {"user": user, "password": password, "inbox_prefix": f"_INBOX.sched-{group}"}
+
+    def coordinator_options(self) -> dict[str, Any]:
+        """`nats.connect` options for the coordinator."""
+        user, password = self.coordinator
+        return {"user": user, "password": password, "inbox_prefix": "_INBOX.coord"}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"agents": {k: list(v) for k, v in self.agents.items()},
+                "schedulers": {k: list(v) for k, v in self.schedulers.items()},
+                "coordinator": list(self.coordinator)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Credentials:
+        return cls(agents={k: (v[0], v[1]) for k, v in data.get("agents", {}).items()},
+                   schedulers={k: (v[0], v[1]) for k, v in data.get("schedulers", {}).items()},
+                   coordinator=tuple(data.get("coordinator", ("", ""))))  # type: ignore[arg-type]
+
+    def __repr__(self) -> str:
+        # Never show passwords (in logs, tracebacks, debuggers).
+        return (f"Credentials(agents={sorted(self.agents)}, schedulers={sorted(self.schedulers)}, "
+                f"coordinator={self.coordinator[0]!r})")
+
+
+def save_credentials(creds: Credentials, path: Path) -> None:
+    """Write ``creds`` as JSON readable by the owner only (mode 0600, set before any byte is written)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)
+        json.dump(creds.to_dict(), f)
+    os.replace(tmp, path)
+
+
+def load_credentials(path: Path) -> Credentials:
+    """Credentials written by `save_credentials` (e.g. by ``kvbus up --secure``)."""
+    return Credentials.from_dict(json.loads(Path(path).read_text()))
 
 
 def agent_permissions(grant: AgentGrant) -> dict[str, object]:

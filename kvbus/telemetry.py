@@ -46,52 +46,73 @@ def tracing_configured(environ: Mapping[str, str] | None = None) -> bool:
         env.get("OTEL_SDK_DISABLED", "").lower() != "true")
 
 
-def setup(service_name: str | None = None) -> bool:
+def setup(service_name: str | None = None, *, environ: Mapping[str, str] | None = None) -> bool:
     """Configure tracing and metrics for this process from the environment (idempotent).
+
+    Args:
+        service_name: used when ``OTEL_SERVICE_NAME`` is not set.
+        environ: read instead of ``os.environ`` (the benchmark turns telemetry on in-process).
 
     Returns whether tracing exports anywhere.
     """
+    env = os.environ if environ is None else environ
     with _LOCK:
         if "done" in _CONFIGURED:
             return bool(_CONFIGURED.get("tracing"))
         _CONFIGURED["done"] = True
-        name = os.environ.get("OTEL_SERVICE_NAME") or service_name or "kvbus"
-        if tracing_configured():
-            _setup_tracing(name)
+        name = env.get("OTEL_SERVICE_NAME") or service_name or "kvbus"
+        if tracing_configured(env):
+            _setup_tracing(name, env)
             _CONFIGURED["tracing"] = True
-        port = os.environ.get("KVBUS_METRICS_PORT")
+        port = env.get("KVBUS_METRICS_PORT")
         if port:
-            _setup_metrics(name, int(port))
+            _CONFIGURED["metrics_port"] = _setup_metrics(name, int(port))
         return bool(_CONFIGURED.get("tracing"))
 
 
-def _setup_tracing(name: str) -> None:
+def metrics_port() -> int | None:
+    """The port this process serves Prometheus metrics on (None when it does not)."""
+    return _CONFIGURED.get("metrics_port")
+
+
+def _setup_tracing(name: str, env: Mapping[str, str]) -> None:
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get(
-        "OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        exporter = OTLPSpanExporter(endpoint=endpoint or env.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
     else:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # type: ignore[assignment]
+
+        # The generic endpoint is a base URL: the HTTP exporter appends the signal's path to it.
+        if not endpoint and env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+            endpoint = env["OTEL_EXPORTER_OTLP_ENDPOINT"].rstrip("/") + "/v1/traces"
+        exporter = OTLPSpanExporter(endpoint=endpoint)
     provider = TracerProvider(resource=Resource.create({"service.name": name}))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
+    _CONFIGURED["provider"] = provider
     logger.info("tracing to OTLP (%s) as %s", protocol, name)
 
 
-def _setup_metrics(name: str, port: int) -> None:
+def _setup_metrics(name: str, port: int) -> int:
     from opentelemetry.exporter.prometheus import PrometheusMetricReader
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.resources import Resource
     from prometheus_client import start_http_server
 
-    start_http_server(port)
+    served = start_http_server(port)
+    if port == 0 and isinstance(served, tuple):
+        port = served[0].server_port  # an ephemeral port: say which
     metrics.set_meter_provider(MeterProvider(resource=Resource.create({"service.name": name}),
                                              metric_readers=[PrometheusMetricReader()]))
     logger.info("Prometheus metrics on :%d", port)
+    return port
 
 
 def shutdown() -> None:
@@ -102,8 +123,52 @@ def shutdown() -> None:
         flush()
 
 
+_TRACER: trace.Tracer | None = None
+_ENABLED = True
+_SAVED: dict[bool, tuple[Any, Any]] = {}
+
+
 def tracer() -> trace.Tracer:
-    return trace.get_tracer("kvbus")
+    """The kvbus tracer (cached: a proxy until `setup` installs a provider, then the SDK's)."""
+    global _TRACER
+    if _TRACER is None:
+        _TRACER = trace.get_tracer("kvbus") if _ENABLED else trace.NoOpTracer()
+    return _TRACER
+
+
+def set_enabled(enabled: bool) -> None:
+    """Switch this process's spans and instruments on or off (no-ops) after `setup`.
+
+    The benchmark uses it to time the same process with telemetry on and off; services leave it on.
+    """
+    global _ENABLED, _TRACER, _METRICS
+    if enabled == _ENABLED:
+        return
+    # Keep both sets of instruments: creating them again would register duplicates.
+    _SAVED[_ENABLED] = (_TRACER, _METRICS)
+    _ENABLED = enabled
+    _TRACER, _METRICS = _SAVED.get(enabled, (None, None))
+
+
+def is_recording() -> bool:
+    """Whether the current span records (build costly attributes only then)."""
+    return trace.get_current_span().is_recording()
+
+
+def start(name: str, *, parent: str | otel_context.Context | Span | None = None,
+          kind: trace.SpanKind = trace.SpanKind.INTERNAL, attributes: Mapping[str, Any] | None = None,
+          start_time: int | None = None) -> Span:
+    """A span that is not made current (for work that ends in another callback); call ``end()``.
+
+    ``parent`` may be a ``traceparent`` string from the wire, a context or a span.
+    """
+    if isinstance(parent, str):
+        ctx = extract(parent)
+    elif isinstance(parent, Span):
+        ctx = trace.set_span_in_context(parent)
+    else:
+        ctx = parent
+    return tracer().start_span(name, context=ctx, kind=kind, attributes=attributes, start_time=start_time)
 
 
 def inject(headers: dict[str, str] | None = None, span: Span | None = None) -> dict[str, str]:
@@ -146,8 +211,8 @@ def fail(s: Span, exc: BaseException) -> None:
 class Metrics:
     """The instruments kvbus records (no-ops unless a meter provider is configured)."""
 
-    def __init__(self) -> None:
-        m = metrics.get_meter("kvbus")
+    def __init__(self, meter: metrics.Meter | None = None) -> None:
+        m = meter or metrics.get_meter("kvbus")
         self.transfer_latency = m.create_histogram("kvbus.transfer.duration", unit="s",
                                                    description="Send to verified delivery, by medium")
         self.transfer_bytes = m.create_counter("kvbus.transfer.bytes", unit="By", description="Payload bytes by medium")
@@ -169,5 +234,56 @@ def instruments() -> Metrics:
     """The process's instruments (created on first use, after `setup`)."""
     global _METRICS
     if _METRICS is None:
-        _METRICS = Metrics()
+        _METRICS = Metrics(None if _ENABLED else metrics.NoOpMeter("kvbus"))
     return _METRICS
+
+
+class CacheMetrics:
+    """A cache tier listener (`kvbus.cachetier.TierListener` shape) counting hits, misses and prefetch hits.
+
+    Remote fetches count as ``fetched``, remote misses as ``miss``, rebuilt blocks as ``recomputed``;
+    blocks a prefetch brought in and a later ``get`` found resident count as ``prefetch_hit`` (read
+    from the tier's stats by `observe`).
+    """
+
+    def __init__(self, agent: str, inner: Any = None) -> None:
+        self.agent = agent
+        self.inner = inner
+        self._seen: dict[str, int] = {}
+
+    def _count(self, event: str, keys: list[str]) -> None:
+        instruments().cache_events.add(len(keys), {"agent": self.agent, "event": event})
+
+    def _forward(self, name: str, keys: list[str]) -> None:
+        hook = getattr(self.inner, name, None)
+        if hook is not None:
+            hook(keys)
+
+    def offloaded(self, keys: list[str]) -> None:
+        self._count("offloaded", keys)
+        self._forward("offloaded", keys)
+
+    def fetched(self, keys: list[str]) -> None:
+        self._count("fetched", keys)
+        self._forward("fetched", keys)
+
+    def missed(self, keys: list[str]) -> None:
+        self._count("miss", keys)
+        self._forward("missed", keys)
+
+    def dropped(self, keys: list[str]) -> None:
+        self._count("dropped", keys)
+        self._forward("dropped", keys)
+
+    def recomputed(self, keys: list[str]) -> None:
+        self._count("recomputed", keys)
+        self._forward("recomputed", keys)
+
+    def observe(self, stats: Any) -> None:
+        """Count the growth of the tier's ``hits`` and ``prefetch_hits`` counters since the last call."""
+        for field, event in (("hits", "hit"), ("prefetch_hits", "prefetch_hit")):
+            now = int(getattr(stats, field, 0) or 0)
+            grown = now - self._seen.get(field, 0)
+            self._seen[field] = now
+            if grown > 0:
+                instruments().cache_events.add(grown, {"agent": self.agent, "event": event})

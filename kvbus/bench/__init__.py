@@ -18,6 +18,8 @@ SUITES: dict[str, str] = {
     "cachetier": "kvbus.bench.cachetier",
     "sched": "kvbus.bench.sched",
     "scale": "kvbus.bench.scale",
+    "chaos": "kvbus.bench.chaos",
+    "soak": "kvbus.bench.soak",
 }
 
 

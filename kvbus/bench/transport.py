@@ -10,7 +10,11 @@ OS processes on the same embedded servers three ways:
     interval, timed until the receiver has every chunk;
 (c) redis-py ``SET`` then a ``GET`` by the receiver process.
 
-Runs alternate between the three ways; the figure per way is the median of its runs.
+Runs alternate between the three ways; the figure per way is the median of its runs. A fourth
+way, alternating with them, is (a) with tracing and metrics on in all three processes (spans
+exported over OTLP/HTTP to a local endpoint the benchmark runs, metrics on Prometheus
+endpoints), through a second scheduler and receiver process: ``results.tracing_overhead`` is
+its throughput over (a)'s.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import threading
 import statistics
 import subprocess
 import sys
@@ -28,6 +33,7 @@ import nats
 import redis.asyncio as aioredis
 import torch
 
+from kvbus import telemetry
 from kvbus.bus import Bus, BusConfig
 from kvbus.bus.stream import ChunkPlan
 from kvbus.codecs import get_codec
@@ -41,6 +47,40 @@ RAW_SUBJECT = "kvbus.bench.raw"
 CREDIT_SUBJECT = "kvbus.bench.raw.credit"
 REDIS_SUBJECT = "kvbus.bench.redis"
 GROUP = "bench"
+#: The group, receiver and sender of the traced runs (their own scheduler and receiver process).
+TRACED_GROUP, TRACED_RX, TRACED_TX = "bench-otel", "bench-rx-otel", "bench-tx-otel"
+
+
+class OtlpSink:
+    """A local OTLP/HTTP endpoint that accepts and counts exports (what a collector would receive)."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        sink = self
+        self.requests = 0
+        self.bytes = 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                sink.requests += 1
+                sink.bytes += len(body)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True, name="kvbus-otlp-sink").start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
 def make_kv(nbytes: int, signature: ModelSignature = LLAMA3_8B, seed: int = 0) -> KVCache:
@@ -58,8 +98,10 @@ def make_kv(nbytes: int, signature: ModelSignature = LLAMA3_8B, seed: int = 0) -
 
 
 async def _peer(nats_url: str, redis_url: str, chunk_size: int, window: int, ack_every: int) -> None:
+    traced = bool(os.environ.get("KVBUS_BENCH_TRACED"))
     bus = await Bus.connect(nats_url, config=BusConfig(chunk_size=chunk_size, window=window, ack_every=ack_every))
-    agent = await bus.agent("bench-rx", group=GROUP, signature=LLAMA3_8B)
+    agent = await bus.agent(TRACED_RX if traced else "bench-rx", group=TRACED_GROUP if traced else GROUP,
+                            signature=LLAMA3_8B)
     nc = await nats.connect(nats_url, pending_size=64 * 1024 * 1024)
     r = aioredis.Redis.from_url(redis_url)
     state: dict[str, Any] = {"n": 0, "bytes": 0, "chunks": []}
@@ -78,8 +120,9 @@ async def _peer(nats_url: str, redis_url: str, chunk_size: int, window: int, ack
         data = await r.get(msg.data.decode())
         await nc.publish(msg.reply, str(len(data or b"")).encode())
 
-    await nc.subscribe(RAW_SUBJECT, cb=on_raw, pending_bytes_limit=1 << 30)
-    await nc.subscribe(REDIS_SUBJECT, cb=on_redis)
+    if not traced:  # the traced receiver takes part in the kvbus runs only
+        await nc.subscribe(RAW_SUBJECT, cb=on_raw, pending_bytes_limit=1 << 30)
+        await nc.subscribe(REDIS_SUBJECT, cb=on_redis)
     await nc.flush()
     print("ready", flush=True)
 
@@ -99,9 +142,9 @@ async def _peer(nats_url: str, redis_url: str, chunk_size: int, window: int, ack
 # -- the sending side --------------------------------------------------------------------------
 
 
-async def _kvbus_once(agent: Any, kv: KVCache) -> float:
+async def _kvbus_once(agent: Any, kv: KVCache, to: str = "bench-rx") -> float:
     t = time.perf_counter()
-    report = await agent.send("bench-rx", kv, medium="full")
+    report = await agent.send(to, kv, medium="full")
     dt = time.perf_counter() - t
     assert report.nbytes >= kv.nbytes - kv.tokens.numel() * 8
     return dt
@@ -153,19 +196,30 @@ async def _run(quick: bool, nats_url: str | None) -> dict[str, Any]:
     url = nats_url or nats_srv.url  # type: ignore[union-attr]
     redis_srv = RedisServer().start()
     procs: list[subprocess.Popen[bytes]] = []
+    sink = OtlpSink()
     try:
-        env = dict(os.environ)
-        procs.append(subprocess.Popen([sys.executable, "-m", "kvbus.cli", "group-scheduler", "--group", GROUP,
-                                       "--nats-url", url], env=env, stdout=subprocess.DEVNULL))
-        peer = subprocess.Popen([sys.executable, "-m", "kvbus.bench.transport", "--peer", url, redis_srv.url,
-                                 str(chunk_size), str(window), str(ack_every)], stdout=subprocess.PIPE, env=env)
-        procs.append(peer)
-        assert peer.stdout is not None
-        line = await asyncio.to_thread(peer.stdout.readline)
-        if b"ready" not in line:
-            raise RuntimeError("benchmark peer did not start")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_") and k != "KVBUS_METRICS_PORT"}
+        traced_env = {**env, "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+                      "KVBUS_METRICS_PORT": "0", "KVBUS_BENCH_TRACED": "1"}
+        peers = []
+        for group, penv in ((GROUP, env), (TRACED_GROUP, traced_env)):
+            procs.append(subprocess.Popen([sys.executable, "-m", "kvbus.cli", "group-scheduler", "--group", group,
+                                           "--nats-url", url], env=penv, stdout=subprocess.DEVNULL))
+            peer = subprocess.Popen([sys.executable, "-m", "kvbus.bench.transport", "--peer", url, redis_srv.url,
+                                     str(chunk_size), str(window), str(ack_every)], stdout=subprocess.PIPE, env=penv)
+            procs.append(peer)
+            peers.append(peer)
+        for peer in peers:
+            assert peer.stdout is not None
+            line = await asyncio.to_thread(peer.stdout.readline)
+            if b"ready" not in line:
+                raise RuntimeError("benchmark peer did not start")
+        # This process traces too; off for every way but the traced one.
+        telemetry.setup("kvbus-bench", environ=traced_env)
+        telemetry.set_enabled(False)
         bus = await Bus.connect(url, config=cfg)
         agent = await bus.agent("bench-tx", group=GROUP, signature=LLAMA3_8B)
+        traced_agent = await bus.agent(TRACED_TX, group=TRACED_GROUP, signature=LLAMA3_8B)
         nc = await nats.connect(url, pending_size=64 * 1024 * 1024)
         r = aioredis.Redis.from_url(redis_srv.url)
         results: dict[str, Any] = {}
@@ -182,9 +236,16 @@ async def _run(quick: bool, nats_url: str | None) -> dict[str, Any]:
                 await _kvbus_once(agent, kv)
                 await _nats_once(nc, chunks, window)
                 await _redis_once(nc, r, payload, "kvbus-bench")
-            times: dict[str, list[float]] = {"kvbus": [], "nats_py": [], "redis": []}
-            for _ in range(reps[label]):
+                await _traced_once(traced_agent, kv)
+            times: dict[str, list[float]] = {"kvbus": [], "nats_py": [], "redis": [], "kvbus_traced": []}
+            for i in range(reps[label]):
+                # Traced and untraced runs back to back, in turn first (what ran before a run,
+                # a 64 MB Redis GET say, must not favour one of them).
+                if i % 2:
+                    times["kvbus_traced"].append(await _traced_once(traced_agent, kv))
                 times["kvbus"].append(await _kvbus_once(agent, kv))
+                if not i % 2:
+                    times["kvbus_traced"].append(await _traced_once(traced_agent, kv))
                 times["nats_py"].append(await _nats_once(nc, chunks, window))
                 times["redis"].append(await _redis_once(nc, r, payload, "kvbus-bench"))
             mbps = {k: kv.nbytes / statistics.median(v) / 1e6 for k, v in times.items()}
@@ -195,12 +256,16 @@ async def _run(quick: bool, nats_url: str | None) -> dict[str, Any]:
                 "redis_MBps": round(mbps["redis"], 1),
                 "ratio_vs_nats_py": round(mbps["kvbus"] / mbps["nats_py"], 3),
                 "ratio_vs_redis": round(mbps["kvbus"] / mbps["redis"], 3),
+                "kvbus_traced_MBps": round(mbps["kvbus_traced"], 1),
+                "tracing_overhead": round(mbps["kvbus_traced"] / mbps["kvbus"], 3),
                 "runs": reps[label],
                 "chunks": len(chunks),
             }
         await bus.close()
         await nc.close()
         await r.aclose()
+        telemetry.set_enabled(True)
+        await asyncio.to_thread(telemetry.shutdown)  # flush this process's spans to the sink
         top = results["64MB"]
         return {
             "suite": "transport",
@@ -213,6 +278,9 @@ async def _run(quick: bool, nats_url: str | None) -> dict[str, Any]:
                 "kvbus_MBps": top["kvbus_MBps"],
                 "nats_py_MBps": top["nats_py_MBps"],
                 "redis_MBps": top["redis_MBps"],
+                "tracing_overhead": top["tracing_overhead"],
+                "tracing_overhead_1MB": results["1MB"]["tracing_overhead"],
+                "otlp_exports": {"requests": sink.requests, "bytes": sink.bytes},
                 "by_size": results,
             },
         }
@@ -224,9 +292,20 @@ async def _run(quick: bool, nats_url: str | None) -> dict[str, Any]:
                 p.wait(5)
             except subprocess.TimeoutExpired:
                 p.kill()
+        telemetry.set_enabled(True)
+        sink.close()
         redis_srv.stop()
         if nats_srv:
             nats_srv.stop()
+
+
+async def _traced_once(agent: Any, kv: KVCache) -> float:
+    """One kvbus run with this process's tracing and metrics on (its peers have them on too)."""
+    telemetry.set_enabled(True)
+    try:
+        return await _kvbus_once(agent, kv, TRACED_RX)
+    finally:
+        telemetry.set_enabled(False)
 
 
 def run(*, quick: bool = False, nats_url: str | None = None) -> dict[str, Any]:
@@ -234,7 +313,7 @@ def run(*, quick: bool = False, nats_url: str | None = None) -> dict[str, Any]:
     for label, row in out["results"]["by_size"].items():
         print(f"{label:>5}: kvbus {row['kvbus_MBps']:8.1f} MB/s  nats-py {row['nats_py_MBps']:8.1f} MB/s  "
               f"redis {row['redis_MBps']:8.1f} MB/s  kvbus/nats-py {row['ratio_vs_nats_py']:.2f}  "
-              f"kvbus/redis {row['ratio_vs_redis']:.2f}")
+              f"kvbus/redis {row['ratio_vs_redis']:.2f}  traced/untraced {row['tracing_overhead']:.3f}")
     return out
 
 
@@ -244,6 +323,7 @@ if __name__ == "__main__":
     ns = parser.parse_args()
     if ns.peer:
         url, rurl, cs, w, ae = ns.peer
+        telemetry.setup("kvbus-bench-peer")  # on when the OTEL_* variables say so (the traced peer)
         try:
             asyncio.run(_peer(url, rurl, int(cs), int(w), int(ae)))
         except KeyboardInterrupt:

@@ -1,0 +1,240 @@
+"""Faults on the transport: nats-server restarted mid-transfer, a network partition.
+
+The other faults have their tests next to the code they exercise: receiver killed and sender
+gone mid-stream in test_bus.py, scheduler restart in test_scheduler.py, coordinator standby
+takeover in test_coordinator.py, Redis restart mid-offload in test_cachetier.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvbus.bus import Bus, BusConfig, TransferError
+from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
+from kvbus.local import NatsServer
+from kvbus.protocol import CHUNK_INDEX_HEADER
+from tests.kvutil import kv_of_bytes
+from tests.peer import SIG, kv_digest
+
+PEER = Path(__file__).with_name("peer.py")
+RESTART = BusConfig(ack_timeout=0.5, peer_timeout=8.0, request_timeout=2.0, grant_timeout=20.0, partial_timeout=10.0,
+                    regrant_interval=0.3)
+
+
+@pytest.fixture
+def own_nats() -> Iterator[NatsServer]:
+    """A nats-server of this test only (it gets killed and restarted on the same port)."""
+    server = NatsServer().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+class KillServerAt:
+    """Transport wrapper: kills nats-server as chunk ``at`` of a transfer is published, restarts it shortly after."""
+
+    def __init__(self, inner: Any, server: NatsServer, at: int, down_s: float) -> None:
+        self.inner, self.server, self.at, self.down_s = inner, server, at, down_s
+        self.fired = asyncio.Event()
+        self.restarted = asyncio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def publish(self, subject: str, payload: Any, headers: dict[str, str] | None = None) -> None:
+        if not self.fired.is_set() and headers and headers.get(CHUNK_INDEX_HEADER) == str(self.at):
+            self.fired.set()
+            self.server.kill()
+            asyncio.get_running_loop().call_later(self.down_s, self._restart)
+        await self.inner.publish(subject, payload, headers)
+
+    def _restart(self) -> None:
+        self.server.start()
+        self.restarted.set()
+
+
+@pytest.mark.parametrize("down_s", [0.3, 1.5], ids=["blip", "outage"])
+async def test_nats_restart_mid_transfer_delivers_once_or_fails_loudly(own_nats: NatsServer, down_s: float) -> None:
+    port = own_nats.port
+    sched = await GroupScheduler.connect(own_nats.url, "faults", config=SchedulerConfig(max_active=4))
+    tx_bus = await Bus.connect(own_nats.url, config=RESTART)
+    rx_bus = await Bus.connect(own_nats.url, config=RESTART)
+    try:
+        tx = await tx_bus.agent("restart-tx", group="faults", signature=SIG)
+        rx = await rx_bus.agent("restart-rx", group="faults", signature=SIG)
+        killer = KillServerAt(tx._transport, own_nats, at=5, down_s=down_s)
+        tx._transport = killer
+        kvs = [kv_of_bytes(SIG, 12 << 20, seed=i) for i in range(3)]
+        results = await asyncio.gather(*(tx.send(rx.name, kv, medium="full") for kv in kvs),
+                                       return_exceptions=True)
+        assert killer.fired.is_set() and killer.restarted.is_set()
+        assert own_nats.port == port  # restarted on the same port: clients reconnect by themselves
+        for r in results:
+            # Either a report or one of our errors, never anything else (a crash, a hang).
+            assert not isinstance(r, BaseException) or isinstance(r, TransferError), repr(r)
+        delivered = []
+        while True:
+            try:
+                delivered.append(await rx.receive(timeout=1.0))
+            except Exception:  # noqa: BLE001 - ReceiveTimeout: the inbox is empty
+                break
+        ids = [d.transfer_id for d in delivered]
+        assert len(ids) == len(set(ids))  # never twice
+        expected = {kv_digest(kv) for kv in kvs}
+        assert all(kv_digest(d.kv) in expected for d in delivered)  # never wrong
+        ok_ids = {r.transfer_id for r in results if not isinstance(r, BaseException)}
+        assert ok_ids <= set(ids)  # every reported success arrived
+        if down_s < RESTART.request_timeout / 2:
+            # A blip shorter than a request timeout is repaired; a longer outage may fail every
+            # transfer in flight (an Open or status request times out), but loudly.
+            assert ok_ids, "no transfer survived a short restart of the server"
+        # After the restart the bus works as before.
+        kv = kv_of_bytes(SIG, 4 << 20, seed=9)
+        report = await tx.send(rx.name, kv, medium="full")
+        got = await rx.receive(timeout=10)
+        assert got.transfer_id == report.transfer_id and got.kv.equal(kv)
+    finally:
+        await tx_bus.close()
+        await rx_bus.close()
+        await sched.close()
+
+
+# -- network partition with namespaces ---------------------------------------------------------------
+
+
+def _netns_problem() -> str:
+    if os.geteuid() != 0:
+        return "needs root for ip netns"
+    if shutil.which("ip") is None:
+        return "no `ip` command"
+    name = f"kvbus-probe-{uuid.uuid4().hex[:6]}"
+    try:
+        subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True, timeout=10)
+        subprocess.run(["ip", "netns", "del", name], check=True, capture_output=True, timeout=10)
+    except (subprocess.SubprocessError, OSError) as exc:
+        return f"`ip netns add` is not allowed here: {exc}"
+    return ""
+
+
+class NetnsHost:
+    """A network namespace joined to this host by a veth pair: 10.77.<n>.1 here, 10.77.<n>.2 inside."""
+
+    def __init__(self) -> None:
+        self.tag = uuid.uuid4().hex[:6]
+        self.ns = f"kvbus-{self.tag}"
+        self.host_if, self.ns_if = f"kvh{self.tag}", f"kvn{self.tag}"
+        self.subnet = 77 + int(self.tag[:2], 16) % 100
+        self.host_ip, self.ns_ip = f"10.{self.subnet}.0.1", f"10.{self.subnet}.0.2"
+
+    def _ip(self, *args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+
+    def __enter__(self) -> NetnsHost:
+        self._ip("netns", "add", self.ns)
+        try:
+            self._ip("link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if)
+            self._ip("link", "set", self.ns_if, "netns", self.ns)
+            self._ip("addr", "add", f"{self.host_ip}/24", "dev", self.host_if)
+            self._ip("link", "set", self.host_if, "up")
+            self._ip("netns", "exec", self.ns, "ip", "addr", "add", f"{self.ns_ip}/24", "dev", self.ns_if)
+            self._ip("netns", "exec", self.ns, "ip", "link", "set", self.ns_if, "up")
+            self._ip("netns", "exec", self.ns, "ip", "link", "set", "lo", "up")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def partition(self) -> None:
+        self._ip("link", "set", self.host_if, "down")
+
+    def heal(self) -> None:
+        self._ip("link", "set", self.host_if, "up")
+
+    def __exit__(self, *exc: object) -> None:
+        subprocess.run(["ip", "link", "del", self.host_if], capture_output=True, timeout=10)
+        subprocess.run(["ip", "netns", "del", self.ns], capture_output=True, timeout=10)
+
+
+class WideNats(NatsServer):
+    """nats-server listening on every interface (so a namespace can reach it over the veth)."""
+
+    def _command(self) -> list[str]:
+        cmd = super()._command()
+        conf = self.workdir / "nats.conf"
+        conf.write_text(conf.read_text().replace("host: 127.0.0.1", "host: 0.0.0.0"))
+        return cmd
+
+
+@pytest.fixture
+def netns_host() -> Iterator[NetnsHost]:
+    problem = _netns_problem()
+    if problem:
+        pytest.skip(f"network partition test skipped: {problem}")
+    with NetnsHost() as host:
+        yield host
+
+
+@pytest.fixture
+async def wide_nats() -> AsyncIterator[NatsServer]:
+    server = WideNats().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+async def test_partitioned_receiver_fails_the_send_and_frees_nothing_twice(netns_host: NetnsHost,
+                                                                           wide_nats: NatsServer) -> None:
+    """A receiver on the far side of a veth is cut off mid-stream: the sender gets an error within
+    its peer timeout; after the partition heals the same receiver gets new transfers, once each."""
+    url_inside = f"nats://{netns_host.host_ip}:{wide_nats.port}"
+    sched = await GroupScheduler.connect(wide_nats.url, "default", config=SchedulerConfig(max_active=4))
+    peer = subprocess.Popen(["ip", "netns", "exec", netns_host.ns, sys.executable, str(PEER), url_inside, "far-rx"],
+                            stdout=subprocess.PIPE, cwd=PEER.parent.parent)
+    tx_bus = await Bus.connect(wide_nats.url, config=BusConfig(ack_timeout=0.5, peer_timeout=4.0,
+                                                               request_timeout=2.0, partial_timeout=5.0))
+    try:
+        assert peer.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(peer.stdout.readline), 30)
+        assert b"ready" in line
+        tx = await tx_bus.agent("near-tx", signature=SIG)
+        kv = kv_of_bytes(SIG, 2 << 20, seed=1)
+        await tx.send("far-rx", kv, medium="full")  # through the veth
+        first = await asyncio.wait_for(asyncio.to_thread(peer.stdout.readline), 10)
+        assert kv_digest(kv).encode() in first
+
+        big = kv_of_bytes(SIG, 256 << 20, seed=2)
+        send = asyncio.create_task(tx.send("far-rx", big, medium="full"))
+        await asyncio.sleep(0.3)
+        netns_host.partition()
+        with pytest.raises(TransferError):
+            await asyncio.wait_for(send, 30)
+        netns_host.heal()
+        await asyncio.sleep(3.0)  # the peer's client reconnects
+        kv2 = kv_of_bytes(SIG, 3 << 20, seed=3)
+        for _ in range(10):
+            try:
+                await tx.send("far-rx", kv2, medium="full")
+                break
+            except TransferError:
+                await asyncio.sleep(1.0)
+        else:
+            raise AssertionError("the receiver never came back after the partition healed")
+        line = await asyncio.wait_for(asyncio.to_thread(peer.stdout.readline), 10)
+        assert kv_digest(kv2).encode() in line  # the cut-off transfer was never delivered late
+    finally:
+        peer.kill()
+        peer.wait()
+        await tx_bus.close()
+        await sched.close()

@@ -1,0 +1,278 @@
+"""Every wire decoder under hostile input: only `KVBusError` comes out, memory stays bounded.
+
+Each property runs 1,000 cases in CI and 100,000 in the slow job (``KVBUS_SLOW=1 pytest -m slow
+tests/test_fuzz.py``). A last test sends malformed and oversized messages from a misbehaving
+client to a real agent's and a real scheduler's subjects while other agents transfer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import psutil
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvbus.bus import Bus, BusConfig
+from kvbus.bus.stream import ChunkSource, IncomingTransfer, chunk_digest
+from kvbus.cachetier.record import RecordFormatError, Stub, parse_record
+from kvbus.codecs import Encoded, available_codecs, get_codec
+from kvbus.errors import KVBusError
+from kvbus.protocol import (
+    _FIELD_TYPES,
+    CHUNK_INDEX_HEADER,
+    CHUNK_SUM_HEADER,
+    MAX_CONTROL_BYTES,
+    ROOT_SUM_HEADER,
+    Open,
+    agent_subject,
+    decode_message,
+    sched_subject,
+)
+from tests.conftest import FAST
+from tests.kvutil import kv_of_bytes
+from tests.peer import SIG
+
+#: (cases, marks): 10^3 in every run, 10^5 in the slow job.
+BUDGETS = [pytest.param(1_000, id="1e3"), pytest.param(100_000, id="1e5", marks=pytest.mark.slow)]
+#: Resident memory a whole fuzz run may add (decoders must not allocate what a header claims).
+RSS_BOUND = 256 << 20
+
+MESSAGES = sorted(_FIELD_TYPES, key=lambda c: c.TYPE)
+SCALARS = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=16)
+           | st.binary(max_size=32))
+VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=5)
+                      | st.dictionaries(st.text(max_size=10), inner, max_size=4), max_leaves=8)
+
+
+def _run(cases: int, strategy: st.SearchStrategy[Any], check: Callable[[Any], None]) -> None:
+    rss = psutil.Process().memory_info().rss
+
+    @settings(max_examples=cases, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(strategy)
+    def prop(value: Any) -> None:
+        check(value)
+
+    prop()
+    grown = psutil.Process().memory_info().rss - rss
+    assert grown < RSS_BOUND, f"resident memory grew by {grown >> 20} MB over {cases} cases"
+
+
+def _only_kvbus_errors(fn: Callable[[], Any]) -> None:
+    try:
+        fn()
+    except KVBusError:
+        pass
+
+
+# -- control messages: grants, probes, leases, requests, acks, opens ... -----------------------------
+
+
+def _message_bytes() -> st.SearchStrategy[tuple[type, bytes]]:
+    tagged = st.tuples(st.sampled_from(MESSAGES), st.dictionaries(st.text(max_size=12), VALUES, max_size=6),
+                       st.booleans())
+
+    def pack(item: tuple[type, dict, bool]) -> tuple[type, bytes]:
+        cls, body, versioned = item
+        body = {**body, "t": cls.TYPE, **({"v": 1} if versioned else {})}
+        return cls, msgpack.packb(body, use_bin_type=True)
+
+    raw = st.tuples(st.sampled_from(MESSAGES), st.binary(max_size=512))
+    return tagged.map(pack) | raw
+
+
+@pytest.mark.parametrize("cases", BUDGETS)
+def test_control_message_decoders(cases: int) -> None:
+    def check(item: tuple[type, bytes]) -> None:
+        cls, data = item
+        _only_kvbus_errors(lambda: cls.decode(data))
+        _only_kvbus_errors(lambda: decode_message(data, *MESSAGES))
+        _only_kvbus_errors(lambda: Open.unframe(len(data).to_bytes(4, "big") + data + b"payload"))
+
+    _run(cases, _message_bytes(), check)
+    _only_kvbus_errors(lambda: MESSAGES[0].decode(b"\x00" * (MAX_CONTROL_BYTES + 1)))
+
+
+# -- chunk frames --------------------------------------------------------------------------------------
+
+
+class _Recorder:
+    """The transport of a receiver under fuzz: acks it publishes are recorded, nothing else happens."""
+
+    max_payload = 8 << 20
+
+    def __init__(self) -> None:
+        self.published: list[tuple[str, bytes]] = []
+
+    async def publish(self, subject: str, payload: Any, headers: dict[str, str] | None = None) -> None:
+        self.published.append((subject, bytes(payload)))
+
+    async def subscribe(self, *args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("not used")
+
+
+class _Msg:
+    def __init__(self, data: bytes, headers: dict[str, str] | None) -> None:
+        self.data, self.headers, self.reply = data, headers, ""
+
+
+_PAYLOAD = bytes(range(256)) * 40  # 10,240 bytes
+_SIZES = [3000, 7000, 240]
+_SOURCE = ChunkSource([memoryview(_PAYLOAD[:3000]), memoryview(_PAYLOAD[3000:10000]), memoryview(_PAYLOAD[10000:])],
+                      2048)
+_GENUINE = [bytes(_SOURCE.chunk(i)) for i in range(_SOURCE.n_chunks)]
+_DIGESTS = [chunk_digest(c) for c in _GENUINE]
+
+
+def _frames() -> st.SearchStrategy[list[tuple[bytes, dict[str, str] | None]]]:
+    n = len(_GENUINE)
+    genuine = st.integers(0, n - 1).map(lambda i: (_GENUINE[i], {CHUNK_INDEX_HEADER: str(i), CHUNK_SUM_HEADER: _DIGESTS[i]}))
+    hostile_headers = st.none() | st.dictionaries(
+        st.sampled_from([CHUNK_INDEX_HEADER, CHUNK_SUM_HEADER, ROOT_SUM_HEADER]) | st.text(max_size=8),
+        st.text(max_size=40) | st.integers(-(2**70), 2**70).map(str), max_size=4)
+    hostile = st.tuples(st.binary(max_size=4096), hostile_headers)
+
+    def forged(item: tuple[int, bytes]) -> tuple[bytes, dict[str, str]]:
+        i, data = item
+        # A frame whose own checksum is right but whose bytes are not the sender's.
+        return data, {CHUNK_INDEX_HEADER: str(i), CHUNK_SUM_HEADER: chunk_digest(data)}
+
+    forgery = st.tuples(st.integers(-2, n + 2), st.binary(max_size=2100)).map(forged)
+    return st.lists(genuine | hostile | forgery, max_size=24)
+
+
+@pytest.mark.parametrize("cases", BUDGETS)
+def test_chunk_frames(cases: int) -> None:
+    loop = asyncio.new_event_loop()
+    config = BusConfig(chunk_size=2048)
+    open_msg = Open(transfer_id="f" * 32, src="tx", codec="full", meta={}, sizes=_SIZES, total=sum(_SIZES),
+                    chunk_size=2048, n_chunks=len(_GENUINE), digest="", window=16,
+                    data_subject="kvbus.agent.rx.data." + "f" * 32, ack_subject=agent_subject("tx", "ack"))
+    root = __import__("kvbus.bus.stream", fromlist=["tree_digest"]).tree_digest(_DIGESTS, sum(_SIZES))
+
+    def check(frames: list[tuple[bytes, dict[str, str] | None]]) -> None:
+        finished: list[IncomingTransfer] = []
+
+        async def finish(incoming: IncomingTransfer) -> None:
+            finished.append(incoming)
+
+        async def feed() -> IncomingTransfer:
+            incoming = IncomingTransfer(_Recorder(), open_msg, "rx", config, finish)  # type: ignore[arg-type]
+            for data, headers in frames:
+                if headers and headers.get(CHUNK_INDEX_HEADER) == str(len(_GENUINE) - 1) and \
+                        headers.get(CHUNK_SUM_HEADER) == _DIGESTS[-1]:
+                    headers = {**headers, ROOT_SUM_HEADER: root}
+                await incoming._on_chunk(_Msg(data, headers))  # must never raise
+            if incoming._done_task is not None:
+                await incoming._done_task
+            return incoming
+
+        incoming = loop.run_until_complete(feed())
+        assert incoming.count <= len(_GENUINE)
+        if finished and incoming.verify():
+            # Whatever got through the digests is exactly what the sender sent.
+            assert b"".join(bytes(b) for b in incoming.assembly.result()) == _PAYLOAD
+
+    try:
+        _run(cases, _frames(), check)
+    finally:
+        loop.close()
+
+
+# -- cache tier stubs and records ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cases", BUDGETS)
+def test_cachetier_stub_and_record_decoders(cases: int) -> None:
+    raw = st.binary(max_size=400) | VALUES.map(lambda v: msgpack.packb(v, use_bin_type=True))
+    fields = st.dictionaries(st.binary(max_size=8) | st.text(max_size=8), st.binary(max_size=200), max_size=6)
+
+    def check(item: tuple[bytes, dict[Any, bytes]]) -> None:
+        data, record = item
+        try:
+            Stub.from_bytes(data)
+        except RecordFormatError:
+            pass
+        try:
+            parse_record(record, "ab" * 16)
+        except KVBusError:
+            pass
+
+    _run(cases, st.tuples(raw, fields), check)
+
+
+# -- codec metadata --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cases", BUDGETS)
+def test_codec_metadata(cases: int) -> None:
+    codecs = [c for c in available_codecs() if c not in ("summary",)]  # summary needs a generating model
+    strategy = st.tuples(st.sampled_from(codecs), st.dictionaries(st.text(max_size=10), VALUES, max_size=6),
+                         st.binary(max_size=256), st.lists(st.integers(0, 64), max_size=6))
+
+    def check(item: tuple[str, dict, bytes, list[int]]) -> None:
+        codec, meta, payload, sizes = item
+        try:
+            encoded = Encoded.from_payload(codec, meta, payload, sizes)
+            out = get_codec(codec).decode(encoded)
+        except KVBusError:
+            return
+        out.validate()
+        assert out.nbytes <= 64 * len(payload) + 4096, "decoded far more than was received"
+
+    _run(cases, strategy, check)
+
+
+# -- a misbehaving client on a real server ----------------------------------------------------------------------
+
+
+async def test_misbehaving_client_does_not_disturb_other_agents(bus: Bus, nats_url: str) -> None:
+    other = await Bus.connect(nats_url, config=FAST)
+    rogue = await Bus.connect(nats_url, config=FAST)
+    try:
+        tx = await bus.agent("fuzz-tx", signature=SIG)
+        rx = await other.agent("fuzz-rx", signature=SIG)
+        victim = await rogue.agent("fuzz-victim", signature=SIG)
+        kvs = [kv_of_bytes(SIG, 6 << 20, seed=s) for s in range(3)]
+        sends = asyncio.gather(*(tx.send(rx.name, kv, medium="full") for kv in kvs))
+        big = os.urandom(rogue.transport.max_payload - 8192)
+        junk = [b"", b"\xc1", b"\x92\x01", msgpack.packb({"t": "grant", "v": 1, "transfer_id": 7}), big,
+                msgpack.packb({"t": "open", "v": 1, "sizes": [1 << 62], "total": 1 << 62}),
+                (0xFFFFFFFF).to_bytes(4, "big") + b"x"]
+        # The victim's own subjects take the storm; tx and rx only get chunks for a transfer that
+        # does not exist and acks they do not expect (what any agent may publish to them).
+        subjects = [agent_subject(victim.name, k) for k in ("inbox", "ack", "ctl", "ping")]
+        subjects += [agent_subject(tx.name, "ack")]
+        subjects += [sched_subject("default", k) for k in ("request", "done", "probe", "reserve", "register", "state")]
+        subjects += [f"kvbus.agent.{rx.name}.data.{'0' * 32}"]
+        for _ in range(3):
+            for subject in subjects:
+                for payload in junk:
+                    await rogue.transport.publish(subject, payload, headers={CHUNK_INDEX_HEADER: "-1"})
+                    await rogue.transport.publish(subject, payload)
+        for subject in subjects[:4]:
+            try:
+                await rogue.transport.request(subject, big, timeout=1.0)
+            except Exception:  # noqa: BLE001 - a refusal or no answer, both fine
+                pass
+        reports = await asyncio.wait_for(sends, 60)
+        # The victim still works once the storm is over.
+        kv = kv_of_bytes(SIG, 1 << 20, seed=12)
+        await tx.send(victim.name, kv, medium="full")
+        assert (await victim.receive(timeout=10)).kv.equal(kv)
+        got = {d.transfer_id: d for d in [await rx.receive(timeout=10) for _ in kvs]}
+        for report, kv in zip(reports, kvs):
+            assert got[report.transfer_id].kv.equal(kv)
+        # Still serving after the storm.
+        kv = kv_of_bytes(SIG, 1 << 20, seed=11)
+        report = await tx.send(rx.name, kv, medium="full")
+        assert (await rx.receive(timeout=10)).transfer_id == report.transfer_id
+    finally:
+        await other.close()
+        await rogue.close()

@@ -1,0 +1,291 @@
+"""Observability: one trace per transfer across OS processes, Prometheus metrics, `kvbus top`.
+
+A test OTLP/HTTP receiver (http.server) decodes what the real OTLP exporters of the sender, the
+group scheduler and the receiver processes send it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.trace import SpanKind
+
+from kvbus import telemetry
+from kvbus.config import redact_url
+
+HERE = Path(__file__).parent
+PEER = str(HERE / "telemetry_peer.py")
+GROUP = "otel"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class SpanRecord:
+    service: str
+    name: str
+    trace_id: str
+    span_id: str
+    parent_id: str
+    kind: int
+    attributes: dict[str, Any]
+    events: list[str]
+
+
+class OtlpReceiver:
+    """A minimal OTLP/HTTP trace endpoint: decodes ``ExportTraceServiceRequest`` bodies."""
+
+    def __init__(self) -> None:
+        self.spans: list[SpanRecord] = []
+        self.lock = threading.Lock()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.path.endswith("/v1/traces"):
+                    receiver.add(ExportTraceServiceRequest.FromString(body))
+                reply = ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def add(self, req: ExportTraceServiceRequest) -> None:
+        for rs in req.resource_spans:
+            service = next((a.value.string_value for a in rs.resource.attributes if a.key == "service.name"), "")
+            for ss in rs.scope_spans:
+                for s in ss.spans:
+                    attrs = {a.key: _value(a.value) for a in s.attributes}
+                    with self.lock:
+                        self.spans.append(SpanRecord(service, s.name, s.trace_id.hex(), s.span_id.hex(),
+                                                     s.parent_span_id.hex(), s.kind, attrs,
+                                                     [e.name for e in s.events]))
+
+    def wait_for(self, names: set[str], trace_id: str | None = None, timeout: float = 15.0) -> list[SpanRecord]:
+        end = time.monotonic() + timeout
+        while True:
+            with self.lock:
+                got = [s for s in self.spans if trace_id is None or s.trace_id == trace_id]
+            if names <= {s.name for s in got} or time.monotonic() > end:
+                return got
+            time.sleep(0.05)
+
+    def __enter__(self) -> OtlpReceiver:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _value(v: Any) -> Any:
+    kind = v.WhichOneof("value")
+    return getattr(v, kind) if kind else None
+
+
+def _env(otlp: str, service: str, metrics_port: int | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OTEL_EXPORTER_OTLP_ENDPOINT=otlp, OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
+               OTEL_SERVICE_NAME=service, OTEL_BSP_SCHEDULE_DELAY="50", PYTHONUNBUFFERED="1")
+    env.pop("OTEL_SDK_DISABLED", None)
+    if metrics_port is not None:
+        env["KVBUS_METRICS_PORT"] = str(metrics_port)
+    return env
+
+
+def _stop(procs: list[subprocess.Popen[str]], *, kill: bool = True) -> None:
+    # Killed by default: what the tests look at (spans, output) has arrived by then, and a
+    # graceful stop spends seconds releasing leases.
+    for p in procs:
+        if p.poll() is None:
+            p.kill() if kill else p.terminate()
+    for p in procs:
+        try:
+            p.wait(5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def _readline(p: subprocess.Popen[str], want: str, timeout: float = 20.0) -> list[str]:
+    """Lines from ``p`` up to one containing ``want``."""
+    assert p.stdout is not None
+    lines: list[str] = []
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        line = p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"process exited ({p.poll()}) before {want!r}: {lines}")
+        lines.append(line.strip())
+        if want in line:
+            return lines
+    raise TimeoutError(f"no {want!r} in {lines}")
+
+
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
+@pytest.fixture(scope="module")
+def transfer(nats_url: str) -> Iterator[dict[str, Any]]:
+    """One transfer between agents in separate OS processes, its scheduler in a third, all tracing."""
+    with OtlpReceiver() as otlp:
+        sched_port, tx_port = free_port(), free_port()
+        procs: list[subprocess.Popen[str]] = []
+        try:
+            sched = subprocess.Popen([sys.executable, "-m", "kvbus.cli", "group-scheduler", "--group", GROUP,
+                                      "--nats-url", nats_url], env=_env(otlp.url, "test-scheduler", sched_port),
+                                     stdout=subprocess.PIPE, text=True)
+            procs.append(sched)
+            _readline(sched, "group scheduler for")
+            rx = subprocess.Popen([sys.executable, PEER, "rx", nats_url, "otel-rx", GROUP],
+                                  env=_env(otlp.url, "test-receiver"), stdout=subprocess.PIPE, text=True)
+            procs.append(rx)
+            _readline(rx, "ready")
+            tx = subprocess.Popen([sys.executable, PEER, "tx", nats_url, "otel-tx", GROUP, "otel-rx", str(3 << 20)],
+                                  env=_env(otlp.url, "test-sender", tx_port), stdout=subprocess.PIPE,
+                                  stdin=subprocess.PIPE, text=True)
+            procs.append(tx)
+            lines = _readline(tx, "sent", timeout=30)
+            report = json.loads(lines[-2])
+            delivered = json.loads(_readline(rx, "transfer_id")[-1])
+            spans = otlp.wait_for({"kvbus.send", "kvbus.grant.wait", "kvbus.encode", "kvbus.stream", "kvbus.schedule",
+                                   "kvbus.receive", "kvbus.reassemble", "kvbus.decode"})
+            yield {"report": report, "delivered": delivered, "spans": spans, "otlp": otlp,
+                   "metrics": {"sender": _scrape(tx_port), "scheduler": _scrape(sched_port)}}
+        finally:
+            _stop(procs)
+
+
+def test_one_trace_across_sender_scheduler_and_receiver(transfer: dict[str, Any]) -> None:
+    report = transfer["report"]
+    assert transfer["delivered"]["transfer_id"] == report["transfer_id"]
+    sends = [s for s in transfer["spans"] if s.name == "kvbus.send"
+             and s.attributes.get("kvbus.transfer_id") == report["transfer_id"]]
+    assert len(sends) == 1
+    root = sends[0]
+    spans = {s.name: s for s in transfer["spans"] if s.trace_id == root.trace_id}
+    # Every process's spans are in the sender's trace, with the right parents.
+    assert {s.service for s in spans.values()} == {"test-sender", "test-scheduler", "test-receiver"}
+    assert root.parent_id == "" and root.kind == SpanKind.PRODUCER.value + 1  # proto enums count from UNSPECIFIED
+    for child in ("kvbus.grant.wait", "kvbus.encode", "kvbus.stream", "kvbus.receive"):
+        assert spans[child].parent_id == root.span_id, child
+    assert spans["kvbus.schedule"].parent_id == spans["kvbus.grant.wait"].span_id
+    assert spans["kvbus.schedule"].service == "test-scheduler"
+    assert spans["kvbus.receive"].service == "test-receiver"
+    assert spans["kvbus.receive"].kind == SpanKind.CONSUMER.value + 1
+    assert spans["kvbus.reassemble"].parent_id == spans["kvbus.receive"].span_id
+    assert spans["kvbus.decode"].parent_id == spans["kvbus.receive"].span_id
+    # Attributes: semantic conventions, sizes, the decision and its predicted vs observed time.
+    a = root.attributes
+    assert a["messaging.system"] == "nats" and a["messaging.destination.name"] == "otel-rx"
+    assert a["kvbus.medium"] == report["medium"] and a["kvbus.bytes"] == report["nbytes"]
+    assert a["kvbus.chunks"] == report["chunks"] >= 3 and a["kvbus.retransmits"] == report["retransmits"]
+    assert a["kvbus.observed_s"] > 0
+    sched = spans["kvbus.schedule"].attributes
+    assert sched["kvbus.medium"] == report["medium"] and sched["kvbus.transfer_id"] == report["transfer_id"]
+    candidates = json.loads(sched["kvbus.candidates"])
+    assert isinstance(candidates, list)
+    if report["decision"].get("predicted_s") is not None:
+        assert a["kvbus.predicted_s"] == pytest.approx(report["decision"]["predicted_s"])
+
+
+def test_prometheus_endpoints_serve_kvbus_metrics(transfer: dict[str, Any]) -> None:
+    medium = transfer["report"]["medium"]
+    sender = transfer["metrics"]["sender"]
+    for name in ("kvbus_transfer_duration", "kvbus_transfer_bytes", "kvbus_transfers", "kvbus_queue_delay"):
+        assert name in sender, name
+    assert f'medium="{medium}"' in sender
+    assert 'agent="otel-tx"' in sender
+    scheduler = transfer["metrics"]["scheduler"]
+    assert "kvbus_agent_memory" in scheduler
+    assert "kvbus_link_bandwidth" in scheduler and 'link="otel-tx->otel-rx"' in scheduler
+
+
+def test_tracing_off_costs_nothing() -> None:
+    # This process configured no tracer: spans do not record and nothing goes on the wire.
+    with telemetry.span("kvbus.send") as s:
+        assert not s.is_recording()
+        assert telemetry.traceparent() is None
+    assert not telemetry.start("kvbus.receive", parent=None).is_recording()
+    assert telemetry.extract(None) is None
+
+
+def test_redact_url_hides_credentials() -> None:
+    assert redact_url("nats://alice:s3cret@host:4222") == "nats://alice:***@host:4222"
+    assert redact_url("nats://tok3n@host:4222") == "nats://***@host:4222"
+    assert redact_url("nats://a:x@h1:1,nats://b:y@h2:2") == "nats://a:***@h1:1,nats://b:***@h2:2"
+    assert redact_url("nats://127.0.0.1:4222") == "nats://127.0.0.1:4222"
+
+
+def test_group_scheduler_does_not_print_credentials(nats_server: Any) -> None:
+    host_port = nats_server.url.split("://", 1)[1]
+    p = subprocess.Popen([sys.executable, "-m", "kvbus.cli", "group-scheduler", "--group", "redact",
+                          "--nats-url", f"nats://someone:hunter2@{host_port}"], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        out = "\n".join(_readline(p, "group scheduler for", timeout=15))
+    except RuntimeError as exc:  # the server may refuse the credentials: what it printed still counts
+        out = str(exc)
+    finally:
+        _stop([p])
+    assert "hunter2" not in out
+
+
+async def test_top_renders_a_frame_of_a_running_stack(tmp_path: Path) -> None:
+    from kvbus.bus import Bus
+
+    env = dict(os.environ, KVBUS_STACK_FILE=str(tmp_path / "stack.json"), PYTHONUNBUFFERED="1")
+    env.pop("KVBUS_NATS_URL", None)
+    up = subprocess.Popen([sys.executable, "-m", "kvbus.cli", "up"], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        _readline(up, "kvbus is up", timeout=30)
+        url = json.loads((tmp_path / "stack.json").read_text())["nats_url"]
+        async with await Bus.connect(url) as bus:
+            await bus.agent("top-watcher", group="default", role="verifier")
+            deadline = time.monotonic() + 10
+            while True:
+                # `top` with no --nats-url finds the stack through its stack file.
+                # (In a thread: the agent's probes need this event loop.)
+                done = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "kvbus.cli", "top", "--once"],
+                                               env=env, capture_output=True, text=True, timeout=30)
+                out = done.stdout
+                if "top-watcher" in out or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.2)
+        assert "group default" in out
+        assert "top-watcher" in out and "verifier" in out
+    finally:
+        _stop([up])
