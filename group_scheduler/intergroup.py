@@ -23,6 +23,8 @@ logger = logging.getLogger(__name__)
 
 #: Epoch used until the coordinator has said its own (it does in every lease).
 DEFAULT_EPOCH_S = 0.1
+#: Without a coordinator, ask again this often (not every epoch: each attempt waits the timeout).
+RETRY_S = 1.0
 #: Leases never cap below this (a cap of 0 would read as "uncapped").
 MIN_SHARE_BPS = 1024.0
 
@@ -57,7 +59,9 @@ class InterGroupLease:
         """No lease in force: the inter-group transfers are held to the group's own budget."""
         self._held = False
         self._warned = False
+        self._retry_at = 0.0
         self._demand = asyncio.Event()
+        self._lock = asyncio.Lock()
 
     def demand_bps(self) -> float:
         """What the group's inter-group transfers want: per transfer its declared link, else the default."""
@@ -70,6 +74,20 @@ class InterGroupLease:
     def _want(self, p: Pending) -> float:
         declared = [b for b in (self.state.declared_bandwidth(p.src, rx) for rx in p.dst) if b > 0]
         return min(declared) if declared else self.default_bps
+
+    async def ensure(self) -> None:
+        """Before an inter-group transfer is granted: have a lease in force (or know there is none).
+
+        Only the first inter-group request of a busy period waits (one round trip, at most the
+        timeout); later ones find the lease held and cost nothing.
+        """
+        if self._held or self.fallback:
+            self.wake()
+            return
+        async with self._lock:
+            if not self._held and not self.fallback:
+                await self.renew()
+        self._demand.set()  # the loop renews from here on
 
     def wake(self) -> None:
         """A transfer became inter-group demand: ask now rather than at the next epoch (if none is held)."""
@@ -87,6 +105,8 @@ class InterGroupLease:
         demand = self.demand_bps()
         if demand <= 0 and not self._held:
             return
+        if self.fallback and time.time() < self._retry_at:
+            return  # no coordinator lately: do not make every epoch wait for the timeout
         try:
             grant = await self.client.lease(self.state.group, self.scheduler, demand, self.priority)
         except (CoordinatorUnavailable, WireFormatError) as exc:
@@ -97,6 +117,7 @@ class InterGroupLease:
                                "to the group's own budget", self.state.group, exc)
                 self._warned = True
             self.fallback = True
+            self._retry_at = time.time() + RETRY_S
             self._held = False
             self._set(self.state.bandwidth_bps)
             return

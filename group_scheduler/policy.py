@@ -14,6 +14,7 @@ from kvbus.codecs import get_codec
 from kvbus.codecs.errors import CodecError
 from kvbus.group_scheduler.state import GroupState, Pending
 from kvbus.signature import ModelSignature
+from kvbus.group_scheduler.signatures import signature_of
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ class StaticSelector(MediumSelector):
     def choose(self, state: GroupState, pending: Pending) -> tuple[str, str]:
         req = pending.request
         try:
-            sender = ModelSignature.from_dict(req.signature)
+            sender = signature_of(req.signature)
         except Exception as exc:  # noqa: BLE001 - validated on arrival; be safe anyway
             return "", f"bad sender signature: {exc}"
         unusable = [rx for rx, sig in pending.receivers.items() if sig is None or not sender.compatible_with(sig)]

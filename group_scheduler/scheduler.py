@@ -63,6 +63,7 @@ from kvbus.protocol import (
     sched_subject,
 )
 from kvbus.signature import ModelSignature
+from kvbus.group_scheduler.signatures import signature_of
 
 logger = logging.getLogger(__name__)
 
@@ -289,7 +290,7 @@ class GroupScheduler:
     async def _on_request(self, msg: Msg) -> None:
         try:
             req = TransferRequest.decode(msg.data)
-            ModelSignature.from_dict(req.signature)
+            signature_of(req.signature)
             receivers = [check_name("agent", rx) for rx in req.dst]
             if not receivers:
                 raise ValueError("no receivers")
@@ -312,7 +313,7 @@ class GroupScheduler:
                 unknown.append(rx)
                 continue
             try:
-                sigs[rx] = ModelSignature.from_dict(record.signature) if record.signature else None
+                sigs[rx] = signature_of(record.signature) if record.signature else None
             except WireFormatError:
                 sigs[rx] = None
         if unknown:
@@ -330,7 +331,7 @@ class GroupScheduler:
         pending = Pending(req, sigs, arrived=now - waited, deadline_at=deadline_at)
         self.state.queue.append(pending)
         if self.state.remote and self.state.inter_group(pending):
-            self.inter.wake()
+            await self.inter.ensure()  # granted within the lease, not before one is in force
         # Decide now: a transfer that can start at once gets its grant as the reply (one round
         # trip instead of two); otherwise the reply says "queued" and the grant follows on ctl.
         replies = {req.transfer_id: msg}

@@ -11,6 +11,7 @@ from kvbus.group_scheduler.cost_model import Choice, CostModel, Endpoint, Estima
 from kvbus.group_scheduler.policy import MediumSelector
 from kvbus.group_scheduler.state import GroupState, Pending
 from kvbus.signature import ModelSignature
+from kvbus.group_scheduler.signatures import signature_of
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class AdaptiveSelector(MediumSelector):
     def decide(self, state: GroupState, pending: Pending) -> Decided:
         req = pending.request
         try:
-            sender_sig = ModelSignature.from_dict(req.signature)
+            sender_sig = signature_of(req.signature)
         except Exception as exc:  # noqa: BLE001 - validated on arrival; be safe anyway
             return Decided("", f"bad sender signature: {exc}", None)
         sender = self.endpoint(state, req.src, sender_sig)

@@ -219,6 +219,11 @@ async def test_kill_9_of_the_leading_scheduler_mid_inter_group_transfers(nats: N
         await coord.close()
 
 
+async def _not_pid(name: Any, pid: int) -> bool:
+    got = await name
+    return got is not None and f":{pid}:" not in got
+
+
 async def _true_async(x: Any) -> bool:
     return bool(await x)
 
@@ -248,11 +253,13 @@ async def test_kill_9_of_the_coordinator_mid_inter_group_transfers(nats: NatsSer
             delivered, errors, ok = await exchange(senders, receivers, kv, 3, during=kill_coordinator)
             assert ok == 12 and not errors, errors
             assert all(n == 1 for n in delivered.values())
-            # The standby answers the lease requests now.
-            await until(lambda: _true(sched.inter.leases > leases[0] + 2 or not sched.inter.fallback), 5,
-                        "leases from the standby")
-            holder_now = await holder(nats.url, "leader")
-            assert holder_now is not None and f":{first.pid}:" not in holder_now
+            # The standby leads now and answers lease requests: a new inter-group transfer gets one.
+            await until(lambda: _true_async(_not_pid(holder(nats.url, "leader"), first.pid)), 10, "the standby")
+            before = sched.inter.leases
+            await until(lambda: _true(time.time() > sched.inter._retry_at), 3, "the retry time")
+            await senders[0].send(receivers[0].name, kv)
+            await receivers[0].receive(timeout=5)
+            assert sched.inter.leases > before and not sched.inter.fallback
     finally:
         await sched.close()
         for p in (first, standby):
@@ -266,6 +273,7 @@ async def test_placement_puts_new_agents_in_a_group_added_at_run_time(nats: Nats
     g0 = await GroupScheduler.connect(nats.url, "g0", config=SchedulerConfig(heartbeat_s=0.1))
     try:
         async with bus(nats.url) as b:
+            await until(lambda: _true("g0" in coord.groups), 5, "g0 to join")
             a = await b.agent("a", group=None, signature=SIG)
             assert a.group == "g0"
             await until(lambda: _true(coord.groups.get("g0") is not None and coord.groups["g0"].agents >= 1), 5,

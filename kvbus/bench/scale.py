@@ -86,10 +86,8 @@ async def _client(url: str, agents: list[tuple[str, str, str]], rounds: int, pro
         await nc.publish(RESULT, json.dumps({"proc": proc, "round": r, "queued": queued,
                                              "errors": errors[:3], "n_errors": len(errors)}).encode())
         await nc.flush()
-    for t in drains:
-        t.cancel()
-    for bus in buses:
-        await bus.close()
+    # Stay: agents of other processes may still be sending to ours. The parent kills this process.
+    await asyncio.Event().wait()
 
 
 def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
@@ -134,7 +132,7 @@ async def _run_config(mode: str, n: int, *, rounds: int, clients: int) -> dict[s
         for p in scheds:
             await _wait_line(p, "group scheduler", 120)
         chunks = [triples[i::clients] for i in range(clients)]
-        cl = [_spawn(["-m", "kvbus.bench.scale", "--client", server.url, str(rounds), str(i), json.dumps(c)], env)
+        cl = [_spawn(["-m", "kvbus.bench.scale", "--client", server.url, str(rounds + 1), str(i), json.dumps(c)], env)
               for i, c in enumerate(chunks) if c]
         procs += cl
         for p in cl:
