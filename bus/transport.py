@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
@@ -93,10 +94,16 @@ class NatsTransport:
     async def flush(self, timeout: float = 5.0) -> None:
         await self.nc.flush(timeout)
 
-    async def close(self) -> None:
+    async def close(self, timeout: float = 5.0) -> None:
+        """Drain (deliver what is buffered), but never wait longer than ``timeout``; then close."""
+        if self.nc.is_closed:
+            return
+        try:
+            await asyncio.wait_for(self.nc.drain(), timeout)
+        except (Exception, TimeoutError):  # noqa: BLE001 - closing anyway
+            logger.debug("drain failed or took too long, closing", exc_info=True)
         if not self.nc.is_closed:
             try:
-                await self.nc.drain()
-            except Exception:  # noqa: BLE001 - closing anyway
-                logger.debug("drain failed, closing", exc_info=True)
-                await self.nc.close()
+                await asyncio.wait_for(self.nc.close(), timeout)
+            except (Exception, TimeoutError):  # noqa: BLE001
+                logger.debug("close failed", exc_info=True)

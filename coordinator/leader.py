@@ -82,17 +82,17 @@ class LeaderLease:
         self._task = asyncio.create_task(self.run(), name=f"kvbus-lease-{self.key}")
         return self._task
 
-    async def release(self) -> None:
+    async def release(self, timeout: float = 2.0) -> None:
         """Stop campaigning and give the lease up (delete it if ours)."""
         if self._task is not None:
             self._task.cancel()
             try:
-                await self._task
-            except asyncio.CancelledError:
+                await asyncio.wait_for(self._task, timeout)
+            except (asyncio.CancelledError, TimeoutError):
                 pass
         if self.is_leader:
             try:
-                await self.bucket.delete(self.key)
-            except Exception:  # noqa: BLE001
+                await asyncio.wait_for(self.bucket.delete(self.key), timeout)
+            except (Exception, TimeoutError):  # noqa: BLE001 - the lease expires by itself anyway
                 logger.debug("could not delete lease %s", self.key, exc_info=True)
         self.is_leader = False

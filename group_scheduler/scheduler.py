@@ -77,6 +77,16 @@ PAUSE_TIMEOUT_S = 2.0
 MAX_CARRIED_WAIT_S = 600.0
 
 
+async def _bounded(aw: Any, what: str, timeout: float = 5.0) -> None:
+    """Await ``aw`` for at most ``timeout`` seconds while closing; log and go on otherwise."""
+    try:
+        await asyncio.wait_for(aw, timeout)
+    except asyncio.CancelledError:
+        pass
+    except (Exception, TimeoutError):  # noqa: BLE001 - closing anyway
+        logger.debug("closing: could not %s", what, exc_info=True)
+
+
 def default_selector(config: SchedulerConfig) -> MediumSelector:
     """The adaptive selector over the calibration profile (fallback figures if none loads), or static."""
     if config.selector == "static":
@@ -214,24 +224,17 @@ class GroupScheduler:
         if self.closed:
             return
         self.closed = True
+        # Every step is bounded: closing must never hang on a peer or the server.
         if self.serving:
-            await self.inter.leave()
+            await _bounded(self.inter.leave(), "leave")
         if self._leader is not None:
-            await self._leader.release()
+            await _bounded(self._leader.release(), "release the leader lease")
         for task in [*self._tasks, *self._side_tasks]:
             task.cancel()
         for task in [*self._tasks, *self._side_tasks]:
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-            except Exception:  # noqa: BLE001 - closing anyway
-                logger.debug("task failed while closing", exc_info=True)
+            await _bounded(task, "stop a background task")
         for sub in [*self._subs, *([self._probe_sub] if self._probe_sub is not None else [])]:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # noqa: BLE001
-                logger.debug("unsubscribe failed", exc_info=True)
+            await _bounded(sub.unsubscribe(), "unsubscribe")
         self._subs = []
         close = getattr(self.transport, "close", None)
         if close is not None:
