@@ -33,6 +33,7 @@ class LeaderLease:
         self.is_leader = False
         self._revision: int | None = None
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
 
     def _value(self) -> bytes:
         return json.dumps({"holder": self.holder, "ts": time.time()}).encode()
@@ -62,8 +63,12 @@ class LeaderLease:
             return False
 
     async def run(self) -> None:
-        """Campaign and renew until cancelled."""
-        while True:
+        """Campaign and renew until cancelled or released.
+
+        The loop also checks a flag: a cancellation that lands inside a NATS request can come
+        back as a timeout error, which would otherwise keep a released lease renewing forever.
+        """
+        while not self._stopping:
             won = await self.try_acquire()
             if won and not self.is_leader:
                 self.is_leader = True
@@ -84,6 +89,7 @@ class LeaderLease:
 
     async def release(self, timeout: float = 2.0) -> None:
         """Stop campaigning and give the lease up (delete it if ours)."""
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
             try:

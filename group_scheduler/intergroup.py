@@ -132,8 +132,8 @@ class InterGroupLease:
         self._set(max(grant.share_bps, MIN_SHARE_BPS) if demand > 0 else 0.0)
 
     async def run(self) -> None:
-        """Renew every epoch while there is demand; sleep until there is."""
-        while True:
+        """Renew every epoch while there is demand; sleep until there is (until `stop`)."""
+        while not self._stopped:
             try:
                 if not self._held and self.demand_bps() <= 0:
                     self._demand.clear()
@@ -148,6 +148,13 @@ class InterGroupLease:
                 await asyncio.wait_for(self._demand.wait(), self.epoch_s)
             except TimeoutError:
                 pass
+
+    _stopped = False
+
+    def stop(self) -> None:
+        """End the renewal loop (a cancellation inside a NATS request may come back as an error)."""
+        self._stopped = True
+        self._demand.set()
 
     async def leave(self) -> None:
         """Deregister the group from the coordinator (its lease goes to the others at once)."""

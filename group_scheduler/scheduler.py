@@ -225,6 +225,7 @@ class GroupScheduler:
             return
         self.closed = True
         # Every step is bounded: closing must never hang on a peer or the server.
+        self.inter.stop()
         if self.serving:
             await _bounded(self.inter.leave(), "leave")
         if self._leader is not None:
