@@ -593,7 +593,7 @@ class GroupScheduler:
             logger.warning("group %s: agent %s sent no probe for %.1f s; marked down", self.group, name,
                            now - self.state.agents[name].last_seen)
         refusals = []
-        if any(a.down for a in self.state.agents.values()):
+        if self.state.n_down:
             for p in list(self.state.queue):
                 down = next((a for a in (p.src, *p.dst) if self.state.is_down(a)), None)
                 if down is not None:

@@ -152,6 +152,12 @@ class GroupState:
     """Agents of other groups (name -> their group) seen as receivers: transfers to them are inter-group."""
     inter_bps: float = 0.0
     """Cap on the summed rate of the inter-group transfers: the coordinator's lease (0 = no cap)."""
+    n_down: int = 0
+    """How many agents are marked down."""
+    _seen_floor: float = field(default=float("-inf"), repr=False)
+    """A lower bound of the live agents' ``last_seen``: probes only move ``last_seen`` forward, so
+    until ``now - _seen_floor`` passes the TTL no agent can have expired and the liveness check
+    does not scan the group (it did on every scheduling pass: O(group) per request)."""
 
     def inter_group(self, p: Pending) -> bool:
         """Whether a transfer has a receiver in another group (it draws on the coordinator's lease)."""
@@ -159,7 +165,10 @@ class GroupState:
 
     def on_probe(self, probe: Probe, now: float | None = None) -> AgentState:
         agent = self.agents.setdefault(probe.agent, AgentState(probe.agent))
+        if agent.down:
+            self.n_down -= 1
         agent.update(probe, now)
+        self._seen_floor = min(self._seen_floor, agent.last_seen)
         self.declare(probe.agent, probe.link_bps, probe.latency_s)
         return agent
 
@@ -197,12 +206,24 @@ class GroupState:
     # -- liveness -----------------------------------------------------------------------------
 
     def expire(self, now: float, ttl_s: float) -> list[str]:
-        """Mark agents whose last probe is older than ``ttl_s`` as down; returns the newly down ones."""
+        """Mark agents whose last probe is older than ``ttl_s`` as down; returns the newly down ones.
+
+        Scans the group only when the oldest live probe may have passed the TTL.
+        """
+        if now - self._seen_floor <= ttl_s:
+            return []
         gone = []
+        floor = float("inf")
         for agent in self.agents.values():
-            if not agent.down and agent.last_seen and now - agent.last_seen > ttl_s:
+            if agent.down or not agent.last_seen:
+                continue
+            if now - agent.last_seen > ttl_s:
                 agent.down = True
                 gone.append(agent.name)
+            elif agent.last_seen < floor:
+                floor = agent.last_seen
+        self.n_down += len(gone)
+        self._seen_floor = floor
         return gone
 
     def is_down(self, name: str) -> bool:
@@ -210,9 +231,14 @@ class GroupState:
         return agent is not None and agent.down
 
     def next_expiry(self, ttl_s: float) -> float | None:
-        """Monotonic time at which the next live agent's probe expires, or None."""
-        times = [a.last_seen + ttl_s for a in self.agents.values() if not a.down and a.last_seen]
-        return min(times) if times else None
+        """Monotonic time at or before which the next live agent's probe expires, or None.
+
+        May be early (a lower bound kept without scanning): the pass it wakes scans and moves it.
+        """
+        if self._seen_floor == float("-inf"):  # not known yet: learn it (a scan that marks no one down)
+            live = [a.last_seen for a in self.agents.values() if not a.down and a.last_seen]
+            self._seen_floor = min(live, default=float("inf"))
+        return self._seen_floor + ttl_s if self._seen_floor != float("inf") else None
 
     # -- resource levels ----------------------------------------------------------------------
 

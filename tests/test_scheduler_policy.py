@@ -291,3 +291,40 @@ def test_new_control_messages_round_trip() -> None:
                 Control("", "shed", nbytes=123, reason="over"), ControlReply("t1", "pause", False, 0.42, "past"),
                 FlowReservation("r1", "a", ["b"], "g", 0.1, 1000, 0.02)):
         assert decode_message(msg.encode(), Control, ControlReply, FlowReservation) == msg
+
+
+def _probe(name: str) -> "Probe":
+    from kvbus.protocol import Probe
+
+    return Probe(agent=name, group="g", queue_size=0, cache_bytes=0, compute_load=0.0, role_priority=1.0)
+
+
+@given(st.lists(st.tuples(st.integers(0, 5), st.floats(0.0, 3.0)), min_size=1, max_size=40))
+@settings(max_examples=200, deadline=None)
+def test_liveness_without_scans_matches_a_full_scan(events: list[tuple[int, float]]) -> None:
+    """Probes at random times: the lazily scanned liveness (a floor of the oldest probe) marks the
+    same agents down at the same moments as checking every agent every time, and the wake-up it
+    asks for is never later than the first real expiry."""
+    from kvbus.group_scheduler.state import GroupState
+
+    ttl = 2.0
+    state = GroupState("g")
+    seen: dict[str, float] = {}
+    down: set[str] = set()
+    now = 0.0
+    for who, dt in events:
+        now += dt
+        expiry = state.next_expiry(ttl)
+        live = [t + ttl for a, t in seen.items() if a not in down]
+        if live:
+            assert expiry is not None and expiry <= min(live) + 1e-9
+        gone = set(state.expire(now, ttl))
+        want = {a for a, t in seen.items() if a not in down and now - t > ttl}
+        assert gone == want
+        down |= gone
+        assert state.n_down == len(down) == sum(a.down for a in state.agents.values())
+        name = f"a{who}"
+        state.on_probe(_probe(name), now)
+        seen[name] = now
+        down.discard(name)
+        assert state.n_down == len(down)
