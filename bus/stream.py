@@ -326,14 +326,26 @@ class OutgoingTransfer:
 
     async def _open(self, rx: str, frame: bytes) -> None:
         outcome = self.outcomes[rx]
-        try:
-            data = await self.transport.request(agent_subject(rx, "inbox"), frame, timeout=self.config.request_timeout)
-        except NoResponders:
-            outcome.error = ReceiverGone(self.transfer_id, rx, "no agent listens on its inbox")
-            return
-        except TimeoutError:
-            outcome.error = TransferTimeout(self.transfer_id, f"waiting for {rx} to accept", self.config.request_timeout, rx)
-            return
+        # An unanswered Open is asked again (the same transfer id: a receiver that got the first
+        # one answers with where it stands) until ``peer_timeout``: a request lost while the
+        # server restarted or the receiver was busy does not fail the transfer.
+        started = time.monotonic()
+        give_up = started + max(self.config.peer_timeout, self.config.request_timeout)
+        while True:
+            left = give_up - time.monotonic()
+            try:
+                data = await self.transport.request(agent_subject(rx, "inbox"), frame,
+                                                    timeout=min(self.config.request_timeout, max(left, 0.001)))
+                break
+            except NoResponders:
+                outcome.error = ReceiverGone(self.transfer_id, rx, "no agent listens on its inbox")
+                return
+            except TimeoutError:
+                if time.monotonic() >= give_up - 1e-3:
+                    outcome.error = TransferTimeout(self.transfer_id, f"waiting for {rx} to accept",
+                                                    time.monotonic() - started, rx)
+                    return
+                self.span.add_event("open.retry", {"kvbus.receiver": rx})
         try:
             reply = OpenReply.decode(data)
         except Exception as exc:  # noqa: BLE001 - a broken reply fails this receiver only

@@ -110,6 +110,37 @@ async def test_nats_restart_mid_transfer_delivers_once_or_fails_loudly(own_nats:
         await sched.close()
 
 
+async def test_unanswered_open_is_asked_again_and_delivered_once(nats_url: str, scheduler: GroupScheduler) -> None:
+    """The receiver answers the first Open only after the sender's request timeout (as when the
+    request or its reply is lost in a server restart): the sender asks again with the same
+    transfer id, the receiver answers from its record, the send succeeds, delivered once."""
+    cfg = BusConfig(request_timeout=0.4, peer_timeout=5.0, ack_timeout=0.5, grant_timeout=10.0)
+    tx_bus = await Bus.connect(nats_url, config=cfg)
+    rx_bus = await Bus.connect(nats_url, config=cfg)
+    try:
+        tx = await tx_bus.agent("reopen-tx", signature=SIG)
+        rx = await rx_bus.agent("reopen-rx", signature=SIG)
+        slow_once = [True]
+        decode = rx._decode
+
+        async def slow_decode(*args: Any, **kwargs: Any) -> Any:
+            if slow_once[0]:
+                slow_once[0] = False
+                await asyncio.sleep(1.0)  # 2.5 request timeouts
+            return await decode(*args, **kwargs)
+
+        rx._decode = slow_decode  # type: ignore[method-assign]
+        kv = kv_of_bytes(SIG, 64 << 10, seed=3)  # inline: the payload rides in the Open
+        report = await tx.send(rx.name, kv, medium="full")
+        got = await rx.receive(timeout=5)
+        assert got.transfer_id == report.transfer_id and got.kv.equal(kv)
+        with pytest.raises(Exception):  # noqa: B017 - ReceiveTimeout: nothing more arrives
+            await rx.receive(timeout=1.0)
+    finally:
+        await tx_bus.close()
+        await rx_bus.close()
+
+
 # -- network partition with namespaces ---------------------------------------------------------------
 
 

@@ -6,7 +6,9 @@ time. Meanwhile, at random times:
 
 - the senders' transports drop, corrupt or forge chunk messages (each with a small probability);
 - a receiver leaves and comes back (its inbox is gone for a moment, then it registers again);
-- the group scheduler is closed and a new one started.
+- the group scheduler is closed and a new one started;
+- the nats-server is killed (SIGKILL) and started again on the same port after up to a second
+  (every client reconnects by itself).
 
 Every send ends with a report or a `TransferError`. Each delivery is matched by transfer id
 against what its sender sent (a blake2b digest of the tokens and KV bytes). Figures:
@@ -164,7 +166,7 @@ async def _chaos(transfers: int, seed: int, concurrency: int = 16) -> dict[str, 
         errors: collections.Counter[str] = collections.Counter()
         sem = asyncio.Semaphore(concurrency)
         done = 0
-        faults = {"receiver_restarts": 0, "scheduler_restarts": 0}
+        faults = {"receiver_restarts": 0, "scheduler_restarts": 0, "nats_restarts": 0}
 
         async def one(k: int) -> None:
             nonlocal failed, done
@@ -190,9 +192,16 @@ async def _chaos(transfers: int, seed: int, concurrency: int = 16) -> dict[str, 
             nonlocal sched
             while done < transfers:
                 await asyncio.sleep(rng.uniform(0.05, 0.4))
-                if rng.random() < 0.75:
+                roll = rng.random()
+                if roll < 0.7:
                     await rng.choice(receivers).restart(rng.uniform(0.05, 0.5))
                     faults["receiver_restarts"] += 1
+                elif roll < 0.8:
+                    server.kill()
+                    await asyncio.sleep(rng.uniform(0.1, 1.0))
+                    await asyncio.to_thread(server.start)
+                    faults["nats_restarts"] += 1
+                    await asyncio.sleep(1.0)  # let everyone reconnect before the next fault
                 else:
                     await sched.close()
                     await asyncio.sleep(rng.uniform(0.05, 0.5))
