@@ -12,8 +12,10 @@ import signal
 import sys
 from pathlib import Path
 from collections.abc import Sequence
+from typing import Any
 
 from kvbus.config import redact_url
+from kvbus.errors import ConfigError, NatsConnectError
 
 logger = logging.getLogger("kvbus")
 
@@ -33,6 +35,31 @@ def _stack_nats_url() -> str:
         return "nats://127.0.0.1:4222"
 
 
+async def _nats_options(url: str) -> dict[str, Any]:
+    """`nats.connect` options for ``url``: identity and TLS from the ``KVBUS_NATS_*`` variables.
+
+    Connects once first, so that refused credentials or an untrusted certificate stop the
+    command with a clear message (the long-lived clients would retry them for ever). A server
+    that does not answer yet is only warned about: the clients keep retrying until it does.
+
+    Raises:
+        ConfigError: the ``KVBUS_NATS_*`` settings are inconsistent or name a bad file.
+        NatsConnectError: the server refused the credentials or the TLS handshake.
+    """
+    from kvbus.natsauth import NatsAuth, check_connection
+
+    auth = NatsAuth.from_env()
+    options = auth.connect_options()
+    logger.info("connecting to NATS at %s with %r", redact_url(url), auth)
+    try:
+        await check_connection(url, options)
+    except NatsConnectError as exc:
+        if not exc.retryable:
+            raise
+        logger.warning("%s; retrying until it answers", exc)
+    return options
+
+
 def _add_urls(p: argparse.ArgumentParser, redis: bool = True) -> None:
     p.add_argument("--nats-url", default=os.environ.get("KVBUS_NATS_URL"),
                    help="use this NATS server instead of starting an embedded one (env KVBUS_NATS_URL)")
@@ -49,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start the local stack: embedded NATS and Redis, coordinator, group schedulers")
     _add_urls(up)
     up.add_argument("--groups", type=int, default=1, help="number of groups (schedulers g0..gN-1, or 'default' for 1)")
+    up.add_argument("--replicas", type=int, default=2,
+                    help="replicas of each group scheduler and of the coordinator: one leads (a lease in "
+                         "JetStream), the others stand by and take over if it dies (default 2)")
     up.add_argument("--secure", action="store_true",
                     help="per-agent NATS users and permissions (agents are kept apart; only schedulers grant); "
                          f"credentials go to {CREDENTIALS_FILE} (mode 0600)")
@@ -117,11 +147,16 @@ async def _up(args: argparse.Namespace) -> None:
         extra, creds = permissions_config(grants, groups)
         save_credentials(creds, CREDENTIALS_FILE)
     with LocalServers(nats_url=args.nats_url, redis_url=args.redis_url, nats_extra_config=extra) as servers:
-        coord = await Coordinator.connect(servers.nats_url,
-                                          nats_options=creds.coordinator_options() if creds else None)
+        # KVBUS_NATS_* (identity, TLS) is for a server given with --nats-url; the embedded one
+        # has no authentication, or the --secure users.
+        shared = await _nats_options(servers.nats_url) if args.nats_url else {}
+        replicas = max(1, args.replicas)
+        coords = [await Coordinator.connect(servers.nats_url,
+                                            nats_options=creds.coordinator_options() if creds else shared)
+                  for _ in range(replicas)]
         scheds = [await GroupScheduler.connect(servers.nats_url, g,
-                                               nats_options=creds.scheduler_options(g) if creds else None)
-                  for g in groups]
+                                               nats_options=creds.scheduler_options(g) if creds else shared)
+                  for g in groups for _ in range(replicas)]
         STACK_FILE.parent.mkdir(parents=True, exist_ok=True)
         STACK_FILE.write_text(json.dumps({"nats_url": servers.nats_url, "redis_url": servers.redis_url,
                                           "groups": groups, "pid": os.getpid(), "secure": bool(creds),
@@ -129,14 +164,16 @@ async def _up(args: argparse.Namespace) -> None:
         secure = (f"  secure: {len(creds.agents)} agent users; credentials in {CREDENTIALS_FILE} (0600); "
                   f"connect with Bus.connect(url, secure=True, **creds.agent_options(name))\n") if creds else ""
         print(f"kvbus is up\n  NATS:   {redact_url(servers.nats_url)}\n  Redis:  {redact_url(servers.redis_url)}\n"
-              f"  groups: {', '.join(groups)}\n{secure}`kvbus top` shows it live. Ctrl-C stops everything.", flush=True)
+              f"  groups: {', '.join(groups)} ({replicas} scheduler replica(s) each; {replicas} coordinator "
+              f"replica(s))\n{secure}`kvbus top` shows it live. Ctrl-C stops everything.", flush=True)
         try:
             await asyncio.Event().wait()
         finally:
             STACK_FILE.unlink(missing_ok=True)
             for s in scheds:
                 await s.close()
-            await coord.close()
+            for c in coords:
+                await c.close()
 
 
 async def _group_scheduler(args: argparse.Namespace) -> None:
@@ -146,15 +183,28 @@ async def _group_scheduler(args: argparse.Namespace) -> None:
     if args.policy is not None:
         overrides["policy"] = args.policy
     config = SchedulerConfig.from_env(**overrides)
-    sched = await GroupScheduler.connect(args.nats_url, args.group, config=config)
+    sched = await GroupScheduler.connect(args.nats_url, args.group, config=config,
+                                         nats_options=await _nats_options(args.nats_url))
     print(f"group scheduler for {args.group!r} on {redact_url(args.nats_url)} ({config.policy} policy)", flush=True)
     await sched.run_forever()
+
+
+async def _selftest(url: str, group: str, nbytes: int) -> int:
+    from kvbus.selftest import selftest
+
+    return await selftest(url, group, nbytes, nats_options=await _nats_options(url))
+
+
+async def _top(url: str, args: argparse.Namespace) -> None:
+    from kvbus.top import top
+
+    await top(url, groups=args.group, interval=args.interval, once=args.once, nats_options=await _nats_options(url))
 
 
 async def _coordinator(args: argparse.Namespace) -> None:
     from kvbus.coordinator import Coordinator
 
-    coord = await Coordinator.connect(args.nats_url)
+    coord = await Coordinator.connect(args.nats_url, nats_options=await _nats_options(args.nats_url))
     print(f"coordinator on {redact_url(args.nats_url)}", flush=True)
     await coord.run_forever()
 
@@ -179,14 +229,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "coordinator":
             asyncio.run(_coordinator(args))
         elif args.command == "selftest":
-            from kvbus.selftest import selftest
-
-            return asyncio.run(selftest(args.nats_url or _stack_nats_url(), args.group, args.bytes))
+            return asyncio.run(_selftest(args.nats_url or _stack_nats_url(), args.group, args.bytes))
         elif args.command == "top":
-            from kvbus.top import top
-
-            asyncio.run(top(args.nats_url or _stack_nats_url(), groups=args.group, interval=args.interval,
-                            once=args.once))
+            asyncio.run(_top(args.nats_url or _stack_nats_url(), args))
         elif args.command == "demo":
             from kvbus.demo import run_demo
 
@@ -201,6 +246,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             extra = {} if args.seconds is None else {"seconds": args.seconds}
             return run_suite(args.suite, json_path=args.json_path, quick=args.quick, nats_url=args.nats_url, **extra)
+    except (ConfigError, NatsConnectError) as exc:
+        # A wrong setting or a refused credential: one sentence, no traceback. Neither error
+        # quotes a password, token or seed.
+        print(f"kvbus {args.command}: {exc}", file=sys.stderr, flush=True)
+        return 2
     except KeyboardInterrupt:
         with contextlib.suppress(Exception):
             print("stopped", file=sys.stderr)

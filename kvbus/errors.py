@@ -16,6 +16,25 @@ class ConfigError(KVBusError, ValueError):
     """A configuration value is missing or out of range."""
 
 
+class NatsConnectError(KVBusError, ConnectionError):
+    """A NATS server could not be reached or refused this client's credentials or TLS settings.
+
+    Attributes:
+        url: the server URL, with any password or token replaced by ``***``.
+        reason: what went wrong.
+        hint: what to check or set.
+        retryable: True when trying again later may work (the server was not reachable), False
+            when it cannot (credentials refused, certificate not trusted).
+    """
+
+    def __init__(self, url: str, reason: str, hint: str, *, retryable: bool) -> None:
+        self.url = url
+        self.reason = reason
+        self.hint = hint
+        self.retryable = retryable
+        super().__init__(f"cannot connect to NATS at {url}: {reason}; {hint}")
+
+
 class WireFormatError(KVBusError, ValueError):
     """Bytes from the wire (a message, a frame, codec metadata) are malformed.
 

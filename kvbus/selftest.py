@@ -6,6 +6,7 @@ import asyncio
 import sys
 import time
 import uuid
+from typing import Any
 
 import torch
 
@@ -16,8 +17,12 @@ from kvbus.signature import ModelSignature
 SIG = ModelSignature("kvbus-selftest", n_layers=4, n_kv_heads=2, head_dim=64, dtype="float32", vocab_size=1000)
 
 
-async def selftest(nats_url: str, group: str, nbytes: int = 4 << 20, timeout: float = 60.0) -> int:
-    """Send a random context from one agent to another in ``group``; 0 when it arrives bit-exact."""
+async def selftest(nats_url: str, group: str, nbytes: int = 4 << 20, timeout: float = 60.0, *,
+                   nats_options: dict[str, Any] | None = None) -> int:
+    """Send a random context from one agent to another in ``group``; 0 when it arrives bit-exact.
+
+    ``nats_options`` go to `nats.connect` (credentials, TLS).
+    """
     n = max(1, nbytes // SIG.kv_bytes_per_token())
     g = torch.Generator().manual_seed(0)
     shape = (1, SIG.n_kv_heads, n, SIG.head_dim)
@@ -25,7 +30,7 @@ async def selftest(nats_url: str, group: str, nbytes: int = 4 << 20, timeout: fl
                  [torch.randn(shape, generator=g) for _ in range(SIG.n_layers)],
                  [torch.randn(shape, generator=g) for _ in range(SIG.n_layers)])
     tag = uuid.uuid4().hex[:8]
-    bus = await Bus.connect(nats_url)
+    bus = await Bus.connect(nats_url, **(nats_options or {}))
     try:
         tx = await bus.agent(f"selftest-tx-{tag}", group=group, signature=SIG)
         rx = await bus.agent(f"selftest-rx-{tag}", group=group, signature=SIG)

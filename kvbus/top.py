@@ -79,9 +79,10 @@ def render(snapshots: dict[str, Any], notes: list[str]) -> Group:
 
 
 async def top(nats_url: str, *, groups: list[str] | None = None, interval: float = 1.0, once: bool = False,
-              console: Console | None = None) -> None:
+              console: Console | None = None, nats_options: dict[str, Any] | None = None) -> None:
+    """Show the deployment on ``nats_url`` (``nats_options`` go to `nats.connect`: credentials, TLS)."""
     console = console or Console()
-    nc = await nats.connect(nats_url, name="kvbus-top")
+    nc = await nats.connect(nats_url, **{"name": "kvbus-top", **(nats_options or {})})
     try:
         if once:
             snaps, notes = await collect(nc, groups)

@@ -74,7 +74,7 @@ def test_kvbus_up_starts_the_stack_and_ctrl_c_stops_it() -> None:
             if "Ctrl-C" in line or not line:
                 break
         text = "".join(lines)
-        assert "NATS:   nats://127.0.0.1:" in text and "groups: g0, g1" in text, text
+        assert "NATS:   nats://127.0.0.1:" in text and "groups: g0, g1 (2 scheduler replica(s)" in text, text
         proc.send_signal(signal.SIGINT)
         assert proc.wait(20) == 0
     finally:
