@@ -190,9 +190,12 @@ async def _group_scheduler(args: argparse.Namespace) -> None:
 
 
 async def _selftest(url: str, group: str, nbytes: int) -> int:
-    from kvbus.selftest import selftest
+    from kvbus.selftest import agents_from_env, selftest
 
-    return await selftest(url, group, nbytes, nats_options=await _nats_options(url))
+    # `helm test` runs its two agents as their own users (KVBUS_SELFTEST_SENDER, _RECEIVER).
+    agents = agents_from_env()
+    return await selftest(url, group, nbytes, nats_options=await _nats_options(agents[0][1] if agents else url),
+                          agents=agents)
 
 
 async def _top(url: str, args: argparse.Namespace) -> None:

@@ -3,7 +3,7 @@
 `permissions_config` writes the ``authorization`` block of a nats-server configuration with
 one user per agent, per group scheduler and for the coordinator:
 
-- an agent may publish only on its group scheduler's request/done/probe subjects, on other
+- an agent may publish only on its group scheduler's request/done/probe/register/reserve subjects, on other
   agents' ``inbox`` (to open a transfer) and ``ack`` subjects (to acknowledge one), and on data
   subjects addressed to a receiver (``kvbus.agent.<rx>.data.*``) or on its own broadcast
   subjects (``kvbus.bcast.<self>.*``); it may subscribe only under its own prefix
@@ -108,7 +108,7 @@ def agent_permissions(grant: AgentGrant) -> dict[str, object]:
     subscribe += [f"kvbus.bcast.{check_name('agent', s)}.>" for s in grant.broadcasts_from]
     return {
         "publish": {"allow": [f"kvbus.sched.{g}.request", f"kvbus.sched.{g}.done", f"kvbus.sched.{g}.probe",
-                              f"kvbus.sched.{g}.register", "kvbus.agent.*.inbox", "kvbus.agent.*.ack",
+                              f"kvbus.sched.{g}.register", f"kvbus.sched.{g}.reserve", "kvbus.agent.*.inbox", "kvbus.agent.*.ack",
                               "kvbus.agent.*.ping", "kvbus.agent.*.data.>", f"kvbus.bcast.{a}.>",
                               "kvbus.coord.place"]},
         "subscribe": {"allow": subscribe},
@@ -120,8 +120,9 @@ def scheduler_permissions(group: str) -> dict[str, object]:
     g = check_name("group", group)
     return {
         "publish": {"allow": ["kvbus.agent.*.ctl", "kvbus.coord.>", "$JS.API.>", "$KV.kvbus_agents.>",
-                              "$KV.kvbus_coord.>", f"_INBOX.sched-{g}.>"]},
-        "subscribe": {"allow": [f"kvbus.sched.{g}.>", f"_INBOX.sched-{g}.>", "$KV.kvbus_agents.>"]},
+                              "$KV.kvbus_coord.>", f"$KV.kvbus_sched_reservations.{g}.>", f"_INBOX.sched-{g}.>"]},
+        "subscribe": {"allow": [f"kvbus.sched.{g}.>", f"_INBOX.sched-{g}.>", "$KV.kvbus_agents.>",
+                                f"$KV.kvbus_sched_reservations.{g}.>"]},
         "allow_responses": True,
     }
 

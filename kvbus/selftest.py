@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -17,11 +19,27 @@ from kvbus.signature import ModelSignature
 SIG = ModelSignature("kvbus-selftest", n_layers=4, n_kv_heads=2, head_dim=64, dtype="float32", vocab_size=1000)
 
 
+#: The environment of `helm test`: each agent's name, and <VAR>_URL (with its credentials) and
+#: <VAR>_INBOX_PREFIX, when every agent logs in as its own user (kvbus.security's scheme).
+AGENT_VARS = ("KVBUS_SELFTEST_SENDER", "KVBUS_SELFTEST_RECEIVER")
+
+
+def agents_from_env(environ: Mapping[str, str] | None = None) -> list[tuple[str, str, dict[str, Any]]] | None:
+    """The sender's and receiver's (name, url, nats options) from `AGENT_VARS`, or None."""
+    env = os.environ if environ is None else environ
+    if AGENT_VARS[0] not in env:
+        return None
+    return [(env[v], env[f"{v}_URL"], {"inbox_prefix": env[f"{v}_INBOX_PREFIX"]}) for v in AGENT_VARS]
+
+
 async def selftest(nats_url: str, group: str, nbytes: int = 4 << 20, timeout: float = 60.0, *,
-                   nats_options: dict[str, Any] | None = None) -> int:
+                   nats_options: dict[str, Any] | None = None,
+                   agents: list[tuple[str, str, dict[str, Any]]] | None = None) -> int:
     """Send a random context from one agent to another in ``group``; 0 when it arrives bit-exact.
 
-    ``nats_options`` go to `nats.connect` (credentials, TLS).
+    ``nats_options`` go to `nats.connect` (credentials, TLS). ``agents``: the sender's and the
+    receiver's (name, url, options) when each logs in as its own user, on its own secure bus;
+    default: two agents with random names on one connection to ``nats_url``.
     """
     n = max(1, nbytes // SIG.kv_bytes_per_token())
     g = torch.Generator().manual_seed(0)
@@ -29,11 +47,18 @@ async def selftest(nats_url: str, group: str, nbytes: int = 4 << 20, timeout: fl
     kv = KVCache(torch.randint(0, SIG.vocab_size, (1, n), generator=g), SIG,
                  [torch.randn(shape, generator=g) for _ in range(SIG.n_layers)],
                  [torch.randn(shape, generator=g) for _ in range(SIG.n_layers)])
-    tag = uuid.uuid4().hex[:8]
-    bus = await Bus.connect(nats_url, **(nats_options or {}))
+    buses: list[Bus] = []
     try:
-        tx = await bus.agent(f"selftest-tx-{tag}", group=group, signature=SIG)
-        rx = await bus.agent(f"selftest-rx-{tag}", group=group, signature=SIG)
+        if agents:
+            for _, url, options in agents:
+                buses.append(await Bus.connect(url, secure=True, **{**(nats_options or {}), **options}))
+            names = [name for name, _, _ in agents]
+        else:
+            tag = uuid.uuid4().hex[:8]
+            buses = [await Bus.connect(nats_url, **(nats_options or {}))] * 2
+            names = [f"selftest-tx-{tag}", f"selftest-rx-{tag}"]
+        tx = await buses[0].agent(names[0], group=group, signature=SIG)
+        rx = await buses[1].agent(names[1], group=group, signature=SIG)
         t0 = time.perf_counter()
         report = await asyncio.wait_for(tx.send(rx.name, kv, medium="full"), timeout)
         delivery = await rx.receive(timeout=timeout)
@@ -46,4 +71,5 @@ async def selftest(nats_url: str, group: str, nbytes: int = 4 << 20, timeout: fl
         print(f"selftest FAILED: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
-        await bus.close()
+        for bus in dict.fromkeys(buses):
+            await bus.close()

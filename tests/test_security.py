@@ -115,6 +115,18 @@ async def test_agent_cannot_read_another_inbox_or_publish_a_grant(stack: dict[st
     assert not errors["alice"] and not errors["bob"] and not errors["carol"]
 
 
+async def test_secure_agent_reserves_and_uses_its_reservation(stack: dict[str, Any]) -> None:
+    """Reservations go to the agent's own scheduler subject, which its user may publish on."""
+    alice = stack["agents"]["alice"]
+    rid = await alice.reserve("bob", period=1.0, size=1 << 20, deadline=0.5)
+    kv = kv_of_bytes(SIG, 1 << 20, seed=11)
+    report = await alice.send("bob", kv, medium="full", critical=True)
+    got = await stack["agents"]["bob"].receive(timeout=10)
+    assert got.transfer_id == report.transfer_id and got.kv.equal(kv)
+    await alice.unreserve(rid)
+    assert not stack["errors"]["alice"]
+
+
 async def test_secure_agents_register_through_their_scheduler(stack: dict[str, Any]) -> None:
     record = await stack["sched"].lookup("carol")
     assert record is not None and record.group == "default"

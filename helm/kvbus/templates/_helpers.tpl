@@ -175,45 +175,67 @@ label of name + 11 characters, and labels are at most 63. */}}
 {{- end -}}
 
 {{/*
-Environment that gives a kvbus container KVBUS_NATS_URL, with the credentials of `role`
-("service" for the coordinator and schedulers, "agent" for agents and the test pod) read from
-the Secret by Kubernetes ($(VAR) expansion), so that no password is in a manifest or in argv.
-Usage: include "kvbus.nats.env" (list $ "service")
+Environment that gives a kvbus container KVBUS_NATS_URL logged in as its own NATS user (the
+per-user scheme of templates/nats/_users.tpl: sched-<group> or coordinator), the password read
+from the Secret by Kubernetes ($(VAR) expansion), so that no password is in a manifest or in
+argv; and KVBUS_NATS_INBOX_PREFIX, the reply inbox that user may subscribe to.
+Usage: include "kvbus.nats.env" (list $ "sched-g0" "_INBOX.sched-g0")
 */}}
 {{- define "kvbus.nats.env" -}}
 {{- $root := index . 0 -}}
-{{- $role := index . 1 -}}
-{{- $nats := $root.Values.nats -}}
-{{- if include "kvbus.nats.useAuth" $root -}}
-{{- $secret := "" -}}{{- $userKey := "" -}}{{- $passKey := "" -}}
-{{- if $nats.enabled -}}
-{{- $secret = include "kvbus.nats.authSecretName" $root -}}
-{{- $userKey = get $nats.auth.secretKeys (printf "%sUser" $role) -}}
-{{- $passKey = get $nats.auth.secretKeys (printf "%sPassword" $role) -}}
-{{- else -}}
-{{- $secret = $nats.external.existingSecret -}}
-{{- $userKey = get $nats.external.secretKeys (printf "%sUser" $role) -}}
-{{- $passKey = get $nats.external.secretKeys (printf "%sPassword" $role) -}}
-{{- end }}
+{{- $user := index . 1 -}}
+{{- $inbox := index . 2 -}}
+{{- if include "kvbus.nats.useAuth" $root }}
 - name: KVBUS_NATS_USER
-  valueFrom:
-    secretKeyRef:
-      name: {{ $secret }}
-      key: {{ $userKey }}
+  value: {{ $user | quote }}
 - name: KVBUS_NATS_PASSWORD
   valueFrom:
     secretKeyRef:
-      name: {{ $secret }}
-      key: {{ $passKey }}
+      name: {{ include "kvbus.nats.usersSecret" $root }}
+      key: {{ $user }}
 - name: KVBUS_NATS_URL
   value: {{ printf "%s://$(KVBUS_NATS_USER):$(KVBUS_NATS_PASSWORD)@%s" (include "kvbus.nats.scheme" $root) (include "kvbus.nats.hostPort" $root) | quote }}
+- name: KVBUS_NATS_INBOX_PREFIX
+  value: {{ $inbox | quote }}
 {{- else }}
 - name: KVBUS_NATS_URL
   value: {{ include "kvbus.nats.url" $root | quote }}
 {{- end }}
-{{- if include "kvbus.nats.caSecret" $root }}
+{{- include "kvbus.nats.caEnv" $root }}
+{{- end -}}
+
+{{/*
+Environment of a container that runs agents (the test pod), one set per agent, named by `var`:
+<VAR> (the agent's name), <VAR>_PASSWORD (from the Secret), <VAR>_URL (logged in as
+agent-<name>) and <VAR>_INBOX_PREFIX (_INBOX.<name>, its reply inbox).
+Usage: include "kvbus.nats.agentEnv" (list $ "KVBUS_SELFTEST_SENDER" "selftest-tx")
+*/}}
+{{- define "kvbus.nats.agentEnv" -}}
+{{- $root := index . 0 -}}
+{{- $var := index . 1 -}}
+{{- $agent := index . 2 }}
+- name: {{ $var }}
+  value: {{ $agent | quote }}
+{{- if include "kvbus.nats.useAuth" $root }}
+- name: {{ $var }}_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kvbus.nats.usersSecret" $root }}
+      key: agent-{{ $agent }}
+- name: {{ $var }}_URL
+  value: {{ printf "%s://agent-%s:$(%s_PASSWORD)@%s" (include "kvbus.nats.scheme" $root) $agent $var (include "kvbus.nats.hostPort" $root) | quote }}
+{{- else }}
+- name: {{ $var }}_URL
+  value: {{ include "kvbus.nats.url" $root | quote }}
+{{- end }}
+- name: {{ $var }}_INBOX_PREFIX
+  value: {{ printf "_INBOX.%s" $agent | quote }}
+{{- end -}}
+
+{{- define "kvbus.nats.caEnv" -}}
+{{- if include "kvbus.nats.caSecret" . }}
 - name: SSL_CERT_FILE
-  value: /etc/kvbus/nats-ca/{{ include "kvbus.nats.caKey" $root }}
+  value: /etc/kvbus/nats-ca/{{ include "kvbus.nats.caKey" . }}
 {{- end }}
 {{- end -}}
 

@@ -44,18 +44,12 @@ tls {
 {{- end }}
 {{- if $nats.auth.enabled }}
 
+# One user per agent, per group scheduler and for the coordinator (kvbus.security's scheme).
 authorization {
   users: [
-    {
-      user: $KVBUS_SERVICE_USER
-      password: $KVBUS_SERVICE_PASSWORD
-      permissions: {{ include "kvbus.nats.value" $nats.auth.servicePermissions }}
-    }
-    {
-      user: $KVBUS_AGENT_USER
-      password: $KVBUS_AGENT_PASSWORD
-      permissions: {{ include "kvbus.nats.value" $nats.auth.agentPermissions }}
-    }
+{{- range $u := (include "kvbus.nats.users" . | fromJson).users }}
+    { user: {{ quote $u.user }}, password: ${{ include "kvbus.nats.passwordVar" $u.user }}, permissions: {{ include "kvbus.nats.value" $u.permissions }} }
+{{- end }}
   ]
 }
 {{- end }}
