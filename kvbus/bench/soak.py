@@ -3,9 +3,10 @@
 32 senders each send to their own receiver (another of the 64 agents, each on its own NATS
 connection, one process, an embedded nats-server and a group scheduler) in a loop for
 ``seconds``: contexts of 64 KB (inline) to 2 MB (streamed). The process's resident memory is
-sampled every second; ``rss_growth_fraction`` compares the last sample with the sample at the
-end of the warm-up (the first quarter of the run, at least 5 s). ``slow_consumer_events`` counts
-slow-consumer reports from the server's log and from every client's error callback.
+sampled every second; ``rss_growth_fraction`` compares the median of the last 10 % of the
+samples with the median of the first 10 % after the warm-up (the first quarter of the run, at
+least 5 s). ``slow_consumer_events`` counts slow-consumer reports from the server's log and from
+every client's error callback.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import random
+import statistics
 import time
 from typing import Any
 
@@ -87,8 +89,12 @@ async def _soak(seconds: float, agents: int) -> dict[str, Any]:
         for task in [*drains, sampler]:
             task.cancel()
         warm = max(5.0, seconds / 4)
-        base = next((rss for t, rss in samples if t >= warm), samples[0][1])
-        end = samples[-1][1]
+        # Medians over windows of ~10 % of the run (at least 3 samples): one sample swings by a
+        # few percent with the allocator; a leak moves the whole window.
+        width = max(3, int(len(samples) * 0.1))
+        after = [rss for t, rss in samples if t >= warm]
+        base = statistics.median(after[:width] or [samples[0][1]])
+        end = statistics.median([rss for _, rss in samples[-width:]])
         await sched.close()
         log = server._log_text()
         slow_server = log.lower().count("slow consumer")
