@@ -55,15 +55,17 @@ class CoordinatorClient:
         except (NoResponders, TimeoutError):
             raise CoordinatorUnavailable(what) from None
 
-    async def lease(self, group: str, scheduler: str, demand_bps: float, priority: float = 1.0) -> LeaseGrant:
-        data = await self._request(COORD_LEASE, LeaseRequest(group, scheduler, demand_bps, priority).encode(), "lease")
+    async def lease(self, group: str, scheduler: str, demand_bps: float, priority: float = 1.0, *,
+                    traceparent: str | None = None) -> LeaseGrant:
+        req = LeaseRequest(group, scheduler, demand_bps, priority, traceparent=traceparent)
+        data = await self._request(COORD_LEASE, req.encode(), "lease")
         return LeaseGrant.decode(data)
 
     async def reserve(self, group: str, who: str, *, period_s: float, size_bytes: int, deadline_s: float,
-                      reservation_id: str | None = None) -> ReservationReply:
+                      reservation_id: str | None = None, traceparent: str | None = None) -> ReservationReply:
         """Admit a periodic flow; raises `ReservationRefused` with the reason when it does not fit."""
         rid = reservation_id or uuid.uuid4().hex[:16]
-        req = ReservationRequest(rid, group, who, period_s, size_bytes, deadline_s)
+        req = ReservationRequest(rid, group, who, period_s, size_bytes, deadline_s, traceparent=traceparent)
         reply = ReservationReply.decode(await self._request(COORD_RESERVE, req.encode(), "reserve"))
         if not reply.ok:
             raise ReservationRefused(rid, reply.reason)

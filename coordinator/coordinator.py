@@ -12,12 +12,15 @@ import socket
 import time
 import uuid
 from collections import Counter
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 from nats.aio.msg import Msg
+from opentelemetry.trace import SpanKind
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError
 
+from kvbus import telemetry
 from kvbus.bus.transport import NatsTransport, Transport
 from kvbus.coordinator.arbiter import weighted_max_min
 from kvbus.coordinator.config import CoordinatorConfig
@@ -257,18 +260,22 @@ class Coordinator:
             await self.transport.reply(msg, LeaseGrant("", 0.0, 0.0, self.config.epoch_s).encode())
             logger.warning("bad lease request: %s", exc)
             return
-        now = time.time()
-        if req.demand_bps <= 0:
-            self.leases.pop(req.group, None)
-            await self._delete(f"lease.{req.group}")
-            share = 0.0
-        else:
-            self.leases[req.group] = Lease(req.group, req.demand_bps, req.priority, 0.0, now)
-            share = self.allocate(now).get(req.group, 0.0)
-        expires = now + self.config.epoch_s * self.config.lease_grace_epochs
-        grant = LeaseGrant(req.group, share, expires, self.config.epoch_s, self.config.capacity_bps)
-        await self.transport.reply(msg, grant.encode())
-        await self._put(f"lease.{req.group}", grant.encode())
+        with _traced("kvbus.coord.lease", req.traceparent, {"kvbus.group": req.group,
+                                                            "kvbus.demand_bps": req.demand_bps}) as span:
+            now = time.time()
+            if req.demand_bps <= 0:
+                self.leases.pop(req.group, None)
+                await self._delete(f"lease.{req.group}")
+                share = 0.0
+            else:
+                self.leases[req.group] = Lease(req.group, req.demand_bps, req.priority, 0.0, now)
+                share = self.allocate(now).get(req.group, 0.0)
+            expires = now + self.config.epoch_s * self.config.lease_grace_epochs
+            grant = LeaseGrant(req.group, share, expires, self.config.epoch_s, self.config.capacity_bps)
+            if span is not None:
+                span.set_attributes({"kvbus.share_bps": share, "kvbus.groups": len(self.leases)})
+            await self.transport.reply(msg, grant.encode())
+            await self._put(f"lease.{req.group}", grant.encode())
 
     # -- reservations ------------------------------------------------------------------------------------
 
@@ -297,11 +304,15 @@ class Coordinator:
         except WireFormatError as exc:
             await self.transport.reply(msg, ReservationReply("", False, str(exc)).encode())
             return
-        reply = self.admit(req)
-        if reply.ok:
-            await self._put(f"res.{req.reservation_id}", req.encode())
-            self.allocate()
-        await self.transport.reply(msg, reply.encode())
+        with _traced("kvbus.coord.reserve", req.traceparent, {"kvbus.group": req.group,
+                                                              "kvbus.reservation_id": req.reservation_id}) as span:
+            reply = self.admit(req)
+            if span is not None:
+                span.set_attributes({"kvbus.admitted": reply.ok, "kvbus.reason": reply.reason})
+            if reply.ok:
+                await self._put(f"res.{req.reservation_id}", req.encode())
+                self.allocate()
+            await self.transport.reply(msg, reply.encode())
 
     async def _on_unreserve(self, msg: Msg) -> None:
         try:
@@ -341,8 +352,11 @@ class Coordinator:
         except WireFormatError as exc:
             await self.transport.reply(msg, PlacementReply("", "", str(exc)).encode())
             return
-        reply = await self.place(req.agent, [p for p in req.talks_to if isinstance(p, str)])
-        await self.transport.reply(msg, reply.encode())
+        with _traced("kvbus.coord.place", req.traceparent, {"kvbus.agent": req.agent}) as span:
+            reply = await self.place(req.agent, [p for p in req.talks_to if isinstance(p, str)])
+            if span is not None:
+                span.set_attributes({"kvbus.group": reply.group, "kvbus.reason": reply.reason})
+            await self.transport.reply(msg, reply.encode())
 
 
 def _reservation_rate(req: ReservationRequest) -> float:
@@ -355,3 +369,11 @@ async def _bucket(js: Any, name: str) -> Any:
         return await js.key_value(name)
     except BucketNotFoundError:
         return await js.create_key_value(bucket=name, history=1)
+
+
+def _traced(name: str, traceparent: str | None, attributes: dict[str, Any]) -> AbstractContextManager[Any]:
+    """A server span in the caller's trace when the request carries one; nothing otherwise (the
+    lease renewals every epoch would each start a trace of their own)."""
+    if not traceparent:
+        return nullcontext(None)
+    return telemetry.span(name, parent=traceparent, kind=SpanKind.SERVER, attributes=attributes)

@@ -75,7 +75,7 @@ class InterGroupLease:
         declared = [b for b in (self.state.declared_bandwidth(p.src, rx) for rx in p.dst) if b > 0]
         return min(declared) if declared else self.default_bps
 
-    async def ensure(self) -> None:
+    async def ensure(self, traceparent: str | None = None) -> None:
         """Before an inter-group transfer is granted: have a lease in force (or know there is none).
 
         Only the first inter-group request of a busy period waits (one round trip, at most the
@@ -86,7 +86,7 @@ class InterGroupLease:
             return
         async with self._lock:
             if not self._held and not self.fallback:
-                await self.renew()
+                await self.renew(traceparent)
         self._demand.set()  # the loop renews from here on
 
     def wake(self) -> None:
@@ -100,15 +100,19 @@ class InterGroupLease:
             if self.on_change is not None:
                 self.on_change()
 
-    async def renew(self) -> None:
-        """One epoch: ask for the current demand (0 releases a lease held), apply the answer."""
+    async def renew(self, traceparent: str | None = None) -> None:
+        """One epoch: ask for the current demand (0 releases a lease held), apply the answer.
+
+        ``traceparent``: the transfer whose request made the group ask (its trace shows the wait).
+        """
         demand = self.demand_bps()
         if demand <= 0 and not self._held:
             return
         if self.fallback and time.time() < self._retry_at:
             return  # no coordinator lately: do not make every epoch wait for the timeout
         try:
-            grant = await self.client.lease(self.state.group, self.scheduler, demand, self.priority)
+            grant = await self.client.lease(self.state.group, self.scheduler, demand, self.priority,
+                                            traceparent=traceparent)
         except (CoordinatorUnavailable, WireFormatError) as exc:
             if time.time() < self.expires_at:
                 return  # the last lease still holds

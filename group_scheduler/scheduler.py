@@ -335,7 +335,7 @@ class GroupScheduler:
         pending = Pending(req, sigs, arrived=now - waited, deadline_at=deadline_at)
         self.state.queue.append(pending)
         if self.state.remote and self.state.inter_group(pending):
-            await self.inter.ensure()  # granted within the lease, not before one is in force
+            await self.inter.ensure(req.traceparent)  # granted within the lease, not before one is in force
         # Decide now: a transfer that can start at once gets its grant as the reply (one round
         # trip instead of two); otherwise the reply says "queued" and the grant follows on ctl.
         replies = {req.transfer_id: msg}

@@ -567,7 +567,8 @@ class GroupLeave(Message):
     scheduler: str = ""
 
 
-@_message("lease_request", {"group": str, "scheduler": str, "demand_bps": float, "priority": float})
+@_message("lease_request", {"group": str, "scheduler": str, "demand_bps": float, "priority": float,
+                            "traceparent": _OptStr})
 @dataclass(frozen=True, slots=True)
 class LeaseRequest(Message):
     """A group asks for its share of the shared (inter-group) capacity for the next epoch."""
@@ -578,6 +579,8 @@ class LeaseRequest(Message):
     """Bandwidth its inter-group transfers want (0 releases the lease)."""
     priority: float = 1.0
     """Weight of the group in the max-min split."""
+    traceparent: str | None = None
+    """The transfer that made the group ask (W3C trace context): the coordinator's span joins its trace."""
 
 
 @_message("lease", {"group": str, "share_bps": float, "expires_at": float, "epoch_s": float, "capacity_bps": float})
@@ -593,7 +596,7 @@ class LeaseGrant(Message):
 
 
 @_message("reserve", {"reservation_id": str, "group": str, "who": str, "period_s": float, "size_bytes": int,
-                      "deadline_s": float})
+                      "deadline_s": float, "traceparent": _OptStr})
 @dataclass(frozen=True, slots=True)
 class ReservationRequest(Message):
     """A periodic critical flow asks for bandwidth set aside: ``size_bytes`` every ``period_s``,
@@ -605,6 +608,7 @@ class ReservationRequest(Message):
     period_s: float
     size_bytes: int
     deadline_s: float
+    traceparent: str | None = None
 
 
 @_message("reserve_reply", {"reservation_id": str, "ok": bool, "reason": str, "rate_bps": float})
@@ -624,13 +628,14 @@ class ReservationCancel(Message):
     reservation_id: str
 
 
-@_message("place", {"agent": str, "talks_to": list})
+@_message("place", {"agent": str, "talks_to": list, "traceparent": _OptStr})
 @dataclass(frozen=True, slots=True)
 class PlacementRequest(Message):
     """Which group should this agent join? ``talks_to`` names the agents it exchanges most with."""
 
     agent: str
     talks_to: list = field(default_factory=list)
+    traceparent: str | None = None
 
 
 @_message("placement", {"agent": str, "group": str, "reason": str})

@@ -222,6 +222,50 @@ def test_one_trace_across_sender_scheduler_and_receiver(transfer: dict[str, Any]
         assert a["kvbus.predicted_s"] == pytest.approx(report["decision"]["predicted_s"])
 
 
+def test_inter_group_trace_includes_the_coordinators_lease() -> None:
+    """A transfer to an agent of another group waits for its group's bandwidth lease: the
+    coordinator (its own process) answers inside the sender's trace, next to the scheduler."""
+    from kvbus.local import NatsServer
+
+    server = NatsServer().start()
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        with OtlpReceiver() as otlp:
+            url = server.url
+            coord = subprocess.Popen([sys.executable, "-m", "kvbus.cli", "coordinator", "--nats-url", url],
+                                     env=_env(otlp.url, "test-coordinator"), stdout=subprocess.PIPE, text=True)
+            procs.append(coord)
+            _readline(coord, "coordinator on")
+            for g in ("otel-a", "otel-b"):
+                p = subprocess.Popen([sys.executable, "-m", "kvbus.cli", "group-scheduler", "--group", g,
+                                      "--nats-url", url], env=_env(otlp.url, f"test-scheduler-{g}"),
+                                     stdout=subprocess.PIPE, text=True)
+                procs.append(p)
+                _readline(p, "group scheduler for")
+            rx = subprocess.Popen([sys.executable, PEER, "rx", url, "otel-far", "otel-b"],
+                                  env=_env(otlp.url, "test-receiver"), stdout=subprocess.PIPE, text=True)
+            procs.append(rx)
+            _readline(rx, "ready")
+            tx = subprocess.Popen([sys.executable, PEER, "tx", url, "otel-near", "otel-a", "otel-far", str(1 << 20)],
+                                  env=_env(otlp.url, "test-sender"), stdout=subprocess.PIPE, stdin=subprocess.PIPE,
+                                  text=True)
+            procs.append(tx)
+            report = json.loads(_readline(tx, "sent", timeout=30)[-2])
+            spans = otlp.wait_for({"kvbus.send", "kvbus.grant.wait", "kvbus.schedule", "kvbus.coord.lease"})
+            root = next(s for s in spans if s.name == "kvbus.send"
+                        and s.attributes.get("kvbus.transfer_id") == report["transfer_id"])
+            trace = {s.name: s for s in spans if s.trace_id == root.trace_id}
+            lease = trace["kvbus.coord.lease"]
+            assert lease.service == "test-coordinator"
+            assert lease.parent_id == trace["kvbus.grant.wait"].span_id
+            assert lease.kind == SpanKind.SERVER.value + 1
+            assert lease.attributes["kvbus.group"] == "otel-a" and lease.attributes["kvbus.share_bps"] > 0
+            assert trace["kvbus.schedule"].service == "test-scheduler-otel-a"
+    finally:
+        _stop(procs)
+        server.stop()
+
+
 def test_prometheus_endpoints_serve_kvbus_metrics(transfer: dict[str, Any]) -> None:
     medium = transfer["report"]["medium"]
     sender = transfer["metrics"]["sender"]
