@@ -253,7 +253,7 @@ class Agent:
         if self.bus.secure:
             # No JetStream rights: the group scheduler writes the record to the directory.
             try:
-                await self._transport.request(sched_subject(self.group, "register"), record.encode(),
+                await self._transport.request(sched_subject(self.group, "register", self.name), record.encode(),
                                               timeout=self._config.request_timeout)
             except (NoResponders, TimeoutError):
                 logger.warning("agent %s: no scheduler of group %s confirmed its registration", self.name, self.group)
@@ -266,7 +266,7 @@ class Agent:
         """Change the emulated link (e.g. to replay a bandwidth trace); schedulers see it within a second or two."""
         self.link = link
         await self._register()
-        await self._transport.publish(sched_subject(self.group, "probe"), self.probe().encode())
+        await self._transport.publish(sched_subject(self.group, "probe", self.name), self.probe().encode())
 
     async def close(self) -> None:
         """Leave the bus: stop the inbox and the probes, fail pending sends."""
@@ -472,7 +472,7 @@ class Agent:
         return grant
 
     async def _ask_scheduler(self, transfer_id: str, payload: bytes, fut: asyncio.Future[Grant], wait: float) -> Grant:
-        subject = sched_subject(self.group, "request")
+        subject = sched_subject(self.group, "request", self.name)
         give_up = time.monotonic() + max(wait, self._config.request_timeout)
         backoff = 0.05
         while True:
@@ -535,7 +535,7 @@ class Agent:
 
     async def _reservation_request(self, msg: FlowReservation) -> ReservationReply:
         try:
-            data = await self._transport.request(sched_subject(self.group, "reserve"), msg.encode(),
+            data = await self._transport.request(sched_subject(self.group, "reserve", self.name), msg.encode(),
                                                  timeout=self._config.request_timeout)
         except NoResponders:
             raise SchedulerUnavailable(msg.reservation_id, self.group) from None
@@ -572,7 +572,7 @@ class Agent:
                             nbytes=nbytes, seconds=seconds, error=str(error) if error else "", dst=receivers,
                             wire_s=wire_s)
         try:
-            await self._transport.publish(sched_subject(self.group, "done"), done.encode())
+            await self._transport.publish(sched_subject(self.group, "done", self.name), done.encode())
         except Exception:  # noqa: BLE001 - the scheduler also expires silent transfers
             logger.warning("could not report transfer %s done", transfer_id, exc_info=True)
 
@@ -859,7 +859,7 @@ class Agent:
                      latency_s=link.latency_s)
 
     async def _probe_loop(self) -> None:
-        subject = sched_subject(self.group, "probe")
+        subject = sched_subject(self.group, "probe", self.name)
         while True:
             try:
                 await self._transport.publish(subject, self.probe().encode())

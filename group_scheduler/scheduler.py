@@ -61,6 +61,7 @@ from kvbus.protocol import (
     check_name,
     packb,
     sched_subject,
+    subject_sender,
 )
 from kvbus.signature import ModelSignature
 from kvbus.group_scheduler.signatures import signature_of
@@ -172,7 +173,7 @@ class GroupScheduler:
         t = self.transport
         await self._restore_reservations()
         # Probes reach every replica, so a standby's S(t) is warm when it takes over.
-        self._probe_sub = await t.subscribe(sched_subject(self.group, "probe"), self._on_probe)
+        self._probe_sub = await t.subscribe(sched_subject(self.group, "probe", "*"), self._on_probe)
         self._tasks = [asyncio.create_task(self._loop(), name=f"kvbus-sched-{self.group}"),
                        asyncio.create_task(self._heartbeat(), name=f"kvbus-sched-hb-{self.group}"),
                        asyncio.create_task(self.inter.run(), name=f"kvbus-sched-lease-{self.group}")]
@@ -202,11 +203,11 @@ class GroupScheduler:
         # leader subscribes and the queue group is moot.
         q = f"kvbus-sched-{self.group}"
         self._subs = [
-            await t.subscribe(sched_subject(self.group, "request"), self._on_request, queue=q),
-            await t.subscribe(sched_subject(self.group, "done"), self._on_done, queue=q),
-            await t.subscribe(sched_subject(self.group, "reserve"), self._on_reserve, queue=q),
+            await t.subscribe(sched_subject(self.group, "request", "*"), self._on_request, queue=q),
+            await t.subscribe(sched_subject(self.group, "done", "*"), self._on_done, queue=q),
+            await t.subscribe(sched_subject(self.group, "reserve", "*"), self._on_reserve, queue=q),
             await t.subscribe(sched_subject(self.group, "state"), self._on_state, queue=q),
-            await t.subscribe(sched_subject(self.group, "register"), self._on_register, queue=q),
+            await t.subscribe(sched_subject(self.group, "register", "*"), self._on_register, queue=q),
         ]
         await t.flush()
         self._wake.set()
@@ -294,6 +295,7 @@ class GroupScheduler:
     async def _on_request(self, msg: Msg) -> None:
         try:
             req = TransferRequest.decode(msg.data)
+            _check_sender(msg, req.src)
             signature_of(req.signature)
             receivers = [check_name("agent", rx) for rx in req.dst]
             if not receivers:
@@ -347,8 +349,9 @@ class GroupScheduler:
     async def _on_done(self, msg: Msg) -> None:
         try:
             done = TransferDone.decode(msg.data)
-        except WireFormatError:
-            logger.warning("malformed done message dropped")
+            _check_sender(msg, done.src)
+        except (WireFormatError, ValueError) as exc:
+            logger.warning("done message dropped: %s", exc)
             return
         pending = self.state.active.pop(done.transfer_id, None)
         if pending is None:
@@ -381,6 +384,7 @@ class GroupScheduler:
         try:
             record = AgentRecord.decode(msg.data)
             check_name("agent", record.name)
+            _check_sender(msg, record.name)
             if record.group != self.group:
                 raise WireFormatError("agent record", f"group {record.group!r} is not {self.group!r}")
         except (WireFormatError, ValueError) as exc:
@@ -399,7 +403,8 @@ class GroupScheduler:
     async def _on_probe(self, msg: Msg) -> None:
         try:
             probe = Probe.decode(msg.data)
-        except WireFormatError:
+            _check_sender(msg, probe.agent)
+        except (WireFormatError, ValueError):
             return
         if probe.group != self.group:
             return
@@ -484,7 +489,8 @@ class GroupScheduler:
     async def _on_reserve(self, msg: Msg) -> None:
         try:
             req = FlowReservation.decode(msg.data)
-        except WireFormatError as exc:
+            _check_sender(msg, req.src)
+        except (WireFormatError, ValueError) as exc:
             await self.transport.reply(msg, ReservationReply("", False, str(exc)).encode())
             return
         if req.cancel:
@@ -714,6 +720,14 @@ class GroupScheduler:
             await asyncio.Event().wait()
         finally:
             await self.close()
+
+
+def _check_sender(msg: Msg, claimed: str) -> None:
+    """Raise ValueError unless ``claimed`` is the agent whose subject ``msg`` came on (the server
+    lets each agent publish only on its own, so a message cannot speak for another agent)."""
+    sender = subject_sender(msg.subject)
+    if claimed != sender:
+        raise ValueError(f"a message for agent {claimed!r} came on the subject of {sender!r}")
 
 
 def _record_decision(pending: Pending, decision: Decision, rate: float, wall: float, now: float) -> None:

@@ -67,8 +67,20 @@ def check_name(kind: str, name: object) -> str:
 # -- subjects ---------------------------------------------------------------------------------
 
 
-def sched_subject(group: str, kind: str) -> str:
-    return f"kvbus.sched.{group}.{kind}"
+#: What agents send their group scheduler, each on a subject ending in the sender's name
+#: (``kvbus.sched.<group>.<kind>.<agent>``): the server's permissions let an agent publish only
+#: on its own, and the scheduler refuses a message whose claimed agent is not the subject's.
+AGENT_TO_SCHED = ("request", "done", "probe", "reserve", "register")
+
+
+def sched_subject(group: str, kind: str, agent: str | None = None) -> str:
+    """A scheduler subject; with ``agent``, the one that agent sends ``kind`` on (``"*"``: all)."""
+    return f"kvbus.sched.{group}.{kind}" if agent is None else f"kvbus.sched.{group}.{kind}.{agent}"
+
+
+def subject_sender(subject: str) -> str:
+    """The agent a per-sender subject (`sched_subject` with an agent) belongs to: its last token."""
+    return subject.rsplit(".", 1)[-1]
 
 
 def agent_subject(agent: str, kind: str) -> str:

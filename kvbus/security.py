@@ -3,8 +3,9 @@
 `permissions_config` writes the ``authorization`` block of a nats-server configuration with
 one user per agent, per group scheduler and for the coordinator:
 
-- an agent may publish only on its group scheduler's request/done/probe/register/reserve subjects, on other
-  agents' ``inbox`` (to open a transfer) and ``ack`` subjects (to acknowledge one), and on data
+- an agent may publish only on its own subjects of its group scheduler
+  (``kvbus.sched.<group>.{request,done,probe,reserve,register}.<self>``: it cannot speak for
+  another agent), on other agents' ``inbox`` (to open a transfer) and ``ack`` subjects (to acknowledge one), and on data
   subjects addressed to a receiver (``kvbus.agent.<rx>.data.*``) or on its own broadcast
   subjects (``kvbus.bcast.<self>.*``); it may subscribe only under its own prefix
   (``kvbus.agent.<self>.>``), to its own reply inbox (``_INBOX.<self>.>``) and to the broadcast
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvbus.protocol import check_name
+from kvbus.protocol import AGENT_TO_SCHED, check_name, sched_subject
 
 
 @dataclass(frozen=True)
@@ -107,9 +108,8 @@ def agent_permissions(grant: AgentGrant) -> dict[str, object]:
     subscribe = [f"kvbus.agent.{a}.>", f"_INBOX.{a}.>"]
     subscribe += [f"kvbus.bcast.{check_name('agent', s)}.>" for s in grant.broadcasts_from]
     return {
-        "publish": {"allow": [f"kvbus.sched.{g}.request", f"kvbus.sched.{g}.done", f"kvbus.sched.{g}.probe",
-                              f"kvbus.sched.{g}.register", f"kvbus.sched.{g}.reserve", "kvbus.agent.*.inbox", "kvbus.agent.*.ack",
-                              "kvbus.agent.*.ping", "kvbus.agent.*.data.>", f"kvbus.bcast.{a}.>",
+        "publish": {"allow": [*(sched_subject(g, kind, a) for kind in AGENT_TO_SCHED), "kvbus.agent.*.inbox",
+                              "kvbus.agent.*.ack", "kvbus.agent.*.ping", "kvbus.agent.*.data.>", f"kvbus.bcast.{a}.>",
                               "kvbus.coord.place"]},
         "subscribe": {"allow": subscribe},
         "allow_responses": True,

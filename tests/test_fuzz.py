@@ -25,6 +25,7 @@ from kvbus.codecs import Encoded, available_codecs, get_codec
 from kvbus.errors import KVBusError
 from kvbus.protocol import (
     _FIELD_TYPES,
+    AGENT_TO_SCHED,
     CHUNK_INDEX_HEADER,
     CHUNK_SUM_HEADER,
     MAX_CONTROL_BYTES,
@@ -249,7 +250,8 @@ async def test_misbehaving_client_does_not_disturb_other_agents(bus: Bus, nats_u
         # does not exist and acks they do not expect (what any agent may publish to them).
         subjects = [agent_subject(victim.name, k) for k in ("inbox", "ack", "ctl", "ping")]
         subjects += [agent_subject(tx.name, "ack")]
-        subjects += [sched_subject("default", k) for k in ("request", "done", "probe", "reserve", "register", "state")]
+        subjects += [sched_subject("default", k, victim.name) for k in AGENT_TO_SCHED]
+        subjects += [sched_subject("default", "state")]
         subjects += [f"kvbus.agent.{rx.name}.data.{'0' * 32}"]
         for _ in range(3):
             for subject in subjects:

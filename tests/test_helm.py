@@ -1011,7 +1011,7 @@ def _chart_services(docs: list[dict[str, Any]], tmp_path: Path) -> Iterator[tupl
             with open(tmp_path / f"{args[0]}.log", "wb") as log:
                 procs.append(subprocess.Popen([sys.executable, "-m", "kvbus.cli", "-v", *args], env=env,
                                               stdout=log, stderr=subprocess.STDOUT))
-        _wait_for_subscriptions(monitor, {"kvbus.sched.g0.request", "kvbus.coord.register"}, tmp_path,
+        _wait_for_subscriptions(monitor, {"kvbus.sched.g0.request.*", "kvbus.coord.register"}, tmp_path,
                                 procs=tuple(procs))
         yield port, secret
         logs = "".join((tmp_path / f).read_text() for f in ("coordinator.log", "group-scheduler.log", "nats.log"))

@@ -18,7 +18,7 @@ import pytest
 from kvbus.bus import Bus
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
 from kvbus.local import NatsServer
-from kvbus.protocol import Grant, agent_subject
+from kvbus.protocol import AgentRecord, Grant, RequestAck, TransferRequest, agent_subject, sched_subject
 from kvbus.security import AgentGrant, Credentials, load_credentials, permissions_config
 from tests.conftest import FAST
 from tests.kvutil import kv_of_bytes, random_kv
@@ -125,6 +125,32 @@ async def test_secure_agent_reserves_and_uses_its_reservation(stack: dict[str, A
     assert got.transfer_id == report.transfer_id and got.kv.equal(kv)
     await alice.unreserve(rid)
     assert not stack["errors"]["alice"]
+
+
+async def test_agent_cannot_speak_for_another_agent_to_the_scheduler(stack: dict[str, Any]) -> None:
+    """Mallory may not publish on bob's scheduler subjects (the server refuses), and a record, probe
+    or request naming bob that she sends on her own subjects is refused by the scheduler."""
+    agents, buses, errors, sched = stack["agents"], stack["buses"], stack["errors"], stack["sched"]
+    mallory = buses["mallory"].transport
+    before = await sched.lookup("bob")
+    forged = AgentRecord(name="bob", group="default", role="agent", priority=9.0, signature=None)
+    await mallory.publish(sched_subject("default", "register", "bob"), forged.encode())
+    await _wait_for(errors["mallory"], "kvbus.sched.default.register.bob")
+    with pytest.raises(Exception):  # noqa: B017 - the scheduler does not answer a refused record
+        await mallory.request(sched_subject("default", "register", "mallory"), forged.encode(), timeout=1.0)
+    sched._dir_cache.clear()
+    after = await sched.lookup("bob")
+    assert after is not None and before is not None and after.signature == before.signature
+    assert after.priority == before.priority
+    request = TransferRequest(transfer_id="f" * 32, src="bob", dst=["alice"], group="default", n_tokens=4,
+                              nbytes=1024, signature=SIG.to_dict())
+    ack = RequestAck.decode(await mallory.request(sched_subject("default", "request", "mallory"),
+                                                  request.encode(), timeout=3.0))
+    assert not ack.ok and "came on the subject of 'mallory'" in ack.reason
+    # Bob is unaffected.
+    kv = random_kv(SIG, 4)
+    await agents["bob"].send("alice", kv, medium="full")
+    assert (await agents["alice"].receive(timeout=10)).kv.equal(kv)
 
 
 async def test_secure_agents_register_through_their_scheduler(stack: dict[str, Any]) -> None:

@@ -39,8 +39,9 @@ Returned as JSON: {"agents": [{name, group, broadcastsFrom}]}. */}}
 {{- $subscribe = append $subscribe (printf "kvbus.bcast.%s.>" $s) -}}
 {{- end -}}
 {{- $publish := list
-  (printf "kvbus.sched.%s.request" $g) (printf "kvbus.sched.%s.done" $g) (printf "kvbus.sched.%s.probe" $g)
-  (printf "kvbus.sched.%s.register" $g) (printf "kvbus.sched.%s.reserve" $g) "kvbus.agent.*.inbox" "kvbus.agent.*.ack"
+  (printf "kvbus.sched.%s.request.%s" $g $a) (printf "kvbus.sched.%s.done.%s" $g $a)
+  (printf "kvbus.sched.%s.probe.%s" $g $a) (printf "kvbus.sched.%s.reserve.%s" $g $a)
+  (printf "kvbus.sched.%s.register.%s" $g $a) "kvbus.agent.*.inbox" "kvbus.agent.*.ack"
   "kvbus.agent.*.ping" "kvbus.agent.*.data.>" (printf "kvbus.bcast.%s.>" $a)
   "kvbus.coord.place" -}}
 {{- toJson (dict "publish" (dict "allow" $publish) "subscribe" (dict "allow" $subscribe) "allow_responses" true) -}}
