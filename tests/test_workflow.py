@@ -67,3 +67,27 @@ async def test_workflow_under_each_policy_and_the_report(flow: Workflow, nats_ur
     for name in ("latency_by_policy.png", "bytes_by_medium.png", "timeline_adaptive.png", "media_over_time.png"):
         img = mpimg.imread(tmp_path / name)
         assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100, name
+
+
+async def test_workflow_on_a_server_that_wants_a_token(flow: Workflow) -> None:
+    """`kvbus demo --nats-url` on a server of your own: the KVBUS_NATS_* identity reaches the
+    workflow's connection, its schedulers' and its coordinator's (`run_policies` passes it)."""
+    from kvbus.coordinator import Coordinator
+    from kvbus.local import NatsServer
+    from kvbus.natsauth import NatsAuth
+
+    server = NatsServer(extra_config='authorization {\n  token: "wf-secret-token"\n}\n').start()
+    options = NatsAuth.from_env(environ={"KVBUS_NATS_TOKEN": "wf-secret-token"}).connect_options()
+    token_flow = Workflow(list(flow.specs.values()), flow.tasks, flow.encode, new_tokens=2, nats_options=options)
+    try:
+        coord = await Coordinator.connect(server.url, nats_options=options)
+        scheds = [await GroupScheduler.connect(server.url, g, nats_options=options) for g in ("wf-plan", "wf-exec")]
+        try:
+            run = await token_flow.run(server.url, "full")
+        finally:
+            for s in scheds:
+                await s.close()
+            await coord.close()
+        assert run.transfers and run.outputs
+    finally:
+        server.stop()
