@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
@@ -51,13 +52,24 @@ async def _nats_options(url: str) -> dict[str, Any]:
     auth = NatsAuth.from_env()
     options = auth.connect_options()
     logger.info("connecting to NATS at %s with %r", redact_url(url), auth)
-    try:
-        await check_connection(url, options)
-    except NatsConnectError as exc:
-        if not exc.retryable:
-            raise
-        logger.warning("%s; retrying until it answers", exc)
-    return options
+    # KVBUS_NATS_CONNECT_WAIT: seconds a refused login is tried again before giving up (the Helm
+    # chart sets it: a new group's user reaches the servers by a config reload, which may land
+    # after the scheduler pod starts).
+    wait = float(os.environ.get("KVBUS_NATS_CONNECT_WAIT", "0") or 0)
+    give_up = time.monotonic() + wait
+    while True:
+        try:
+            await check_connection(url, options)
+            return options
+        except NatsConnectError as exc:
+            if exc.retryable:
+                logger.warning("%s; retrying until it answers", exc)
+                return options
+            if time.monotonic() >= give_up:
+                raise
+            logger.warning("%s; trying again for up to %.0f s (KVBUS_NATS_CONNECT_WAIT)", exc,
+                           give_up - time.monotonic())
+            await asyncio.sleep(min(2.0, max(0.1, give_up - time.monotonic())))
 
 
 def _add_urls(p: argparse.ArgumentParser, redis: bool = True) -> None:

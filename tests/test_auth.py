@@ -17,6 +17,7 @@ import logging
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -571,3 +572,31 @@ def test_cli_commands_use_token_and_tls_from_the_environment(pki: Pki) -> None:
     text = "\n".join(outputs)
     assert "connecting to NATS at" in text  # -vv logged the connection settings...
     assert TOKEN not in text  # ...and never the token
+
+
+def test_refused_login_is_retried_for_kvbus_nats_connect_wait() -> None:
+    """A scheduler whose user the server does not know yet (its config reload lands later, as in
+    the Helm chart when a group is added) keeps trying for KVBUS_NATS_CONNECT_WAIT seconds and
+    serves once the server accepts it."""
+    server = NatsServer(extra_config='authorization {\n  token: "old-token"\n}\n')
+    with server:
+        env = _cli_env(KVBUS_NATS_TOKEN="new-token", KVBUS_NATS_CONNECT_WAIT="60")
+        sched = subprocess.Popen([sys.executable, "-m", "kvbus.cli", "group-scheduler", "--group", "late",
+                                  "--nats-url", server.url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        try:
+            time.sleep(2.0)
+            assert sched.poll() is None, "gave up before the wait was over"
+            conf = server.workdir / "nats.conf"
+            conf.write_text(conf.read_text().replace("old-token", "new-token"))
+            server._proc.send_signal(signal.SIGHUP)  # what the chart's reloader does: nats-server --signal reload
+            assert sched.stdout is not None
+            line = sched.stdout.readline()
+            assert b"group scheduler for 'late'" in line, line
+        finally:
+            sched.kill()
+            sched.wait()
+    # Without the wait it stops at once.
+    with NatsServer(extra_config='authorization {\n  token: "old-token"\n}\n') as server:
+        bad = _cli("group-scheduler", "--group", "late", "--nats-url", server.url,
+                   env=_cli_env(KVBUS_NATS_TOKEN="new-token"), timeout=30)
+        assert bad.returncode == 2 and "refused the credentials" in bad.stderr

@@ -195,9 +195,24 @@ def parse_nats_conf(text: str) -> dict[str, Any]:
     return body(None)
 
 
+def auth_secret(docs: list[dict[str, Any]]) -> dict[str, str]:
+    """The generated auth Secret's keys, decoded: a password per user, and auth.conf."""
+    return {k: base64.b64decode(v).decode() for k, v in one(docs, "Secret", f"{RELEASE}-nats-auth")["data"].items()}
+
+
+def auth_conf(docs: list[dict[str, Any]]) -> str:
+    """auth.conf, the users with their passwords, from the generated auth Secret."""
+    return auth_secret(docs)["auth.conf"]
+
+
 def nats_users(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The users of the rendered nats.conf's authorization block, in order."""
-    return parse_nats_conf(nats_conf(docs))["authorization"]["users"]
+    """The users of the rendered authorization block, in order: auth.conf in the generated
+    Secret when nats.conf includes it, else nats.conf's own (nats.auth.existingSecret)."""
+    conf = parse_nats_conf(nats_conf(docs))
+    if conf.get("include") == "auth.conf":
+        assert "authorization" not in conf
+        conf = parse_nats_conf(auth_conf(docs))
+    return conf["authorization"]["users"]
 
 
 def security_users(agents: list[tuple[str, str, tuple[str, ...]]], groups: list[str]) -> list[tuple[str, Any]]:
@@ -217,6 +232,8 @@ VARIANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "no-auth-no-metrics": (("nats.auth.enabled=false", "metrics.enabled=false", "redis.auth.enabled=false"), ()),
     "jaeger-off-otel-off": (("jaeger.enabled=false", "otel.enabled=false"), ()),
     "jaeger-on": (("jaeger.enabled=true",), ()),
+    "reloader-off": (("nats.reloader.enabled=false",), ()),
+    "existing-secret": (("nats.auth.existingSecret=kvbus-nats-users",), ()),
     **{f.name.removesuffix("-values.yaml"): ((), (str(f),)) for f in CI_VALUES},
 }
 
@@ -354,13 +371,25 @@ def _group_of(raw: str) -> str | None:
     return m.group(1) if m else None
 
 
-def _holds_nats_users(raw: str) -> bool:
-    """The documents that list every NATS user: the Secret, nats.conf and the NATS StatefulSet
-    (its password variables). A new group adds its scheduler's user to them, so they change
-    (`test_adding_a_group_adds_its_scheduler_user` checks how)."""
+def _is_auth_secret(raw: str) -> bool:
+    """The one document that lists the NATS users: the generated auth Secret (a key per user and
+    auth.conf). A new group or agent adds its user there, so it changes (and `helm template`
+    cannot look up the installed passwords, so they differ between two renders)."""
     doc = yaml.safe_load(raw)
-    return doc["kind"] == "Secret" or (doc["kind"], doc["metadata"]["name"]) in {
-        ("ConfigMap", f"{RELEASE}-nats-config"), ("StatefulSet", f"{RELEASE}-nats")}
+    return (doc["kind"], doc["metadata"]["name"]) == ("Secret", f"{RELEASE}-nats-auth")
+
+
+def _without_random_passwords(raw: str) -> str:
+    """A rendered document, the values of any other Secret (the Redis password: random in
+    `helm template`, kept by `lookup` on a real upgrade) masked."""
+    doc = yaml.safe_load(raw)
+    if doc["kind"] != "Secret":
+        return raw
+    return yaml.safe_dump({**doc, "data": dict.fromkeys(doc.get("data", {}), "<random>")})
+
+
+#: The NATS server's own resources: they must not change when a user is added.
+NATS_SERVER_DOCS = {("StatefulSet", f"{RELEASE}-nats"), ("ConfigMap", f"{RELEASE}-nats-config")}
 
 
 @pytest.mark.parametrize("before, after, new", [
@@ -369,16 +398,26 @@ def _holds_nats_users(raw: str) -> bool:
     # a named group inserted in the middle of the list
     (("json:groups.list=[{\"name\":\"a\"},{\"name\":\"c\",\"replicas\":3}]",),
      ("json:groups.list=[{\"name\":\"a\"},{\"name\":\"b\"},{\"name\":\"c\",\"replicas\":3}]",), {"b"}),
-])
-def test_adding_a_group_changes_no_other_resource(before: tuple[str, ...], after: tuple[str, ...],
-                                                  new: set[str]) -> None:
-    """`helm upgrade` with one more group: every other resource is byte-identical, so nothing
-    else is touched, except the NATS users (the new scheduler's user; Secrets aside, `helm
-    template` cannot look up the installed passwords)."""
-    old = [d for d in raw_documents(render_text(before)) if not _holds_nats_users(d)]
-    new_docs = [d for d in raw_documents(render_text(after)) if not _holds_nats_users(d)]
+    # one more agent: no new resource at all
+    (("json:nats.auth.agents=[{\"name\":\"alice\",\"group\":\"g0\"}]",),
+     ("json:nats.auth.agents=[{\"name\":\"alice\",\"group\":\"g0\"},{\"name\":\"bob\",\"group\":\"g0\"}]",),
+     set()),
+], ids=["2-to-3", "1-to-5", "named-in-the-middle", "one-more-agent"])
+def test_adding_a_group_or_agent_changes_only_the_auth_secret(before: tuple[str, ...], after: tuple[str, ...],
+                                                              new: set[str]) -> None:
+    """`helm upgrade` with one more group or agent: every resource but the auth Secret is
+    byte-identical (the NATS StatefulSet and its ConfigMap too, so no NATS server restarts: the
+    reloader hot-reloads the Secret's auth.conf), and the only new resources are the new group's
+    scheduler StatefulSet, Service and PodDisruptionBudget."""
+    old_all, new_all = raw_documents(render_text(before)), raw_documents(render_text(after))
+    assert sum(map(_is_auth_secret, old_all)) == sum(map(_is_auth_secret, new_all)) == 1
+    old = [_without_random_passwords(d) for d in old_all if not _is_auth_secret(d)]
+    new_docs = [_without_random_passwords(d) for d in new_all if not _is_auth_secret(d)]
     missing = [d[:300] for d in old if d not in new_docs]
-    assert not missing, "changed by adding a group:\n" + "\n---\n".join(missing)
+    assert not missing, "changed by adding a group or agent:\n" + "\n---\n".join(missing)
+    server_docs = [d for d in old if (yaml.safe_load(d)["kind"], yaml.safe_load(d)["metadata"]["name"])
+                   in NATS_SERVER_DOCS]
+    assert len(server_docs) == 2 and all(d in new_docs for d in server_docs)
     added = [d for d in new_docs if d not in old]
     assert {_group_of(d) for d in added} == new, [d[:200] for d in added]
     assert sorted(yaml.safe_load(d)["kind"] for d in added) == sorted(
@@ -510,8 +549,8 @@ def test_kvbus_pods_log_in_as_their_own_user() -> None:
                                          f"{RELEASE}-nats.{NAMESPACE}.svc.cluster.local:4222")
     assert seen == expected
     assert sorted(secret["data"]) == sorted(["agent-selftest-tx", "agent-selftest-rx", "sched-g0", "sched-g1",
-                                             "coordinator"])
-    passwords = [base64.b64decode(v) for v in secret["data"].values()]
+                                             "coordinator", "auth.conf"])
+    passwords = [base64.b64decode(v) for k, v in secret["data"].items() if k != "auth.conf"]
     assert all(len(p) == 32 for p in passwords) and len(set(passwords)) == len(passwords)
 
 
@@ -567,14 +606,39 @@ def test_nats_config() -> None:
     assert "max_payload: 8MB" in conf and "jetstream {" in conf
     parsed = parse_nats_conf(conf)
     assert parsed["jetstream"]["store_dir"] == "/data" and parsed["max_payload"] == "8MB"
-    secret = one(docs, "Secret", f"{RELEASE}-nats-auth")
-    for value in secret["data"].values():  # no password is in the ConfigMap
-        assert base64.b64decode(value).decode() not in conf
+    # The users are not in nats.conf: it includes auth.conf, a key of the generated Secret.
+    assert parsed["include"] == "auth.conf" and "authorization" not in parsed and "KVBUS_PW_" not in conf
+    secret = auth_secret(docs)
+    for user, password in secret.items():  # no password is in the ConfigMap
+        if user != "auth.conf":
+            assert password not in conf and f'password: "{password}"' in secret["auth.conf"]
     sts = one(docs, "StatefulSet", f"{RELEASE}-nats")
     assert sts["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "2Gi"
-    assert pod_spec(sts)["containers"][0]["image"].startswith("nats:")
-    # The config checksum restarts the servers when nats.conf changes.
-    assert sts["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+    spec = pod_spec(sts)
+    nats, reloader = spec["containers"]
+    assert nats["image"].startswith("nats:") and reloader["image"] == nats["image"]  # no other image
+    assert not [e for e in nats["env"] if e["name"].startswith("KVBUS_PW_")]
+    # nats.conf and auth.conf in one directory, as nats.conf's include expects.
+    config = next(v for v in spec["volumes"] if v["name"] == "config")
+    assert config["projected"]["sources"] == [
+        {"configMap": {"name": f"{RELEASE}-nats-config"}},
+        {"secret": {"name": f"{RELEASE}-nats-auth", "items": [{"key": "auth.conf", "path": "auth.conf"}]}}]
+    assert {"name": "config", "mountPath": "/etc/nats-config", "readOnly": True} in nats["volumeMounts"]
+    assert nats["args"] == ["--config", "/etc/nats-config/nats.conf"]
+    # The reloader sidecar sees the same files and signals the server through the pid file.
+    assert spec["shareProcessNamespace"] is True
+    assert reloader["name"] == "reloader" and reloader["command"][:2] == ["sh", "-c"]
+    assert {(m["name"], m["mountPath"]) for m in reloader["volumeMounts"]} == {
+        ("config", "/etc/nats-config"), ("pid", "/var/run/nats")}
+    script = reloader["command"][2]
+    assert 'files="/etc/nats-config/*.conf"' in script and "pid_file=/var/run/nats/nats.pid" in script
+    assert 'nats-server --signal "reload=$pid_file"' in script and "while sleep 5; do" in script
+    assert reloader["securityContext"] == nats["securityContext"]
+    assert reloader["resources"]["limits"]["memory"] == "64Mi"
+    subprocess.run(["sh", "-n", "-c", script], check=True)
+    # The config checksum restarts the servers when nats.conf changes; a new user does not.
+    annotations = sts["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["checksum/config"] and "checksum/users" not in annotations
 
 
 #: Agents (name, group, broadcastsFrom) and groups of the permission renders below.
@@ -609,23 +673,36 @@ def test_nats_permissions_are_kvbus_security_ones(sets: tuple[str, ...], files: 
     docs = render(*sets, files=files)
     users = nats_users(docs)
     assert [(u["user"], u["permissions"]) for u in users] == security_users(agents, groups)
-    # Each password is its own variable, set on the NATS servers from the Secret key of that user.
-    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in pod_spec(one(docs, "StatefulSet", f"{RELEASE}-nats"))
-           ["containers"][0]["env"] if e["name"].startswith("KVBUS_PW_")}
-    variables = [u["password"] for u in users]
-    assert all(v.startswith("$KVBUS_PW_") for v in variables) and len(set(variables)) == len(variables)
-    assert {v[1:]: {"name": f"{RELEASE}-nats-auth", "key": u["user"]} for v, u in zip(variables, users)} == env
-    assert sorted(one(docs, "Secret", f"{RELEASE}-nats-auth")["data"]) == sorted(u["user"] for u in users)
+    # auth.conf holds each user's password, the one of the Secret key named as the user (what
+    # the kvbus pods and agents log in with).
+    secret = auth_secret(docs)
+    assert sorted(secret) == sorted([u["user"] for u in users] + ["auth.conf"])
+    assert {u["user"]: u["password"] for u in users} == {k: v for k, v in secret.items() if k != "auth.conf"}
+    assert not [e for e in _nats_env(docs) if e["name"].startswith("KVBUS_PW_")]
 
 
 def test_nats_users_from_an_existing_secret() -> None:
+    """With nats.auth.existingSecret the chart cannot write the passwords: nats.conf lists the
+    users, each password a $KVBUS_PW_<user> variable the NATS container gets from that Secret
+    (so a new user rolls the servers; `test_users_roll_the_servers_without_hot_reload`)."""
     docs = render(files=(str(CHART / "ci" / "secure-values.yaml"),))
     assert not [d for d in by_kind(docs, "Secret") if d["metadata"]["name"].startswith(f"{RELEASE}-nats")]
-    refs = [e["valueFrom"]["secretKeyRef"] for e in pod_spec(one(docs, "StatefulSet", f"{RELEASE}-nats"))
-            ["containers"][0]["env"] if e["name"].startswith("KVBUS_PW_")]
+    sts = one(docs, "StatefulSet", f"{RELEASE}-nats")
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in pod_spec(sts)["containers"][0]["env"]
+           if e["name"].startswith("KVBUS_PW_")}
+    refs = list(env.values())
     assert sorted(r["key"] for r in refs) == sorted(["agent-planner", "agent-writer", "agent-selftest-tx",
                                                      "agent-selftest-rx", "sched-g0", "coordinator"])
     assert {r["name"] for r in refs} == {"kvbus-nats-users"}
+    users = parse_nats_conf(nats_conf(docs))["authorization"]["users"]
+    assert {u["password"][1:]: {"name": "kvbus-nats-users", "key": u["user"]} for u in users} == env
+    assert "include" not in parse_nats_conf(nats_conf(docs))
+    volumes = {v["name"]: v for v in pod_spec(sts)["volumes"]}
+    assert volumes["config"] == {"name": "config", "configMap": {"name": f"{RELEASE}-nats-config"}}
+    # The reloader still runs: it hot-reloads a renewed TLS certificate.
+    reloader = pod_spec(sts)["containers"][1]
+    assert 'files="/etc/nats-config/*.conf /etc/nats/tls/*"' in reloader["command"][2]
+    assert {"name": "tls", "mountPath": "/etc/nats/tls", "readOnly": True} in reloader["volumeMounts"]
     client = one(docs, "ConfigMap", f"{RELEASE}-client")
     assert client["data"]["KVBUS_NATS_SECRET"] == "kvbus-nats-users"
     how = client["metadata"]["annotations"]["kvbus.io/nats-credentials"]
@@ -650,28 +727,52 @@ def _nats_env(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 ])
 def test_adding_a_group_or_agent_adds_its_user_only(before: tuple[str, ...], after: tuple[str, ...],
                                                     added: set[str]) -> None:
-    """`helm upgrade` with one more group (or agent): one more user, every other user's line of
-    nats.conf, password variable and Secret key unchanged (the Secret keeps the installed
-    passwords by `lookup`, which `helm template` cannot run), and no kvbus pod changes but the
-    new group's."""
+    """`helm upgrade` with one more group (or agent): one more user in auth.conf and one more
+    Secret key, every other user's permissions unchanged (their passwords too on a real upgrade:
+    the Secret keeps the installed ones by `lookup`, which `helm template` cannot run), and no
+    pod changes but the new group's: not the NATS servers (nats.conf and their environment are
+    the same), not the other kvbus pods."""
     old_docs, new_docs = render(*before), render(*after)
     old_users, new_users = _users_by_name(old_docs), _users_by_name(new_docs)
     assert set(new_users) - set(old_users) == added and set(old_users) <= set(new_users)
-    assert all(new_users[u] == old_users[u] for u in old_users)
-    old_lines, new_lines = nats_conf(old_docs).splitlines(), nats_conf(new_docs).splitlines()
-    assert [line for line in new_lines if line not in old_lines] == [
-        line for line in new_lines if any(f'user: "{u}"' in line for u in added)]
-    assert [line for line in old_lines if line not in new_lines] == []
-    old_env, new_env = _nats_env(old_docs), _nats_env(new_docs)
-    assert [e for e in old_env if e not in new_env] == []
-    assert sorted(e["valueFrom"]["secretKeyRef"]["key"] for e in new_env if e not in old_env) == sorted(added)
-    old_keys = set(one(old_docs, "Secret", f"{RELEASE}-nats-auth")["data"])
-    assert set(one(new_docs, "Secret", f"{RELEASE}-nats-auth")["data"]) - old_keys == added
-    old_raw = [d for d in raw_documents(render_text(tuple(before))) if not _holds_nats_users(d)]
-    new_raw = [d for d in raw_documents(render_text(tuple(after))) if not _holds_nats_users(d)]
-    assert all(d in new_raw for d in old_raw)  # the coordinator, the other groups, the client ConfigMap
+    assert all(new_users[u]["permissions"] == old_users[u]["permissions"] for u in old_users)
+    assert [u for u in new_users if u not in old_users] == [u for u in new_users if u in added]
+    assert nats_conf(old_docs) == nats_conf(new_docs)
+    assert _nats_env(old_docs) == _nats_env(new_docs)
+    old_keys = set(auth_secret(old_docs))
+    assert set(auth_secret(new_docs)) - old_keys == added
+    old_raw, new_raw = ([_without_random_passwords(d) for d in raw_documents(render_text(tuple(sets)))
+                         if not _is_auth_secret(d)] for sets in (before, after))
+    assert all(d in new_raw for d in old_raw)  # NATS, the coordinator, the other groups, the client ConfigMap
     if any(u.startswith("agent-") for u in added):
-        assert new_raw == old_raw  # a new agent restarts no kvbus pod
+        assert new_raw == old_raw  # a new agent restarts no pod at all
+
+
+@pytest.mark.parametrize("mode", ["reloader-off", "existing-secret"])
+def test_users_roll_the_servers_without_hot_reload(mode: str) -> None:
+    """Where nothing hot-reloads the users, a new user changes the NATS pod template, so
+    `helm upgrade` rolls the servers instead of leaving the new user locked out: without the
+    reloader through the checksum/users annotation (nats.conf stays the same), with
+    nats.auth.existingSecret through nats.conf (its users) and the password variables."""
+    sets = VARIANTS[mode][0]
+    before, after = (*sets, _agents_value(AGENTS[:1])), (*sets, _agents_value(AGENTS[:1]), "groups.count=2")
+    old_docs, new_docs = render(*before), render(*after)
+    old_sts, new_sts = one(old_docs, "StatefulSet", f"{RELEASE}-nats"), one(new_docs, "StatefulSet", f"{RELEASE}-nats")
+    old_ann, new_ann = (s["spec"]["template"]["metadata"]["annotations"] for s in (old_sts, new_sts))
+    if mode == "reloader-off":
+        assert "reloader" not in [c["name"] for c in pod_spec(old_sts)["containers"]]
+        assert "shareProcessNamespace" not in pod_spec(old_sts)
+        assert nats_conf(old_docs) == nats_conf(new_docs) and old_ann["checksum/config"] == new_ann["checksum/config"]
+        assert old_ann["checksum/users"] != new_ann["checksum/users"]
+        old_sts["spec"]["template"]["metadata"]["annotations"].pop("checksum/users")
+        new_sts["spec"]["template"]["metadata"]["annotations"].pop("checksum/users")
+        assert old_sts == new_sts  # nothing else changes
+    else:
+        assert not [d for d in by_kind(new_docs, "Secret") if d["metadata"]["name"].startswith(f"{RELEASE}-nats")]
+        assert old_ann["checksum/config"] != new_ann["checksum/config"]
+        added = [e for e in _nats_env(new_docs) if e not in _nats_env(old_docs)]
+        assert [e["valueFrom"]["secretKeyRef"] for e in added] == [{"name": "kvbus-nats-users", "key": "sched-g1"}]
+        assert [u["user"] for u in nats_users(new_docs) if u not in nats_users(old_docs)] == ["sched-g1"]
 
 
 def test_nats_cluster_and_tls() -> None:
@@ -812,11 +913,13 @@ def test_schema_knows_every_default_key() -> None:
 # -- the rendered NATS config on a real server ------------------------------------------------
 
 
-def _chart_nats(docs: list[dict[str, Any]], tmp_path: Path, port: int,
-                monitor: int) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
-    """A real nats-server running the rendered nats.conf, its environment set as the NATS
-    StatefulSet sets it (each user's password variable from the Secret key of that user).
-    Returns the server and each user's password."""
+def _chart_nats(docs: list[dict[str, Any]], tmp_path: Path, port: int, monitor: int,
+                existing_secret: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
+    """A real nats-server running the rendered nats.conf as the NATS pod does: in one directory
+    (``tmp_path``, the pod's /etc/nats-config) with the auth Secret's auth.conf, which it
+    includes; or, with nats.auth.existingSecret, its environment set as the StatefulSet sets it
+    (each user's password variable from ``existing_secret``, that Secret's keys). Its pid file
+    is tmp_path/nats.pid. Returns the server and each user's password."""
     from kvbus.local import find_nats_server
 
     conf = nats_conf(docs)
@@ -824,7 +927,13 @@ def _chart_nats(docs: list[dict[str, Any]], tmp_path: Path, port: int,
     conf = re.sub(r"^http_port: \d+$", f"http_port: {monitor}", conf, flags=re.M)
     conf = conf.replace('"/var/run/nats/nats.pid"', f'"{tmp_path}/nats.pid"').replace('"/data"', f'"{tmp_path}/js"')
     (tmp_path / "nats.conf").write_text(conf + "\nhost: 127.0.0.1\n")
-    secret = {k: base64.b64decode(v).decode() for k, v in one(docs, "Secret", f"{RELEASE}-nats-auth")["data"].items()}
+    if existing_secret is None:
+        assert 'include "auth.conf"' in conf
+        secret = auth_secret(docs)
+        (tmp_path / "auth.conf").write_text(secret.pop("auth.conf"))
+    else:
+        assert "include" not in conf
+        secret = dict(existing_secret)
     env = {"SERVER_NAME": "kvbus-nats-0"}
     for e in _nats_env(docs):
         if "secretKeyRef" in e.get("valueFrom", {}):
@@ -1058,6 +1167,133 @@ def test_helm_test_pod_on_a_real_server(tmp_path: Path) -> None:
                                   env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
         assert selftest.returncode == 0, selftest.stdout + selftest.stderr
         assert "selftest OK" in selftest.stdout
+
+
+def _start_reloader(docs: list[dict[str, Any]], tmp_path: Path) -> subprocess.Popen[bytes]:
+    """The NATS pod's reloader sidecar: its very shell loop (from the rendered StatefulSet),
+    watching tmp_path (the server's /etc/nats-config) and signalling through tmp_path/nats.pid."""
+    from kvbus.local import find_nats_server
+
+    reloader = next(c for c in pod_spec(one(docs, "StatefulSet", f"{RELEASE}-nats"))["containers"]
+                    if c["name"] == "reloader")
+    script = reloader["command"][2]
+    assert reloader["command"][:2] == ["sh", "-c"] and script.count("/etc/nats-config/") == 1
+    script = script.replace("/etc/nats-config/", f"{tmp_path}/")
+    script = script.replace("/var/run/nats/nats.pid", f"{tmp_path}/nats.pid")
+    path = f"{os.path.dirname(find_nats_server())}{os.pathsep}{os.environ.get('PATH', '')}"
+    with open(tmp_path / "reloader.log", "wb") as log:
+        proc = subprocess.Popen(["sh", "-c", script], stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PATH": path}, start_new_session=True)
+    deadline = time.monotonic() + 10
+    while "reloader: watching" not in (tmp_path / "reloader.log").read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "reloader.log").read_text()
+        time.sleep(0.05)
+    return proc
+
+
+def _upgraded_auth_conf(old_docs: list[dict[str, Any]], new_docs: list[dict[str, Any]]) -> str:
+    """The auth.conf of ``new_docs`` as `helm upgrade` writes it over ``old_docs``: the Secret
+    keeps the installed users' passwords (`lookup`, which `helm template` cannot run)."""
+    old, new = auth_secret(old_docs), auth_secret(new_docs)
+    conf = new.pop("auth.conf")
+    for user, password in new.items():
+        if user in old:
+            assert conf.count(f'password: "{password}"') == 1
+            conf = conf.replace(f'password: "{password}"', f'password: "{old[user]}"')
+    return conf
+
+
+async def test_adding_an_agent_is_a_hot_reload_on_a_real_server(tmp_path: Path) -> None:
+    """Adding an agent on a running system, on a real nats-server with the pod's layout (nats.conf
+    including the Secret's auth.conf) and the pod's reloader loop: the NATS StatefulSet and
+    ConfigMap render the same, so nothing restarts; the kubelet swaps in the new auth.conf, the
+    reloader signals the server, the new agent logs in, and the agent already connected stays
+    connected (no disconnect, no reconnect, its subscription still delivers)."""
+    import nats
+
+    from kvbus.local import free_port
+
+    interval = "nats.reloader.intervalSeconds=1"
+    old_docs = render(_agents_value([("alice", "g0", ())]), interval)
+    new_docs = render(_agents_value([("alice", "g0", ()), ("bob", "g0", ())]), interval)
+    for kind, name in NATS_SERVER_DOCS:
+        assert one(old_docs, kind, name) == one(new_docs, kind, name), f"{kind}/{name} changed"
+    port, monitor = free_port(), free_port()
+    url = f"nats://127.0.0.1:{port}"
+    server, secret = _chart_nats(old_docs, tmp_path, port, monitor)
+    reloader = _start_reloader(old_docs, tmp_path)
+    connections: list[Any] = []
+    try:
+        events: list[str] = []
+
+        async def on_disconnect() -> None:
+            events.append("disconnected")
+
+        async def on_reconnect() -> None:
+            events.append("reconnected")
+
+        alice = await nats.connect(url, user="agent-alice", password=secret["agent-alice"],
+                                   disconnected_cb=on_disconnect, reconnected_cb=on_reconnect)
+        connections.append(alice)
+        inbox = await alice.subscribe("kvbus.agent.alice.inbox")
+        with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+            await nats.connect(url, user="agent-bob", password="x", allow_reconnect=False,
+                               max_reconnect_attempts=0, connect_timeout=2)
+
+        await asyncio.sleep(2.5)  # a few rounds of the loop: unchanged files, no reload
+        assert "Reloaded server configuration" not in (tmp_path / "nats.log").read_text()
+
+        # The kubelet's update of the projected volume: the new file replaces the old one atomically.
+        (tmp_path / ".auth.conf.new").write_text(_upgraded_auth_conf(old_docs, new_docs))
+        os.replace(tmp_path / ".auth.conf.new", tmp_path / "auth.conf")
+        bob_password = auth_secret(new_docs)["agent-bob"]
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                bob = await nats.connect(url, user="agent-bob", password=bob_password, allow_reconnect=False,
+                                         max_reconnect_attempts=0, connect_timeout=2)
+                break
+            except nats.errors.Error:
+                assert time.monotonic() < deadline, (tmp_path / "reloader.log").read_text()
+                await asyncio.sleep(0.2)
+        connections.append(bob)
+
+        assert server.poll() is None and (tmp_path / "nats.pid").read_text().strip() == str(server.pid)
+        assert "Reloaded server configuration" in (tmp_path / "nats.log").read_text()
+        assert "nats-server reloaded" in (tmp_path / "reloader.log").read_text()
+        await bob.publish("kvbus.agent.alice.inbox", b"hello")  # bob's permissions allow this
+        assert (await inbox.next_msg(timeout=5)).data == b"hello"
+        assert alice.is_connected and events == [] and alice.stats["reconnects"] == 0
+        assert reloader.poll() is None
+    finally:
+        for nc in connections:
+            await nc.close()
+        _stop(reloader)
+        _stop(server)
+
+
+async def test_existing_secret_users_on_a_real_server(tmp_path: Path) -> None:
+    """With nats.auth.existingSecret, the rendered nats.conf reads each password from the
+    variable the StatefulSet sets from that Secret: the users log in, a wrong password does not."""
+    import secrets
+
+    import nats
+
+    from kvbus.local import free_port
+
+    docs = render(_agents_value([("alice", "g0", ())]), "nats.auth.existingSecret=kvbus-nats-users")
+    existing = {u["user"]: secrets.token_urlsafe(24) for u in nats_users(docs)}
+    port, monitor = free_port(), free_port()
+    server, secret = _chart_nats(docs, tmp_path, port, monitor, existing_secret=existing)
+    try:
+        for user in ("agent-alice", "sched-g0", "coordinator"):
+            nc = await nats.connect(f"nats://127.0.0.1:{port}", user=user, password=secret[user])
+            await nc.close()
+        with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+            await nats.connect(f"nats://127.0.0.1:{port}", user="agent-alice", password=existing["coordinator"],
+                               allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2)
+    finally:
+        _stop(server)
 
 
 # -- Dockerfile and install script -------------------------------------------------------------

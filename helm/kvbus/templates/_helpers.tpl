@@ -178,7 +178,8 @@ label of name + 11 characters, and labels are at most 63. */}}
 Environment that gives a kvbus container KVBUS_NATS_URL logged in as its own NATS user (the
 per-user scheme of templates/nats/_users.tpl: sched-<group> or coordinator), the password read
 from the Secret by Kubernetes ($(VAR) expansion), so that no password is in a manifest or in
-argv; and KVBUS_NATS_INBOX_PREFIX, the reply inbox that user may subscribe to.
+argv; KVBUS_NATS_INBOX_PREFIX, the reply inbox that user may subscribe to; and
+KVBUS_NATS_CONNECT_WAIT, how long a refused login is retried.
 Usage: include "kvbus.nats.env" (list $ "sched-g0" "_INBOX.sched-g0")
 */}}
 {{- define "kvbus.nats.env" -}}
@@ -197,6 +198,10 @@ Usage: include "kvbus.nats.env" (list $ "sched-g0" "_INBOX.sched-g0")
   value: {{ printf "%s://$(KVBUS_NATS_USER):$(KVBUS_NATS_PASSWORD)@%s" (include "kvbus.nats.scheme" $root) (include "kvbus.nats.hostPort" $root) | quote }}
 - name: KVBUS_NATS_INBOX_PREFIX
   value: {{ $inbox | quote }}
+# A new user (a group added by `helm upgrade`) reaches the servers by a config reload that may
+# land after this pod starts: a refused login is tried again for this long before giving up.
+- name: KVBUS_NATS_CONNECT_WAIT
+  value: "120"
 {{- else }}
 - name: KVBUS_NATS_URL
   value: {{ include "kvbus.nats.url" $root | quote }}

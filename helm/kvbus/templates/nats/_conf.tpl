@@ -1,5 +1,7 @@
-{{/* nats.conf. Passwords are $VARIABLES the server reads from its environment (the Secret),
-so this ConfigMap holds no secret. */}}
+{{/* nats.conf. It holds no user and no secret: with the generated auth Secret it includes
+auth.conf (that Secret's key, mounted next to it), so adding a user changes the Secret only and
+the reloader sidecar hot-reloads it; with nats.auth.existingSecret the users are listed here
+and their passwords are $VARIABLES the server reads from its environment (the Secret). */}}
 {{- define "kvbus.nats.conf" -}}
 {{- $nats := .Values.nats -}}
 {{- $name := include "kvbus.nats.fullname" . -}}
@@ -42,16 +44,13 @@ tls {
   timeout: {{ $nats.tls.timeout }}
 }
 {{- end }}
-{{- if $nats.auth.enabled }}
+{{- if include "kvbus.nats.authFile" . }}
 
-# One user per agent, per group scheduler and for the coordinator (kvbus.security's scheme).
-authorization {
-  users: [
-{{- range $u := (include "kvbus.nats.users" . | fromJson).users }}
-    { user: {{ quote $u.user }}, password: ${{ include "kvbus.nats.passwordVar" $u.user }}, permissions: {{ include "kvbus.nats.value" $u.permissions }} }
-{{- end }}
-  ]
-}
+# The users, from the auth Secret (key auth.conf, mounted in this directory).
+include "auth.conf"
+{{- else if $nats.auth.enabled }}
+
+{{ include "kvbus.nats.authorization" (dict "root" . "passwords" dict) }}
 {{- end }}
 {{- with $nats.extraConfig }}
 
@@ -63,6 +62,13 @@ authorization {
 {{- default (printf "%s-headless" (include "kvbus.nats.fullname" .) | trunc 63 | trimSuffix "-") .Values.nats.headlessService.name -}}
 {{- end -}}
 
+{{/* A double-quoted NATS string. NATS knows only the escapes \" \\ \n \r \t and \xXX (Go's
+%q, i.e. `quote`, also writes \a, \u... that NATS rejects); other characters, UTF-8 included, stand
+for themselves inside the quotes, so a password can hold anything. */}}
+{{- define "kvbus.nats.string" -}}
+"{{ . | replace "\\" "\\\\" | replace "\"" "\\\"" | replace "\n" "\\n" | replace "\r" "\\r" | replace "\t" "\\t" }}"
+{{- end -}}
+
 {{/* A value in NATS configuration syntax: maps as { k: v }, lists as [ ... ], strings quoted
 (NATS reads JSON too, but Helm's toJson escapes ">" as \u003e). */}}
 {{- define "kvbus.nats.value" -}}
@@ -71,8 +77,27 @@ authorization {
 {{- else if kindIs "slice" . -}}
 [ {{- range $i, $v := . }}{{ if $i }},{{ end }} {{ include "kvbus.nats.value" $v }}{{ end }} ]
 {{- else if kindIs "string" . -}}
-{{- quote . -}}
+{{- include "kvbus.nats.string" . -}}
 {{- else -}}
 {{- toString . -}}
 {{- end -}}
+{{- end -}}
+
+{{/* The authorization block: one user per agent, per group scheduler and for the coordinator
+(kvbus.security's scheme). `passwords` maps each user to its password, written quoted (auth.conf
+in the generated Secret); an empty map writes $KVBUS_PW_<user> variables instead (nats.conf with
+nats.auth.existingSecret, the server's environment holding the passwords).
+Usage: include "kvbus.nats.authorization" (dict "root" $ "passwords" $passwords) */}}
+{{- define "kvbus.nats.authorization" -}}
+{{- $passwords := .passwords -}}
+# One user per agent, per group scheduler and for the coordinator (kvbus.security's scheme).
+authorization {
+  users: [
+{{- range $u := (include "kvbus.nats.users" .root | fromJson).users }}
+{{- $password := printf "$%s" (include "kvbus.nats.passwordVar" $u.user) }}
+{{- if $passwords }}{{ $password = include "kvbus.nats.value" (get $passwords $u.user) }}{{ end }}
+    { user: {{ include "kvbus.nats.string" $u.user }}, password: {{ $password }}, permissions: {{ include "kvbus.nats.value" $u.permissions }} }
+{{- end }}
+  ]
+}
 {{- end -}}

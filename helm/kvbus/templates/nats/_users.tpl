@@ -93,3 +93,12 @@ an external NATS, nats.external.existingSecret). */}}
 {{- .Values.nats.external.existingSecret -}}
 {{- end -}}
 {{- end -}}
+
+{{/* "true" when the users and their passwords live in the auth.conf key of the Secret the chart
+generates (nats.conf includes it, so adding a user changes only that Secret and the reloader
+sidecar hot-reloads it); empty with nats.auth.existingSecret (or authSecret.enabled false),
+where the chart cannot write the passwords and nats.conf reads them from environment variables. */}}
+{{- define "kvbus.nats.authFile" -}}
+{{- $auth := .Values.nats.auth -}}
+{{- if and $auth.enabled (not $auth.existingSecret) .Values.nats.authSecret.enabled -}}true{{- end -}}
+{{- end -}}
