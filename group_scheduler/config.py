@@ -45,7 +45,10 @@ class SchedulerConfig:
     heartbeat_s: float = 2.0
     """Seconds between announcements to the coordinator."""
     directory_ttl: float = 2.0
-    """Seconds a directory lookup is cached."""
+    """Seconds a directory lookup is cached (when the directory watch is not running)."""
+    directory_watch_ttl: float = 30.0
+    """Seconds an entry kept current by the directory watch is trusted without a lookup (a
+    bound on staleness should the watch stall unnoticed)."""
     selector: str = "adaptive"
     """How media are chosen: ``adaptive`` (the cost model) or ``static`` (requested, else full/tokens)."""
     hysteresis: float = 0.15

@@ -141,6 +141,8 @@ class GroupScheduler:
         self._directory: Any = None
         self._store: Any = None
         self._dir_cache: dict[str, tuple[float, AgentRecord | None]] = {}
+        self._dir_live = False
+        """The directory watch has delivered the bucket's current values and keeps the cache current."""
         self._probe_sub: Any = None
         self._leader: LeaderLease | None = None
         self.inter = InterGroupLease(transport, self.state, self.name,
@@ -176,7 +178,8 @@ class GroupScheduler:
         self._probe_sub = await t.subscribe(sched_subject(self.group, "probe", "*"), self._on_probe)
         self._tasks = [asyncio.create_task(self._loop(), name=f"kvbus-sched-{self.group}"),
                        asyncio.create_task(self._heartbeat(), name=f"kvbus-sched-hb-{self.group}"),
-                       asyncio.create_task(self.inter.run(), name=f"kvbus-sched-lease-{self.group}")]
+                       asyncio.create_task(self.inter.run(), name=f"kvbus-sched-lease-{self.group}"),
+                       asyncio.create_task(self._watch_directory(), name=f"kvbus-sched-dir-{self.group}")]
         bucket = await self._bucket(COORD_BUCKET) if self.config.leader_ttl_s > 0 else None
         if bucket is None:
             await self._serve()
@@ -260,11 +263,45 @@ class GroupScheduler:
         except BucketNotFoundError:
             return await js.create_key_value(bucket=name, history=1)
 
+    async def _watch_directory(self) -> None:
+        """Keep the directory cache current from a JetStream watch of the bucket.
+
+        A request is then answered without a directory round trip: the request handler runs one
+        message at a time, so a lookup per request on the wire would cap a large group's
+        throughput at one round trip per lookup.
+        """
+        while not self.closed:
+            try:
+                if self._directory is None:
+                    self._directory = await self._bucket(AGENTS_BUCKET)
+                    if self._directory is None:
+                        return  # not on NATS (a test transport): lookups only
+                watcher = await self._directory.watchall()
+                async for entry in watcher:
+                    if entry is None:  # the bucket's current values are in
+                        self._dir_live = True
+                        continue
+                    try:
+                        record = AgentRecord.decode(entry.value) if entry.value and not entry.operation else None
+                    except WireFormatError:
+                        logger.warning("directory entry of %s is malformed", entry.key)
+                        record = None
+                    self._remember(entry.key, record, time.monotonic())
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - lookups fall back to the TTL cache meanwhile
+                logger.debug("group %s: directory watch stopped; restarting", self.group, exc_info=True)
+            finally:
+                self._dir_live = False
+            await asyncio.sleep(1.0)
+
     async def lookup(self, agent: str) -> AgentRecord | None:
-        """An agent's record from the JetStream directory (cached for ``directory_ttl``)."""
+        """An agent's record from the JetStream directory: from the cache the directory watch keeps
+        current, else a lookup cached for ``directory_ttl``."""
         now = time.monotonic()
         hit = self._dir_cache.get(agent)
-        if hit is not None and now - hit[0] < self.config.directory_ttl and hit[1] is not None:
+        ttl = self.config.directory_watch_ttl if self._dir_live else self.config.directory_ttl
+        if hit is not None and now - hit[0] < ttl and hit[1] is not None:
             return hit[1]
         if self._directory is None:
             self._directory = await self._bucket(AGENTS_BUCKET)
@@ -278,6 +315,10 @@ class GroupScheduler:
         except WireFormatError:
             logger.warning("directory entry of %s is malformed", agent)
             record = None
+        return self._remember(agent, record, now)
+
+    def _remember(self, agent: str, record: AgentRecord | None, now: float) -> AgentRecord | None:
+        """Cache ``agent``'s record and what the group state learns from it."""
         self._dir_cache[agent] = (now, record)
         if record is not None and record.group != self.group:
             self.state.remote[agent] = record.group
@@ -640,7 +681,8 @@ class GroupScheduler:
             latency = max((self.state.declared_latency(req.src, rx) for rx in req.dst), default=0.0)
             start = wall + max(0.0, decision.start_at - now) if decision.start_at else wall
             grant = Grant(transfer_id=pending.transfer_id, medium=decision.medium, rate_bps=rate, start_at=start,
-                          reason=decision.reason, decision=pending.decision, latency_s=latency)
+                          reason=decision.reason, decision=pending.decision, latency_s=latency,
+                          sched_s=max(0.0, wall - req.ts))
             data = grant.encode()
             _record_decision(pending, decision, rate, wall, now)
             if decision.medium:

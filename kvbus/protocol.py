@@ -273,7 +273,8 @@ class RequestAck(Message):
 
 
 @_message("grant", {"transfer_id": str, "medium": str, "rate_bps": float, "start_at": float,
-                    "chunk_size": int, "window": int, "reason": str, "decision": dict, "latency_s": float})
+                    "chunk_size": int, "window": int, "reason": str, "decision": dict, "latency_s": float,
+                    "sched_s": float})
 @dataclass(frozen=True, slots=True)
 class Grant(Message):
     """The scheduler's decision: send with this medium at this rate from this time.
@@ -296,6 +297,9 @@ class Grant(Message):
     """The decision record: candidates with their predicted cost terms, and why this medium."""
     latency_s: float = 0.0
     """Emulated one-way latency of the path, for link emulation (0 on real links)."""
+    sched_s: float = 0.0
+    """Seconds from the request leaving its sender (its ``ts``) to this grant leaving the
+    scheduler: the scheduling overhead without the way back (0 when not known)."""
 
 
 @_message("control", {"transfer_id": str, "action": str, "reason": str, "rate_bps": float,
