@@ -279,3 +279,30 @@ async def test_coordinator_admission_checks_the_deployment_table(nats_url: str) 
             assert rid not in coord.reservations
         finally:
             await coord.close()
+
+
+async def test_directory_watch_keeps_the_schedulers_cache_current(nats_url: str) -> None:
+    """A record written to the directory reaches the scheduler's cache by the JetStream watch,
+    without a lookup: a remote agent's new link is known before any request names it."""
+    async with group(nats_url, "dirwatch-a") as sched, buses(nats_url, 1) as (bus,):
+        deadline = time.monotonic() + 10
+        while not sched._dir_live and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert sched._dir_live
+        far = await bus.agent("dirwatch-far", group="dirwatch-b", signature=SIG)
+
+        async def cached_link(want: float) -> bool:
+            end = time.monotonic() + 5
+            while time.monotonic() < end:
+                hit = sched._dir_cache.get("dirwatch-far")
+                if hit is not None and hit[1] is not None and hit[1].link_bps == pytest.approx(want):
+                    return True
+                await asyncio.sleep(0.02)
+            return False
+
+        assert await cached_link(0.0)
+        assert sched.state.remote.get("dirwatch-far") == "dirwatch-b"  # learnt as an agent of another group
+        await far.set_link(EmulatedLink.mbit(80))
+        want = 80e6 / 8
+        assert await cached_link(want)
+        assert sched.state.declared_bandwidth("dirwatch-far", "dirwatch-far") == pytest.approx(want)
