@@ -1,14 +1,31 @@
 """`kvbus bench scale`: scheduling overhead as agents grow, one flat group against groups of 64.
 
-Every configuration gets a fresh nats-server. Each group scheduler runs in its own OS process
-(``python -m kvbus.cli group-scheduler``, ``max_active`` high so no transfer waits for a slot and
-no bandwidth budget, so the wait from request to grant is the scheduler's own overhead). The
-agents are real bus clients spread over a few client processes (many agents per process, a few
-NATS connections each); every agent sends one tiny inline context to its neighbour in its group.
-A round is a synchronized burst: the parent publishes ``go`` and every agent sends at once. The
-figure is the p99 over all rounds of the `TransferReport.queued_s` (request to grant).
+What is measured: ``sched_overhead_*`` is the time from a transfer's request leaving its agent to
+its grant leaving the group scheduler (the request's ``ts`` to the grant's ``sched_s``: one
+clock, one host), with no bandwidth budget, so no grant waits for bandwidth or a slot: what is
+left is the scheduler's own overhead, its queueing included. ``client_seen_*`` adds the way back
+and the client process's own event-loop delay (hundreds of agents share one client process
+here, where each would have its own in a deployment). The load is steady and grows with the
+agents, as in a real team: every agent asks for a transfer to its group neighbour at random
+(Poisson) times, ``RATE_PER_AGENT`` per second on average, and probes its scheduler every second.
 
-Run as ``kvbus bench scale --json out.json`` (``--quick``: 64 and 256 agents, fewer rounds).
+How it runs on a small machine:
+
+- every configuration gets a fresh nats-server; every group scheduler is its own OS process
+  (``python -m kvbus.cli group-scheduler``, ``max_active`` high, no bandwidth budget);
+- the agents are real `kvbus.bus.Agent` objects (registered in the directory, probing, receiving
+  grants on their ctl subjects), many per OS process (``CLIENT_PROCESSES`` processes, 64 agents per
+  NATS connection). They are *light*: each transfer runs the bus client's own request -> grant ->
+  done exchange with its group scheduler and leaves out the data stream, whose cost does not
+  depend on scheduling (on two cores it would be the client processes' CPU that the figure
+  measured, not the scheduler's);
+- after a warm-up, every request in a window of ``SECONDS`` counts; the figures are p50/p99;
+- each process's CPU over the window is read from /proc: ``scheduler_cpu_busiest`` is the share
+  of a core the busiest scheduler needed. A scheduler is one event loop: every request, probe and
+  completion of its group passes through it, so it saturates when that share reaches 1. Groups
+  of 64 keep that share flat however many agents there are; one group makes it grow with them.
+
+Run as ``kvbus bench scale --json out.json`` (``--quick``: 64 and 256 agents, shorter windows).
 """
 
 from __future__ import annotations
@@ -17,9 +34,11 @@ import asyncio
 import json
 import logging
 import os
+import random
 import subprocess
 import sys
 import time
+import uuid
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -29,6 +48,12 @@ GO = "kvbus.bench.scale.go"
 RESULT = "kvbus.bench.scale.result"
 #: Agents per bus connection inside a client process.
 AGENTS_PER_CONNECTION = 64
+#: Client processes the agents are spread over.
+CLIENT_PROCESSES = 4
+#: Mean transfers per second each agent asks for.
+RATE_PER_AGENT = 1.0
+WARMUP_S = 3.0
+SECONDS = 12.0
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -49,8 +74,8 @@ def _tiny_kv() -> Any:
     return KVCache(torch.arange(4).view(1, 4), sig, [torch.zeros(shape)], [torch.zeros(shape)])
 
 
-async def _client(url: str, agents: list[tuple[str, str, str]], rounds: int, proc: int) -> None:
-    """One client process: register ``agents`` (name, group, receiver), then one burst per ``go``."""
+async def _client(url: str, agents: list[tuple[str, str, str]], proc: int, rate: float) -> None:
+    """One client process: register ``agents`` (name, group, receiver), then run the load on ``go``."""
     from kvbus.bus import Bus, BusConfig
 
     kv = _tiny_kv()
@@ -63,36 +88,67 @@ async def _client(url: str, agents: list[tuple[str, str, str]], rounds: int, pro
         buses.append(bus)
         for name, group, to in agents[i:i + AGENTS_PER_CONNECTION]:
             handles.append((await bus.agent(name, group=group, signature=kv.signature), to))
-
-    async def drain(agent: Any) -> None:
-        while True:
-            await agent.receive(timeout=3600)
-
-    drains = [asyncio.create_task(drain(a)) for a, _ in handles]
     nc = buses[0].transport.nc  # type: ignore[attr-defined]
-    go: asyncio.Queue[int] = asyncio.Queue()
+    go: asyncio.Queue[tuple[float, float, float]] = asyncio.Queue()
 
     async def on_go(msg: Any) -> None:
-        await go.put(int(msg.data))
+        spec = json.loads(msg.data)
+        await go.put((spec["start"], spec["count_from"], spec["stop"]))
 
     await nc.subscribe(GO, cb=on_go)
     await nc.flush()
     print("ready", flush=True)
-    for _ in range(rounds):
-        r = await go.get()
-        results = await asyncio.gather(*(a.send(to, kv) for a, to in handles), return_exceptions=True)
-        queued = [x.queued_s for x in results if not isinstance(x, BaseException)]
-        errors = [repr(x) for x in results if isinstance(x, BaseException)]
-        await nc.publish(RESULT, json.dumps({"proc": proc, "round": r, "queued": queued,
-                                             "errors": errors[:3], "n_errors": len(errors)}).encode())
-        await nc.flush()
-    # Stay: agents of other processes may still be sending to ours. The parent kills this process.
+    start, count_from, stop = await go.get()
+    overhead: list[float] = []
+    at_scheduler: list[float] = []
+    errors: list[str] = []
+    n_errors = 0
+    lag: list[float] = []
+
+    async def one_agent(agent: Any, to: str) -> None:
+        nonlocal n_errors
+        rng = random.Random(hash(agent.name))
+        due = start + rng.expovariate(rate)
+        while due < stop:
+            await asyncio.sleep(max(0.0, due - time.time()))
+            if due >= count_from:
+                lag.append(max(0.0, time.time() - due))
+            tid = uuid.uuid4().hex
+            t_wall = time.time()
+            t0 = time.perf_counter()
+            try:
+                # The bus client's own request -> grant exchange (what `Agent.send` does before it
+                # streams), then its completion report, which frees the scheduler's slot.
+                grant = await agent._request_grant(tid, [to], kv, None, None, False)
+                took = time.perf_counter() - t0
+                # The wait the grant asks for (a later start: bandwidth) is not scheduling overhead;
+                # the grant left the scheduler at about t_wall + sched_s.
+                took -= max(0.0, grant.start_at - (t_wall + grant.sched_s))
+                await agent._report_done(tid, grant.medium, [to], 0, 0.0, None)
+                if due >= count_from:
+                    overhead.append(max(0.0, took))
+                    at_scheduler.append(grant.sched_s)
+            except Exception as exc:  # noqa: BLE001 - counted and reported
+                if due >= count_from:
+                    n_errors += 1
+                    if len(errors) < 3:
+                        errors.append(repr(exc))
+            due += rng.expovariate(rate)
+
+    await asyncio.gather(*(one_agent(a, to) for a, to in handles))
+    payload = {"proc": proc, "overhead_us": [round(x * 1e6) for x in overhead],
+               "at_scheduler_us": [round(x * 1e6) for x in at_scheduler], "errors": errors,
+               "n_errors": n_errors, "lag_p99_ms": 1000 * _percentile(lag, 0.99)}
+    await nc.publish(RESULT, json.dumps(payload).encode())
+    await nc.flush()
+    # Stay registered until the parent kills this process (other processes' agents may still
+    # be asking for transfers to ours).
     await asyncio.Event().wait()
 
 
 def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE, stderr=None if os.environ.get("KVBUS_BENCH_DEBUG") else subprocess.DEVNULL,
-                            text=True)
+    stderr = None if os.environ.get("KVBUS_BENCH_DEBUG") else subprocess.DEVNULL
+    return subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
 
 
 async def _wait_line(p: subprocess.Popen[str], want: str, timeout: float) -> None:
@@ -102,24 +158,28 @@ async def _wait_line(p: subprocess.Popen[str], want: str, timeout: float) -> Non
         raise RuntimeError(f"child process said {line!r}, expected {want!r}")
 
 
-async def _run_config(mode: str, n: int, *, rounds: int, clients: int) -> dict[str, Any]:
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+async def _run_config(mode: str, n: int, *, seconds: float, rate: float) -> dict[str, Any]:
     import nats
 
     from kvbus.local import NatsServer
 
     n_groups = 1 if mode == "flat" else max(1, n // GROUP_SIZE)
     groups = [f"s{g}" for g in range(n_groups)]
-    agents = []
-    for i in range(n):
-        g = i % n_groups if mode == "hier" else 0
-        agents.append((f"a{i}", groups[g]))
     by_group: dict[str, list[str]] = {}
-    for name, g in agents:
-        by_group.setdefault(g, []).append(name)
-    triples = []
-    for name, g in agents:
-        members = by_group[g]
-        triples.append((name, g, members[(members.index(name) + 1) % len(members)]))
+    for i in range(n):
+        by_group.setdefault(groups[i % n_groups], []).append(f"a{i}")
+    triples = [(name, g, members[(k + 1) % len(members)])
+               for g, members in by_group.items() for k, name in enumerate(members)]
     env = {**os.environ, "KVBUS_SCHEDULER_MAX_ACTIVE": "1000000", "KVBUS_SCHEDULER_PER_PAIR": "1000",
            "KVBUS_SCHEDULER_BANDWIDTH_BPS": "0", "KVBUS_SCHEDULER_PREEMPT": "false",
            "KVBUS_SCHEDULER_LEADER_TTL_S": "0"}
@@ -131,8 +191,9 @@ async def _run_config(mode: str, n: int, *, rounds: int, clients: int) -> dict[s
         procs += scheds
         for p in scheds:
             await _wait_line(p, "group scheduler", 120)
-        chunks = [triples[i::clients] for i in range(clients)]
-        cl = [_spawn(["-m", "kvbus.bench.scale", "--client", server.url, str(rounds + 1), str(i), json.dumps(c)], env)
+        # Whole groups per client process where they fit, so a process's agents share connections.
+        chunks = [triples[i::CLIENT_PROCESSES] for i in range(CLIENT_PROCESSES)]
+        cl = [_spawn(["-m", "kvbus.bench.scale", "--client", server.url, str(i), str(rate), json.dumps(c)], env)
               for i, c in enumerate(chunks) if c]
         procs += cl
         for p in cl:
@@ -145,29 +206,33 @@ async def _run_config(mode: str, n: int, *, rounds: int, clients: int) -> dict[s
 
         await nc.subscribe(RESULT, cb=on_result)
         await nc.flush()
-        queued: list[float] = []
-        per_round = []
-        n_errors = 0
-        errors: list[str] = []
-        for r in range(rounds + 1):  # round 0 warms up (directory caches, connections)
-            await asyncio.sleep(0.5)
-            t0 = time.perf_counter()
-            await nc.publish(GO, str(r).encode())
-            await nc.flush()
-            got = [await asyncio.wait_for(inbox.get(), 300) for _ in cl]
-            wall = time.perf_counter() - t0
-            q = [x for g in got for x in g["queued"]]
-            n_errors += sum(g["n_errors"] for g in got) if r else 0
-            errors += [e for g in got for e in g["errors"]][:3] if r else []
-            if r:
-                queued += q
-                per_round.append({"p99_ms": 1000 * _percentile(q, 0.99), "wall_s": wall})
+        start = time.time() + 0.5
+        count_from = start + WARMUP_S
+        stop = count_from + seconds
+        await nc.publish(GO, json.dumps({"start": start, "count_from": count_from, "stop": stop}).encode())
+        await nc.flush()
+        await asyncio.sleep(max(0.0, count_from - time.time()))
+        cpu0 = {p.pid: _cpu_seconds(p.pid) for p in procs}
+        await asyncio.sleep(max(0.0, stop - time.time()))
+        cpu1 = {p.pid: _cpu_seconds(p.pid) for p in procs}
+        got = [await asyncio.wait_for(inbox.get(), 300) for _ in cl]
         await nc.close()
-        return {"agents": n, "groups": n_groups, "client_processes": len(cl), "rounds": rounds,
-                "transfers": len(queued), "errors": n_errors, "error_samples": errors[:3],
-                "sched_overhead_p50_ms": 1000 * _percentile(queued, 0.5),
-                "sched_overhead_p99_ms": 1000 * _percentile(queued, 0.99),
-                "sched_overhead_max_ms": 1000 * max(queued, default=float("nan")), "per_round": per_round}
+        client_seen = [x / 1e6 for g in got for x in g["overhead_us"]]
+        overhead = [x / 1e6 for g in got for x in g["at_scheduler_us"]]
+        sched_cpu = [(cpu1[p.pid] - cpu0[p.pid]) / seconds for p in scheds]
+        client_cpu = sum(cpu1[p.pid] - cpu0[p.pid] for p in cl) / seconds
+        return {"agents": n, "groups": n_groups, "client_processes": len(cl),
+                "offered_per_s": n * rate, "transfers": len(overhead), "achieved_per_s": len(overhead) / seconds,
+                "errors": sum(g["n_errors"] for g in got),
+                "error_samples": [e for g in got for e in g["errors"]][:3],
+                "sched_overhead_p50_ms": 1000 * _percentile(overhead, 0.5),
+                "sched_overhead_p99_ms": 1000 * _percentile(overhead, 0.99),
+                "sched_overhead_max_ms": 1000 * max(overhead, default=float("nan")),
+                "client_seen_p50_ms": 1000 * _percentile(client_seen, 0.5),
+                "client_seen_p99_ms": 1000 * _percentile(client_seen, 0.99),
+                "client_start_lag_p99_ms": max(g["lag_p99_ms"] for g in got),
+                "scheduler_cpu_busiest": max(sched_cpu), "scheduler_cpu_total": sum(sched_cpu),
+                "client_cpu_total": client_cpu}
     finally:
         for p in procs:
             p.kill()
@@ -176,33 +241,45 @@ async def _run_config(mode: str, n: int, *, rounds: int, clients: int) -> dict[s
         server.stop()
 
 
-def run(*, quick: bool = False, nats_url: str | None = None, **_: Any) -> dict[str, Any]:
+def run(*, quick: bool = False, nats_url: str | None = None, seconds: float | None = None,
+        **_: Any) -> dict[str, Any]:
     """Flat and hierarchical at each size; the growth and flat/hier ratios the issue asks for."""
     sizes = [64, 256] if quick else [64, 256, 1024]
-    rounds = 3 if quick else 5
-    clients = 4
+    window = seconds or (5.0 if quick else SECONDS)
     results: dict[str, Any] = {"flat": {}, "hier": {}}
     for n in sizes:
         for mode in ("flat", "hier"):
-            res = asyncio.run(_run_config(mode, n, rounds=rounds, clients=clients))
+            res = asyncio.run(_run_config(mode, n, seconds=window, rate=RATE_PER_AGENT))
             results[mode][str(n)] = res
-            print(f"{mode:5s} {n:5d} agents, {res['groups']:3d} groups: request->grant p50 "
-                  f"{res['sched_overhead_p50_ms']:8.2f} ms  p99 {res['sched_overhead_p99_ms']:8.2f} ms  "
-                  f"errors {res['errors']}", flush=True)
+            print(f"{mode:5s} {n:5d} agents, {res['groups']:3d} groups, {res['achieved_per_s']:6.0f} transfers/s: "
+                  f"request->grant p50 {res['sched_overhead_p50_ms']:7.2f} ms  p99 "
+                  f"{res['sched_overhead_p99_ms']:8.2f} ms  busiest scheduler {res['scheduler_cpu_busiest']:.2f} "
+                  f"CPU  errors {res['errors']}", flush=True)
     top = str(sizes[-1])
     results["hier_growth_64_to_" + top] = (results["hier"][top]["sched_overhead_p99_ms"]
                                            / results["hier"]["64"]["sched_overhead_p99_ms"])
     results["flat_over_hier_at_" + top] = (results["flat"][top]["sched_overhead_p99_ms"]
                                            / results["hier"][top]["sched_overhead_p99_ms"])
-    config = {"sizes": sizes, "group_size": GROUP_SIZE, "rounds": rounds, "client_processes": clients,
+    # Capacity: the share of one core the busiest scheduler needs. With one core per scheduler
+    # (the deployment) this is what decides whether a loop keeps up; on a small machine the
+    # latency above also carries every other process's CPU.
+    results["busiest_scheduler_cpu_growth_hier_64_to_" + top] = (
+        results["hier"][top]["scheduler_cpu_busiest"] / results["hier"]["64"]["scheduler_cpu_busiest"])
+    results["busiest_scheduler_cpu_flat_over_hier_at_" + top] = (
+        results["flat"][top]["scheduler_cpu_busiest"] / results["hier"][top]["scheduler_cpu_busiest"])
+    config = {"sizes": sizes, "group_size": GROUP_SIZE, "seconds": window, "warmup_s": WARMUP_S,
+              "rate_per_agent": RATE_PER_AGENT, "client_processes": CLIENT_PROCESSES,
               "agents_per_connection": AGENTS_PER_CONNECTION, "cpus": os.cpu_count(),
               "how": "one nats-server per configuration; each group scheduler its own process "
-                     "(python -m kvbus.cli group-scheduler, max_active 1e6, no budget); agents in "
-                     f"{clients} client processes; every agent sends a tiny inline context to its group "
-                     "neighbour in a synchronized burst per round; figure = p99 of TransferReport.queued_s"}
+                     "(python -m kvbus.cli group-scheduler, max_active 1e6, no bandwidth budget); agents are "
+                     f"real bus Agents (registered, probing every second), {CLIENT_PROCESSES} client processes; "
+                     f"each agent asks for a transfer to its group neighbour at Poisson times, {RATE_PER_AGENT}/s "
+                     "on average, running the bus client's request -> grant -> done exchange without the data "
+                     "stream; figure = p99 of request sent -> grant sent by the scheduler over the measured "
+                     "window (client_seen_*: as the client saw it)"}
     return {"config": config, "results": results}
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--client":
-    _url, _rounds, _proc, _spec = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5])
-    asyncio.run(_client(_url, [tuple(x) for x in _spec], _rounds, _proc))
+    _url, _proc, _rate, _spec = sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), json.loads(sys.argv[5])
+    asyncio.run(_client(_url, [tuple(x) for x in _spec], _proc, _rate))
