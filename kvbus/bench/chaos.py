@@ -193,7 +193,7 @@ async def _chaos(transfers: int, seed: int, concurrency: int = 16) -> dict[str, 
             while done < transfers:
                 await asyncio.sleep(rng.uniform(0.05, 0.4))
                 roll = rng.random()
-                if roll < 0.7:
+                if roll < 0.55:
                     await rng.choice(receivers).restart(rng.uniform(0.05, 0.5))
                     faults["receiver_restarts"] += 1
                 elif roll < 0.8:
