@@ -57,10 +57,12 @@ from kvbus.protocol import (
     TransferRequest,
     agent_subject,
     check_data_subject,
+    inbox_subject,
     check_name,
     decode_message,
     packb,
     sched_subject,
+    subject_sender,
 )
 from kvbus.signature import ModelSignature
 
@@ -236,7 +238,7 @@ class Agent:
     async def _start(self) -> None:
         t = self._transport
         self._subs = [
-            await t.subscribe(agent_subject(self.name, "inbox"), self._on_open),
+            await t.subscribe(inbox_subject(self.name, "*"), self._on_open),
             await t.subscribe(agent_subject(self.name, "ack"), self._on_ack),
             await t.subscribe(agent_subject(self.name, "ctl"), self._on_ctl),
         ]
@@ -645,6 +647,10 @@ class Agent:
         except WireFormatError as exc:
             return OpenReply(transfer_id="", ok=False, reason=str(exc))
         tid = open_msg.transfer_id
+        sender = subject_sender(msg.subject)
+        if open_msg.src != sender:
+            return OpenReply(transfer_id=tid, ok=False,
+                             reason=f"an Open from {open_msg.src!r} came on the inbox of {sender!r}")
         if tid in self._completed:
             return OpenReply(transfer_id=tid, ok=True, done=True)
         active = self._incoming.get(tid)

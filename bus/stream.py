@@ -39,6 +39,7 @@ from kvbus.protocol import (
     agent_subject,
     bcast_subject,
     data_subject,
+    inbox_subject,
 )
 
 logger = logging.getLogger(__name__)
@@ -334,7 +335,7 @@ class OutgoingTransfer:
         while True:
             left = give_up - time.monotonic()
             try:
-                data = await self.transport.request(agent_subject(rx, "inbox"), frame,
+                data = await self.transport.request(inbox_subject(rx, self.open.src), frame,
                                                     timeout=min(self.config.request_timeout, max(left, 0.001)))
                 break
             except NoResponders:
@@ -410,7 +411,7 @@ class OutgoingTransfer:
         for rx in self._active():
             outcome = self.outcomes[rx]
             try:
-                data = await self.transport.request(agent_subject(rx, "inbox"), frame,
+                data = await self.transport.request(inbox_subject(rx, self.open.src), frame,
                                                     timeout=self.config.request_timeout)
                 reply = OpenReply.decode(data)
             except NoResponders:

@@ -87,6 +87,13 @@ def agent_subject(agent: str, kind: str) -> str:
     return f"kvbus.agent.{agent}.{kind}"
 
 
+def inbox_subject(agent: str, sender: str) -> str:
+    """Where ``sender`` opens transfers to ``agent``: the receiver's inbox, ending in the sender's
+    name (in secure mode an agent may publish only on inboxes ending in its own name, and the
+    receiver refuses an `Open` whose ``src`` is not the subject's: no agent can pose as another)."""
+    return f"kvbus.agent.{agent}.inbox.{sender}"
+
+
 def data_subject(agent: str, transfer_id: str) -> str:
     """Chunks of a unicast transfer, under the receiver's own prefix (only it may subscribe)."""
     return f"kvbus.agent.{agent}.data.{transfer_id}"

@@ -5,11 +5,12 @@ one user per agent, per group scheduler and for the coordinator:
 
 - an agent may publish only on its own subjects of its group scheduler
   (``kvbus.sched.<group>.{request,done,probe,reserve,register}.<self>``: it cannot speak for
-  another agent), on other agents' ``inbox`` (to open a transfer) and ``ack`` subjects (to acknowledge one), and on data
-  subjects addressed to a receiver (``kvbus.agent.<rx>.data.*``) or on its own broadcast
-  subjects (``kvbus.bcast.<self>.*``); it may subscribe only under its own prefix
-  (``kvbus.agent.<self>.>``), to its own reply inbox (``_INBOX.<self>.>``) and to the broadcast
-  subjects of the senders it joined;
+  another agent), on other agents' inboxes under its own name (``kvbus.agent.*.inbox.<self>``,
+  to open a transfer: it cannot pose as another sender), on other agents' ``ack`` subjects (to
+  acknowledge one), and on data subjects addressed to a receiver (``kvbus.agent.<rx>.data.*``)
+  or on its own broadcast subjects (``kvbus.bcast.<self>.*``); it may subscribe only under its
+  own prefix (``kvbus.agent.<self>.>``), to its own reply inbox (``_INBOX.<self>.>``) and to the
+  broadcast subjects of the senders it joined;
 - only group schedulers may publish on ``kvbus.agent.*.ctl`` (grants, pause/resume), and
   replies (grants given as replies) are allowed only to requests the replier received;
 - schedulers and the coordinator may use JetStream (the directory and the coordinator's state).
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvbus.protocol import AGENT_TO_SCHED, check_name, sched_subject
+from kvbus.protocol import AGENT_TO_SCHED, check_name, inbox_subject, sched_subject
 
 
 @dataclass(frozen=True)
@@ -108,8 +109,8 @@ def agent_permissions(grant: AgentGrant) -> dict[str, object]:
     subscribe = [f"kvbus.agent.{a}.>", f"_INBOX.{a}.>"]
     subscribe += [f"kvbus.bcast.{check_name('agent', s)}.>" for s in grant.broadcasts_from]
     return {
-        "publish": {"allow": [*(sched_subject(g, kind, a) for kind in AGENT_TO_SCHED), "kvbus.agent.*.inbox",
-                              "kvbus.agent.*.ack", "kvbus.agent.*.ping", "kvbus.agent.*.data.>", f"kvbus.bcast.{a}.>",
+        "publish": {"allow": [*(sched_subject(g, kind, a) for kind in AGENT_TO_SCHED), inbox_subject("*", a),
+                              "kvbus.agent.*.ack", "kvbus.agent.*.data.>", f"kvbus.bcast.{a}.>",
                               "kvbus.coord.place"]},
         "subscribe": {"allow": subscribe},
         "allow_responses": True,

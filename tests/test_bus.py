@@ -27,7 +27,7 @@ from kvbus.bus import (
 from kvbus.bus.stream import chunk_digest
 from kvbus.codecs import UnknownCodec
 from kvbus.errors import SignatureMismatch
-from kvbus.protocol import CHUNK_INDEX_HEADER, CHUNK_SUM_HEADER, Open, OpenReply, agent_subject
+from kvbus.protocol import CHUNK_INDEX_HEADER, CHUNK_SUM_HEADER, Open, OpenReply, agent_subject, inbox_subject
 from kvbus.signature import ModelSignature
 from tests.conftest import FAST
 from tests.kvutil import kv_of_bytes, random_kv
@@ -215,7 +215,7 @@ async def test_receiver_rejects_unknown_codec_and_keeps_working(pair: tuple[Any,
     tx, rx, _ = pair
     bad = Open(transfer_id="t1", src=tx.name, codec="no-such-codec", meta={}, sizes=[4], total=4, chunk_size=1024,
                n_chunks=1, digest="0" * 32, window=4, data_subject="kvbus.data.x.t1", ack_subject="x", inline=True)
-    data = await bus.transport.request(agent_subject(rx.name, "inbox"), bad.frame(b"abcd"), timeout=2)
+    data = await bus.transport.request(inbox_subject(rx.name, tx.name), bad.frame(b"abcd"), timeout=2)
     reply = OpenReply.decode(data)
     assert not reply.ok and "unknown codec 'no-such-codec'" in reply.reason
     kv = random_kv(SIG, 5)
@@ -227,7 +227,7 @@ async def test_receiver_rejects_unknown_codec_and_keeps_working(pair: tuple[Any,
 async def test_malformed_and_oversized_open_headers_are_rejected(pair: tuple[Any, Any, Bus], bus: Bus,
                                                                  raw: bytes) -> None:
     tx, rx, _ = pair
-    data = await bus.transport.request(agent_subject(rx.name, "inbox"), raw, timeout=2)
+    data = await bus.transport.request(inbox_subject(rx.name, tx.name), raw, timeout=2)
     reply = OpenReply.decode(data)
     assert not reply.ok and "malformed open message" in reply.reason
     kv = random_kv(SIG, 3)

@@ -34,6 +34,7 @@ from kvbus.protocol import (
     ROOT_SUM_HEADER,
     Open,
     agent_subject,
+    inbox_subject,
     decode_message,
     sched_subject,
 )
@@ -271,7 +272,7 @@ async def test_misbehaving_client_does_not_disturb_other_agents(bus: Bus, nats_u
                 (0xFFFFFFFF).to_bytes(4, "big") + b"x"]
         # The victim's own subjects take the storm; tx and rx only get chunks for a transfer that
         # does not exist and acks they do not expect (what any agent may publish to them).
-        subjects = [agent_subject(victim.name, k) for k in ("inbox", "ack", "ctl", "ping")]
+        subjects = [agent_subject(victim.name, k) for k in ("ack", "ctl")] + [inbox_subject(victim.name, "rogue")]
         subjects += [agent_subject(tx.name, "ack")]
         subjects += [sched_subject("default", k, victim.name) for k in AGENT_TO_SCHED]
         subjects += [sched_subject("default", "state")]

@@ -1235,7 +1235,7 @@ async def test_adding_an_agent_is_a_hot_reload_on_a_real_server(tmp_path: Path) 
         alice = await nats.connect(url, user="agent-alice", password=secret["agent-alice"],
                                    disconnected_cb=on_disconnect, reconnected_cb=on_reconnect)
         connections.append(alice)
-        inbox = await alice.subscribe("kvbus.agent.alice.inbox")
+        inbox = await alice.subscribe("kvbus.agent.alice.inbox.*")
         with pytest.raises(nats.errors.Error, match="Authorization Violation"):
             await nats.connect(url, user="agent-bob", password="x", allow_reconnect=False,
                                max_reconnect_attempts=0, connect_timeout=2)
@@ -1261,7 +1261,7 @@ async def test_adding_an_agent_is_a_hot_reload_on_a_real_server(tmp_path: Path) 
         assert server.poll() is None and (tmp_path / "nats.pid").read_text().strip() == str(server.pid)
         assert "Reloaded server configuration" in (tmp_path / "nats.log").read_text()
         assert "nats-server reloaded" in (tmp_path / "reloader.log").read_text()
-        await bob.publish("kvbus.agent.alice.inbox", b"hello")  # bob's permissions allow this
+        await bob.publish("kvbus.agent.alice.inbox.bob", b"hello")  # bob's permissions allow this
         assert (await inbox.next_msg(timeout=5)).data == b"hello"
         assert alice.is_connected and events == [] and alice.stats["reconnects"] == 0
         assert reloader.poll() is None

@@ -18,7 +18,7 @@ import pytest
 from kvbus.bus import Bus
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
 from kvbus.local import NatsServer
-from kvbus.protocol import AgentRecord, Grant, RequestAck, TransferRequest, agent_subject, sched_subject
+from kvbus.protocol import AgentRecord, Grant, RequestAck, TransferRequest, agent_subject, inbox_subject, sched_subject
 from kvbus.security import AgentGrant, Credentials, load_credentials, permissions_config
 from tests.conftest import FAST
 from tests.kvutil import kv_of_bytes, random_kv
@@ -153,6 +153,27 @@ async def test_agent_cannot_speak_for_another_agent_to_the_scheduler(stack: dict
     assert (await agents["alice"].receive(timeout=10)).kv.equal(kv)
 
 
+async def test_agent_cannot_pose_as_another_sender(stack: dict[str, Any]) -> None:
+    """Mallory may not open a transfer on bob's inbox under alice's name (the server refuses the
+    publish), and an Open claiming alice on mallory's own inbox subject is refused by bob."""
+    from kvbus.protocol import Open, OpenReply
+
+    agents, buses, errors = stack["agents"], stack["buses"], stack["errors"]
+    mallory = buses["mallory"].transport
+    kv = random_kv(SIG, 4)
+    forged = Open(transfer_id="a" * 32, src="alice", codec="full", meta={"signature": SIG.to_dict()}, sizes=[16],
+                  total=16, chunk_size=1 << 20, n_chunks=1, digest="", window=4,
+                  data_subject="kvbus.agent.bob.data." + "a" * 32, ack_subject=agent_subject("alice", "ack"))
+    await mallory.publish(inbox_subject("bob", "alice"), forged.frame())
+    await _wait_for(errors["mallory"], "kvbus.agent.bob.inbox.alice")
+    reply = OpenReply.decode(await mallory.request(inbox_subject("bob", "mallory"), forged.frame(), timeout=3))
+    assert not reply.ok and "came on the inbox of 'mallory'" in reply.reason
+    # Nothing reached bob's inbox; alice's real sends still do.
+    await agents["alice"].send("bob", kv, medium="full")
+    got = await agents["bob"].receive(timeout=10)
+    assert got.sender == "alice" and got.kv.equal(kv)
+
+
 async def test_secure_agents_register_through_their_scheduler(stack: dict[str, Any]) -> None:
     record = await stack["sched"].lookup("carol")
     assert record is not None and record.group == "default"
@@ -165,7 +186,7 @@ async def test_receiver_refuses_an_open_pointing_at_foreign_subjects(stack: dict
     bad = Open(transfer_id="t" * 32, src="mallory", codec="full", meta={"signature": SIG.to_dict()}, sizes=[4 << 20], total=4 << 20,
                chunk_size=1 << 20, n_chunks=4, digest="", window=4, data_subject="kvbus.agent.alice.data.x",
                ack_subject=agent_subject("mallory", "ack"))
-    reply = OpenReply.decode(await mallory.request(agent_subject("bob", "inbox"), bad.frame(), timeout=3))
+    reply = OpenReply.decode(await mallory.request(inbox_subject("bob", "mallory"), bad.frame(), timeout=3))
     assert not reply.ok and "data subject" in reply.reason
     assert stack["agents"]["bob"].partial_transfers == 0
 
