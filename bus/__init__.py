@@ -8,14 +8,14 @@ from kvbus.bus.errors import (
     PayloadTooLarge,
     ReceiverGone,
     ReceiveTimeout,
-    ReservationRefused,
     SchedulerUnavailable,
     TransferError,
     TransferRejected,
     TransferTimeout,
 )
 from kvbus.bus.pacing import EmulatedLink
-from kvbus.bus.transport import NatsTransport, NoResponders, Transport
+from kvbus.errors import ReservationRefused
+from kvbus.net.transport import NatsTransport, NoResponders, Transport
 from kvbus.bus.types import Delivery, TransferReport
 
 __all__ = [

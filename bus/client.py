@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 from nats.aio.msg import Msg
-from nats.js.errors import BucketNotFoundError
 
 from opentelemetry.trace import SpanKind, use_span
 
@@ -28,18 +27,18 @@ from kvbus.bus.errors import (
     BusClosed,
     PayloadTooLarge,
     ReceiveTimeout,
-    ReservationRefused,
     SchedulerUnavailable,
     TransferError,
     TransferRejected,
     TransferTimeout,
 )
 from kvbus.bus.stream import IncomingTransfer, OutgoingTransfer, Reassembly, split_inline
-from kvbus.bus.transport import NatsTransport, NoResponders, Transport
+from kvbus.net.buckets import key_value
+from kvbus.net.transport import NatsTransport, NoResponders, Transport
 from kvbus.bus.types import Delivery, TransferReport
 from kvbus.codecs import Encoded, ModelRunner, get_codec
 from kvbus.codecs.errors import CodecError
-from kvbus.errors import KVBusError, WireFormatError
+from kvbus.errors import KVBusError, ReservationRefused, WireFormatError
 from kvbus.kvcache import KVCache
 from kvbus.protocol import (
     AGENTS_BUCKET,
@@ -120,11 +119,7 @@ class Bus:
             nc = getattr(self.transport, "nc", None)
             if nc is None or self.secure:
                 return None
-            js = nc.jetstream()
-            try:
-                self._directory = await js.key_value(AGENTS_BUCKET)
-            except BucketNotFoundError:
-                self._directory = await js.create_key_value(bucket=AGENTS_BUCKET, history=1)
+            self._directory = await key_value(nc.jetstream(), AGENTS_BUCKET)
         return self._directory
 
     async def agent(self, name: str, *, group: str | None = "default", role: str = "agent", priority: float = 1.0,
@@ -164,7 +159,8 @@ class Bus:
         return agent
 
     async def _place(self, name: str) -> str:
-        from kvbus.coordinator.client import CoordinatorClient, CoordinatorUnavailable
+        from kvbus.errors import CoordinatorUnavailable
+        from kvbus.net.coordinator_client import CoordinatorClient
 
         reply = await CoordinatorClient(self.transport).place(name)
         if not reply.group:

@@ -60,14 +60,6 @@ class SchedulerUnavailable(TransferError):
                                       f"(start one with `kvbus group-scheduler --group {group}`)")
 
 
-class ReservationRefused(BusError):
-    """Admission control refused a reservation; ``reason`` says why."""
-
-    def __init__(self, reservation_id: str, reason: str) -> None:
-        self.reservation_id = reservation_id
-        self.reason = reason
-        super().__init__(f"reservation {reservation_id} refused: {reason}")
-
 
 class PayloadTooLarge(BusError, ValueError):
     """A payload or header is over a configured limit."""

@@ -28,7 +28,7 @@ from opentelemetry.trace import INVALID_SPAN, Span
 from kvbus.bus.config import BusConfig
 from kvbus.bus.errors import ReceiverGone, TransferError, TransferRejected, TransferTimeout
 from kvbus.bus.pacing import TokenBucket
-from kvbus.bus.transport import NoResponders, Transport
+from kvbus.net.transport import NoResponders, Transport
 from kvbus.protocol import (
     CHUNK_INDEX_HEADER,
     CHUNK_SUM_HEADER,

@@ -1,6 +1,6 @@
 """Calibration profiles: measured speed, size and fidelity of every medium, saved and reused.
 
-`kvbus calibrate` (`kvbus.calibrate`) measures them on a real model and writes a profile; the
+`kvbus calibrate` (`kvbus.app.calibrate`) measures them on a real model and writes a profile; the
 cost model and the codecs load it. Lookup order of `load_profile` without a path:
 ``$KVBUS_CALIBRATION``, else ``~/.cache/kvbus/calibration.json``, else the profile shipped
 with kvbus (``kvbus/data/calibration_default.json``, measured on SmolLM2-135M-Instruct on a

@@ -18,13 +18,14 @@ from typing import Any
 
 from nats.aio.msg import Msg
 from opentelemetry.trace import SpanKind
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError
+from nats.js.errors import KeyNotFoundError, NoKeysError
 
 from kvbus import telemetry
-from kvbus.bus.transport import NatsTransport, Transport
+from kvbus.net.buckets import key_value
+from kvbus.net.transport import NatsTransport, Transport
 from kvbus.coordinator.arbiter import weighted_max_min
 from kvbus.coordinator.config import CoordinatorConfig
-from kvbus.coordinator.leader import LeaderLease
+from kvbus.net.leader import LeaderLease
 from kvbus.errors import WireFormatError
 from kvbus.protocol import (
     AGENTS_BUCKET,
@@ -93,8 +94,8 @@ class Coordinator:
         nc = getattr(self.transport, "nc", None)
         if nc is not None:
             js = nc.jetstream()
-            self._bucket = await _bucket(js, COORD_BUCKET)
-            self._agents = await _bucket(js, AGENTS_BUCKET)
+            self._bucket = await key_value(js, COORD_BUCKET)
+            self._agents = await key_value(js, AGENTS_BUCKET)
             self._leader = LeaderLease(self._bucket, "leader", self.name, ttl=self.config.leader_ttl_s,
                                        on_elected=self._serve, on_lost=self._stop_serving)
             if wait_leader:
@@ -362,13 +363,6 @@ class Coordinator:
 def _reservation_rate(req: ReservationRequest) -> float:
     """Bandwidth a periodic flow needs: its size within its deadline."""
     return req.size_bytes / req.deadline_s if req.deadline_s > 0 else float("inf")
-
-
-async def _bucket(js: Any, name: str) -> Any:
-    try:
-        return await js.key_value(name)
-    except BucketNotFoundError:
-        return await js.create_key_value(bucket=name, history=1)
 
 
 def _traced(name: str, traceparent: str | None, attributes: dict[str, Any]) -> AbstractContextManager[Any]:

@@ -14,8 +14,9 @@ import logging
 import time
 from collections.abc import Callable
 
-from kvbus.bus.transport import Transport
-from kvbus.coordinator.client import CoordinatorClient, CoordinatorUnavailable
+from kvbus.net.transport import Transport
+from kvbus.errors import CoordinatorUnavailable
+from kvbus.net.coordinator_client import CoordinatorClient
 from kvbus.errors import WireFormatError
 from kvbus.group_scheduler.state import GroupState, Pending
 

@@ -24,7 +24,7 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from kvbus.bus.transport import NoResponders, Transport
+from kvbus.net.transport import NoResponders, Transport
 from kvbus.errors import WireFormatError
 from kvbus.group_scheduler.state import GroupState, Pending
 from kvbus.protocol import (

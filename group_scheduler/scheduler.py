@@ -20,13 +20,14 @@ import uuid
 from typing import Any
 
 from nats.aio.msg import Msg
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError
+from nats.js.errors import KeyNotFoundError, NoKeysError
 
 from kvbus import telemetry
-from kvbus.bus.transport import NatsTransport, NoResponders, Transport
+from kvbus.net.buckets import transport_bucket
+from kvbus.net.transport import NatsTransport, NoResponders, Transport
 from kvbus.errors import WireFormatError
 from kvbus.group_scheduler.config import SchedulerConfig
-from kvbus.coordinator.leader import LeaderLease
+from kvbus.net.leader import LeaderLease
 from kvbus.group_scheduler.cost_model import CostConfig, CostModel
 from kvbus.group_scheduler.intergroup import InterGroupLease
 from kvbus.group_scheduler.policies import make_policy
@@ -254,14 +255,7 @@ class GroupScheduler:
     # -- directory ------------------------------------------------------------------------------
 
     async def _bucket(self, name: str) -> Any:
-        nc = getattr(self.transport, "nc", None)
-        if nc is None:
-            return None
-        js = nc.jetstream()
-        try:
-            return await js.key_value(name)
-        except BucketNotFoundError:
-            return await js.create_key_value(bucket=name, history=1)
+        return await transport_bucket(self.transport, name)
 
     async def _watch_directory(self) -> None:
         """Keep the directory cache current from a JetStream watch of the bucket.

@@ -117,3 +117,20 @@ class GenerationError(KVBusError, ValueError):
     def __init__(self, reason: str) -> None:
         self.reason = reason
         super().__init__(f"cannot generate: {reason}")
+
+
+class ReservationRefused(KVBusError):
+    """Admission control refused a reservation; ``reason`` says why."""
+
+    def __init__(self, reservation_id: str, reason: str) -> None:
+        self.reservation_id = reservation_id
+        self.reason = reason
+        super().__init__(f"reservation {reservation_id} refused: {reason}")
+
+
+class CoordinatorUnavailable(KVBusError, ConnectionError):
+    """No coordinator answers."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        super().__init__(f"no coordinator answers ({what}); start one with `kvbus coordinator`")

@@ -9,7 +9,7 @@ import pytest
 
 from kvbus.bus import Bus, BusConfig
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
-from kvbus.local import NatsServer, RedisServer
+from kvbus.app.local import NatsServer, RedisServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -33,8 +33,8 @@ from kvbus.bus import Bus
 from kvbus.config import redact_url
 from kvbus.errors import ConfigError, NatsConnectError
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
-from kvbus.local import NatsServer
-from kvbus.natsauth import IDENTITY_OPTIONS, NatsAuth, check_connection, server_info
+from kvbus.app.local import NatsServer
+from kvbus.net.auth import IDENTITY_OPTIONS, NatsAuth, check_connection, server_info
 from tests.conftest import FAST
 from tests.kvutil import kv_of_bytes
 from tests.peer import SIG
@@ -398,7 +398,7 @@ async def test_wrong_or_missing_token_is_a_clear_error(token_server: NatsServer,
 
 
 async def test_unreachable_server_is_retryable() -> None:
-    from kvbus.local import free_port
+    from kvbus.app.local import free_port
 
     err = await refused(f"nats://127.0.0.1:{free_port()}", NatsAuth(token=TOKEN).connect_options())
     assert err.retryable and TOKEN not in str(err)
@@ -517,7 +517,7 @@ def _cli_env(**extra: str) -> dict[str, str]:
 
 
 def _cli(*argv: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvbus.cli", *argv], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-m", "kvbus.app.cli", *argv], capture_output=True, text=True, env=env,
                           timeout=timeout)
 
 
@@ -528,7 +528,7 @@ def test_cli_commands_use_token_and_tls_from_the_environment(pki: Pki) -> None:
     with server:
         url = server.url
         good = _cli_env(KVBUS_NATS_TOKEN=TOKEN, KVBUS_NATS_TLS_CA=str(pki.ca))
-        sched = subprocess.Popen([sys.executable, "-m", "kvbus.cli", "-vv", "group-scheduler", "--group", "cli",
+        sched = subprocess.Popen([sys.executable, "-m", "kvbus.app.cli", "-vv", "group-scheduler", "--group", "cli",
                                   "--nats-url", url], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=good)
         try:
             assert sched.stdout is not None
@@ -581,7 +581,7 @@ def test_refused_login_is_retried_for_kvbus_nats_connect_wait() -> None:
     server = NatsServer(extra_config='authorization {\n  token: "old-token"\n}\n')
     with server:
         env = _cli_env(KVBUS_NATS_TOKEN="new-token", KVBUS_NATS_CONNECT_WAIT="60")
-        sched = subprocess.Popen([sys.executable, "-m", "kvbus.cli", "group-scheduler", "--group", "late",
+        sched = subprocess.Popen([sys.executable, "-m", "kvbus.app.cli", "group-scheduler", "--group", "late",
                                   "--nats-url", server.url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
         try:
             time.sleep(2.0)

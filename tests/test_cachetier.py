@@ -42,9 +42,9 @@ from kvbus.cachetier.remote import RemoteStore, redact
 from kvbus.codecs import available_codecs, get_codec
 from kvbus.errors import KVBusError
 from kvbus.kvcache import KVCache
-from kvbus.local import RedisServer
-from kvbus.models import random_model
-from kvbus.runner import HFRunner
+from kvbus.app.local import RedisServer
+from kvbus.app.models import random_model
+from kvbus.app.runner import HFRunner
 from kvbus.signature import ModelSignature
 from tests.kvutil import random_kv
 

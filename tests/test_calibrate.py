@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbus.calibrate import SPECS, calibration_texts, measure, windows
+from kvbus.app.calibrate import SPECS, calibration_texts, measure, windows
 from kvbus.codecs import CalibrationError, get_codec, load_profile, save_profile
 from kvbus.codecs import calibration as cal
 from kvbus.codecs.calibration import CalibrationProfile, CodecFigures, fidelity_from
@@ -126,7 +126,7 @@ def test_the_shipped_profile_covers_every_calibrated_medium() -> None:
 
 
 def test_calibration_texts_give_windows() -> None:
-    from kvbus.models import load_smollm2
+    from kvbus.app.models import load_smollm2
 
     texts = calibration_texts()
     assert len(texts) >= 5 and all(len(t) > 3000 for t in texts)

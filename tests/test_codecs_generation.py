@@ -10,8 +10,8 @@ from kvbus.codecs import Encoded, ModelSummarizer, SummaryCodec, get_codec
 from kvbus.codecs.topk import attention_scores
 from kvbus.errors import GenerationError
 from kvbus.kvcache import KVCache
-from kvbus.models import random_model
-from kvbus.runner import HFRunner
+from kvbus.app.models import random_model
+from kvbus.app.runner import HFRunner
 
 NEW = 10
 

@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbus.bus import Bus
-from kvbus.bus.transport import NatsTransport
+from kvbus.net.transport import NatsTransport
 from kvbus.coordinator import Coordinator, CoordinatorClient, CoordinatorConfig, weighted_max_min
-from kvbus.coordinator.client import ReservationRefused
-from kvbus.local import NatsServer
+from kvbus.errors import ReservationRefused
+from kvbus.app.local import NatsServer
 from kvbus.protocol import COORD_REGISTER, GroupHeartbeat
 from tests.peer import SIG
 

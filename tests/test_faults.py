@@ -21,7 +21,7 @@ import pytest
 
 from kvbus.bus import Bus, BusConfig, TransferError
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
-from kvbus.local import NatsServer
+from kvbus.app.local import NatsServer
 from kvbus.protocol import CHUNK_INDEX_HEADER
 from tests.kvutil import kv_of_bytes
 from tests.peer import SIG, kv_digest

@@ -920,7 +920,7 @@ def _chart_nats(docs: list[dict[str, Any]], tmp_path: Path, port: int, monitor: 
     includes; or, with nats.auth.existingSecret, its environment set as the StatefulSet sets it
     (each user's password variable from ``existing_secret``, that Secret's keys). Its pid file
     is tmp_path/nats.pid. Returns the server and each user's password."""
-    from kvbus.local import find_nats_server
+    from kvbus.app.local import find_nats_server
 
     conf = nats_conf(docs)
     conf = re.sub(r"^port: \d+$", f"port: {port}", conf, flags=re.M)
@@ -1016,7 +1016,7 @@ async def test_chart_users_on_a_real_server(tmp_path: Path) -> None:
     from kvbus.bus import Bus
     from kvbus.coordinator import Coordinator
     from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
-    from kvbus.local import free_port
+    from kvbus.app.local import free_port
     from kvbus.protocol import Grant, agent_subject
     from tests.conftest import FAST
     from tests.kvutil import kv_of_bytes, random_kv
@@ -1107,7 +1107,7 @@ def _chart_services(docs: list[dict[str, Any]], tmp_path: Path) -> Iterator[tupl
     """The chart's nats.conf on a real nats-server, with `kvbus coordinator` and `kvbus
     group-scheduler --group g0` running with their pods' environment; yields the port and the
     users' passwords once both serve."""
-    from kvbus.local import free_port
+    from kvbus.app.local import free_port
 
     port, monitor = free_port(), free_port()
     server, secret = _chart_nats(docs, tmp_path, port, monitor)
@@ -1118,7 +1118,7 @@ def _chart_services(docs: list[dict[str, Any]], tmp_path: Path) -> Iterator[tupl
             env = {**os.environ, **_pod_env(_container(docs, kind, name), secret, port), "HF_HUB_OFFLINE": "1"}
             env.pop("KVBUS_METRICS_PORT", None)  # both would serve the same port here
             with open(tmp_path / f"{args[0]}.log", "wb") as log:
-                procs.append(subprocess.Popen([sys.executable, "-m", "kvbus.cli", "-v", *args], env=env,
+                procs.append(subprocess.Popen([sys.executable, "-m", "kvbus.app.cli", "-v", *args], env=env,
                                               stdout=log, stderr=subprocess.STDOUT))
         _wait_for_subscriptions(monitor, {"kvbus.sched.g0.request.*", "kvbus.coord.register"}, tmp_path,
                                 procs=tuple(procs))
@@ -1163,7 +1163,7 @@ def test_helm_test_pod_on_a_real_server(tmp_path: Path) -> None:
     with _chart_services(docs, tmp_path) as (port, secret):
         env = _pod_env(_container(docs, "Pod", f"{RELEASE}-selftest"), secret, port)
         env.pop("KVBUS_REDIS_URL", None)
-        selftest = subprocess.run([sys.executable, "-m", "kvbus.cli", "selftest", "--group", "g0"],
+        selftest = subprocess.run([sys.executable, "-m", "kvbus.app.cli", "selftest", "--group", "g0"],
                                   env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
         assert selftest.returncode == 0, selftest.stdout + selftest.stderr
         assert "selftest OK" in selftest.stdout
@@ -1172,7 +1172,7 @@ def test_helm_test_pod_on_a_real_server(tmp_path: Path) -> None:
 def _start_reloader(docs: list[dict[str, Any]], tmp_path: Path) -> subprocess.Popen[bytes]:
     """The NATS pod's reloader sidecar: its very shell loop (from the rendered StatefulSet),
     watching tmp_path (the server's /etc/nats-config) and signalling through tmp_path/nats.pid."""
-    from kvbus.local import find_nats_server
+    from kvbus.app.local import find_nats_server
 
     reloader = next(c for c in pod_spec(one(docs, "StatefulSet", f"{RELEASE}-nats"))["containers"]
                     if c["name"] == "reloader")
@@ -1211,7 +1211,7 @@ async def test_adding_an_agent_is_a_hot_reload_on_a_real_server(tmp_path: Path) 
     connected (no disconnect, no reconnect, its subscription still delivers)."""
     import nats
 
-    from kvbus.local import free_port
+    from kvbus.app.local import free_port
 
     interval = "nats.reloader.intervalSeconds=1"
     old_docs = render(_agents_value([("alice", "g0", ())]), interval)
@@ -1279,7 +1279,7 @@ async def test_existing_secret_users_on_a_real_server(tmp_path: Path) -> None:
 
     import nats
 
-    from kvbus.local import free_port
+    from kvbus.app.local import free_port
 
     docs = render(_agents_value([("alice", "g0", ())]), "nats.auth.existingSecret=kvbus-nats-users")
     existing = {u["user"]: secrets.token_urlsafe(24) for u in nats_users(docs)}

@@ -20,7 +20,7 @@ from kvbus.bus import Bus, BusConfig
 from kvbus.errors import KVBusError
 from kvbus.coordinator import Coordinator, CoordinatorConfig
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
-from kvbus.local import NatsServer
+from kvbus.app.local import NatsServer
 from kvbus.protocol import COORD_BUCKET
 from tests.kvutil import kv_of_bytes
 from tests.peer import SIG
@@ -53,7 +53,7 @@ async def bus(url: str) -> AsyncIterator[Bus]:
 
 
 def spawn(*args: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "kvbus.cli", *args], env={**os.environ, **env},
+    return subprocess.Popen([sys.executable, "-m", "kvbus.app.cli", *args], env={**os.environ, **env},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

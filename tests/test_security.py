@@ -17,7 +17,7 @@ import pytest
 
 from kvbus.bus import Bus
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
-from kvbus.local import NatsServer
+from kvbus.app.local import NatsServer
 from kvbus.protocol import AgentRecord, Grant, RequestAck, TransferRequest, agent_subject, inbox_subject, sched_subject
 from kvbus.security import AgentGrant, Credentials, load_credentials, permissions_config
 from tests.conftest import FAST
@@ -194,7 +194,7 @@ async def test_receiver_refuses_an_open_pointing_at_foreign_subjects(stack: dict
 def test_kvbus_up_secure_writes_private_credentials_and_logs_no_secret(tmp_path: Path) -> None:
     env = {**os.environ, "KVBUS_CREDENTIALS_FILE": str(tmp_path / "credentials.json"),
            "KVBUS_STACK_FILE": str(tmp_path / "stack.json")}
-    proc = subprocess.Popen([sys.executable, "-m", "kvbus.cli", "-vv", "up", "--secure", "--agents", "a1,a2"],
+    proc = subprocess.Popen([sys.executable, "-m", "kvbus.app.cli", "-vv", "up", "--secure", "--agents", "a1,a2"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     out = b""
     try:

@@ -165,7 +165,7 @@ def transfer(nats_url: str) -> Iterator[dict[str, Any]]:
         sched_port, tx_port = free_port(), free_port()
         procs: list[subprocess.Popen[str]] = []
         try:
-            sched = subprocess.Popen([sys.executable, "-m", "kvbus.cli", "group-scheduler", "--group", GROUP,
+            sched = subprocess.Popen([sys.executable, "-m", "kvbus.app.cli", "group-scheduler", "--group", GROUP,
                                       "--nats-url", nats_url], env=_env(otlp.url, "test-scheduler", sched_port),
                                      stdout=subprocess.PIPE, text=True)
             procs.append(sched)
@@ -225,19 +225,19 @@ def test_one_trace_across_sender_scheduler_and_receiver(transfer: dict[str, Any]
 def test_inter_group_trace_includes_the_coordinators_lease() -> None:
     """A transfer to an agent of another group waits for its group's bandwidth lease: the
     coordinator (its own process) answers inside the sender's trace, next to the scheduler."""
-    from kvbus.local import NatsServer
+    from kvbus.app.local import NatsServer
 
     server = NatsServer().start()
     procs: list[subprocess.Popen[str]] = []
     try:
         with OtlpReceiver() as otlp:
             url = server.url
-            coord = subprocess.Popen([sys.executable, "-m", "kvbus.cli", "coordinator", "--nats-url", url],
+            coord = subprocess.Popen([sys.executable, "-m", "kvbus.app.cli", "coordinator", "--nats-url", url],
                                      env=_env(otlp.url, "test-coordinator"), stdout=subprocess.PIPE, text=True)
             procs.append(coord)
             _readline(coord, "coordinator on")
             for g in ("otel-a", "otel-b"):
-                p = subprocess.Popen([sys.executable, "-m", "kvbus.cli", "group-scheduler", "--group", g,
+                p = subprocess.Popen([sys.executable, "-m", "kvbus.app.cli", "group-scheduler", "--group", g,
                                       "--nats-url", url], env=_env(otlp.url, f"test-scheduler-{g}"),
                                      stdout=subprocess.PIPE, text=True)
                 procs.append(p)
@@ -296,7 +296,7 @@ def test_redact_url_hides_credentials() -> None:
 
 def test_group_scheduler_does_not_print_credentials(nats_server: Any) -> None:
     host_port = nats_server.url.split("://", 1)[1]
-    p = subprocess.Popen([sys.executable, "-m", "kvbus.cli", "group-scheduler", "--group", "redact",
+    p = subprocess.Popen([sys.executable, "-m", "kvbus.app.cli", "group-scheduler", "--group", "redact",
                           "--nats-url", f"nats://someone:hunter2@{host_port}"], stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
     try:
@@ -313,7 +313,7 @@ async def test_top_renders_a_frame_of_a_running_stack(tmp_path: Path) -> None:
 
     env = dict(os.environ, KVBUS_STACK_FILE=str(tmp_path / "stack.json"), PYTHONUNBUFFERED="1")
     env.pop("KVBUS_NATS_URL", None)
-    up = subprocess.Popen([sys.executable, "-m", "kvbus.cli", "up"], env=env, stdout=subprocess.PIPE, text=True)
+    up = subprocess.Popen([sys.executable, "-m", "kvbus.app.cli", "up"], env=env, stdout=subprocess.PIPE, text=True)
     try:
         _readline(up, "kvbus is up", timeout=30)
         url = json.loads((tmp_path / "stack.json").read_text())["nats_url"]
@@ -323,7 +323,7 @@ async def test_top_renders_a_frame_of_a_running_stack(tmp_path: Path) -> None:
             while True:
                 # `top` with no --nats-url finds the stack through its stack file.
                 # (In a thread: the agent's probes need this event loop.)
-                done = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "kvbus.cli", "top", "--once"],
+                done = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "kvbus.app.cli", "top", "--once"],
                                                env=env, capture_output=True, text=True, timeout=30)
                 out = done.stdout
                 if "top-watcher" in out or time.monotonic() > deadline:

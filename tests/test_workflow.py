@@ -12,10 +12,10 @@ import torch
 
 from kvbus.bus import EmulatedLink
 from kvbus.codecs import available_codecs
-from kvbus.demo import STATIC_POLICIES, summarise, write_report
+from kvbus.app.demo import STATIC_POLICIES, summarise, write_report
 from kvbus.group_scheduler import GroupScheduler
-from kvbus.models import random_model
-from kvbus.workflow import AgentSpec, Workflow
+from kvbus.app.models import random_model
+from kvbus.app.workflow import AgentSpec, Workflow
 
 
 def encode(text: str) -> torch.Tensor:
@@ -73,8 +73,8 @@ async def test_workflow_on_a_server_that_wants_a_token(flow: Workflow) -> None:
     """`kvbus demo --nats-url` on a server of your own: the KVBUS_NATS_* identity reaches the
     workflow's connection, its schedulers' and its coordinator's (`run_policies` passes it)."""
     from kvbus.coordinator import Coordinator
-    from kvbus.local import NatsServer
-    from kvbus.natsauth import NatsAuth
+    from kvbus.app.local import NatsServer
+    from kvbus.net.auth import NatsAuth
 
     server = NatsServer(extra_config='authorization {\n  token: "wf-secret-token"\n}\n').start()
     options = NatsAuth.from_env(environ={"KVBUS_NATS_TOKEN": "wf-secret-token"}).connect_options()

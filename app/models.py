@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from kvbus.errors import ModelUnavailable
-from kvbus.runner import HFRunner
+from kvbus.app.runner import HFRunner
 
 logger = logging.getLogger(__name__)
 

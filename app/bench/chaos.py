@@ -33,7 +33,7 @@ import torch
 from kvbus.bus import Bus, BusConfig, TransferError
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
 from kvbus.kvcache import KVCache
-from kvbus.local import NatsServer
+from kvbus.app.local import NatsServer
 from kvbus.protocol import CHUNK_INDEX_HEADER, CHUNK_SUM_HEADER
 from kvbus.signature import ModelSignature
 

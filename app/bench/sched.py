@@ -48,7 +48,7 @@ from kvbus.group_scheduler.scheduler import default_selector
 from kvbus.group_scheduler.simulate import SIM_SIGNATURE, FixedSelector
 from kvbus.group_scheduler.state import AgentState, GroupState, Pending
 from kvbus.kvcache import KVCache
-from kvbus.local import NatsServer
+from kvbus.app.local import NatsServer
 from kvbus.protocol import TransferRequest
 from kvbus.signature import ModelSignature
 

@@ -38,7 +38,7 @@ from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
 from kvbus.group_scheduler.cost_model import CostModel, Endpoint, Link
 from kvbus.group_scheduler.selection import AdaptiveSelector
 from kvbus.kvcache import KVCache
-from kvbus.local import NatsServer
+from kvbus.app.local import NatsServer
 from kvbus.signature import ModelSignature
 
 logger = logging.getLogger(__name__)

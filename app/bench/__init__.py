@@ -11,15 +11,15 @@ from typing import Any
 
 #: Suite name -> module with ``run(*, quick, **options) -> dict``.
 SUITES: dict[str, str] = {
-    "transport": "kvbus.bench.transport",
-    "e2e": "kvbus.bench.e2e",
-    "codecs": "kvbus.bench.codecs",
-    "select": "kvbus.bench.select",
-    "cachetier": "kvbus.bench.cachetier",
-    "sched": "kvbus.bench.sched",
-    "scale": "kvbus.bench.scale",
-    "chaos": "kvbus.bench.chaos",
-    "soak": "kvbus.bench.soak",
+    "transport": "kvbus.app.bench.transport",
+    "e2e": "kvbus.app.bench.e2e",
+    "codecs": "kvbus.app.bench.codecs",
+    "select": "kvbus.app.bench.select",
+    "cachetier": "kvbus.app.bench.cachetier",
+    "sched": "kvbus.app.bench.sched",
+    "scale": "kvbus.app.bench.scale",
+    "chaos": "kvbus.app.bench.chaos",
+    "soak": "kvbus.app.bench.soak",
 }
 
 

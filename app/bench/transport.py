@@ -38,14 +38,14 @@ from kvbus.bus import Bus, BusConfig
 from kvbus.bus.stream import ChunkPlan
 from kvbus.codecs import get_codec
 from kvbus.kvcache import KVCache
-from kvbus.local import NatsServer, RedisServer
+from kvbus.app.local import NatsServer, RedisServer
 from kvbus.signature import ModelSignature
 
 LLAMA3_8B = ModelSignature("llama-3-8b-shape", n_layers=32, n_kv_heads=8, head_dim=128, dtype="bfloat16",
                            vocab_size=128256, rope_theta=500000.0)
-RAW_SUBJECT = "kvbus.bench.raw"
-CREDIT_SUBJECT = "kvbus.bench.raw.credit"
-REDIS_SUBJECT = "kvbus.bench.redis"
+RAW_SUBJECT = "kvbus.app.bench.raw"
+CREDIT_SUBJECT = "kvbus.app.bench.raw.credit"
+REDIS_SUBJECT = "kvbus.app.bench.redis"
 GROUP = "bench"
 #: The group, receiver and sender of the traced runs (their own scheduler and receiver process).
 TRACED_GROUP, TRACED_RX, TRACED_TX = "bench-otel", "bench-rx-otel", "bench-tx-otel"
@@ -203,9 +203,9 @@ async def _run(quick: bool, nats_url: str | None) -> dict[str, Any]:
                       "KVBUS_METRICS_PORT": "0", "KVBUS_BENCH_TRACED": "1"}
         peers = []
         for group, penv in ((GROUP, env), (TRACED_GROUP, traced_env)):
-            procs.append(subprocess.Popen([sys.executable, "-m", "kvbus.cli", "group-scheduler", "--group", group,
+            procs.append(subprocess.Popen([sys.executable, "-m", "kvbus.app.cli", "group-scheduler", "--group", group,
                                            "--nats-url", url], env=penv, stdout=subprocess.DEVNULL))
-            peer = subprocess.Popen([sys.executable, "-m", "kvbus.bench.transport", "--peer", url, redis_srv.url,
+            peer = subprocess.Popen([sys.executable, "-m", "kvbus.app.bench.transport", "--peer", url, redis_srv.url,
                                      str(chunk_size), str(window), str(ack_every)], stdout=subprocess.PIPE, env=penv)
             procs.append(peer)
             peers.append(peer)

@@ -13,8 +13,8 @@ from typing import Any
 
 from rich.console import Console
 
-from kvbus.demo import render_table, run_policies
-from kvbus.local import NatsServer
+from kvbus.app.demo import render_table, run_policies
+from kvbus.app.local import NatsServer
 
 
 async def _run(quick: bool, nats_url: str | None, new_tokens: int) -> dict[str, Any]:

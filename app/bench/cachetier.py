@@ -44,7 +44,7 @@ import torch
 from kvbus.cachetier import CacheTier, CacheTierConfig, UtilityPolicy
 from kvbus.codecs import get_codec
 from kvbus.kvcache import KVCache
-from kvbus.local import RedisServer
+from kvbus.app.local import RedisServer
 from kvbus.signature import ModelSignature
 
 SMOLLM2 = ModelSignature("smollm2-135m-shape", n_layers=30, n_kv_heads=3, head_dim=64, dtype="float32",
@@ -229,7 +229,7 @@ async def _proxy(target_port: int, rate: float) -> None:
 
 
 def _start_proxy(target_port: int, rate: float) -> tuple[subprocess.Popen[bytes], int]:
-    proc = subprocess.Popen([sys.executable, "-m", "kvbus.bench.cachetier", "--proxy", str(target_port), str(rate)],
+    proc = subprocess.Popen([sys.executable, "-m", "kvbus.app.bench.cachetier", "--proxy", str(target_port), str(rate)],
                             stdout=subprocess.PIPE)
     assert proc.stdout is not None
     line = proc.stdout.readline().decode()

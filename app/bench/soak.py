@@ -20,10 +20,10 @@ from typing import Any
 
 import psutil
 
-from kvbus.bench.chaos import SIG, make_kv
+from kvbus.app.bench.chaos import SIG, make_kv
 from kvbus.bus import Bus, BusConfig, TransferError
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
-from kvbus.local import NatsServer
+from kvbus.app.local import NatsServer
 
 GROUP = "soak"
 AGENTS = 64

@@ -5,8 +5,8 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from kvbus.bus.transport import NoResponders, Transport
-from kvbus.errors import KVBusError
+from kvbus.net.transport import NoResponders, Transport
+from kvbus.errors import CoordinatorUnavailable, ReservationRefused
 from kvbus.protocol import (
     COORD_GROUPS,
     COORD_LEASE,
@@ -25,21 +25,6 @@ from kvbus.protocol import (
     unpackb,
 )
 
-
-class CoordinatorUnavailable(KVBusError, ConnectionError):
-    """No coordinator answers."""
-
-    def __init__(self, what: str) -> None:
-        super().__init__(f"no coordinator answers ({what}); start one with `kvbus coordinator`")
-
-
-class ReservationRefused(KVBusError):
-    """Admission control refused a reservation; ``reason`` says why."""
-
-    def __init__(self, reservation_id: str, reason: str) -> None:
-        self.reservation_id = reservation_id
-        self.reason = reason
-        super().__init__(f"reservation {reservation_id} refused: {reason}")
 
 
 class CoordinatorClient:

@@ -12,7 +12,7 @@ agents, as in a real team: every agent asks for a transfer to its group neighbou
 How it runs on a small machine:
 
 - every configuration gets a fresh nats-server; every group scheduler is its own OS process
-  (``python -m kvbus.cli group-scheduler``, ``max_active`` high, no bandwidth budget);
+  (``python -m kvbus.app.cli group-scheduler``, ``max_active`` high, no bandwidth budget);
 - the agents are real `kvbus.bus.Agent` objects (registered in the directory, probing, receiving
   grants on their ctl subjects), many per OS process (``CLIENT_PROCESSES`` processes, 64 agents per
   NATS connection). They are *light*: each transfer runs the bus client's own request -> grant ->
@@ -44,8 +44,8 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 GROUP_SIZE = 64
-GO = "kvbus.bench.scale.go"
-RESULT = "kvbus.bench.scale.result"
+GO = "kvbus.app.bench.scale.go"
+RESULT = "kvbus.app.bench.scale.result"
 #: Agents per bus connection inside a client process.
 AGENTS_PER_CONNECTION = 64
 #: Client processes the agents are spread over.
@@ -171,7 +171,7 @@ def _cpu_seconds(pid: int) -> float:
 async def _run_config(mode: str, n: int, *, seconds: float, rate: float) -> dict[str, Any]:
     import nats
 
-    from kvbus.local import NatsServer
+    from kvbus.app.local import NatsServer
 
     n_groups = 1 if mode == "flat" else max(1, n // GROUP_SIZE)
     groups = [f"s{g}" for g in range(n_groups)]
@@ -186,14 +186,14 @@ async def _run_config(mode: str, n: int, *, seconds: float, rate: float) -> dict
     server = NatsServer().start()
     procs: list[subprocess.Popen[str]] = []
     try:
-        scheds = [_spawn(["-m", "kvbus.cli", "group-scheduler", "--group", g, "--nats-url", server.url], env)
+        scheds = [_spawn(["-m", "kvbus.app.cli", "group-scheduler", "--group", g, "--nats-url", server.url], env)
                   for g in groups]
         procs += scheds
         for p in scheds:
             await _wait_line(p, "group scheduler", 120)
         # Whole groups per client process where they fit, so a process's agents share connections.
         chunks = [triples[i::CLIENT_PROCESSES] for i in range(CLIENT_PROCESSES)]
-        cl = [_spawn(["-m", "kvbus.bench.scale", "--client", server.url, str(i), str(rate), json.dumps(c)], env)
+        cl = [_spawn(["-m", "kvbus.app.bench.scale", "--client", server.url, str(i), str(rate), json.dumps(c)], env)
               for i, c in enumerate(chunks) if c]
         procs += cl
         for p in cl:
@@ -271,7 +271,7 @@ def run(*, quick: bool = False, nats_url: str | None = None, seconds: float | No
               "rate_per_agent": RATE_PER_AGENT, "client_processes": CLIENT_PROCESSES,
               "agents_per_connection": AGENTS_PER_CONNECTION, "cpus": os.cpu_count(),
               "how": "one nats-server per configuration; each group scheduler its own process "
-                     "(python -m kvbus.cli group-scheduler, max_active 1e6, no bandwidth budget); agents are "
+                     "(python -m kvbus.app.cli group-scheduler, max_active 1e6, no bandwidth budget); agents are "
                      f"real bus Agents (registered, probing every second), {CLIENT_PROCESSES} client processes; "
                      f"each agent asks for a transfer to its group neighbour at Poisson times, {RATE_PER_AGENT}/s "
                      "on average, running the bus client's request -> grant -> done exchange without the data "
