@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvbus.errors import KVBusError
+from kvbus.protocol.reasons import Reason
 
 
 class BusError(KVBusError):
@@ -34,11 +35,13 @@ class ReceiverGone(TransferError, ConnectionError):
 
 
 class TransferRejected(TransferError):
-    """The receiver or the scheduler refused the transfer; ``reason`` says why."""
+    """The receiver or the scheduler refused the transfer; ``reason`` says why, ``code`` is the
+    `Reason` to match on."""
 
-    def __init__(self, transfer_id: str, by: str, reason: str) -> None:
+    def __init__(self, transfer_id: str, by: str, reason: str, code: Reason = Reason.OTHER) -> None:
         self.by = by
         self.reason = reason
+        self.code = code
         super().__init__(transfer_id, f"rejected by {by}: {reason}", peer=by)
 
 
@@ -58,7 +61,6 @@ class SchedulerUnavailable(TransferError):
         self.group = group
         super().__init__(transfer_id, f"no group scheduler answers for group {group!r} "
                                       f"(start one with `kvbus group-scheduler --group {group}`)")
-
 
 
 class PayloadTooLarge(BusError, ValueError):

@@ -26,7 +26,6 @@ from kvbus.cachetier.record import RecordFormatError, Stub, parse_record
 from kvbus.codecs import Encoded, available_codecs, get_codec
 from kvbus.errors import KVBusError
 from kvbus.protocol import (
-    _FIELD_TYPES,
     AGENT_TO_SCHED,
     CHUNK_INDEX_HEADER,
     CHUNK_SUM_HEADER,
@@ -36,6 +35,7 @@ from kvbus.protocol import (
     agent_subject,
     inbox_subject,
     decode_message,
+    message_types,
     sched_subject,
 )
 from tests.conftest import FAST
@@ -51,7 +51,7 @@ RSS_BOUND = 256 << 20
 #: which is hypothesis's, not ours), so big budgets run as batches (each with its own random seed).
 BATCH = 5_000
 
-MESSAGES = sorted(_FIELD_TYPES, key=lambda c: c.TYPE)
+MESSAGES = message_types()
 SCALARS = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=16)
            | st.binary(max_size=32))
 VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=5)

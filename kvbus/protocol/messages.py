@@ -1,0 +1,220 @@
+"""Control messages between agents and their group scheduler: requests, grants, controls,
+reservations, reports, probes and directory records."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from kvbus.errors import WireFormatError
+from kvbus.protocol.reasons import Reason
+from kvbus.protocol.wire import AnyValue, Message, OptFloat, OptStr, message
+
+@message("request", {"transfer_id": str, "src": str, "dst": list, "group": str, "n_tokens": int,
+                      "nbytes": int, "signature": dict, "medium": OptStr, "deadline": OptFloat,
+                      "critical": bool, "ts": float, "traceparent": OptStr, "fidelity": float,
+                      "base_tokens": int})
+@dataclass(frozen=True, slots=True)
+class TransferRequest(Message):
+    """An agent asks its group scheduler for permission to send."""
+
+    transfer_id: str
+    src: str
+    dst: list
+    group: str
+    n_tokens: int
+    nbytes: int
+    """Size of the context uncompressed (`full`), for the cost model."""
+    signature: dict
+    medium: str | None = None
+    """A medium the sender insists on, or None to let the scheduler choose."""
+    deadline: float | None = None
+    critical: bool = False
+    ts: float = field(default_factory=time.time)
+    traceparent: str | None = None
+    fidelity: float = 1.0
+    """The context's lineage: product of the fidelity factors of the lossy hops it took."""
+    base_tokens: int = 0
+    """Tokens of this context every receiver already holds from this sender (enables delta media)."""
+
+
+@message("request_ack", {"transfer_id": str, "ok": bool, "reason": str, "code": Reason})
+@dataclass(frozen=True, slots=True)
+class RequestAck(Message):
+    """The scheduler's immediate answer to a request: queued, or refused and why."""
+
+    transfer_id: str
+    ok: bool
+    reason: str = ""
+    code: Reason = Reason.NONE
+    """Why it was refused, as a code to match on (`reason` is for people)."""
+
+
+@message("grant", {"transfer_id": str, "medium": str, "rate_bps": float, "start_at": float,
+                    "chunk_size": int, "window": int, "reason": str, "decision": dict, "latency_s": float,
+                    "sched_s": float, "code": Reason})
+@dataclass(frozen=True, slots=True)
+class Grant(Message):
+    """The scheduler's decision: send with this medium at this rate from this time.
+
+    A grant with an empty ``medium`` refuses the transfer; ``reason`` says why.
+    """
+
+    transfer_id: str
+    medium: str
+    rate_bps: float = 0.0
+    """Allocated bandwidth in bytes/s; 0 means unpaced."""
+    start_at: float = 0.0
+    """Wall-clock time (epoch seconds) at which sending may begin."""
+    chunk_size: int = 0
+    """Chunk size to use, 0 for the sender's default."""
+    window: int = 0
+    """Credit window in chunks, 0 for the sender's default."""
+    reason: str = ""
+    decision: dict = field(default_factory=dict)
+    """The decision record: candidates with their predicted cost terms, and why this medium."""
+    latency_s: float = 0.0
+    """Emulated one-way latency of the path, for link emulation (0 on real links)."""
+    sched_s: float = 0.0
+    """Seconds from the request leaving its sender (its ``ts``) to this grant leaving the
+    scheduler: the scheduling overhead without the way back (0 when not known)."""
+    code: Reason = Reason.NONE
+    """Why it was refused, as a code to match on (`reason` is for people)."""
+
+
+@message("control", {"transfer_id": str, "action": str, "reason": str, "rate_bps": float,
+                      "max_fraction": float, "nbytes": int})
+@dataclass(frozen=True, slots=True)
+class Control(Message):
+    """Scheduler -> agent: act on a running transfer, or (``shed``) on the agent's memory.
+
+    - ``pause``: stop at the next chunk boundary, but only if less than ``max_fraction`` of the
+      payload has gone out; sent as a request, answered with a `ControlReply` (declined past it).
+    - ``resume``: continue from the first chunk not yet sent (nothing acknowledged is resent).
+    - ``cancel``: give up the transfer (``reason`` says why).
+    - ``rate``: pace the transfer at ``rate_bps`` bytes/s from now on (0 = unpaced).
+    - ``shed``: the agent's cache passed its watermark; shed down to ``nbytes`` (0 = the tier's
+      own low watermark). ``transfer_id`` is empty.
+    """
+
+    ACTIONS: ClassVar[tuple[str, ...]] = ("pause", "resume", "cancel", "rate", "shed")
+    transfer_id: str
+    action: str
+    reason: str = ""
+    rate_bps: float = 0.0
+    """For ``rate``: the new allocated rate in bytes/s."""
+    max_fraction: float = 1.0
+    """For ``pause``: pause only if less than this fraction of the payload has been sent."""
+    nbytes: int = 0
+    """For ``shed``: resident cache bytes to shed down to (0 = the tier's default)."""
+
+    def __post_init__(self) -> None:
+        if self.action not in self.ACTIONS:
+            raise WireFormatError("control message", f"action {self.action!r} is not one of {self.ACTIONS}")
+        if not (0 <= self.rate_bps < float("inf")) or self.nbytes < 0:
+            raise WireFormatError("control message", "rate_bps must be finite and nbytes not negative")
+        if not 0 <= self.max_fraction <= 1:
+            raise WireFormatError("control message", f"max_fraction {self.max_fraction} must be within 0..1")
+
+
+@message("control_reply", {"transfer_id": str, "action": str, "ok": bool, "fraction": float, "reason": str,
+                          "code": Reason})
+@dataclass(frozen=True, slots=True)
+class ControlReply(Message):
+    """Agent -> scheduler: the answer to a `Control` sent as a request (a conditional ``pause``).
+
+    ``ok`` false means the agent declined (``reason`` says why: past the threshold, inline,
+    unknown transfer); ``fraction`` is the share of the payload it had sent.
+    """
+
+    transfer_id: str
+    action: str
+    ok: bool
+    fraction: float = 0.0
+    reason: str = ""
+    code: Reason = Reason.NONE
+    """Why it was refused, as a code to match on (`reason` is for people)."""
+
+
+@message("flow_reserve", {"reservation_id": str, "src": str, "dst": list, "group": str, "period_s": float,
+                           "size_bytes": int, "deadline_s": float, "cancel": bool, "ts": float})
+@dataclass(frozen=True, slots=True)
+class FlowReservation(Message):
+    """Agent -> its group scheduler (request on ``kvbus.sched.<group>.reserve``): a periodic critical
+    flow from ``src`` to ``dst``: ``size_bytes`` every ``period_s``, each due within ``deadline_s``
+    of its period's start. ``cancel`` releases it. Answered with a `ReservationReply`.
+
+    Critical sends from ``src`` to exactly ``dst`` then use the bandwidth set aside.
+    """
+
+    reservation_id: str
+    src: str
+    dst: list
+    group: str
+    period_s: float
+    size_bytes: int
+    deadline_s: float
+    cancel: bool = False
+    ts: float = field(default_factory=time.time)
+    """When it was first admitted (wall clock); kept when the scheduler persists it."""
+
+
+@message("done", {"transfer_id": str, "src": str, "ok": bool, "medium": str, "nbytes": int,
+                   "seconds": float, "error": str, "dst": list, "wire_s": float})
+@dataclass(frozen=True, slots=True)
+class TransferDone(Message):
+    """Sender -> scheduler: the transfer finished (or failed); observed size and time."""
+
+    transfer_id: str
+    src: str
+    ok: bool
+    medium: str
+    nbytes: int
+    seconds: float
+    """Encode + transfer + the receivers' decode: what the cost model predicted."""
+    error: str = ""
+    dst: list = field(default_factory=list)
+    wire_s: float = 0.0
+    """Time on the wire (transfer minus the slowest receiver's decode), for the link estimate."""
+
+
+@message("probe", {"agent": str, "group": str, "queue_size": int, "cache_bytes": int,
+                    "compute_load": float, "role_priority": float, "role": str, "ts": float,
+                    "link_bps": float, "latency_s": float})
+@dataclass(frozen=True, slots=True)
+class Probe(Message):
+    """An agent's state, reported periodically to its group scheduler."""
+
+    agent: str
+    group: str
+    queue_size: int
+    cache_bytes: int
+    compute_load: float
+    role_priority: float
+    role: str = "agent"
+    ts: float = field(default_factory=time.time)
+    link_bps: float = 0.0
+    """Declared (or emulated) link capacity, bytes/s (0 = unknown)."""
+    latency_s: float = 0.0
+
+
+@message("agent", {"name": str, "group": str, "role": str, "priority": float, "signature": AnyValue,
+                    "ts": float, "link_bps": float, "latency_s": float, "recompute": bool})
+@dataclass(frozen=True, slots=True)
+class AgentRecord(Message):
+    """An agent's entry in the directory (JetStream KV bucket `AGENTS_BUCKET`)."""
+
+    name: str
+    group: str
+    role: str
+    priority: float
+    signature: Any
+    """`ModelSignature.to_dict()`, or None for an agent that takes any context as tokens."""
+    ts: float = field(default_factory=time.time)
+    link_bps: float = 0.0
+    """Declared (or emulated) link capacity in bytes/s; 0 when unknown."""
+    latency_s: float = 0.0
+    """Declared (or emulated) one-way latency."""
+    recompute: bool = False
+    """Whether the agent has a model to rebuild KV from tokens."""

@@ -1,0 +1,45 @@
+"""Typed reason codes: why a request, an `Open` or a transfer was refused or failed.
+
+Every refusal on the wire carries a ``code`` (one of `Reason`) beside its human-readable
+``reason``; code paths match the code, never the text.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Reason(StrEnum):
+    """Why something was refused or failed; ``NONE`` when it was not."""
+
+    NONE = ""
+    OTHER = "other"
+    """A reason this side does not know (a newer peer); the text says more."""
+    MALFORMED = "malformed"
+    """The message did not decode or failed validation."""
+    WRONG_SENDER = "wrong_sender"
+    """The message names a sender other than the one its subject belongs to."""
+    UNKNOWN_RECEIVER = "unknown_receiver"
+    RECEIVER_DOWN = "receiver_down"
+    RECEIVER_GONE = "receiver_gone"
+    INCOMPATIBLE = "incompatible"
+    """The receiver's model cannot use the medium (signature mismatch, no model)."""
+    UNKNOWN_CODEC = "unknown_codec"
+    TOO_LARGE = "too_large"
+    """A size or count is over the receiver's or the protocol's limit."""
+    DIGEST_MISMATCH = "digest_mismatch"
+    DECODE_FAILED = "decode_failed"
+    DELTA_BASE_MISMATCH = "delta_base_mismatch"
+    """A delta medium's base is not what the receiver holds: resend without delta."""
+    REFUSED = "refused"
+    """Admission control or policy said no (a reservation that does not fit, ...)."""
+    SHUTTING_DOWN = "shutting_down"
+    INTERNAL = "internal"
+
+    @classmethod
+    def parse(cls, value: object) -> Reason:
+        """The code for a wire value; an unknown one is `OTHER` (a peer newer than this side)."""
+        try:
+            return cls(value)
+        except ValueError:
+            return cls.OTHER
