@@ -371,6 +371,7 @@ class GroupScheduler:
         deadline_at = now + (req.deadline - time.time()) if req.deadline is not None else None
         pending = Pending(req, sigs, arrived=now - waited, deadline_at=deadline_at)
         self.state.queue.append(pending)
+        self.policy.queued(self.state, pending)
         if self.state.remote and self.state.inter_group(pending):
             await self.inter.ensure(req.traceparent)  # granted within the lease, not before one is in force
         # Decide now: a transfer that can start at once gets its grant as the reply (one round
@@ -445,6 +446,7 @@ class GroupScheduler:
             return
         now = time.monotonic()
         agent = self.state.on_probe(probe, now)
+        self.policy.probed(self.state, agent)
         telemetry.instruments().memory_peak.record(probe.cache_bytes, {"group": self.group, "agent": probe.agent})
         watermark = self._watermarks.get(agent.name, self.config.memory_watermark_bytes)
         if watermark <= 0:
@@ -639,6 +641,7 @@ class GroupScheduler:
                 down = next((a for a in (p.src, *p.dst) if self.state.is_down(a)), None)
                 if down is not None:
                     self.state.drop(p)
+                    self.policy.withdrawn(self.state, p)
                     refusals.append(Decision(p, "", 0.0, self._down_reason(down, p.src, now)))
             for tid, p in list(self.state.active.items()):
                 if any(self.state.is_down(a) for a in (p.src, *p.dst)):
@@ -685,6 +688,7 @@ class GroupScheduler:
                 pending.rate_bps = rate
                 pending.grant = data
                 self.state.active[pending.transfer_id] = pending
+                self.policy.started(self.state, pending)
                 self.state.granted += 1
                 granted += 1
             else:

@@ -8,10 +8,11 @@ from dataclasses import dataclass
 
 from kvbus.codecs import get_codec
 from kvbus.group_scheduler.cost_model import Choice, CostModel, Endpoint, Estimate, Link, ModelCosts
-from kvbus.group_scheduler.policy import MediumSelector
-from kvbus.group_scheduler.state import GroupState, Pending
-from kvbus.signature import ModelSignature
+from kvbus.group_scheduler.policy import MediumSelector, Selection
 from kvbus.group_scheduler.signatures import signature_of
+from kvbus.group_scheduler.state import GroupState, Pending
+from kvbus.protocol import Reason
+from kvbus.signature import ModelSignature
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +38,13 @@ def _known(spec: str) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Decided:
+    """The selector's choice for one transfer, with the cost model's record of it."""
+
     medium: str
     reason: str
     choice: Choice | None
+    code: Reason = Reason.NONE
+    """For a refusal: why, as a code."""
 
 
 class AdaptiveSelector(MediumSelector):
@@ -76,18 +81,25 @@ class AdaptiveSelector(MediumSelector):
         return Endpoint(signature, load, pressure, getattr(self.model, "default_model_costs", ModelCosts()))
 
     def choose(self, state: GroupState, pending: Pending) -> tuple[str, str]:
+        """The medium with the lowest predicted latency (recorded on ``pending``), and why."""
+        medium, reason, _ = self.select(state, pending)
+        return medium, reason
+
+    def select(self, state: GroupState, pending: Pending) -> Selection:
+        """`choose` with the refusal's code."""
         decided = self.decide(state, pending)
         pending.decision = decided.choice.record() if decided.choice else {}
         if decided.choice is not None:
             pending.predicted_s = decided.choice.estimate.total_s
-        return decided.medium, decided.reason
+        return Selection(decided.medium, decided.reason, decided.code)
 
     def decide(self, state: GroupState, pending: Pending) -> Decided:
+        """The choice for ``pending`` without recording it."""
         req = pending.request
         try:
             sender_sig = signature_of(req.signature)
         except Exception as exc:  # noqa: BLE001 - validated on arrival; be safe anyway
-            return Decided("", f"bad sender signature: {exc}", None)
+            return Decided("", f"bad sender signature: {exc}", None, Reason.MALFORMED)
         sender = self.endpoint(state, req.src, sender_sig)
         candidates = (req.medium,) if req.medium else self.candidates
         per_rx: list[Choice] = []
@@ -98,13 +110,16 @@ class AdaptiveSelector(MediumSelector):
                     sender=sender, receiver=self.endpoint(state, rx, sig), lineage=req.fidelity,
                     current=None if req.medium else self.last.get((req.src, rx)), base_tokens=req.base_tokens))
             except ValueError:
+                if req.medium and not _known(req.medium):
+                    return Decided("", f"medium {req.medium!r} is not a codec this scheduler knows; send with "
+                                       f"one it knows or let kvbus choose", None, Reason.UNKNOWN_CODEC)
                 if req.medium:
                     return Decided("", f"medium {req.medium!r} carries KV that {rx} cannot use (different model); "
-                                       f"send with medium='tokens' or let kvbus choose", None)
-                return Decided("", f"no medium can reach {rx}", None)
+                                       f"send with medium='tokens' or let kvbus choose", None, Reason.INCOMPATIBLE)
+                return Decided("", f"no medium can reach {rx}", None, Reason.INCOMPATIBLE)
         choice = per_rx[0] if len(per_rx) == 1 else self._broadcast_choice(per_rx)
         if choice is None:
-            return Decided("", "no medium is usable by every receiver", None)
+            return Decided("", "no medium is usable by every receiver", None, Reason.INCOMPATIBLE)
         for rx in pending.receivers:
             previous = self.last.get((req.src, rx))
             if previous is not None and previous != choice.medium:
