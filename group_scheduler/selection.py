@@ -7,8 +7,9 @@ import math
 from dataclasses import dataclass
 
 from kvbus.codecs import get_codec
-from kvbus.group_scheduler.cost_model import Choice, CostModel, Endpoint, Estimate, Link, ModelCosts
-from kvbus.group_scheduler.policy import MediumSelector, Selection
+from kvbus.group_scheduler.config import SchedulerConfig
+from kvbus.group_scheduler.cost_model import Choice, CostConfig, CostModel, Endpoint, Estimate, Link, ModelCosts
+from kvbus.group_scheduler.policy import MediumSelector, Selection, StaticSelector
 from kvbus.group_scheduler.signatures import signature_of
 from kvbus.group_scheduler.state import GroupState, Pending
 from kvbus.protocol import Reason
@@ -148,3 +149,17 @@ class AdaptiveSelector(MediumSelector):
         slowest: Estimate = max((next(e for e in c.candidates if e.medium == medium) for c in per_rx),
                                 key=lambda e: e.total_s)
         return Choice(medium, slowest, per_rx[0].candidates, f"broadcast: slowest receiver fastest with {medium}")
+
+
+def default_selector(config: SchedulerConfig) -> MediumSelector:
+    """The adaptive selector over the calibration profile (fallback figures if none loads), or static."""
+    if config.selector == "static":
+        return StaticSelector()
+    try:
+        from kvbus.codecs.calibration import load_profile
+
+        model = CostModel.from_profile(load_profile(), config=CostConfig(hysteresis=config.hysteresis))
+    except Exception as exc:  # noqa: BLE001 - no profile: decisions say they used fallback figures
+        logger.warning("no calibration profile (%s); the cost model uses fallback figures", exc)
+        model = CostModel(config=CostConfig(hysteresis=config.hysteresis))
+    return AdaptiveSelector(model, default_bandwidth_bps=config.default_bandwidth_bps)
