@@ -34,6 +34,7 @@ class WeightedRates(WeightedBook):
     tick_s: float
     reallocations: int
     _immediate: list[Adjustment]
+    _dirty: bool
     _last_adjust: float
     _held: frozenset[str]
     _deadline_flows: bool
@@ -102,7 +103,8 @@ class WeightedRates(WeightedBook):
         for key, rate in weighted_max_min(flows, caps).items():
             rates[key] = rate if rate <= 0 else max(rate, MIN_RATE_BPS)  # type: ignore[index]
         # Rebuild the load sums exactly (deadline weights moved, float error accumulated).
-        self._load = {}
+        fresh: dict[Hashable, float] = {}
+        self._load = fresh
         for run in self._runs.values():
             run.loaded = False
             if not run.pending.paused:
