@@ -52,6 +52,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Lease:
+    """A group's inter-group bandwidth lease: what it asked for, its weight and its share."""
+
     group: str
     demand_bps: float
     priority: float
@@ -181,6 +183,7 @@ class Coordinator(ReplicatedService):
         logger.info("group %s left", leave.group)
 
     def live_groups(self) -> dict[str, GroupHeartbeat]:
+        """Groups whose scheduler was heard from within ``group_ttl_s``."""
         now = time.time()
         return {g: hb for g, hb in self.groups.items() if now - hb.ts <= self.config.group_ttl_s}
 
@@ -193,12 +196,15 @@ class Coordinator(ReplicatedService):
 
     @property
     def reserved_bps(self) -> float:
+        """Bandwidth the admitted reservations set aside."""
         return sum(rate for _, rate in self.reservations.values())
 
     def lease_capacity(self) -> float:
+        """What leases may share: the capacity minus what reservations set aside."""
         return max(0.0, self.config.capacity_bps - self.reserved_bps)
 
     def expire_leases(self, now: float | None = None) -> list[str]:
+        """Drop leases not renewed for ``lease_grace_epochs`` epochs; returns their groups."""
         now = time.time() if now is None else now
         limit = self.config.epoch_s * self.config.lease_grace_epochs
         gone = [g for g, lease in self.leases.items() if now - lease.renewed > limit]

@@ -35,6 +35,7 @@ class Decision:
 
     @property
     def destination(self) -> tuple[str, ...]:
+        """The transfer's receivers."""
         return tuple(self.pending.request.dst)
 
     def as_tuple(self) -> tuple[tuple[str, ...], str, float, float]:
@@ -179,6 +180,7 @@ class FifoPolicy(SchedulingPolicy):
         self.tick_s = tick_s
 
     def decide(self, state: GroupState, now: float) -> list[Decision]:
+        """The oldest queued transfers of senders with nothing running, into the free slots."""
         decisions: list[Decision] = []
         busy = {p.request.src for p in state.active.values()}
         slots = self.max_active - len(state.active)

@@ -67,6 +67,7 @@ class AdaptiveSelector(MediumSelector):
         self.switches = 0
 
     def link(self, state: GroupState, src: str, dst: str) -> Link:
+        """The pair's bandwidth: the sliding-window estimate, else the declared capacity, else the default."""
         est = state.link(src, dst)
         if est.known:
             return Link(est.bandwidth_bps, 2 * state.declared_latency(src, dst), "estimate")
@@ -76,6 +77,7 @@ class AdaptiveSelector(MediumSelector):
         return Link(self.default_bandwidth_bps, 0.0, "default")
 
     def endpoint(self, state: GroupState, name: str, signature: ModelSignature | None) -> Endpoint:
+        """An agent as the cost model sees it: its model, compute load and memory pressure."""
         agent = state.agents.get(name)
         load = agent.compute_load if agent else 0.0
         pressure = agent.memory_pressure if agent else 0.0

@@ -94,6 +94,7 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
 
     @classmethod
     def from_config(cls, config: SchedulerConfig, selector: MediumSelector | None = None) -> WeightedPolicy:
+        """The policy with the urgency model, preemption, reservations and limits ``config`` sets."""
         urgency = UrgencyModel(base=config.urgency_base, alpha=config.urgency_alpha, beta=config.urgency_beta,
                                max_delay_s=config.urgency_max_delay_s, deadline_boost=config.deadline_boost,
                                deadline_horizon_s=config.deadline_horizon_s, critical_boost=config.critical_boost)
