@@ -5,28 +5,24 @@ continues where the last one stopped; replicas elect a leader by a lease in the 
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import os
-import socket
 import time
-import uuid
 from collections import Counter
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 from nats.aio.msg import Msg
-from opentelemetry.trace import SpanKind
 from nats.js.errors import KeyNotFoundError, NoKeysError
+from opentelemetry.trace import SpanKind
 
 from kvbus import telemetry
-from kvbus.net.buckets import key_value
-from kvbus.net.transport import NatsTransport, Transport
 from kvbus.coordinator.arbiter import weighted_max_min
 from kvbus.coordinator.config import CoordinatorConfig
-from kvbus.net.leader import LeaderLease
 from kvbus.errors import WireFormatError
+from kvbus.net.buckets import key_value
+from kvbus.net.service import Endpoint, ReplicatedService, replica_name
+from kvbus.net.transport import NatsTransport, Transport
 from kvbus.protocol import (
     AGENTS_BUCKET,
     COORD_BUCKET,
@@ -44,6 +40,7 @@ from kvbus.protocol import (
     LeaseRequest,
     PlacementReply,
     PlacementRequest,
+    Reason,
     ReservationCancel,
     ReservationReply,
     ReservationRequest,
@@ -55,6 +52,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Lease:
+    """A group's inter-group bandwidth lease: what it asked for, its weight and its share."""
+
     group: str
     demand_bps: float
     priority: float
@@ -63,21 +62,17 @@ class Lease:
     """Epoch seconds of the last renewal."""
 
 
-class Coordinator:
+class Coordinator(ReplicatedService):
     """One per deployment (plus standbys). Arbitrates only between groups, never per agent."""
 
     def __init__(self, transport: Transport, *, config: CoordinatorConfig | None = None) -> None:
-        self.transport = transport
+        super().__init__(transport, replica_name("coordinator"))
         self.config = config or CoordinatorConfig.from_env()
-        self.name = f"coordinator@{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.groups: dict[str, GroupHeartbeat] = {}
         self.leases: dict[str, Lease] = {}
         self.reservations: dict[str, tuple[ReservationRequest, float]] = {}
         self._bucket: Any = None
         self._agents: Any = None
-        self._subs: list[Any] = []
-        self._leader: LeaderLease | None = None
-        self.closed = False
 
     @classmethod
     async def connect(cls, url: str, *, nats_options: dict[str, Any] | None = None, **kwargs: Any) -> Coordinator:
@@ -90,69 +85,37 @@ class Coordinator:
     # -- lifecycle -----------------------------------------------------------------------------------
 
     async def start(self, *, wait_leader: bool = True) -> None:
-        """Open the durable state, then campaign for leadership; the leader serves requests."""
+        """Open the durable state, then campaign for leadership; the leader serves requests.
+
+        With ``wait_leader`` the first campaign happens before this returns (a lone coordinator
+        serves when it does); otherwise the renewal loop makes it.
+        """
         nc = getattr(self.transport, "nc", None)
         if nc is not None:
             js = nc.jetstream()
             self._bucket = await key_value(js, COORD_BUCKET)
             self._agents = await key_value(js, AGENTS_BUCKET)
-            self._leader = LeaderLease(self._bucket, "leader", self.name, ttl=self.config.leader_ttl_s,
-                                       on_elected=self._serve, on_lost=self._stop_serving)
-            if wait_leader:
-                if await self._leader.try_acquire():
-                    self._leader.is_leader = True
-                    await self._serve()
-            self._leader.start()
-        else:
-            await self._serve()
+        await self.campaign(self._bucket, "leader", ttl=self.config.leader_ttl_s, try_now=wait_leader)
 
-    async def _serve(self) -> None:
-        if self._subs:
-            return
-        await self._restore()
-        t = self.transport
+    def endpoints(self) -> list[Endpoint]:
+        """Heartbeats and leaves reach every serving replica; requests go to one (a queue group)."""
         q = "kvbus-coordinator"
-        self._subs = [
-            await t.subscribe(COORD_REGISTER, self._on_heartbeat),
-            await t.subscribe(COORD_LEAVE, self._on_leave),
-            await t.subscribe(COORD_GROUPS, self._on_groups, queue=q),
-            await t.subscribe(COORD_LEASE, self._on_lease, queue=q),
-            await t.subscribe(COORD_RESERVE, self._on_reserve, queue=q),
-            await t.subscribe(COORD_UNRESERVE, self._on_unreserve, queue=q),
-            await t.subscribe(COORD_PLACE, self._on_place, queue=q),
-        ]
-        await t.flush()
+        return [Endpoint(COORD_REGISTER, self._on_heartbeat),
+                Endpoint(COORD_LEAVE, self._on_leave),
+                Endpoint(COORD_GROUPS, self._on_groups, q),
+                Endpoint(COORD_LEASE, self._on_lease, q),
+                Endpoint(COORD_RESERVE, self._on_reserve, q),
+                Endpoint(COORD_UNRESERVE, self._on_unreserve, q),
+                Endpoint(COORD_PLACE, self._on_place, q)]
+
+    async def prepare_to_serve(self) -> None:
+        """Continue from the durable state the last leader left."""
+        await self._restore()
+
+    async def now_serving(self) -> None:
+        """Say what it continues from."""
         logger.info("%s serving (%d groups, %d reservations restored)", self.name, len(self.groups),
                     len(self.reservations))
-
-    async def _stop_serving(self) -> None:
-        subs, self._subs = self._subs, []
-        for sub in subs:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # noqa: BLE001
-                logger.debug("unsubscribe failed", exc_info=True)
-
-    @property
-    def serving(self) -> bool:
-        return bool(self._subs)
-
-    async def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        await self._stop_serving()
-        if self._leader is not None:
-            await self._leader.release()
-        close = getattr(self.transport, "close", None)
-        if close is not None:
-            await close()
-
-    async def run_forever(self) -> None:
-        try:
-            await asyncio.Event().wait()
-        finally:
-            await self.close()
 
     # -- durable state ---------------------------------------------------------------------------------
 
@@ -220,6 +183,7 @@ class Coordinator:
         logger.info("group %s left", leave.group)
 
     def live_groups(self) -> dict[str, GroupHeartbeat]:
+        """Groups whose scheduler was heard from within ``group_ttl_s``."""
         now = time.time()
         return {g: hb for g, hb in self.groups.items() if now - hb.ts <= self.config.group_ttl_s}
 
@@ -232,12 +196,15 @@ class Coordinator:
 
     @property
     def reserved_bps(self) -> float:
+        """Bandwidth the admitted reservations set aside."""
         return sum(rate for _, rate in self.reservations.values())
 
     def lease_capacity(self) -> float:
+        """What leases may share: the capacity minus what reservations set aside."""
         return max(0.0, self.config.capacity_bps - self.reserved_bps)
 
     def expire_leases(self, now: float | None = None) -> list[str]:
+        """Drop leases not renewed for ``lease_grace_epochs`` epochs; returns their groups."""
         now = time.time() if now is None else now
         limit = self.config.epoch_s * self.config.lease_grace_epochs
         gone = [g for g, lease in self.leases.items() if now - lease.renewed > limit]
@@ -283,10 +250,12 @@ class Coordinator:
     def admit(self, req: ReservationRequest) -> ReservationReply:
         """Admission control: the reservation's peak rate must fit in what reservations may take."""
         if req.period_s <= 0 or req.deadline_s <= 0 or req.size_bytes <= 0:
-            return ReservationReply(req.reservation_id, False, "period, deadline and size must be positive")
+            return ReservationReply(req.reservation_id, False, "period, deadline and size must be positive",
+                                    code=Reason.MALFORMED)
         if req.deadline_s > req.period_s:
             return ReservationReply(req.reservation_id, False,
-                                    f"deadline {req.deadline_s} s is longer than the period {req.period_s} s")
+                                    f"deadline {req.deadline_s} s is longer than the period {req.period_s} s",
+                                    code=Reason.MALFORMED)
         rate = _reservation_rate(req)
         limit = self.config.capacity_bps * self.config.reservable_fraction
         others = sum(r for rid, (_, r) in self.reservations.items() if rid != req.reservation_id)
@@ -295,7 +264,7 @@ class Coordinator:
                 req.reservation_id, False,
                 f"needs {rate * 8 / 1e6:.1f} Mbit/s ({req.size_bytes} B within {req.deadline_s} s); only "
                 f"{max(0.0, limit - others) * 8 / 1e6:.1f} of the {limit * 8 / 1e6:.1f} Mbit/s reservations may "
-                f"take is left")
+                f"take is left", code=Reason.REFUSED)
         self.reservations[req.reservation_id] = (req, rate)
         return ReservationReply(req.reservation_id, True, "admitted", rate)
 
@@ -303,7 +272,7 @@ class Coordinator:
         try:
             req = ReservationRequest.decode(msg.data)
         except WireFormatError as exc:
-            await self.transport.reply(msg, ReservationReply("", False, str(exc)).encode())
+            await self.transport.reply(msg, ReservationReply("", False, str(exc), code=Reason.MALFORMED).encode())
             return
         with _traced("kvbus.coord.reserve", req.traceparent, {"kvbus.group": req.group,
                                                               "kvbus.reservation_id": req.reservation_id}) as span:

@@ -9,6 +9,7 @@ from kvbus.group_scheduler.policy import (
     FifoPolicy,
     MediumSelector,
     SchedulingPolicy,
+    Selection,
     StaticSelector,
 )
 from kvbus.group_scheduler.preemption import NoPreemption, PreemptionStrategy, ThresholdPreemption
@@ -30,6 +31,6 @@ __all__ = [
     "POLICIES", "Adjustment", "Admission", "AdmissionControl", "AgentState", "CoordinatorAdmission", "Decision", "FifoPolicy", "Flow",
     "GroupScheduler", "GroupState", "LinkEstimate", "LocalAdmission", "MediumSelector", "NoPreemption",
     "PairPicker", "Pending", "PreemptionStrategy", "Reservation", "ReservationTable", "SchedulerConfig",
-    "SchedulingPolicy", "SmoothWRR", "StaticSelector", "ThresholdPreemption", "UrgencyModel", "WeightedPolicy",
+    "SchedulingPolicy", "Selection", "SmoothWRR", "StaticSelector", "ThresholdPreemption", "UrgencyModel", "WeightedPolicy",
     "make_policy", "register_policy", "weighted_max_min",
 ]

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvbus.codecs import get_codec
 from kvbus.codecs.errors import CodecError
-from kvbus.group_scheduler.state import GroupState, Pending
-from kvbus.signature import ModelSignature
 from kvbus.group_scheduler.signatures import signature_of
+from kvbus.group_scheduler.state import AgentState, GroupState, Pending
+from kvbus.protocol import Reason
 
 
 @dataclass(frozen=True)
@@ -29,9 +30,12 @@ class Decision:
     reason: str = ""
     start_at: float = 0.0
     """Monotonic time at which sending may begin (0 = now)."""
+    code: Reason = Reason.NONE
+    """For a refusal: why, as a code (the grant carries it)."""
 
     @property
     def destination(self) -> tuple[str, ...]:
+        """The transfer's receivers."""
         return tuple(self.pending.request.dst)
 
     def as_tuple(self) -> tuple[tuple[str, ...], str, float, float]:
@@ -50,12 +54,29 @@ class Adjustment:
     reason: str = ""
 
 
+class Selection(NamedTuple):
+    """A selector's answer: the medium (empty to refuse), why, and for a refusal its code."""
+
+    medium: str
+    reason: str
+    code: Reason = Reason.NONE
+
+
 class MediumSelector(ABC):
     """Chooses the medium of a transfer."""
 
     @abstractmethod
     def choose(self, state: GroupState, pending: Pending) -> tuple[str, str]:
         """Return (medium, reason); an empty medium refuses the transfer with that reason."""
+
+    def select(self, state: GroupState, pending: Pending) -> Selection:
+        """`choose` with a reason code, which policies put on a refusal's grant.
+
+        The default wraps `choose` (a refusal is `Reason.REFUSED`); selectors that know better
+        (an incompatible receiver, an unknown codec) override it.
+        """
+        medium, reason = self.choose(state, pending)
+        return Selection(medium, reason, Reason.NONE if medium else Reason.REFUSED)
 
 
 class StaticSelector(MediumSelector):
@@ -66,24 +87,31 @@ class StaticSelector(MediumSelector):
         self.fallback = fallback
 
     def choose(self, state: GroupState, pending: Pending) -> tuple[str, str]:
+        """The requested medium, ``default`` between compatible models, else ``fallback``."""
+        medium, reason, _ = self.select(state, pending)
+        return medium, reason
+
+    def select(self, state: GroupState, pending: Pending) -> Selection:
+        """`choose` with the refusal's code."""
         req = pending.request
         try:
             sender = signature_of(req.signature)
         except Exception as exc:  # noqa: BLE001 - validated on arrival; be safe anyway
-            return "", f"bad sender signature: {exc}"
+            return Selection("", f"bad sender signature: {exc}", Reason.MALFORMED)
         unusable = [rx for rx, sig in pending.receivers.items() if sig is None or not sender.compatible_with(sig)]
         if req.medium:
             try:
                 codec = get_codec(req.medium)
             except CodecError as exc:
-                return "", str(exc)
+                return Selection("", str(exc), Reason.UNKNOWN_CODEC)
             if codec.needs_kv and unusable:
-                return "", (f"medium {req.medium!r} carries KV that {', '.join(unusable)} cannot use "
-                            f"(different model); send with medium='tokens' or let kvbus choose")
-            return req.medium, "requested by the sender"
+                return Selection("", f"medium {req.medium!r} carries KV that {', '.join(unusable)} cannot use "
+                                     f"(different model); send with medium='tokens' or let kvbus choose",
+                                 Reason.INCOMPATIBLE)
+            return Selection(req.medium, "requested by the sender")
         if unusable:
-            return self.fallback, f"{', '.join(unusable)} cannot use {sender.model} KV"
-        return self.default, "first-cut policy: lossless KV between compatible models"
+            return Selection(self.fallback, f"{', '.join(unusable)} cannot use {sender.model} KV")
+        return Selection(self.default, "first-cut policy: lossless KV between compatible models")
 
 
 class SchedulingPolicy(ABC):
@@ -92,6 +120,13 @@ class SchedulingPolicy(ABC):
     The scheduler calls `decide` on every event (request, done, control reply) and at least
     once per time slice while work waits, and `adjust` at most once per slice; `next_wakeup`
     tells it when to look again if nothing happens, so an idle scheduler sleeps.
+
+    Whoever drives a policy (`GroupScheduler`, `kvbus.group_scheduler.simulate.Simulation`, a
+    benchmark) owns ``state.queue`` and ``state.active`` and tells the policy of every change
+    it makes itself, through the hooks: `queued` after appending to the queue, `withdrawn`
+    after taking a transfer out of it other than by a decision of the policy, `started` after
+    moving a granted transfer into ``active``, `released` after taking one out of it, `probed`
+    after an agent's probe. A policy that indexes the state keeps its index by these events.
     """
 
     tick_s: float = 0.010
@@ -116,9 +151,21 @@ class SchedulingPolicy(ABC):
     def changed(self) -> None:  # noqa: B027 - optional hook
         """Something outside `decide` changed the running set (a done, a declined pause)."""
 
+    def queued(self, state: GroupState, pending: Pending) -> None:  # noqa: B027 - optional hook
+        """``pending`` was appended to ``state.queue`` (a request arrived)."""
+
+    def withdrawn(self, state: GroupState, pending: Pending) -> None:  # noqa: B027 - optional hook
+        """``pending`` left ``state.queue`` other than by this policy's decision (refused: an agent is down)."""
+
+    def started(self, state: GroupState, pending: Pending) -> None:  # noqa: B027 - optional hook
+        """``pending``, granted by this policy's decision, is now in ``state.active``."""
+
     def released(self, pending: Pending) -> None:
         """``pending`` left the active set (done, failed, expired); the default just notes a change."""
         self.changed()
+
+    def probed(self, state: GroupState, agent: AgentState) -> None:  # noqa: B027 - optional hook
+        """``agent``'s probe arrived and updated ``state``."""
 
 
 class FifoPolicy(SchedulingPolicy):
@@ -133,6 +180,7 @@ class FifoPolicy(SchedulingPolicy):
         self.tick_s = tick_s
 
     def decide(self, state: GroupState, now: float) -> list[Decision]:
+        """The oldest queued transfers of senders with nothing running, into the free slots."""
         decisions: list[Decision] = []
         busy = {p.request.src for p in state.active.values()}
         slots = self.max_active - len(state.active)
@@ -141,10 +189,10 @@ class FifoPolicy(SchedulingPolicy):
                 break
             if pending.request.src in busy:
                 continue
-            medium, reason = self.selector.choose(state, pending)
+            medium, reason, code = self.selector.select(state, pending)
             running = len(state.active) + len(decisions) + 1
             rate = state.bandwidth_bps / running if state.bandwidth_bps > 0 else 0.0
-            decisions.append(Decision(pending, medium, rate, reason))
+            decisions.append(Decision(pending, medium, rate, reason, code=code))
             if medium:
                 busy.add(pending.request.src)
                 slots -= 1

@@ -24,13 +24,15 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from kvbus.net.transport import NoResponders, Transport
 from kvbus.errors import WireFormatError
 from kvbus.group_scheduler.state import GroupState, Pending
+from kvbus.net.rpc import RpcClient
+from kvbus.net.transport import NoResponders, Transport
 from kvbus.protocol import (
     COORD_RESERVE,
     COORD_UNRESERVE,
     FlowReservation,
+    Reason,
     ReservationCancel,
     ReservationReply,
     ReservationRequest,
@@ -118,6 +120,8 @@ class Admission:
     ok: bool
     reason: str
     rate_bps: float = 0.0
+    code: Reason = Reason.NONE
+    """For a refusal: why, as a code (the reservation reply carries it)."""
 
 
 class AdmissionControl(ABC):
@@ -151,9 +155,10 @@ class LocalAdmission(AdmissionControl):
 
     def check(self, r: Reservation, table: ReservationTable, state: GroupState) -> Admission:
         if not all(0 < x < math.inf for x in (r.period_s, r.deadline_s, r.size_bytes)):
-            return Admission(False, "period, deadline and size must all be positive and finite")
+            return Admission(False, "period, deadline and size must all be positive and finite", code=Reason.MALFORMED)
         if r.deadline_s > r.period_s:
-            return Admission(False, f"deadline {r.deadline_s} s is longer than the period {r.period_s} s")
+            return Admission(False, f"deadline {r.deadline_s} s is longer than the period {r.period_s} s",
+                             code=Reason.MALFORMED)
         rate = self.headroom * r.size_bytes / r.deadline_s
         others = [o for o in table.all() if o.reservation_id != r.reservation_id]
         need = f"needs {_mbit(rate)} ({r.size_bytes} B within {r.deadline_s} s, x{self.headroom} headroom)"
@@ -162,7 +167,8 @@ class LocalAdmission(AdmissionControl):
             taken = sum(o.rate_bps for o in others)
             if taken + rate > limit:
                 return Admission(False, f"{need}; only {_mbit(max(0.0, limit - taken))} of the {_mbit(limit)} "
-                                        f"reservations may take of group {state.group!r}'s budget is left")
+                                        f"reservations may take of group {state.group!r}'s budget is left",
+                                 code=Reason.REFUSED)
         for side, agent in [("egress", r.src)] + [("ingress", rx) for rx in r.dst]:
             cap = state.capacity(agent)
             if cap <= 0:
@@ -172,7 +178,7 @@ class LocalAdmission(AdmissionControl):
                         if (side == "egress" and o.src == agent) or (side == "ingress" and agent in o.dst))
             if taken + rate > limit:
                 return Admission(False, f"{need}; only {_mbit(max(0.0, limit - taken))} of the {_mbit(limit)} "
-                                        f"reservations may take of {agent}'s {side} is left")
+                                        f"reservations may take of {agent}'s {side} is left", code=Reason.REFUSED)
         return Admission(True, f"admitted: {_mbit(rate)} set aside in its windows", rate)
 
     async def admit(self, reservation: Reservation, table: ReservationTable, state: GroupState) -> Admission:
@@ -193,8 +199,10 @@ class CoordinatorAdmission(AdmissionControl):
         self.group = group
         self.local = local or LocalAdmission()
         self.timeout = timeout
+        self.rpc = RpcClient(transport, timeout=timeout)
 
     async def admit(self, reservation: Reservation, table: ReservationTable, state: GroupState) -> Admission:
+        """The group's check, then the coordinator's; refused when the coordinator does not answer."""
         verdict = self.local.check(reservation, table, state)
         if not verdict.ok:
             return verdict
@@ -202,20 +210,23 @@ class CoordinatorAdmission(AdmissionControl):
         req = ReservationRequest(r.reservation_id, self.group, f"{r.src}->{','.join(r.dst)}", r.period_s,
                                  r.size_bytes, r.deadline_s)
         try:
-            reply = ReservationReply.decode(await self.transport.request(COORD_RESERVE, req.encode(), self.timeout))
+            data = await self.rpc.request(COORD_RESERVE, req.encode(), key=r.reservation_id)
+            reply = ReservationReply.decode(data)
         except (NoResponders, TimeoutError):
             return Admission(False, "no coordinator answers to admit it deployment-wide (start one with "
-                                    "`kvbus coordinator`, or use local admission)")
+                                    "`kvbus coordinator`, or use local admission)", code=Reason.UNAVAILABLE)
         except WireFormatError as exc:
-            return Admission(False, f"bad answer from the coordinator: {exc}")
+            return Admission(False, f"bad answer from the coordinator: {exc}", code=Reason.UNAVAILABLE)
         if not reply.ok:
-            return Admission(False, f"refused by the coordinator: {reply.reason}")
+            return Admission(False, f"refused by the coordinator: {reply.reason}",
+                             code=reply.code if reply.code != Reason.NONE else Reason.REFUSED)
         return verdict
 
     async def release(self, reservation: Reservation) -> None:
+        """Tell the coordinator the reservation is cancelled (best effort)."""
         try:
-            await self.transport.request(COORD_UNRESERVE, ReservationCancel(reservation.reservation_id).encode(),
-                                         self.timeout)
+            await self.rpc.request(COORD_UNRESERVE, ReservationCancel(reservation.reservation_id).encode(),
+                                   key=reservation.reservation_id)
         except (NoResponders, TimeoutError):
             pass  # the coordinator drops it when it learns; nothing else to do
 

@@ -7,11 +7,13 @@ import math
 from dataclasses import dataclass
 
 from kvbus.codecs import get_codec
-from kvbus.group_scheduler.cost_model import Choice, CostModel, Endpoint, Estimate, Link, ModelCosts
-from kvbus.group_scheduler.policy import MediumSelector
-from kvbus.group_scheduler.state import GroupState, Pending
-from kvbus.signature import ModelSignature
+from kvbus.group_scheduler.config import SchedulerConfig
+from kvbus.group_scheduler.cost_model import Choice, CostConfig, CostModel, Endpoint, Estimate, Link, ModelCosts
+from kvbus.group_scheduler.policy import MediumSelector, Selection, StaticSelector
 from kvbus.group_scheduler.signatures import signature_of
+from kvbus.group_scheduler.state import GroupState, Pending
+from kvbus.protocol import Reason
+from kvbus.signature import ModelSignature
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +39,13 @@ def _known(spec: str) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Decided:
+    """The selector's choice for one transfer, with the cost model's record of it."""
+
     medium: str
     reason: str
     choice: Choice | None
+    code: Reason = Reason.NONE
+    """For a refusal: why, as a code."""
 
 
 class AdaptiveSelector(MediumSelector):
@@ -61,6 +67,7 @@ class AdaptiveSelector(MediumSelector):
         self.switches = 0
 
     def link(self, state: GroupState, src: str, dst: str) -> Link:
+        """The pair's bandwidth: the sliding-window estimate, else the declared capacity, else the default."""
         est = state.link(src, dst)
         if est.known:
             return Link(est.bandwidth_bps, 2 * state.declared_latency(src, dst), "estimate")
@@ -70,24 +77,32 @@ class AdaptiveSelector(MediumSelector):
         return Link(self.default_bandwidth_bps, 0.0, "default")
 
     def endpoint(self, state: GroupState, name: str, signature: ModelSignature | None) -> Endpoint:
+        """An agent as the cost model sees it: its model, compute load and memory pressure."""
         agent = state.agents.get(name)
         load = agent.compute_load if agent else 0.0
         pressure = agent.memory_pressure if agent else 0.0
         return Endpoint(signature, load, pressure, getattr(self.model, "default_model_costs", ModelCosts()))
 
     def choose(self, state: GroupState, pending: Pending) -> tuple[str, str]:
+        """The medium with the lowest predicted latency (recorded on ``pending``), and why."""
+        medium, reason, _ = self.select(state, pending)
+        return medium, reason
+
+    def select(self, state: GroupState, pending: Pending) -> Selection:
+        """`choose` with the refusal's code."""
         decided = self.decide(state, pending)
         pending.decision = decided.choice.record() if decided.choice else {}
         if decided.choice is not None:
             pending.predicted_s = decided.choice.estimate.total_s
-        return decided.medium, decided.reason
+        return Selection(decided.medium, decided.reason, decided.code)
 
     def decide(self, state: GroupState, pending: Pending) -> Decided:
+        """The choice for ``pending`` without recording it."""
         req = pending.request
         try:
             sender_sig = signature_of(req.signature)
         except Exception as exc:  # noqa: BLE001 - validated on arrival; be safe anyway
-            return Decided("", f"bad sender signature: {exc}", None)
+            return Decided("", f"bad sender signature: {exc}", None, Reason.MALFORMED)
         sender = self.endpoint(state, req.src, sender_sig)
         candidates = (req.medium,) if req.medium else self.candidates
         per_rx: list[Choice] = []
@@ -98,13 +113,16 @@ class AdaptiveSelector(MediumSelector):
                     sender=sender, receiver=self.endpoint(state, rx, sig), lineage=req.fidelity,
                     current=None if req.medium else self.last.get((req.src, rx)), base_tokens=req.base_tokens))
             except ValueError:
+                if req.medium and not _known(req.medium):
+                    return Decided("", f"medium {req.medium!r} is not a codec this scheduler knows; send with "
+                                       f"one it knows or let kvbus choose", None, Reason.UNKNOWN_CODEC)
                 if req.medium:
                     return Decided("", f"medium {req.medium!r} carries KV that {rx} cannot use (different model); "
-                                       f"send with medium='tokens' or let kvbus choose", None)
-                return Decided("", f"no medium can reach {rx}", None)
+                                       f"send with medium='tokens' or let kvbus choose", None, Reason.INCOMPATIBLE)
+                return Decided("", f"no medium can reach {rx}", None, Reason.INCOMPATIBLE)
         choice = per_rx[0] if len(per_rx) == 1 else self._broadcast_choice(per_rx)
         if choice is None:
-            return Decided("", "no medium is usable by every receiver", None)
+            return Decided("", "no medium is usable by every receiver", None, Reason.INCOMPATIBLE)
         for rx in pending.receivers:
             previous = self.last.get((req.src, rx))
             if previous is not None and previous != choice.medium:
@@ -133,3 +151,17 @@ class AdaptiveSelector(MediumSelector):
         slowest: Estimate = max((next(e for e in c.candidates if e.medium == medium) for c in per_rx),
                                 key=lambda e: e.total_s)
         return Choice(medium, slowest, per_rx[0].candidates, f"broadcast: slowest receiver fastest with {medium}")
+
+
+def default_selector(config: SchedulerConfig) -> MediumSelector:
+    """The adaptive selector over the calibration profile (fallback figures if none loads), or static."""
+    if config.selector == "static":
+        return StaticSelector()
+    try:
+        from kvbus.codecs.calibration import load_profile
+
+        model = CostModel.from_profile(load_profile(), config=CostConfig(hysteresis=config.hysteresis))
+    except Exception as exc:  # noqa: BLE001 - no profile: decisions say they used fallback figures
+        logger.warning("no calibration profile (%s); the cost model uses fallback figures", exc)
+        model = CostModel(config=CostConfig(hysteresis=config.hysteresis))
+    return AdaptiveSelector(model, default_bandwidth_bps=config.default_bandwidth_bps)

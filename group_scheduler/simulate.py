@@ -5,7 +5,8 @@ Senders are ideal: a granted transfer streams at exactly its allocated rate (or
 issues it, and a conditional pause is declined when the sender has already sent its
 ``max_fraction`` (as the real sender does). The policy object is the real one, driven the
 way `GroupScheduler` drives it: a pass on every arrival and completion, and whenever the
-policy's `next_wakeup` asks for one. For deterministic tests (shares, starvation bounds,
+policy's `next_wakeup` asks for one; every change to the queue and the running set goes to the
+policy's hooks (`queued`, `started`, `released`). For deterministic tests (shares, starvation bounds,
 preemption, reservation deadlines) and what-if runs of policy settings.
 """
 
@@ -145,8 +146,9 @@ class Simulation:
         req = TransferRequest(transfer_id=t.transfer_id, src=t.src, dst=list(t.dst), group="sim", n_tokens=1,
                               nbytes=t.nbytes, signature=SIM_SIGNATURE.to_dict(), critical=t.critical)
         deadline_at = self.now + t.deadline_s if t.deadline_s is not None else None
-        self.state.queue.append(Pending(req, dict.fromkeys(t.dst, SIM_SIGNATURE), arrived=self.now,
-                                        deadline_at=deadline_at))
+        pending = Pending(req, dict.fromkeys(t.dst, SIM_SIGNATURE), arrived=self.now, deadline_at=deadline_at)
+        self.state.queue.append(pending)
+        self.policy.queued(self.state, pending)
         self._pass()
 
     def _pass(self) -> None:
@@ -175,6 +177,7 @@ class Simulation:
         p.medium = d.medium
         p.rate_bps = d.rate_bps
         self.state.active[p.transfer_id] = p
+        self.policy.started(self.state, p)
         t.granted_at = self.now
         t.rate_bps = d.rate_bps
         return 1

@@ -142,8 +142,8 @@ class GroupState:
     preemptions: int = 0
     declined_pauses: int = 0
     queue_epoch: int = 0
-    """Bumped by `drop`: the queue lost entries other than by the policy's decisions (policies
-    that index the queue resynchronise on a change)."""
+    """Bumped by `drop`: the queue lost entries other than by the policy's decisions. (The
+    policies here learn of that by the `SchedulingPolicy.withdrawn` hook instead.)"""
     declared: dict[str, tuple[float, float]] = field(default_factory=dict)
     """Per agent: (link bytes/s, one-way latency s) it declared in the directory (0 = unknown)."""
     priorities: dict[str, float] = field(default_factory=dict)
@@ -253,7 +253,8 @@ class GroupState:
         return sum(a.cache_bytes for a in self.agents.values() if not a.down)
 
     def drop(self, p: Pending) -> None:
-        """Remove ``p`` from the queue other than by a policy decision (refused, withdrawn)."""
+        """Remove ``p`` from the queue other than by a policy decision (refused, withdrawn); the
+        driver then tells the policy (`SchedulingPolicy.withdrawn`)."""
         self.queue.remove(p)
         self.queue_epoch += 1
 

@@ -27,57 +27,36 @@ Each pass (on every event; between events only when something can change by itse
 
 The bookkeeping is incremental (per-pair queues, per-resource weight sums, a heap of waiting
 times), so a pass that grants one transfer costs O(pairs) for the round robin and O(1) for
-its rate; the O(flows log resources) max-min runs at most once per slice.
+its rate; the O(flows log resources) max-min runs at most once per slice. The index lives in
+`kvbus.group_scheduler.bookkeeping` (kept by the `SchedulingPolicy` hooks), the rates in
+`kvbus.group_scheduler.rates`; this module holds the decisions.
 """
 
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
-from collections import Counter
-from collections.abc import Hashable
-from dataclasses import dataclass
 
 import numpy as np
 
-from kvbus.group_scheduler.allocation import Flow, weighted_max_min
+from kvbus.group_scheduler.bookkeeping import BUDGET, INTER, Pair
 from kvbus.group_scheduler.config import SchedulerConfig
 from kvbus.group_scheduler.pairs import PairQueues
 from kvbus.group_scheduler.policy import Adjustment, Decision, MediumSelector, SchedulingPolicy
 from kvbus.group_scheduler.preemption import NoPreemption, PreemptionStrategy, ThresholdPreemption
+from kvbus.group_scheduler.rates import MIN_RATE_BPS, WeightedRates, _mbit
 from kvbus.group_scheduler.reservations import ReservationTable
 from kvbus.group_scheduler.state import GroupState, Pending
 from kvbus.group_scheduler.weights import UrgencyModel
 from kvbus.group_scheduler.wrr import PairPicker, SmoothWRR
 
-BUDGET = "budget"
-#: The resource every inter-group transfer crosses: the group's lease from the coordinator.
-INTER = "inter"
-#: Rates never go below this (a rate of 0 means unpaced on the wire).
-MIN_RATE_BPS = 1024.0
+__all__ = ["BUDGET", "INTER", "MIN_RATE_BPS", "WeightedPolicy"]
 
-Pair = tuple[str, tuple[str, ...]]
+#: What a pass starts: (transfer, its urgency, medium, reason).
+Started = tuple[Pending, float, str, str]
 
 
-def _mbit(bps: float) -> str:
-    return "unpaced" if bps <= 0 else f"{bps * 8 / 1e6:.1f} Mbit/s"
-
-
-@dataclass(slots=True)
-class _Run:
-    """A running ordinary transfer as the policy accounts for it."""
-
-    pending: Pending
-    urgency: float
-    """Its urgency while running (no waiting term)."""
-    weight: float
-    resources: tuple[Hashable, ...]
-    loaded: bool = True
-    """Its weight counts in its resources' load (it is not paused)."""
-
-
-class WeightedPolicy(SchedulingPolicy):
+class WeightedPolicy(WeightedRates, SchedulingPolicy):
     """Weighted round robin with urgency, preemption, reservations and max-min rates."""
 
     def __init__(self, selector: MediumSelector | None = None, *, urgency: UrgencyModel | None = None,
@@ -110,26 +89,12 @@ class WeightedPolicy(SchedulingPolicy):
         self._dirty = False
         self._last_adjust = -math.inf
         self._held: frozenset[str] = frozenset()
-        self._runs: dict[str, _Run] = {}
-        self._load: dict[Hashable, float] = {}
-        self._pair_running: Counter[Pair] = Counter()
-        self._paused: set[str] = set()
-        self._pairs = PairQueues(self.picker, per_pair=per_pair)
-        self._queued: dict[str, Pending] = {}
-        self._epoch = 0
-        self._expect_active = 0
-        """Size of the active set after the scheduler applies our last decisions (a smaller one
-        means transfers ended)."""
-        self._aging: list[tuple[float, int, Pair]] = []
-        """Heap of (waiting since, seq, pair) for pairs with queued work and nothing running."""
-        self._idle: set[Pair] = set()
-        """Pairs whose last running transfer ended since the last pass."""
-        self._special: dict[str, Pending] = {}
-        self._seq = itertools.count()
         self._deadline_flows = False
+        self._init_book(PairQueues(self.picker, per_pair=per_pair))
 
     @classmethod
     def from_config(cls, config: SchedulerConfig, selector: MediumSelector | None = None) -> WeightedPolicy:
+        """The policy with the urgency model, preemption, reservations and limits ``config`` sets."""
         urgency = UrgencyModel(base=config.urgency_base, alpha=config.urgency_alpha, beta=config.urgency_beta,
                                max_delay_s=config.urgency_max_delay_s, deadline_boost=config.deadline_boost,
                                deadline_horizon_s=config.deadline_horizon_s, critical_boost=config.critical_boost)
@@ -144,141 +109,23 @@ class WeightedPolicy(SchedulingPolicy):
         return self.urgency.starvation_bound_s(self.preemption.ratio, self.tick_s)
 
     def changed(self) -> None:
+        """Something outside `decide` changed the running set: reallocate at the next slice."""
         self._dirty = True
-
-    def released(self, pending: Pending) -> None:
-        if pending.transfer_id in self._runs:
-            self._unrun(pending.transfer_id)
-        self._expect_active -= 1
-        self._dirty = True
-
-    # -- resources -----------------------------------------------------------------------------
-
-    @staticmethod
-    def resources(state: GroupState, p: Pending) -> tuple[Hashable, ...]:
-        """The finite resources a transfer crosses: the budget, its sender's egress, its receivers' ingress."""
-        res: list[Hashable] = []
-        if state.bandwidth_bps > 0:
-            res.append(BUDGET)
-        if state.remote and state.inter_group(p):
-            res.append(INTER)  # always listed: the lease comes and goes while the transfer runs
-        if state.capacity(p.src) > 0:
-            res.append(("out", p.src))
-        for rx in p.dst:
-            if state.capacity(rx) > 0:
-                res.append(("in", rx))
-        return tuple(res)
-
-    @staticmethod
-    def _capacity(state: GroupState, key: Hashable) -> float:
-        if key == BUDGET:
-            return state.bandwidth_bps
-        if key == INTER:
-            return state.inter_bps
-        return state.capacity(key[1])  # type: ignore[index]
-
-    @staticmethod
-    def competes(state: GroupState, a: Pending, b: Pending) -> bool:
-        """Whether two transfers share a resource (the budget, a sender, a receiver)."""
-        if state.bandwidth_bps > 0 or a.src == b.src:
-            return True
-        if state.inter_bps > 0 and state.inter_group(a) and state.inter_group(b):
-            return True
-        return any(rx in b.dst for rx in a.dst)
-
-    # -- bookkeeping ---------------------------------------------------------------------------
-
-    def _sync(self, state: GroupState) -> None:
-        """Catch up with the state: transfers that left the active set, arrivals in the queue.
-
-        The scheduler only appends to the queue, removes what this policy decided, and drops
-        others through `GroupState.drop` (which bumps ``queue_epoch``, forcing a full resync).
-        """
-        if len(state.active) != self._expect_active:
-            for tid in self._runs.keys() - state.active.keys():
-                self._unrun(tid)
-        queue = state.queue
-        if state.queue_epoch == self._epoch and len(queue) >= len(self._queued):
-            for p in queue[len(self._queued):]:
-                self._enqueue(state, p)
-            return
-        self._epoch = state.queue_epoch
-        live = {p.transfer_id: p for p in queue}
-        for tid in self._queued.keys() - live.keys():
-            self._unqueue(tid)
-        for p in queue:
-            if p.transfer_id not in self._queued:
-                self._enqueue(state, p)
-
-    @staticmethod
-    def _rp(state: GroupState, p: Pending) -> float:
-        """Role priority of the sender plus the highest of its receivers'."""
-        dst = p.dst
-        rx = state.role_priority(dst[0]) if len(dst) == 1 else max(state.role_priority(r) for r in dst)
-        return state.role_priority(p.src) + rx
-
-    def _enqueue(self, state: GroupState, p: Pending) -> None:
-        self._queued[p.transfer_id] = p
-        pair = p.pair
-        new_pair = pair not in self._pairs.slots
-        running = self._pair_running.get(pair, 0)
-        self._pairs.push(p, self._rp(state, p), running, math.inf if running else p.arrived)
-        if new_pair and not running:
-            heapq.heappush(self._aging, (p.arrived, next(self._seq), pair))
-        if p.request.critical or p.deadline_at is not None:
-            self._special[p.transfer_id] = p
-
-    def _unqueue(self, tid: str) -> None:
-        p = self._queued.pop(tid)
-        self._pairs.remove(p)
-        self._special.pop(tid, None)
-
-    def _run(self, state: GroupState, p: Pending, now: float, rp: float | None = None) -> _Run:
-        if p.request.critical or p.deadline_at is not None:
-            u = self.urgency.urgency(p, now, running=True)
-        else:
-            u = self._u0
-        w = (self._rp(state, p) if rp is None else rp) + u
-        run = _Run(p, u, w, self.resources(state, p))
-        self._runs[p.transfer_id] = run
-        self._pair_running[p.pair] += 1
-        self._pairs.set_running(p.pair, self._pair_running[p.pair], math.inf)
-        self._add_load(run, w)
-        return run
-
-    def _unrun(self, tid: str) -> None:
-        run = self._runs.pop(tid)
-        self._paused.discard(tid)
-        pair = run.pending.pair
-        self._pair_running[pair] -= 1
-        self._pairs.set_running(pair, self._pair_running[pair], math.inf)
-        if self._pair_running[pair] <= 0:
-            del self._pair_running[pair]
-            self._idle.add(pair)  # it waits from the next pass on (the time is known there)
-        if run.loaded:
-            self._add_load(run, -run.weight)
-        self._dirty = True
-
-    def _add_load(self, run: _Run, w: float) -> None:
-        load = self._load
-        for r in run.resources:
-            load[r] = load.get(r, 0.0) + w
-        run.loaded = w > 0
 
     # -- decide --------------------------------------------------------------------------------
 
     def decide(self, state: GroupState, now: float) -> list[Decision]:
-        self._sync(state)
+        """Resume, reservations, urgent admission, round robin, preemption and the new grants' rates."""
+        self._catch_up(state)
         if self._idle:
             self._mark_idle(now)
         if self._paused:
             self._resume(state, now)
         if not self._queued:
-            self._expect_active = len(state.active)
             return []
         urgency = self.urgency.urgency
         decisions: list[Decision] = []
-        started: list[tuple[Pending, float, str, str]] = []
+        started: list[Started] = []
 
         # Reservations, critical and deadline transfers, and those that waited long: urgent
         # admission when they outrank what they compete with or wait for.
@@ -301,10 +148,10 @@ class WeightedPolicy(SchedulingPolicy):
             for u, p in scored:
                 r = self.reservations.match(p) if len(self.reservations) else None
                 if r is not None:
-                    medium, reason = self.selector.choose(state, p)
+                    medium, reason, code = self.selector.select(state, p)
                     self._unqueue(p.transfer_id)
                     if not medium:
-                        decisions.append(Decision(p, "", 0.0, reason))
+                        decisions.append(Decision(p, "", 0.0, reason, code=code))
                         continue
                     p.reservation = r.reservation_id
                     r.on_instance(now)
@@ -313,10 +160,10 @@ class WeightedPolicy(SchedulingPolicy):
                 slots = self.max_active - len(self._runs)
                 if u < floor or not self._outranks_rivals(state, p, u, urgency(p, now, running=True), slots):
                     continue
-                medium, reason = self.selector.choose(state, p)
+                medium, reason, code = self.selector.select(state, p)
                 self._unqueue(p.transfer_id)
                 if not medium:
-                    decisions.append(Decision(p, "", 0.0, reason))
+                    decisions.append(Decision(p, "", 0.0, reason, code=code))
                     continue
                 self.urgent_admissions += 1
                 self._run(state, p, now)
@@ -327,7 +174,6 @@ class WeightedPolicy(SchedulingPolicy):
 
         if self.max_active > len(self._runs) and len(self._pairs):
             self._round_robin(state, now, started, decisions)
-        self._expect_active = len(state.active) + len(started)
         if not started:
             return decisions
         held = self._held_now(state, now, [p for p, _, _, _ in started])[0] if len(self.reservations) else {}
@@ -343,14 +189,6 @@ class WeightedPolicy(SchedulingPolicy):
             decisions.append(Decision(p, medium, rate, f"{reason}; {_mbit(rate)}", start_at=now))
         self._dirty = True
         return decisions
-
-    def _mark_idle(self, now: float) -> None:
-        """Pairs whose last running transfer ended start waiting now (if they have queued work)."""
-        for pair in self._idle:
-            if pair in self._pairs.slots and not self._pair_running.get(pair, 0):
-                self._pairs.set_running(pair, 0, now)
-                heapq.heappush(self._aging, (now, next(self._seq), pair))
-        self._idle.clear()
 
     def _outranks_rivals(self, state: GroupState, p: Pending, u: float, u_own: float, slots: int) -> bool:
         """Whether ``p`` outranks a running transfer it competes with or waits for (its slot or pair).
@@ -373,7 +211,7 @@ class WeightedPolicy(SchedulingPolicy):
                 return True
         return False
 
-    def _round_robin(self, state: GroupState, now: float, started: list, decisions: list) -> None:
+    def _round_robin(self, state: GroupState, now: float, started: list[Started], decisions: list[Decision]) -> None:
         """Fill free slots by smooth WRR over pairs with queued work (oldest transfer of a pair first)."""
         pairs = self._pairs
         eligible = pairs.ready[: pairs.n]  # kept up to date by _unqueue and _run as we go
@@ -386,49 +224,17 @@ class WeightedPolicy(SchedulingPolicy):
             p = pairs.head(slot)
             w = float(weights[slot])
             rp = float(pairs.rp[slot])
-            medium, reason = self.selector.choose(state, p)
+            medium, reason, code = self.selector.select(state, p)
             self._unqueue(p.transfer_id)
             if medium:
                 self._run(state, p, now, rp)
                 started.append((p, w - rp, medium, f"round robin (W {w:.1f}); {reason}"))
             else:
-                decisions.append(Decision(p, "", 0.0, reason))
+                decisions.append(Decision(p, "", 0.0, reason, code=code))
             if not eligible[slot]:
                 n_eligible -= 1
             else:
                 weights[slot] = pairs.weight(slot, now, self.urgency)
-
-    def _held_now(self, state: GroupState, now: float,
-                  new: list[Pending] = ()) -> tuple[dict[Hashable, float], frozenset[str]]:  # type: ignore[assignment]
-        """Bandwidth reservations hold at ``now`` per resource (open windows and instances being
-        sent, ``new`` ones included), and the ids of those reservations."""
-        sending = [p for p in state.active.values() if p.reservation] + [p for p in new if p.reservation]
-        held: dict[Hashable, float] = {}
-        ids = []
-        for r, rate in self.reservations.set_aside(now, sending):
-            ids.append(r.reservation_id)
-            for key in (BUDGET, ("out", r.src), *(("in", rx) for rx in r.dst)):
-                held[key] = held.get(key, 0.0) + rate
-        return held, frozenset(ids)
-
-    def _share(self, state: GroupState, run: _Run, held: dict[Hashable, float]) -> float:
-        """A new transfer's rate: its weighted share of its tightest resource (max-min refines it next slice)."""
-        if not run.resources:
-            return 0.0
-        level = math.inf
-        load = self._load
-        for r in run.resources:
-            full = self._capacity(state, r)
-            if full <= 0:
-                continue  # uncapped right now (no lease in force)
-            cap = full - held[r] if held and r in held else full
-            cap = max(cap, 0.01 * full, MIN_RATE_BPS)
-            share = cap / max(load.get(r, 0.0), run.weight)
-            if share < level:
-                level = share
-        if level == math.inf:
-            return 0.0
-        return max(run.weight * level, MIN_RATE_BPS)
 
     def _preempt(self, state: GroupState, p: Pending, u: float, u_own: float, now: float) -> None:
         """Pause the running transfers ``p`` outranks among those it competes with."""
@@ -480,74 +286,9 @@ class WeightedPolicy(SchedulingPolicy):
             self._immediate.append(Adjustment(f, "resume", reason=why))
             self._dirty = True
 
-    # -- rates ---------------------------------------------------------------------------------
-
-    def allocate(self, state: GroupState, now: float) -> dict[str, float]:
-        """Weighted max-min rates of every running transfer (reserved ones at their reserved rate)."""
-        flows: list[Flow] = []
-        caps: dict[Hashable, float] = {}
-        rates: dict[str, float] = {}
-        deadline_flows = False
-        for run in self._runs.values():
-            f = run.pending
-            if f.deadline_at is not None:
-                deadline_flows = True
-                u = self.urgency.urgency(f, now, running=True)
-                run.weight += u - run.urgency
-                run.urgency = u
-            if f.paused:
-                continue
-            flows.append(Flow(f.transfer_id, run.weight, run.resources))
-            for key in run.resources:
-                if key not in caps:
-                    cap = self._capacity(state, key)
-                    if cap > 0:  # 0: uncapped for now (the inter-group lease when none is in force)
-                        caps[key] = cap
-        for p in state.active.values():
-            if p.reservation:
-                r = self.reservations.get(p.reservation)
-                rates[p.transfer_id] = r.rate_bps if r is not None else MIN_RATE_BPS
-        held, self._held = self._held_now(state, now) if len(self.reservations) else ({}, frozenset())
-        for key in caps:
-            full = caps[key]
-            caps[key] = max(full - held.get(key, 0.0), 0.01 * full, MIN_RATE_BPS)
-        for key, rate in weighted_max_min(flows, caps).items():
-            rates[key] = rate if rate <= 0 else max(rate, MIN_RATE_BPS)  # type: ignore[index]
-        # Rebuild the load sums exactly (deadline weights moved, float error accumulated).
-        self._load = {}
-        for run in self._runs.values():
-            run.loaded = False
-            if not run.pending.paused:
-                self._add_load(run, run.weight)
-        self._deadline_flows = deadline_flows
-        return rates
-
-    def adjust(self, state: GroupState, now: float) -> list[Adjustment]:
-        out, self._immediate = self._immediate, []
-        if not self._dirty and len(self.reservations):
-            self._dirty = self._held_now(state, now)[1] != self._held
-        if not self._dirty and self._deadline_flows:
-            self._dirty = True  # their urgency (and weight) grows as the deadline nears
-        if not self._dirty or now - self._last_adjust < self.tick_s:
-            return out
-        self._sync(state)
-        self._dirty = False
-        self._last_adjust = now
-        self.reallocations += 1
-        rates = self.allocate(state, now)
-        for run in self._runs.values():
-            f = run.pending
-            if f.paused:
-                continue
-            new = rates.get(f.transfer_id, 0.0)
-            old = f.rate_bps
-            if old == new or (old > 0 and new > 0 and abs(new - old) <= self.rate_epsilon * old):
-                continue
-            f.rate_bps = new
-            out.append(Adjustment(f, "rate", rate_bps=new, reason=f"reallocated: {_mbit(new)}"))
-        return out
-
     def next_wakeup(self, state: GroupState, now: float) -> float | None:
+        """The earliest of: pending controls, a special transfer's next look, aging, the slice's
+        reallocation, a pause running out, a reservation window opening or closing."""
         times = []
         if self._immediate:
             times.append(now)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from kvbus.net.transport import NoResponders, Transport
 from kvbus.errors import CoordinatorUnavailable, ReservationRefused
+from kvbus.net.rpc import NO_RETRY, Retry, RpcClient
+from kvbus.net.transport import NoResponders, Transport
 from kvbus.protocol import (
     COORD_GROUPS,
     COORD_LEASE,
@@ -26,24 +27,34 @@ from kvbus.protocol import (
 )
 
 
-
 class CoordinatorClient:
-    """Requests to the coordinator over a `Transport`."""
+    """Requests to the coordinator over a `Transport`.
 
-    def __init__(self, transport: Transport, *, timeout: float = 2.0) -> None:
+    Every request is idempotent by a key (the group for a lease, the reservation id, the agent
+    for a placement), so a ``retry`` strategy may send it again; the default tries once.
+
+    Args:
+        transport: the NATS seam.
+        timeout: seconds each try waits for the coordinator.
+        retry: how unanswered requests are tried again (default: not at all).
+    """
+
+    def __init__(self, transport: Transport, *, timeout: float = 2.0, retry: Retry = NO_RETRY) -> None:
         self.transport = transport
         self.timeout = timeout
+        self.rpc = RpcClient(transport, timeout=timeout, retry=retry)
 
-    async def _request(self, subject: str, payload: bytes, what: str) -> bytes:
+    async def _request(self, subject: str, payload: bytes, what: str, key: str) -> bytes:
         try:
-            return await self.transport.request(subject, payload, timeout=self.timeout)
+            return await self.rpc.request(subject, payload, key=key)
         except (NoResponders, TimeoutError):
             raise CoordinatorUnavailable(what) from None
 
     async def lease(self, group: str, scheduler: str, demand_bps: float, priority: float = 1.0, *,
                     traceparent: str | None = None) -> LeaseGrant:
+        """Ask for the group's share of the inter-group capacity for ``demand_bps`` (0 releases it)."""
         req = LeaseRequest(group, scheduler, demand_bps, priority, traceparent=traceparent)
-        data = await self._request(COORD_LEASE, req.encode(), "lease")
+        data = await self._request(COORD_LEASE, req.encode(), "lease", group)
         return LeaseGrant.decode(data)
 
     async def reserve(self, group: str, who: str, *, period_s: float, size_bytes: int, deadline_s: float,
@@ -51,20 +62,25 @@ class CoordinatorClient:
         """Admit a periodic flow; raises `ReservationRefused` with the reason when it does not fit."""
         rid = reservation_id or uuid.uuid4().hex[:16]
         req = ReservationRequest(rid, group, who, period_s, size_bytes, deadline_s, traceparent=traceparent)
-        reply = ReservationReply.decode(await self._request(COORD_RESERVE, req.encode(), "reserve"))
+        reply = ReservationReply.decode(await self._request(COORD_RESERVE, req.encode(), "reserve", rid))
         if not reply.ok:
             raise ReservationRefused(rid, reply.reason)
         return reply
 
     async def unreserve(self, reservation_id: str) -> None:
-        await self._request(COORD_UNRESERVE, ReservationCancel(reservation_id).encode(), "unreserve")
+        """Cancel a reservation."""
+        await self._request(COORD_UNRESERVE, ReservationCancel(reservation_id).encode(), "unreserve", reservation_id)
 
     async def place(self, agent: str, talks_to: list[str] | None = None) -> PlacementReply:
-        data = await self._request(COORD_PLACE, PlacementRequest(agent, list(talks_to or [])).encode(), "place")
+        """Which group ``agent`` should join (the one of the agents it talks to most, else the least loaded)."""
+        data = await self._request(COORD_PLACE, PlacementRequest(agent, list(talks_to or [])).encode(), "place",
+                                   agent)
         return PlacementReply.decode(data)
 
     async def groups(self) -> dict[str, Any]:
-        return unpackb(await self._request(COORD_GROUPS, b"", "groups"), "groups reply")
+        """The live groups with their scheduler, agent count and heartbeat age."""
+        return unpackb(await self._request(COORD_GROUPS, b"", "groups", "groups"), "groups reply")
 
     async def leave(self, group: str, scheduler: str = "") -> None:
+        """Deregister a group (its lease goes to the others at once)."""
         await self.transport.publish(COORD_LEAVE, GroupLeave(group, scheduler).encode())

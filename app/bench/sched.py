@@ -254,7 +254,9 @@ def decision_cost(n: int, steps: int, selector: Any, seed: int = 1) -> dict[str,
         req = TransferRequest(transfer_id=f"t{k}", src=src, dst=[dst], group="bench", n_tokens=512,
                               nbytes=rnd.choice([1, 4, 16]) * MB, signature=sig)
         k += 1
-        state.queue.append(Pending(req, {dst: SIM_SIGNATURE}, arrived=now))
+        pending = Pending(req, {dst: SIM_SIGNATURE}, arrived=now)
+        state.queue.append(pending)
+        policy.queued(state, pending)
 
     def apply(decisions: list[Decision]) -> int:
         granted = 0
@@ -263,6 +265,7 @@ def decision_cost(n: int, steps: int, selector: Any, seed: int = 1) -> dict[str,
             if d.medium:
                 d.pending.granted_at, d.pending.rate_bps = now, d.rate_bps
                 state.active[d.pending.transfer_id] = d.pending
+                policy.started(state, d.pending)
                 granted += 1
         return granted
 

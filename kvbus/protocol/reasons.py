@@ -21,6 +21,10 @@ class Reason(StrEnum):
     """The message names a sender other than the one its subject belongs to."""
     UNKNOWN_RECEIVER = "unknown_receiver"
     RECEIVER_DOWN = "receiver_down"
+    """A receiver sent no probe for longer than the probe TTL: refused until it probes again."""
+    SENDER_DOWN = "sender_down"
+    """The sender itself sent no probe for longer than the probe TTL (its probes do not reach its
+    scheduler): refused until it probes again."""
     RECEIVER_GONE = "receiver_gone"
     INCOMPATIBLE = "incompatible"
     """The receiver's model cannot use the medium (signature mismatch, no model)."""
@@ -33,6 +37,11 @@ class Reason(StrEnum):
     """A delta medium's base is not what the receiver holds: resend without delta."""
     REFUSED = "refused"
     """Admission control or policy said no (a reservation that does not fit, ...)."""
+    UNAVAILABLE = "unavailable"
+    """A service the answer depends on did not answer (the coordinator, for a deployment-wide
+    reservation); asking again later may work."""
+    NOT_FOUND = "not_found"
+    """The transfer or reservation the message names is not known here."""
     SHUTTING_DOWN = "shutting_down"
     INTERNAL = "internal"
 

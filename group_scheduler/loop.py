@@ -1,0 +1,278 @@
+"""The time-slice loop of a group scheduler: decisions -> grants and controls.
+
+It runs the policy on every event and once per time slice while work waits, and sleeps when
+nothing can change (an idle scheduler uses no CPU). Each pass expires what went silent (a
+transfer that reported nothing for ``transfer_timeout``, agents whose probes stopped: their
+queued transfers are refused), asks the policy (`decide`, then `adjust` with the new grants
+active), and sends the grants and the controls (pause / resume / rate) to the senders. A done
+report ends a grant: the slot is released and the link estimate, the cost model and the
+reservation statistics learn from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+from nats.aio.msg import Msg
+
+from kvbus import telemetry
+from kvbus.errors import WireFormatError
+from kvbus.group_scheduler.admission import down_refusal
+from kvbus.group_scheduler.config import SchedulerConfig
+from kvbus.group_scheduler.policy import Adjustment, Decision, SchedulingPolicy
+from kvbus.group_scheduler.reservations import ReservationTable
+from kvbus.group_scheduler.state import GroupState, Pending
+from kvbus.net.rpc import RpcClient
+from kvbus.net.transport import NoResponders, Transport
+from kvbus.protocol import Control, ControlReply, Grant, TransferDone, agent_subject
+
+logger = logging.getLogger(__name__)
+
+#: Transfers smaller than this say more about round trips than bandwidth: not used for estimates.
+MIN_ESTIMATE_BYTES = 64 * 1024
+#: How long a pause request waits for the sender's answer.
+PAUSE_TIMEOUT_S = 2.0
+
+
+class GrantLoop:
+    """Grants the queued transfers of one group, one policy pass per state change or time slice.
+
+    Args:
+        transport: the NATS seam (grants and controls go to the senders' ``ctl`` subjects).
+        state: the group's S(t).
+        policy: the scheduling strategy.
+        config: the time slice, the probe TTL and the transfer timeout.
+    """
+
+    def __init__(self, transport: Transport, state: GroupState, policy: SchedulingPolicy,
+                 config: SchedulerConfig) -> None:
+        self.transport = transport
+        self.state = state
+        self.group = state.group
+        self.policy = policy
+        self.config = config
+        self.rpc = RpcClient(transport, timeout=PAUSE_TIMEOUT_S)
+        self.slices = 0
+        """Scheduling passes run (an idle scheduler runs none)."""
+        self.reservation_stats: dict[str, list[float]] = {}
+        """Per reservation: seconds from each instance's request to its done report."""
+        self.wake = asyncio.Event()
+        """Set to make the loop look again now (an event changed what it waits for)."""
+        self.side_tasks: set[asyncio.Task[Any]] = set()
+        """Pauses waiting for their senders' answers."""
+
+    @property
+    def reservations(self) -> ReservationTable | None:
+        """The policy's reservation table (None for a policy without reservations)."""
+        return getattr(self.policy, "reservations", None)
+
+    def next_timeout(self) -> float | None:
+        """Seconds until the next pass is due without an event, or None to sleep until one."""
+        now = time.monotonic()
+        times = []
+        wanted = self.policy.next_wakeup(self.state, now)
+        if wanted is not None:
+            times.append(wanted)
+        if self.state.queue or self.state.active:
+            expiry = self.state.next_expiry(self.config.probe_ttl_s)
+            if expiry is not None:
+                times.append(expiry + 0.001)
+        if self.state.active:
+            times.append(min(p.granted_at for p in self.state.active.values()) + self.config.transfer_timeout)
+        return max(0.0, min(times) - now) if times else None
+
+    async def run(self) -> None:
+        """Pass whenever woken or due, until cancelled; a failing pass is logged and the loop goes on."""
+        while True:
+            try:
+                timeout = self.next_timeout()
+                if timeout is None:
+                    await self.wake.wait()
+                elif timeout > 0:
+                    try:
+                        await asyncio.wait_for(self.wake.wait(), timeout)
+                    except TimeoutError:
+                        pass
+                self.wake.clear()
+                await self.schedule_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("scheduler loop of %s failed; continuing", self.group)
+                await asyncio.sleep(self.config.tick_s)
+
+    def _expire(self, now: float) -> list[Decision]:
+        """Mark silent agents down, release their running transfers, refuse their queued ones
+        (they leave the queue here; the refusals are returned to be sent)."""
+        state, policy = self.state, self.policy
+        for tid, p in list(state.active.items()):
+            if now - p.granted_at > self.config.transfer_timeout:
+                logger.warning("transfer %s reported nothing for %.0f s; releasing its slot", tid, now - p.granted_at)
+                del state.active[tid]
+                policy.released(p)
+        gone = state.expire(now, self.config.probe_ttl_s)
+        for name in gone:
+            logger.warning("group %s: agent %s sent no probe for %.1f s; marked down", self.group, name,
+                           now - state.agents[name].last_seen)
+        refusals = []
+        if state.n_down:
+            for p in list(state.queue):
+                down = next((a for a in (p.src, *p.dst) if state.is_down(a)), None)
+                if down is not None:
+                    state.drop(p)
+                    policy.withdrawn(state, p)
+                    refusal = down_refusal(state, self.config.probe_ttl_s, down, p.src, now)
+                    refusals.append(Decision(p, "", 0.0, refusal.reason, code=refusal.code))
+            for tid, p in list(state.active.items()):
+                if any(state.is_down(a) for a in (p.src, *p.dst)):
+                    del state.active[tid]
+                    policy.released(p)
+        return refusals
+
+    async def schedule_once(self, replies: dict[str, Msg] | None = None) -> int:
+        """One scheduling pass: expire, ask the policy (`decide`, then `adjust` with the new grants
+        active), send grants and controls; returns how many were granted.
+
+        ``replies`` maps transfer ids to requests still waiting for their reply: a grant for one of
+        them goes out as that reply (and the entry is removed) instead of on the sender's ctl subject.
+        """
+        state = self.state
+        now = time.monotonic()
+        self.slices += 1
+        decisions = self._expire(now)
+        expired = len(decisions)
+        decisions += self.policy.decide(state, now)
+        # All state changes first, then the messages: a pass that runs while this one awaits
+        # its sends sees a consistent state. New grants are active before `adjust` looks.
+        out: list[tuple[Pending, bytes]] = []
+        granted = 0
+        wall = time.time()
+        for i, decision in enumerate(decisions):
+            pending = decision.pending
+            if i >= expired:
+                state.queue.remove(pending)
+            req = pending.request
+            rate = decision.rate_bps
+            emulated = min((state.declared_bandwidth(req.src, rx) for rx in req.dst), default=0.0)
+            if emulated > 0:
+                rate = min(rate, emulated) if rate > 0 else emulated
+            latency = max((state.declared_latency(req.src, rx) for rx in req.dst), default=0.0)
+            start = wall + max(0.0, decision.start_at - now) if decision.start_at else wall
+            grant = Grant(transfer_id=pending.transfer_id, medium=decision.medium, rate_bps=rate, start_at=start,
+                          reason=decision.reason, decision=pending.decision, latency_s=latency,
+                          sched_s=max(0.0, wall - req.ts), code=decision.code)
+            data = grant.encode()
+            _record_decision(pending, decision, rate, wall, now)
+            if decision.medium:
+                pending.granted_at = now
+                pending.medium = decision.medium
+                pending.rate_bps = rate
+                pending.grant = data
+                state.active[pending.transfer_id] = pending
+                self.policy.started(state, pending)
+                state.granted += 1
+                granted += 1
+            else:
+                state.refused += 1
+            out.append((pending, data))
+        adjustments = self.policy.adjust(state, now)
+        for pending, data in out:
+            request_msg = replies.pop(pending.transfer_id, None) if replies else None
+            if request_msg is not None:
+                await self.transport.reply(request_msg, data)
+            else:
+                await self.transport.publish(agent_subject(pending.request.src, "ctl"), data)
+        for adj in adjustments:
+            await self._control(adj)
+        return granted
+
+    async def _control(self, adj: Adjustment) -> None:
+        p = adj.pending
+        ctl = Control(transfer_id=p.transfer_id, action=adj.action, reason=adj.reason, rate_bps=adj.rate_bps,
+                      max_fraction=adj.max_fraction)
+        if adj.action == "pause":
+            # Conditional: the sender answers whether it paused (it declines past the threshold).
+            self.state.preemptions += 1
+            telemetry.instruments().preemptions.add(1, {"group": self.group})
+            task = asyncio.create_task(self._pause(p, ctl), name=f"kvbus-pause-{p.transfer_id}")
+            self.side_tasks.add(task)
+            task.add_done_callback(self.side_tasks.discard)
+            return
+        try:
+            await self.transport.publish(agent_subject(p.src, "ctl"), ctl.encode())
+        except Exception:  # noqa: BLE001 - the transfer goes on at its old rate
+            logger.warning("could not send %s to %s", adj.action, p.src, exc_info=True)
+
+    async def _pause(self, p: Pending, ctl: Control) -> None:
+        try:
+            data = await self.rpc.request(agent_subject(p.src, "ctl"), ctl.encode(), key=p.transfer_id)
+            reply = ControlReply.decode(data)
+            ok, why = reply.ok, reply.reason
+        except (NoResponders, TimeoutError, WireFormatError) as exc:
+            ok, why = False, f"no answer ({type(exc).__name__})"
+        if ok:
+            logger.debug("transfer %s paused at %.0f%%", p.transfer_id, 100 * reply.fraction)
+            return
+        if self.state.active.get(p.transfer_id) is not p:
+            return
+        logger.info("transfer %s not paused: %s", p.transfer_id, why)
+        p.paused = False
+        p.paused_by.clear()
+        p.unpreemptible = True
+        self.state.declined_pauses += 1
+        self.policy.changed()
+        self.wake.set()
+
+    def finished(self, done: TransferDone) -> None:
+        """A sender reported a transfer done (or failed): release its slot and learn from it."""
+        state = self.state
+        pending = state.active.pop(done.transfer_id, None)
+        if pending is None:
+            return
+        self.policy.released(pending)
+        if done.ok:
+            state.completed += 1
+            if done.nbytes >= MIN_ESTIMATE_BYTES and done.wire_s > 0:
+                for rx in done.dst:
+                    state.link(done.src, rx).observe(done.nbytes, done.wire_s)
+                    telemetry.instruments().link_bandwidth.record(done.nbytes / done.wire_s,
+                                                                  {"group": self.group, "link": f"{done.src}->{rx}"})
+            model = getattr(self.policy.selector, "model", None)
+            if model is not None and pending.predicted_s > 0 and done.seconds > 0:
+                model.observe(pending.medium, pending.predicted_s, done.seconds)
+            if pending.reservation:
+                took = time.monotonic() - pending.arrived
+                self.reservation_stats.setdefault(pending.reservation, []).append(took)
+                table = self.reservations
+                r = table.get(pending.reservation) if table is not None else None
+                if r is not None and took > r.deadline_s:
+                    telemetry.instruments().reservation_misses.add(1, {"group": self.group})
+        else:
+            state.failed += 1
+            logger.info("transfer %s failed: %s", done.transfer_id, done.error)
+        self.wake.set()
+
+
+def _record_decision(pending: Pending, decision: Decision, rate: float, wall: float, now: float) -> None:
+    """The ``kvbus.schedule`` span of one decided transfer: a child of the sender's grant wait
+    (the request's ``traceparent``), from the request's arrival to the decision."""
+    parent = pending.request.traceparent
+    if not parent:
+        return
+    arrived_ns = int((wall - max(0.0, now - pending.arrived)) * 1e9)
+    span = telemetry.start("kvbus.schedule", parent=parent, start_time=arrived_ns, attributes={
+        "kvbus.transfer_id": pending.transfer_id, "kvbus.medium": decision.medium, "kvbus.rate_bps": rate})
+    if span.is_recording():
+        choice = pending.decision or {}
+        span.set_attributes({
+            "kvbus.group": pending.request.group, "kvbus.src": pending.src, "kvbus.dst": ",".join(pending.dst),
+            "kvbus.reason": decision.reason, "kvbus.granted": bool(decision.medium),
+            "kvbus.queue_wait_s": max(0.0, now - pending.arrived),
+            "kvbus.predicted_s": float(choice.get("predicted_s") or 0.0),
+            "kvbus.candidates": json.dumps(choice.get("candidates", []), separators=(",", ":"), default=str),
+        })
+    span.end()
