@@ -1,6 +1,7 @@
 """The bus client: `Bus.connect`, agents, `send` / `broadcast` / `gather`, the inbox."""
 
-from kvbus.bus.client import Agent, Bus, Status
+from kvbus.bus.agent import Agent
+from kvbus.bus.client import Bus, Status
 from kvbus.bus.config import BusConfig
 from kvbus.bus.errors import (
     BusClosed,
@@ -14,12 +15,13 @@ from kvbus.bus.errors import (
     TransferTimeout,
 )
 from kvbus.bus.pacing import EmulatedLink
+from kvbus.bus.types import Delivery, TransferReport
 from kvbus.errors import ReservationRefused
 from kvbus.net.transport import NatsTransport, NoResponders, Transport
-from kvbus.bus.types import Delivery, TransferReport
+from kvbus.protocol import Reason
 
 __all__ = [
     "Agent", "Bus", "BusClosed", "BusConfig", "BusError", "Delivery", "EmulatedLink", "NatsTransport", "NoResponders",
-    "PayloadTooLarge", "ReceiveTimeout", "ReceiverGone", "ReservationRefused", "SchedulerUnavailable", "Status", "TransferError",
-    "TransferRejected", "TransferReport", "TransferTimeout", "Transport",
+    "PayloadTooLarge", "Reason", "ReceiveTimeout", "ReceiverGone", "ReservationRefused", "SchedulerUnavailable",
+    "Status", "TransferError", "TransferRejected", "TransferReport", "TransferTimeout", "Transport",
 ]

@@ -11,6 +11,8 @@ DEFAULT_CHUNK_SIZE = 1024 * 1024
 DEFAULT_WINDOW = 16
 #: Bytes of NATS headers and protocol line we keep free below the server's max_payload.
 HEADER_ROOM = 4096
+#: Payloads above this are encoded and decoded in a worker thread, off the event loop.
+OFFLOAD_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,4 +63,5 @@ class BusConfig:
 
     @classmethod
     def from_env(cls, **overrides: object) -> BusConfig:
+        """The defaults, overridden by ``KVBUS_BUS_<FIELD>`` variables, then by ``overrides``."""
         return from_env(cls, "bus", **overrides)

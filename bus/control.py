@@ -12,7 +12,7 @@ import collections
 import logging
 from dataclasses import dataclass
 
-from kvbus.bus.stream import OutgoingTransfer
+from kvbus.bus.outgoing import OutgoingTransfer
 from kvbus.protocol import Control, ControlReply
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,7 @@ class TransferControls:
             self._early.popitem(last=False)
 
     def attach(self, transfer_id: str, out: OutgoingTransfer) -> None:
+        """``out`` starts streaming: apply the controls that came for it before."""
         early = self._early.pop(transfer_id, None)
         if early is None:
             return
@@ -55,6 +56,7 @@ class TransferControls:
             out.pause()
 
     def detach(self, transfer_id: str) -> None:
+        """The transfer is over: forget its early controls."""
         self._early.pop(transfer_id, None)
 
     def apply(self, cmd: Control) -> ControlReply:
@@ -101,5 +103,6 @@ class OutgoingTable(dict):
         self._controls.attach(transfer_id, out)
 
     def pop(self, transfer_id: str, *default: object) -> object:  # type: ignore[override]
+        """Remove a finished transfer (and its early controls)."""
         self._controls.detach(transfer_id)
         return super().pop(transfer_id, *default)

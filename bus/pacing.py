@@ -20,6 +20,7 @@ class EmulatedLink:
 
     @classmethod
     def mbit(cls, mbit_per_s: float, latency_ms: float = 0.0) -> EmulatedLink:
+        """A link of ``mbit_per_s`` megabits per second and ``latency_ms`` one-way latency."""
         return cls(mbit_per_s * 1e6 / 8, latency_ms / 1000)
 
 
@@ -42,6 +43,7 @@ class TokenBucket:
         self._waiter: asyncio.Future[None] | None = None
 
     def set_rate(self, rate: float, burst: float | None = None) -> None:
+        """Change the rate (and burst) now; a `take` already waiting is recomputed at the new rate."""
         self._refill()
         self.rate = float(rate)
         if burst is not None:
@@ -77,6 +79,7 @@ class TokenBucket:
         return 0.0 if self._tokens >= 0 else -self._tokens / self.rate
 
     async def take(self, nbytes: int) -> None:
+        """Wait until ``nbytes`` may go at the current rate."""
         delay = self.delay_for(nbytes)
         while delay > 0:
             loop = asyncio.get_running_loop()

@@ -37,6 +37,7 @@ class TransferReport:
 
     @property
     def throughput_bps(self) -> float:
+        """Payload bytes per second over the transfer (0 when it took no measurable time)."""
         return self.nbytes / self.transfer_s if self.transfer_s > 0 else 0.0
 
 

@@ -38,16 +38,16 @@ async def main() -> None:
     parser.add_argument("--die-at-chunk", type=int, default=0)
     args = parser.parse_args()
     if args.die_at_chunk:
-        import kvbus.bus.stream as stream
+        from kvbus.bus.incoming import IncomingTransfer
 
-        original = stream.IncomingTransfer._on_chunk
+        original = IncomingTransfer._on_chunk
 
         async def dying(self, msg):  # noqa: ANN001
             if self.count + 1 >= args.die_at_chunk:
                 os._exit(17)
             await original(self, msg)
 
-        stream.IncomingTransfer._on_chunk = dying
+        IncomingTransfer._on_chunk = dying
     bus = await Bus.connect(args.url, config=BusConfig(partial_timeout=5.0))
     agent = await bus.agent(args.name, signature=SIG)
     print("ready", flush=True)

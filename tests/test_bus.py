@@ -24,11 +24,12 @@ from kvbus.bus import (
     SchedulerUnavailable,
     TransferRejected,
 )
-from kvbus.bus.stream import chunk_digest
+from kvbus.bus.chunking import chunk_digest
 from kvbus.codecs import UnknownCodec
 from kvbus.errors import SignatureMismatch
-from kvbus.protocol import CHUNK_INDEX_HEADER, CHUNK_SUM_HEADER, Open, OpenReply, agent_subject, inbox_subject
+from kvbus.protocol import CHUNK_INDEX_HEADER, CHUNK_SUM_HEADER, Open, OpenReply, Reason, inbox_subject
 from kvbus.signature import ModelSignature
+from kvbus.telemetry import CacheMetrics
 from tests.conftest import FAST
 from tests.kvutil import kv_of_bytes, random_kv
 from tests.peer import SIG, kv_digest
@@ -195,8 +196,9 @@ async def test_forged_chunk_is_never_delivered(pair: tuple[Any, Any, Bus]) -> No
     tx, rx, _ = pair
     kv = kv_of_bytes(SIG, 4 << 20, seed=6)
     tx._transport = FaultyTransport(tx._transport, forge={2})
-    with pytest.raises(TransferRejected, match="digest mismatch"):
+    with pytest.raises(TransferRejected, match="digest mismatch") as info:
         await tx.send(rx.name, kv, medium="full")
+    assert info.value.code is Reason.DIGEST_MISMATCH  # from the receiver's final Ack
     with pytest.raises(ReceiveTimeout):
         await rx.receive(timeout=0.5)
 
@@ -365,8 +367,40 @@ async def test_delta_sends_only_new_tokens_and_falls_back_when_the_base_is_gone(
     d = await rx.receive(timeout=5)
     assert d.kv.equal(grown)
     assert report.nbytes < 0.35 * grown.nbytes
-    rx._bases.clear()  # the receiver lost its base (a restart, say): never a wrong cache
+    rx._receiver.bases.clear()  # the receiver lost its base (a restart, say): never a wrong cache
     report = await tx.send(rx.name, whole, medium="delta+full")
     d = await rx.receive(timeout=5)
     assert d.kv.equal(whole)
     assert report.medium == "full"
+
+
+class _Listener:
+    """A cache tier listener of the owner's that records what the tier tells it."""
+
+    def __init__(self) -> None:
+        self.fetched_keys: list[str] = []
+
+    def fetched(self, keys: list[str]) -> None:
+        self.fetched_keys.extend(keys)
+
+
+class _Tier:
+    """Stands in for a cache tier: a listener hook, stats and resident bytes."""
+
+    def __init__(self, listener: Any) -> None:
+        self.listener = listener
+        self.stats = None
+        self.memory_bytes = 123
+
+
+async def test_an_agent_counts_its_tiers_events_and_passes_them_on(bus: Bus) -> None:
+    own = _Listener()
+    tier = _Tier(own)
+    agent = await bus.agent("tier-hooked", signature=SIG, cache=tier)
+    assert isinstance(tier.listener, CacheMetrics) and tier.listener.inner is own
+    tier.listener.fetched(["a", "b"])
+    assert own.fetched_keys == ["a", "b"]
+    hooked = tier.listener
+    await bus.agent("tier-hooked-2", signature=SIG, cache=tier)  # counted once, not wrapped twice
+    assert tier.listener is hooked
+    assert agent.probe().cache_bytes == 123

@@ -121,7 +121,7 @@ async def test_unanswered_open_is_asked_again_and_delivered_once(nats_url: str, 
         tx = await tx_bus.agent("reopen-tx", signature=SIG)
         rx = await rx_bus.agent("reopen-rx", signature=SIG)
         slow_once = [True]
-        decode = rx._decode
+        decode = rx._receiver._decode
 
         async def slow_decode(*args: Any, **kwargs: Any) -> Any:
             if slow_once[0]:
@@ -129,7 +129,7 @@ async def test_unanswered_open_is_asked_again_and_delivered_once(nats_url: str, 
                 await asyncio.sleep(1.0)  # 2.5 request timeouts
             return await decode(*args, **kwargs)
 
-        rx._decode = slow_decode  # type: ignore[method-assign]
+        rx._receiver._decode = slow_decode  # type: ignore[method-assign]
         kv = kv_of_bytes(SIG, 64 << 10, seed=3)  # inline: the payload rides in the Open
         report = await tx.send(rx.name, kv, medium="full")
         got = await rx.receive(timeout=5)

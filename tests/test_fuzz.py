@@ -21,7 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbus.bus import Bus, BusConfig
-from kvbus.bus.stream import ChunkSource, IncomingTransfer, chunk_digest
+from kvbus.bus.chunking import ChunkSource, chunk_digest, tree_digest
+from kvbus.bus.incoming import IncomingTransfer
 from kvbus.cachetier.record import RecordFormatError, Stub, parse_record
 from kvbus.codecs import Encoded, available_codecs, get_codec
 from kvbus.errors import KVBusError
@@ -179,7 +180,7 @@ def test_chunk_frames(cases: int) -> None:
     open_msg = Open(transfer_id="f" * 32, src="tx", codec="full", meta={}, sizes=_SIZES, total=sum(_SIZES),
                     chunk_size=2048, n_chunks=len(_GENUINE), digest="", window=16,
                     data_subject="kvbus.agent.rx.data." + "f" * 32, ack_subject=agent_subject("tx", "ack"))
-    root = __import__("kvbus.bus.stream", fromlist=["tree_digest"]).tree_digest(_DIGESTS, sum(_SIZES))
+    root = tree_digest(_DIGESTS, sum(_SIZES))
 
     def check(frames: list[tuple[bytes, dict[str, str] | None]]) -> None:
         finished: list[IncomingTransfer] = []

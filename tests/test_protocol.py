@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbus.bus.stream import ChunkPlan, ChunkSource, split_inline, tree_digest, chunk_digest
+from kvbus.bus.chunking import ChunkPlan, ChunkSource, chunk_digest, split_inline, tree_digest
 from kvbus.errors import KVBusError, WireFormatError
 from kvbus.protocol import (
     Ack,
@@ -133,7 +133,7 @@ def test_chunk_plan_covers_every_byte_once_and_keeps_small_buffers_whole(sizes: 
 def test_chunk_source_reassembles_the_buffers(sizes: list[int], chunk: int) -> None:
     import os
 
-    from kvbus.bus.stream import Reassembly
+    from kvbus.bus.chunking import Reassembly
 
     buffers = [memoryview(os.urandom(n)) for n in sizes]
     src = ChunkSource(buffers, chunk)

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from kvbus.bus import Bus, BusConfig, EmulatedLink, ReceiveTimeout, ReservationRefused, TransferRejected
-from kvbus.bus.stream import OutgoingTransfer
+from kvbus.bus.outgoing import OutgoingTransfer
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
 from tests.conftest import FAST
 from tests.kvutil import kv_of_bytes
@@ -47,7 +47,7 @@ async def outgoing(agent: Any, timeout: float = 10.0) -> OutgoingTransfer:
     """The sender's running transfer, once it has started streaming."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for out in list(agent._outgoing.values()):
+        for out in list(agent._sender.outgoing.values()):
             return out
         await asyncio.sleep(0.002)
     raise AssertionError(f"{agent.name} never started streaming")

@@ -92,7 +92,7 @@ class ChaosTransport:
 
 
 def _digest(data: bytes) -> str:
-    from kvbus.bus.stream import chunk_digest
+    from kvbus.bus.chunking import chunk_digest
 
     return chunk_digest(data)
 
@@ -121,8 +121,7 @@ class Receiver:
         agent, self.agent = self.agent, None
         if agent is not None:
             await agent.close()
-            while not agent._deliveries.empty():
-                d = agent._deliveries.get_nowait()
+            for d in agent._inbox.drain():
                 self.deliveries.append((self.name, d.transfer_id, kv_digest(d.kv)))
 
     async def restart(self, down_s: float) -> None:

@@ -119,12 +119,12 @@ async def _client(url: str, agents: list[tuple[str, str, str]], proc: int, rate:
             try:
                 # The bus client's own request -> grant exchange (what `Agent.send` does before it
                 # streams), then its completion report, which frees the scheduler's slot.
-                grant = await agent._request_grant(tid, [to], kv, None, None, False)
+                grant = await agent._scheduler.request_grant(tid, [to], kv, None, None, False)
                 took = time.perf_counter() - t0
                 # The wait the grant asks for (a later start: bandwidth) is not scheduling overhead;
                 # the grant left the scheduler at about t_wall + sched_s.
                 took -= max(0.0, grant.start_at - (t_wall + grant.sched_s))
-                await agent._report_done(tid, grant.medium, [to], 0, 0.0, None)
+                await agent._scheduler.report_done(tid, grant.medium, [to], 0, 0.0, None)
                 if due >= count_from:
                     overhead.append(max(0.0, took))
                     at_scheduler.append(grant.sched_s)

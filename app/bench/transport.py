@@ -35,7 +35,7 @@ import torch
 
 from kvbus import telemetry
 from kvbus.bus import Bus, BusConfig
-from kvbus.bus.stream import ChunkPlan
+from kvbus.bus.chunking import ChunkPlan
 from kvbus.codecs import get_codec
 from kvbus.kvcache import KVCache
 from kvbus.app.local import NatsServer, RedisServer

@@ -35,6 +35,8 @@ class Reason(StrEnum):
     DECODE_FAILED = "decode_failed"
     DELTA_BASE_MISMATCH = "delta_base_mismatch"
     """A delta medium's base is not what the receiver holds: resend without delta."""
+    CANCELLED = "cancelled"
+    """The scheduler cancelled the transfer (preempted for good, its receiver went down, ...)."""
     REFUSED = "refused"
     """Admission control or policy said no (a reservation that does not fit, ...)."""
     UNAVAILABLE = "unavailable"

@@ -1,30 +1,25 @@
-"""Chunked streaming of one transfer: the sender's and the receiver's state machines.
+"""The sender's side of one transfer: `Open`, credit window, pacing, repair, pause and resume.
 
 The sender announces a transfer with an `Open` request to each receiver's inbox, then
 publishes chunks once on a per-transfer data subject that every receiver subscribed to (so a
 broadcast leaves the sender once and NATS fans it out). Flow control is by credit: a sender
 keeps at most ``window`` chunks beyond the slowest receiver's acknowledged position. Each chunk
-carries its index and an xxh3-64 digest in NATS headers; the last chunk (or the `Open`, for an
-inline payload) carries an xxh3-128 digest of the whole payload, a hash over the chunk digests. A receiver drops corrupt or duplicate chunks, asks for missing ones, and
-answers with a final `Ack` only after the whole payload verified and decoded.
+carries its index and digest in NATS headers; the last chunk (or the `Open`, for an inline
+payload) carries the whole payload's digest (`kvbus.bus.chunking`). Receivers ask for missing
+chunks; a sender without acknowledgements asks each lagging receiver where it stands.
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-import torch
-import xxhash
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 from opentelemetry.trace import INVALID_SPAN, Span
 
+from kvbus.bus.chunking import ChunkSource, chunk_digest, tree_digest
 from kvbus.bus.config import BusConfig
 from kvbus.bus.errors import ReceiverGone, TransferError, TransferRejected, TransferTimeout
 from kvbus.bus.pacing import TokenBucket
@@ -36,6 +31,7 @@ from kvbus.protocol import (
     Ack,
     Open,
     OpenReply,
+    Reason,
     agent_subject,
     bcast_subject,
     data_subject,
@@ -43,99 +39,6 @@ from kvbus.protocol import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-def chunk_digest(data: bytes | memoryview) -> str:
-    return xxhash.xxh3_64_hexdigest(data)
-
-
-def tree_digest(chunk_digests: list[str], total: int) -> str:
-    """The whole-payload digest: xxh3-128 over the chunks' digests and the total size.
-
-    Every chunk is verified against its own digest on arrival, so hashing the digests (a
-    one-level hash tree) checks the whole payload without a second pass over its bytes.
-    """
-    h = xxhash.xxh3_128(str(total).encode())
-    for d in chunk_digests:
-        h.update(d.encode())
-    return h.hexdigest()
-
-
-#: Buffers below ``chunk_size // PACK_DIVISOR`` are packed together into one chunk; larger
-#: ones get chunks of their own (no copy on either side), split when above ``chunk_size``.
-PACK_DIVISOR = 16
-
-
-class ChunkPlan:
-    """Deterministic split of a list of buffer sizes into chunks, computed alike on both sides.
-
-    A chunk is either a slice of one buffer or several whole small buffers back to back, so a
-    buffer that fits in a chunk never straddles two: the sender publishes views without joining
-    and the receiver builds tensors over the chunk it received without copying.
-    """
-
-    def __init__(self, sizes: list[int], chunk_size: int) -> None:
-        self.sizes = list(sizes)
-        self.chunk_size = chunk_size
-        self.total = sum(sizes)
-        self.starts: list[int] = []
-        offset = 0
-        for n in sizes:
-            self.starts.append(offset)
-            offset += n
-        small = max(1, chunk_size // PACK_DIVISOR)
-        #: Per chunk: (first byte, end byte) of the payload taken back to back.
-        self.ranges: list[tuple[int, int]] = []
-        run_start = run_end = -1
-        for start, n in zip(self.starts, self.sizes):
-            if n == 0:
-                continue
-            if n < small and run_start >= 0 and run_end - run_start + n <= chunk_size:
-                run_end += n
-                continue
-            if run_start >= 0:
-                self.ranges.append((run_start, run_end))
-                run_start = -1
-            if n < small:
-                run_start, run_end = start, start + n
-                continue
-            for off in range(0, n, chunk_size):
-                self.ranges.append((start + off, start + min(off + chunk_size, n)))
-        if run_start >= 0:
-            self.ranges.append((run_start, run_end))
-        self.n_chunks = len(self.ranges)
-
-    def pieces(self, index: int) -> list[tuple[int, int, int]]:
-        """(buffer index, start, end within that buffer) of the buffers chunk ``index`` covers."""
-        lo, hi = self.ranges[index]
-        i = bisect.bisect_right(self.starts, lo) - 1
-        while i + 1 < len(self.starts) and self.starts[i + 1] <= lo and self.sizes[i] == 0:
-            i += 1
-        out = []
-        pos = lo
-        while pos < hi:
-            base, n = self.starts[i], self.sizes[i]
-            take = min(hi, base + n) - pos
-            if take > 0:
-                out.append((i, pos - base, pos - base + take))
-                pos += take
-            i += 1
-        return out
-
-
-class ChunkSource:
-    """The sender's view of its buffers through a `ChunkPlan`."""
-
-    def __init__(self, buffers: list[memoryview], chunk_size: int) -> None:
-        self.buffers = [b if b.format == "B" and b.ndim == 1 else b.cast("B") for b in buffers]
-        self.plan = ChunkPlan([b.nbytes for b in self.buffers], chunk_size)
-        self.total = self.plan.total
-        self.n_chunks = self.plan.n_chunks
-        self.chunk_size = chunk_size
-
-    def chunk(self, index: int) -> memoryview | bytes:
-        pieces = [self.buffers[b][s:e] for b, s, e in self.plan.pieces(index)]
-        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 @dataclass
@@ -149,6 +52,8 @@ class ReceiverOutcome:
 
 @dataclass
 class StreamStats:
+    """What one outgoing transfer did: chunks and bytes sent, retransmits, pauses."""
+
     chunks_sent: int = 0
     """Chunk messages published, retransmissions included."""
     retransmits: int = 0
@@ -220,6 +125,7 @@ class OutgoingTransfer:
 
     @property
     def paused(self) -> bool:
+        """Whether the scheduler has paused the transfer."""
         return not self._running.is_set()
 
     @property
@@ -267,14 +173,16 @@ class OutgoingTransfer:
 
     def cancel(self, reason: str) -> None:
         """Give up: every receiver still pending fails with ``reason``."""
-        for rx, outcome in self.outcomes.items():
+        for outcome in self.outcomes.values():
             if not outcome.ok and outcome.error is None:
-                outcome.error = TransferRejected(self.transfer_id, "scheduler", reason or "cancelled")
+                outcome.error = TransferRejected(self.transfer_id, "scheduler", reason or "cancelled",
+                                                 code=Reason.CANCELLED)
         self.resume()
         self._progress.set()
 
     @property
     def fraction_acked(self) -> float:
+        """Share of the chunks the slowest pending receiver has acknowledged."""
         if not self.plan.n_chunks:
             return 1.0
         active = [self._acked.get(rx, 0) for rx in self._active()]
@@ -292,7 +200,8 @@ class OutgoingTransfer:
                 outcome.ok = True
                 outcome.decode_s = ack.decode_s
             else:
-                outcome.error = TransferRejected(self.transfer_id, ack.rx, ack.reason or "receiver gave up")
+                outcome.error = TransferRejected(self.transfer_id, ack.rx, ack.reason or "receiver gave up",
+                                                 code=ack.code or Reason.OTHER)
         else:
             if ack.next > self._acked.get(ack.rx, 0):
                 self._acked[ack.rx] = min(ack.next, self.plan.n_chunks)
@@ -353,7 +262,7 @@ class OutgoingTransfer:
             outcome.error = TransferError(self.transfer_id, f"bad reply from {rx}: {exc}", peer=rx)
             return
         if not reply.ok:
-            outcome.error = TransferRejected(self.transfer_id, rx, reply.reason)
+            outcome.error = TransferRejected(self.transfer_id, rx, reply.reason, code=reply.code or Reason.OTHER)
         elif reply.done:
             outcome.ok = True
             outcome.decode_s = reply.decode_s
@@ -420,7 +329,7 @@ class OutgoingTransfer:
             except Exception:  # noqa: BLE001 - timeouts and bad replies count as no progress
                 reply = None
             if reply is not None and not reply.ok:
-                outcome.error = TransferRejected(self.transfer_id, rx, reply.reason)
+                outcome.error = TransferRejected(self.transfer_id, rx, reply.reason, code=reply.code or Reason.OTHER)
             elif reply is not None and reply.done:
                 outcome.ok = True
                 outcome.decode_s = reply.decode_s
@@ -434,166 +343,3 @@ class OutgoingTransfer:
                 logger.info("transfer %s: %s stalled at chunk %d, resending", self.transfer_id, rx, start)
                 self.span.add_event("stalled", {"kvbus.receiver": rx, "kvbus.chunk": start})
 
-
-class Reassembly:
-    """Builds the receiver's buffers from verified chunks.
-
-    A buffer that lies inside one chunk becomes a view of that chunk's bytes (no copy); a buffer
-    split over several chunks is allocated once and the pieces are copied in as they arrive.
-    """
-
-    def __init__(self, sizes: list[int], chunk_size: int) -> None:
-        self.plan = ChunkPlan(sizes, chunk_size)
-        self.buffers: list[memoryview | None] = [memoryview(b"") if n == 0 else None for n in sizes]
-        self._owners: list[object] = []
-
-    def chunk_len(self, index: int) -> int:
-        lo, hi = self.plan.ranges[index]
-        return hi - lo
-
-    def add(self, index: int, data: bytes | memoryview) -> None:
-        view = memoryview(data)
-        self._owners.append(data)
-        offset = 0
-        for b, start, end in self.plan.pieces(index):
-            n = end - start
-            if start == 0 and end == self.plan.sizes[b]:
-                self.buffers[b] = view[offset:offset + n]
-            else:
-                target = self.buffers[b]
-                if target is None:
-                    target = self.buffers[b] = memoryview(torch.empty(self.plan.sizes[b], dtype=torch.uint8).numpy())
-                target[start:end] = view[offset:offset + n]
-            offset += n
-
-    def result(self) -> list[memoryview]:
-        missing = [i for i, b in enumerate(self.buffers) if b is None]
-        if missing:
-            raise RuntimeError(f"buffers {missing[:8]} were never filled")
-        return self.buffers  # type: ignore[return-value]
-
-
-def split_inline(open_msg: Open, payload: memoryview) -> tuple[list[memoryview], str]:
-    """Buffers and recomputed tree digest of an inline payload."""
-    plan = ChunkPlan(open_msg.sizes, open_msg.chunk_size)
-    digests = [chunk_digest(payload[lo:hi]) for lo, hi in plan.ranges]
-    buffers = [payload[s:s + n] for s, n in zip(plan.starts, plan.sizes)]
-    return buffers, tree_digest(digests, plan.total)
-
-
-class IncomingTransfer:
-    """The receiver's side of one streamed transfer: reassembly, verification, repair requests."""
-
-    def __init__(self, transport: Transport, open_msg: Open, rx: str, config: BusConfig,
-                 finish: Callable[[IncomingTransfer], Awaitable[None]], plan: Reassembly | None = None) -> None:
-        self.transport = transport
-        self.open = open_msg
-        self.rx = rx
-        self.config = config
-        self._finish = finish
-        self.assembly = plan or Reassembly(open_msg.sizes, open_msg.chunk_size)
-        self.digests: list[str] = [""] * open_msg.n_chunks
-        self.root = open_msg.digest
-        self.have = bytearray(open_msg.n_chunks)
-        self.count = 0
-        self.next = 0
-        self.corrupt = 0
-        self.duplicates = 0
-        self.last_activity = time.monotonic()
-        self.started = time.perf_counter()
-        self.completed = False
-        self._sub: Subscription | None = None
-        self._since_ack = 0
-        self._asked: set[int] = set()
-        self._done_task: asyncio.Task[None] | None = None
-        self.spans: tuple[Span, Span] = (INVALID_SPAN, INVALID_SPAN)
-        """The receiver's ``kvbus.receive`` and ``kvbus.reassemble`` spans (set by the agent)."""
-
-    async def start(self) -> None:
-        self._sub = await self.transport.subscribe(self.open.data_subject, self._on_chunk)
-
-    async def stop(self) -> None:
-        sub, self._sub = self._sub, None
-        if sub is not None:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # noqa: BLE001 - connection may be gone already
-                logger.debug("unsubscribe failed", exc_info=True)
-
-    async def _ack(self, *, missing: list[int] | None = None, done: bool = False, ok: bool = True,
-                   reason: str = "", decode_s: float = 0.0) -> None:
-        ack = Ack(transfer_id=self.open.transfer_id, rx=self.rx, next=self.next, received=self.count,
-                  missing=missing or [], done=done, ok=ok, reason=reason, decode_s=decode_s)
-        try:
-            await self.transport.publish(self.open.ack_subject, ack.encode())
-        except Exception:  # noqa: BLE001 - the sender will ask again
-            logger.warning("transfer %s: could not send ack", self.open.transfer_id, exc_info=True)
-
-    async def _on_chunk(self, msg: Msg) -> None:
-        if self.completed:
-            return
-        self.last_activity = time.monotonic()
-        headers = msg.headers or {}
-        try:
-            index = int(headers[CHUNK_INDEX_HEADER])
-        except (KeyError, ValueError):
-            self.corrupt += 1
-            logger.warning("transfer %s: chunk without a valid index header dropped", self.open.transfer_id)
-            return
-        if not 0 <= index < self.open.n_chunks:
-            self.corrupt += 1
-            logger.warning("transfer %s: chunk index %d out of range dropped", self.open.transfer_id, index)
-            return
-        if self.have[index]:
-            self.duplicates += 1
-            return
-        data = msg.data
-        digest = headers.get(CHUNK_SUM_HEADER, "")
-        if len(data) != self.assembly.chunk_len(index) or chunk_digest(data) != digest:
-            self.corrupt += 1
-            logger.warning("transfer %s: chunk %d failed its checksum, asking again", self.open.transfer_id, index)
-            self._asked.discard(index)
-            await self._request_missing(index + 1)
-            return
-        self.assembly.add(index, data)
-        self.digests[index] = digest
-        if index == self.open.n_chunks - 1:
-            self.root = headers.get(ROOT_SUM_HEADER, "")
-        self.have[index] = 1
-        self.count += 1
-        self._since_ack += 1
-        self._asked.discard(index)
-        while self.next < self.open.n_chunks and self.have[self.next]:
-            self.next += 1
-        if self.count == self.open.n_chunks:
-            self.completed = True
-            # Not in this callback: unsubscribing cancels the task that runs it.
-            self._done_task = asyncio.create_task(self._complete(), name=f"kvbus-finish-{self.open.transfer_id}")
-            return
-        if index > self.next:
-            await self._request_missing(index)
-        elif self._since_ack >= self.config.ack_every:
-            self._since_ack = 0
-            await self._ack()
-
-    async def _complete(self) -> None:
-        try:
-            await self._finish(self)
-        except Exception:
-            logger.exception("transfer %s: finishing failed", self.open.transfer_id)
-            await self._ack(done=True, ok=False, reason="receiver failed while finishing")
-        finally:
-            await self.stop()
-
-    async def _request_missing(self, upto: int) -> None:
-        """Ask for every chunk below ``upto`` not yet received and not already asked for."""
-        missing = [i for i in range(self.next, min(upto, self.open.n_chunks))
-                   if not self.have[i] and i not in self._asked][: self.config.max_missing]
-        if missing:
-            self._asked.update(missing)
-            self._since_ack = 0
-            await self._ack(missing=missing)
-
-    def verify(self) -> bool:
-        """Whether the chunk digests add up to the sender's whole-payload digest."""
-        return bool(self.root) and tree_digest(self.digests, self.assembly.plan.total) == self.root

@@ -1,0 +1,211 @@
+"""One agent on the bus: the facade over its sender, receiver, inbox, scheduler link and probes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Iterable
+from typing import TYPE_CHECKING, Any
+
+from kvbus.bus.endpoint import Endpoint
+from kvbus.bus.inbox import Inbox
+from kvbus.bus.pacing import EmulatedLink
+from kvbus.bus.probes import Probes
+from kvbus.bus.receiver import Receiver
+from kvbus.bus.scheduling import SchedulerLink
+from kvbus.bus.sender import Sender
+from kvbus.bus.types import Delivery, TransferReport
+from kvbus.codecs import ModelRunner
+from kvbus.kvcache import KVCache
+from kvbus.net.transport import Transport
+from kvbus.protocol import Probe, agent_subject, inbox_subject
+from kvbus.signature import ModelSignature
+
+if TYPE_CHECKING:
+    from kvbus.bus.client import Bus
+
+logger = logging.getLogger(__name__)
+
+
+class Agent(Endpoint):
+    """One agent on the bus: sends contexts, receives them in its inbox, reports its state.
+
+    Made by `Bus.agent`. The work is done by its parts, each of which sees the agent as an
+    `Endpoint`: `Sender` (grant, encode, stream), `Receiver` (Open, reassembly, decode),
+    `Inbox`, `SchedulerLink` (grants, controls, reservations, registration) and `Probes`.
+    """
+
+    def __init__(self, bus: Bus, name: str, *, group: str, role: str, priority: float,
+                 signature: ModelSignature | None, runner: ModelRunner | None, cache: Any = None,
+                 link: EmulatedLink | None = None) -> None:
+        super().__init__(bus, name, group=group, role=role, priority=priority, signature=signature, runner=runner,
+                         cache=cache, link=link)
+        self._scheduler = SchedulerLink(self)
+        self._sender = Sender(self, self._scheduler)
+        self._inbox = Inbox()
+        self._receiver = Receiver(self, self._inbox)
+        self._probes = Probes(self, lambda: self._scheduler.queue_size)
+        self._subs: list[Any] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        """The probe loop, then the janitor of partial transfers."""
+
+    @property
+    def _transport(self) -> Transport:
+        """The transport the agent's parts use (fault tests swap in a wrapper)."""
+        return self.transport
+
+    @_transport.setter
+    def _transport(self, transport: Transport) -> None:
+        self.transport = transport
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def _start(self) -> None:
+        t = self.transport
+        self._subs = [
+            await t.subscribe(inbox_subject(self.name, "*"), self._receiver.on_open),
+            await t.subscribe(agent_subject(self.name, "ack"), self._sender.on_ack),
+            await t.subscribe(agent_subject(self.name, "ctl"), self._scheduler.on_ctl),
+        ]
+        await t.flush()
+        await self._scheduler.register()
+        self._tasks.append(asyncio.create_task(self._probes.loop(), name=f"kvbus-probe-{self.name}"))
+        self._tasks.append(asyncio.create_task(self._receiver.janitor(), name=f"kvbus-janitor-{self.name}"))
+
+    async def set_link(self, link: EmulatedLink | None) -> None:
+        """Change the emulated link (e.g. to replay a bandwidth trace); schedulers see it within a second or two."""
+        self.link = link
+        await self._scheduler.register()
+        await self._probes.publish()
+
+    async def close(self) -> None:
+        """Leave the bus: stop the inbox and the probes, fail pending sends."""
+        if self.closed:
+            return
+        self.closed = True
+        for task in self._tasks:
+            task.cancel()
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # noqa: BLE001 - connection may be closed already
+                logger.debug("unsubscribe failed", exc_info=True)
+        await self._receiver.stop()
+        await self._scheduler.close()
+        self.bus._agents.pop(self.name, None)
+
+    async def __aenter__(self) -> Agent:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- sending ------------------------------------------------------------------------------
+
+    async def send(self, to: str, kv: KVCache, *, medium: str | None = None, deadline: float | None = None,
+                   critical: bool = False) -> TransferReport:
+        """Send a context to agent ``to`` and wait until it arrived whole and verified.
+
+        Args:
+            to: the receiving agent.
+            kv: the context.
+            medium: insist on a medium (e.g. ``"int8"``); None lets the scheduler choose.
+            deadline: seconds from now by which the transfer should be done (raises urgency;
+                also bounds the wait for a grant).
+            critical: mark as critical traffic.
+
+        Raises:
+            UnknownCodec: ``medium`` is not a registered codec (a `ValueError`).
+            SignatureMismatch: ``kv`` does not fit its own model signature.
+            TransferError: the transfer failed; the subclass says why (a `TransferRejected`
+                has the `Reason` in ``code``).
+        """
+        return await self._sender.send([to], kv, medium=medium, deadline=deadline, critical=critical)
+
+    async def broadcast(self, to: Iterable[str], kv: KVCache, *, medium: str | None = None,
+                        deadline: float | None = None, critical: bool = False) -> TransferReport:
+        """Send one context to several agents; its bytes leave this agent once and NATS fans them out.
+
+        Raises:
+            TransferError: at least one receiver did not get it; ``failed`` maps those to their errors.
+        """
+        receivers = list(dict.fromkeys(to))
+        if not receivers:
+            raise ValueError("broadcast needs at least one receiver")
+        return await self._sender.send(receivers, kv, medium=medium, deadline=deadline, critical=critical)
+
+    async def reserve(self, to: str | Iterable[str], *, period: float, size: int, deadline: float) -> str:
+        """Reserve bandwidth for a periodic critical flow from this agent: ``size`` bytes every
+        ``period`` seconds, each due ``deadline`` seconds after its period starts.
+
+        Critical sends (``critical=True``) to exactly ``to`` then use the bandwidth set aside.
+
+        Returns:
+            The reservation id (for `unreserve`).
+
+        Raises:
+            ReservationRefused: admission control said no; ``reason`` says why.
+            SchedulerUnavailable: no scheduler answers for this agent's group.
+        """
+        return await self._scheduler.reserve(to, period=period, size=size, deadline=deadline)
+
+    async def unreserve(self, reservation_id: str) -> None:
+        """Release a reservation made with `reserve`."""
+        await self._scheduler.unreserve(reservation_id)
+
+    # -- receiving ------------------------------------------------------------------------------
+
+    async def receive(self, timeout: float | None = None) -> Delivery:
+        """The next delivery in the inbox.
+
+        Raises:
+            ReceiveTimeout: nothing arrived within ``timeout`` seconds.
+        """
+        return await self._inbox.receive(timeout)
+
+    async def inbox(self) -> AsyncIterator[Delivery]:
+        """Deliveries as they arrive, until the agent closes."""
+        while not self.closed:
+            yield await self.receive()
+
+    async def gather(self, from_: Iterable[str], *, timeout: float | None = None) -> dict[str, Delivery]:
+        """Wait for one delivery from each of ``from_``; others stay in the inbox for `receive`.
+
+        Raises:
+            ReceiveTimeout: not all arrived within ``timeout`` seconds.
+        """
+        return await self._inbox.gather(from_, timeout=timeout)
+
+    @property
+    def partial_transfers(self) -> int:
+        """Incoming transfers still being reassembled."""
+        return self._receiver.partial_transfers
+
+    # -- memory and probes --------------------------------------------------------------------
+
+    @property
+    def cache_bytes(self) -> int:
+        """KV bytes this agent holds: its cache tier's resident bytes, or what the owner set."""
+        return self._probes.cache_bytes
+
+    @cache_bytes.setter
+    def cache_bytes(self, value: int) -> None:
+        self._probes.cache_bytes = value
+
+    def prefetch(self, context: Any) -> Any:
+        """Workflow hint: ``context`` (token ids or a `KVCache`) will be needed soon.
+
+        With a cache tier, its remote blocks start loading in the background; returns the tier's
+        handle (an awaitable task) or None without a tier.
+        """
+        if self.cache is None:
+            return None
+        return self.cache.prefetch(context)
+
+    def compute_load(self) -> float:
+        """This process's CPU use since the last probe, as a fraction of the machine's cores."""
+        return self._probes.compute_load()
+
+    def probe(self) -> Probe:
+        """The agent's state as its next probe reports it."""
+        return self._probes.probe()

@@ -1,0 +1,45 @@
+"""What an agent's parts share: its identity, its settings and its connection."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvbus.bus.config import BusConfig
+from kvbus.bus.pacing import EmulatedLink
+from kvbus.codecs import ModelRunner
+from kvbus.net.transport import Transport
+from kvbus.signature import ModelSignature
+
+if TYPE_CHECKING:
+    from kvbus.bus.client import Bus
+
+
+class Endpoint:
+    """One agent as its sender, receiver, scheduler link and probes see it.
+
+    `Agent` is an Endpoint and hands itself to its parts, so they read one live state: a new
+    link, or a transport swapped for a faulty one in a test, reaches all of them at once.
+    """
+
+    def __init__(self, bus: Bus, name: str, *, group: str, role: str, priority: float,
+                 signature: ModelSignature | None, runner: ModelRunner | None, cache: Any = None,
+                 link: EmulatedLink | None = None) -> None:
+        self.bus = bus
+        """The connection this agent is registered on."""
+        self.link = link
+        """The emulated link declared to the schedulers, or None on real links."""
+        self.name = name
+        self.group = group
+        """The group whose scheduler grants this agent's transfers."""
+        self.role = role
+        self.priority = priority
+        self.signature = signature
+        """The model signature KV sent to this agent must match (None: token media only)."""
+        self.runner = runner
+        """The agent's model, for media that carry no KV (recompute) or need generation."""
+        self.cache = cache
+        """The agent's cache tier, or None."""
+        self.closed = False
+        self.transport: Transport = bus.transport
+        """The NATS connection the parts send and reply on (the bus's)."""
+        self.config: BusConfig = bus.config

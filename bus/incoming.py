@@ -1,0 +1,150 @@
+"""The receiver's side of one streamed transfer: chunks checked and placed, credit, repair requests.
+
+Chunks arrive on the transfer's data subject. A chunk with a bad index, size or digest is
+dropped and asked for again; duplicates are dropped; every ``ack_every`` chunks (and whenever a
+gap shows) the receiver acknowledges its position and lists what is missing. When the last
+chunk is in, the agent's finish callback verifies, decodes and delivers the payload and sends
+the final verdict (`IncomingTransfer.report`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from opentelemetry.trace import INVALID_SPAN, Span
+
+from kvbus.bus.chunking import Reassembly, chunk_digest, tree_digest
+from kvbus.bus.config import BusConfig
+from kvbus.net.transport import Transport
+from kvbus.protocol import CHUNK_INDEX_HEADER, CHUNK_SUM_HEADER, ROOT_SUM_HEADER, Ack, Open, Reason
+
+logger = logging.getLogger(__name__)
+
+
+class IncomingTransfer:
+    """The receiver's side of one streamed transfer: reassembly, verification, repair requests."""
+
+    def __init__(self, transport: Transport, open_msg: Open, rx: str, config: BusConfig,
+                 finish: Callable[[IncomingTransfer], Awaitable[None]], plan: Reassembly | None = None) -> None:
+        self.transport = transport
+        self.open = open_msg
+        self.rx = rx
+        self.config = config
+        self._finish = finish
+        self.assembly = plan or Reassembly(open_msg.sizes, open_msg.chunk_size)
+        self.digests: list[str] = [""] * open_msg.n_chunks
+        self.root = open_msg.digest
+        self.have = bytearray(open_msg.n_chunks)
+        self.count = 0
+        self.next = 0
+        self.corrupt = 0
+        self.duplicates = 0
+        self.last_activity = time.monotonic()
+        self.started = time.perf_counter()
+        self.completed = False
+        self._sub: Subscription | None = None
+        self._since_ack = 0
+        self._asked: set[int] = set()
+        self._done_task: asyncio.Task[None] | None = None
+        self.spans: tuple[Span, Span] = (INVALID_SPAN, INVALID_SPAN)
+        """The receiver's ``kvbus.receive`` and ``kvbus.reassemble`` spans (set by the agent)."""
+
+    async def start(self) -> None:
+        """Subscribe to the transfer's data subject."""
+        self._sub = await self.transport.subscribe(self.open.data_subject, self._on_chunk)
+
+    async def stop(self) -> None:
+        """Unsubscribe (the partial payload is then dropped with this object)."""
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # noqa: BLE001 - connection may be gone already
+                logger.debug("unsubscribe failed", exc_info=True)
+
+    async def report(self, *, ok: bool, reason: str = "", code: Reason = Reason.NONE, decode_s: float = 0.0) -> None:
+        """Send the final verdict: delivered (``ok``), or refused with ``code`` and ``reason``."""
+        await self._ack(done=True, ok=ok, reason=reason, code=code, decode_s=decode_s)
+
+    async def _ack(self, *, missing: list[int] | None = None, done: bool = False, ok: bool = True,
+                   reason: str = "", code: Reason = Reason.NONE, decode_s: float = 0.0) -> None:
+        ack = Ack(transfer_id=self.open.transfer_id, rx=self.rx, next=self.next, received=self.count,
+                  missing=missing or [], done=done, ok=ok, reason=reason, decode_s=decode_s, code=code)
+        try:
+            await self.transport.publish(self.open.ack_subject, ack.encode())
+        except Exception:  # noqa: BLE001 - the sender will ask again
+            logger.warning("transfer %s: could not send ack", self.open.transfer_id, exc_info=True)
+
+    async def _on_chunk(self, msg: Msg) -> None:
+        if self.completed:
+            return
+        self.last_activity = time.monotonic()
+        headers = msg.headers or {}
+        try:
+            index = int(headers[CHUNK_INDEX_HEADER])
+        except (KeyError, ValueError):
+            self.corrupt += 1
+            logger.warning("transfer %s: chunk without a valid index header dropped", self.open.transfer_id)
+            return
+        if not 0 <= index < self.open.n_chunks:
+            self.corrupt += 1
+            logger.warning("transfer %s: chunk index %d out of range dropped", self.open.transfer_id, index)
+            return
+        if self.have[index]:
+            self.duplicates += 1
+            return
+        data = msg.data
+        digest = headers.get(CHUNK_SUM_HEADER, "")
+        if len(data) != self.assembly.chunk_len(index) or chunk_digest(data) != digest:
+            self.corrupt += 1
+            logger.warning("transfer %s: chunk %d failed its checksum, asking again", self.open.transfer_id, index)
+            self._asked.discard(index)
+            await self._request_missing(index + 1)
+            return
+        self.assembly.add(index, data)
+        self.digests[index] = digest
+        if index == self.open.n_chunks - 1:
+            self.root = headers.get(ROOT_SUM_HEADER, "")
+        self.have[index] = 1
+        self.count += 1
+        self._since_ack += 1
+        self._asked.discard(index)
+        while self.next < self.open.n_chunks and self.have[self.next]:
+            self.next += 1
+        if self.count == self.open.n_chunks:
+            self.completed = True
+            # Not in this callback: unsubscribing cancels the task that runs it.
+            self._done_task = asyncio.create_task(self._complete(), name=f"kvbus-finish-{self.open.transfer_id}")
+            return
+        if index > self.next:
+            await self._request_missing(index)
+        elif self._since_ack >= self.config.ack_every:
+            self._since_ack = 0
+            await self._ack()
+
+    async def _complete(self) -> None:
+        try:
+            await self._finish(self)
+        except Exception:
+            logger.exception("transfer %s: finishing failed", self.open.transfer_id)
+            await self.report(ok=False, reason="receiver failed while finishing", code=Reason.INTERNAL)
+        finally:
+            await self.stop()
+
+    async def _request_missing(self, upto: int) -> None:
+        """Ask for every chunk below ``upto`` not yet received and not already asked for."""
+        missing = [i for i in range(self.next, min(upto, self.open.n_chunks))
+                   if not self.have[i] and i not in self._asked][: self.config.max_missing]
+        if missing:
+            self._asked.update(missing)
+            self._since_ack = 0
+            await self._ack(missing=missing)
+
+    def verify(self) -> bool:
+        """Whether the chunk digests add up to the sender's whole-payload digest."""
+        return bool(self.root) and tree_digest(self.digests, self.assembly.plan.total) == self.root

@@ -1,0 +1,277 @@
+"""An agent's side of the dialogue with its group scheduler.
+
+Registration in the directory, grant requests (asked again while queued), the scheduler's
+control messages (grants that come later, pause/resume/rate/cancel, memory hints), done
+reports and bandwidth reservations. The scheduler is reached by NATS messages only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+from nats.aio.msg import Msg
+from opentelemetry.trace import use_span
+
+from kvbus import telemetry
+from kvbus.bus.control import TransferControls
+from kvbus.bus.endpoint import Endpoint
+from kvbus.bus.errors import BusClosed, SchedulerUnavailable, TransferRejected, TransferTimeout
+from kvbus.bus.pacing import EmulatedLink
+from kvbus.errors import ReservationRefused, WireFormatError
+from kvbus.kvcache import KVCache
+from kvbus.net.transport import NoResponders
+from kvbus.protocol import (
+    AgentRecord,
+    Control,
+    FlowReservation,
+    Grant,
+    Reason,
+    RequestAck,
+    ReservationReply,
+    TransferDone,
+    TransferRequest,
+    check_name,
+    decode_message,
+    sched_subject,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerLink:
+    """Talks to the agent's group scheduler on behalf of its sender and its registration."""
+
+    def __init__(self, endpoint: Endpoint) -> None:
+        self._ep = endpoint
+        self._grants: dict[str, asyncio.Future[Grant]] = {}
+        self.controls = TransferControls()
+        """Applies the scheduler's controls to the agent's outgoing transfers (`controls.outgoing`)."""
+        self._scheduler_seen = False
+        """Whether the group scheduler has answered this agent (a silent one is then waited for)."""
+        self._shed_tasks: set[asyncio.Task[Any]] = set()
+
+    @property
+    def queue_size(self) -> int:
+        """Transfers waiting for a grant or streaming, as the probes report it."""
+        return len(self._grants) + len(self.controls.outgoing)
+
+    # -- registration -----------------------------------------------------------------------
+
+    async def register(self) -> None:
+        """Write (or, in secure mode, have the scheduler write) the agent's directory record."""
+        ep = self._ep
+        link = ep.link or EmulatedLink()
+        record = AgentRecord(name=ep.name, group=ep.group, role=ep.role, priority=ep.priority,
+                             signature=ep.signature.to_dict() if ep.signature else None,
+                             link_bps=link.bandwidth_bps, latency_s=link.latency_s, recompute=ep.runner is not None)
+        if ep.bus.secure:
+            # No JetStream rights: the group scheduler writes the record to the directory.
+            try:
+                await ep.transport.request(sched_subject(ep.group, "register", ep.name), record.encode(),
+                                           timeout=ep.config.request_timeout)
+            except (NoResponders, TimeoutError):
+                logger.warning("agent %s: no scheduler of group %s confirmed its registration", ep.name, ep.group)
+            return
+        directory = await ep.bus.directory()
+        if directory is not None:
+            await directory.put(ep.name, record.encode())
+
+    async def close(self) -> None:
+        """Fail the sends still waiting for a grant and remove the agent from the directory."""
+        for fut in self._grants.values():
+            if not fut.done():
+                fut.set_exception(BusClosed("agent"))
+        try:
+            directory = await self._ep.bus.directory()
+            if directory is not None:
+                await directory.delete(self._ep.name)
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            logger.debug("could not remove %s from the directory", self._ep.name, exc_info=True)
+
+    # -- grants -------------------------------------------------------------------------------
+
+    async def request_grant(self, transfer_id: str, receivers: list[str], kv: KVCache, medium: str | None,
+                            deadline: float | None, critical: bool, base_tokens: int = 0) -> Grant:
+        """Ask the group scheduler for a grant and wait for it.
+
+        A queued request is asked again every ``regrant_interval`` (the same transfer id, so the
+        scheduler keeps one entry): a scheduler that restarted, or a standby that took over,
+        learns of it that way. While no scheduler answers, a sender that has seen one keeps
+        trying until its wait is over; one that never saw a scheduler fails at once.
+
+        Args:
+            base_tokens: tokens at the start of ``kv`` every receiver already holds from this agent.
+
+        Raises:
+            TransferRejected: the scheduler refused; ``code`` says why.
+            SchedulerUnavailable: no scheduler answers for the group.
+            TransferTimeout: no grant within the wait.
+        """
+        ep = self._ep
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Grant] = loop.create_future()
+        self._grants[transfer_id] = fut
+        wait_span = telemetry.start("kvbus.grant.wait")
+        try:
+            request = TransferRequest(
+                transfer_id=transfer_id, src=ep.name, dst=receivers, group=ep.group, n_tokens=kv.n_tokens,
+                nbytes=kv.nbytes, signature=kv.signature.to_dict(), medium=medium,
+                deadline=time.time() + deadline if deadline is not None else None, critical=critical,
+                fidelity=float(kv.fidelity), base_tokens=base_tokens,
+                traceparent=telemetry.traceparent(wait_span),
+            )
+            wait = deadline if deadline is not None else ep.config.grant_timeout
+            with use_span(wait_span, end_on_exit=False, record_exception=True, set_status_on_exception=True):
+                grant = await self._ask_scheduler(transfer_id, request.encode(), fut, wait)
+        except BaseException:
+            wait_span.end()
+            raise
+        finally:
+            self._grants.pop(transfer_id, None)
+        try:
+            if not grant.medium:
+                raise TransferRejected(transfer_id, f"scheduler of {ep.group}", grant.reason,
+                                       code=grant.code or Reason.OTHER)
+            self.controls.granted(transfer_id)
+            delay = grant.start_at - time.time()
+            if grant.latency_s > 0:
+                # Link emulation: the transfer's round trips (request, open, verdict) on a path with
+                # this one-way latency; real links need no such sleep.
+                delay = max(delay, 0.0) + 6 * grant.latency_s
+            if delay > 0:
+                with use_span(wait_span, end_on_exit=False):
+                    await asyncio.sleep(min(delay, ep.config.grant_timeout))
+        finally:
+            if wait_span.is_recording():
+                wait_span.set_attributes({"kvbus.medium": grant.medium, "kvbus.reason": grant.reason})
+            wait_span.end()
+        return grant
+
+    async def _ask_scheduler(self, transfer_id: str, payload: bytes, fut: asyncio.Future[Grant], wait: float) -> Grant:
+        ep = self._ep
+        subject = sched_subject(ep.group, "request", ep.name)
+        give_up = time.monotonic() + max(wait, ep.config.request_timeout)
+        backoff = 0.05
+        while True:
+            left = give_up - time.monotonic()
+            if fut.done():
+                return fut.result()
+            if left <= 0:
+                stage = "waiting for a grant" if self._scheduler_seen else f"asking the scheduler of group {ep.group!r}"
+                raise TransferTimeout(transfer_id, stage, wait)
+            try:
+                data = await ep.transport.request(subject, payload, timeout=min(ep.config.request_timeout, left))
+            except NoResponders:
+                if not self._scheduler_seen:
+                    raise SchedulerUnavailable(transfer_id, ep.group) from None
+                # Its scheduler is gone (restarting, failing over): ask again shortly.
+                await asyncio.wait({fut}, timeout=min(backoff, left))
+                backoff = min(2 * backoff, ep.config.regrant_interval)
+                continue
+            except TimeoutError:
+                continue
+            self._scheduler_seen = True
+            backoff = 0.05
+            answer = decode_message(data, RequestAck, Grant)
+            if isinstance(answer, Grant):
+                return answer
+            if not answer.ok:
+                raise TransferRejected(transfer_id, f"scheduler of {ep.group}", answer.reason,
+                                       code=answer.code or Reason.OTHER)
+            # Queued: the grant comes on the ctl subject. Ask again if it takes long.
+            await asyncio.wait({fut}, timeout=min(ep.config.regrant_interval, max(0.0, give_up - time.monotonic())))
+
+    async def report_done(self, transfer_id: str, medium: str, receivers: list[str], nbytes: int, seconds: float,
+                          error: BaseException | None, wire_s: float = 0.0) -> None:
+        """Tell the scheduler a granted transfer finished (or failed), with its observed size and time."""
+        ep = self._ep
+        done = TransferDone(transfer_id=transfer_id, src=ep.name, ok=error is None, medium=medium,
+                            nbytes=nbytes, seconds=seconds, error=str(error) if error else "", dst=receivers,
+                            wire_s=wire_s)
+        try:
+            await ep.transport.publish(sched_subject(ep.group, "done", ep.name), done.encode())
+        except Exception:  # noqa: BLE001 - the scheduler also expires silent transfers
+            logger.warning("could not report transfer %s done", transfer_id, exc_info=True)
+
+    # -- control messages -----------------------------------------------------------------------
+
+    async def on_ctl(self, msg: Msg) -> None:
+        """The agent's ``ctl`` subject: a grant that was queued, a control, or a memory hint."""
+        ep = self._ep
+        try:
+            cmd = decode_message(msg.data, Grant, Control)
+        except WireFormatError:
+            logger.warning("agent %s: malformed control message dropped", ep.name, exc_info=True)
+            return
+        if isinstance(cmd, Grant):
+            fut = self._grants.get(cmd.transfer_id)
+            if fut is not None and not fut.done():
+                fut.set_result(cmd)
+            return
+        if cmd.action == "shed":
+            self._shed(cmd)
+            return
+        reply = self.controls.apply(cmd)
+        if not reply.ok:
+            logger.debug("agent %s: %s of %s declined: %s", ep.name, cmd.action, cmd.transfer_id, reply.reason)
+        if msg.reply:
+            await ep.transport.reply(msg, reply.encode())
+
+    def _shed(self, cmd: Control) -> None:
+        """Memory hint from the scheduler: the cache passed its watermark. Without a cache tier, ignored."""
+        name = self._ep.name
+        shed = getattr(self._ep.cache, "shed", None)
+        if shed is None:
+            return
+        logger.info("agent %s: shedding cache (%s)", name, cmd.reason)
+
+        async def run() -> None:
+            try:
+                await shed(cmd.nbytes or None)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("agent %s: shedding the cache failed", name)
+
+        task = asyncio.create_task(run(), name=f"kvbus-shed-{name}")
+        self._shed_tasks.add(task)
+        task.add_done_callback(self._shed_tasks.discard)
+
+    # -- reservations ---------------------------------------------------------------------------
+
+    async def reserve(self, to: str | Iterable[str], *, period: float, size: int, deadline: float) -> str:
+        """Reserve bandwidth for a periodic critical flow; see `Agent.reserve`."""
+        ep = self._ep
+        receivers = [to] if isinstance(to, str) else list(dict.fromkeys(to))
+        for rx in receivers:
+            check_name("agent", rx)
+        rid = uuid.uuid4().hex[:16]
+        msg = FlowReservation(reservation_id=rid, src=ep.name, dst=receivers, group=ep.group,
+                              period_s=float(period), size_bytes=int(size), deadline_s=float(deadline))
+        reply = await self._reservation_request(msg)
+        if not reply.ok:
+            raise ReservationRefused(rid, reply.reason)
+        return rid
+
+    async def unreserve(self, reservation_id: str) -> None:
+        """Release a reservation made with `reserve`."""
+        msg = FlowReservation(reservation_id=reservation_id, src=self._ep.name, dst=[], group=self._ep.group,
+                              period_s=0.0, size_bytes=0, deadline_s=0.0, cancel=True)
+        await self._reservation_request(msg)
+
+    async def _reservation_request(self, msg: FlowReservation) -> ReservationReply:
+        ep = self._ep
+        try:
+            data = await ep.transport.request(sched_subject(ep.group, "reserve", ep.name), msg.encode(),
+                                              timeout=ep.config.request_timeout)
+        except NoResponders:
+            raise SchedulerUnavailable(msg.reservation_id, ep.group) from None
+        except TimeoutError:
+            raise TransferTimeout(msg.reservation_id, f"asking the scheduler of group {ep.group!r} for a "
+                                  f"reservation", ep.config.request_timeout) from None
+        return ReservationReply.decode(data)
