@@ -80,7 +80,8 @@ class LowRankCodec(LayerwiseCodec):
         """Per tensor (keys, then values) ``coef [batch*seq, r]`` and ``basis [r, heads*head_dim]`` in the KV dtype."""
         b, h, s, d = header.layer_shape
         r = self._rank(header)
-        coef, basis = LayerBuffer("coefficients", header.dtype, (b * s, r)), LayerBuffer("basis", header.dtype, (r, h * d))
+        coef = LayerBuffer("coefficients", header.dtype, (b * s, r))
+        basis = LayerBuffer("basis", header.dtype, (r, h * d))
         return coef, basis, coef, basis
 
     def buffer_name(self, position: int, buffer: LayerBuffer, layer: int) -> str:
