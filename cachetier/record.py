@@ -286,3 +286,21 @@ def open_record(stub: Stub, encoded: Encoded, tokens: torch.Tensor, signature: M
     if kv.nbytes != stub.nbytes:
         raise RecordFormatError("record payload", f"{kv.nbytes} bytes decoded, the stub says {stub.nbytes}")
     return kv
+
+
+def adoptable(raw: bytes | None, key: str, kv: KVCache | None, codec: str) -> Stub | None:
+    """The stub in an existing record's ``meta`` field ``raw`` if that record holds block ``key`` as
+    ``kv`` with ``codec`` (so a tier can keep it instead of writing its own), else None.
+
+    A damaged ``meta`` is not adoptable: the caller's write replaces the record.
+    """
+    if raw is None:
+        return None
+    try:
+        stub = Stub.from_bytes(raw)
+    except KVBusError:
+        return None
+    if (stub.key != key or stub.codec != codec or kv is None or stub.dtype != dtype_name(kv.dtype)
+            or stub.shape != tuple(kv.keys[0].shape) or stub.nbytes != kv.nbytes):
+        return None
+    return stub

@@ -8,8 +8,8 @@ options apply, e.g. ``?ssl_cert_reqs=none``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
@@ -24,6 +24,8 @@ from kvbus.cachetier.errors import RemoteUnavailable
 from kvbus.cachetier.record import META_FIELD
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: Failures of a remote call, as the tier sees them: each turns into `RemoteUnavailable`.
 REMOTE_ERRORS = (RedisError, OSError)
@@ -83,6 +85,26 @@ class RemoteStore:
         """The Redis key of the record of block ``key`` stored with ``codec``."""
         return f"{self.config.key_prefix}{codec}:{key}"
 
+    async def _pipeline(self, record_keys: Sequence[str], command: Callable[[Any, int, str], object], *,
+                        ttl: int = 0) -> list[Any]:
+        """Run ``command(pipe, i, record_key)`` for each record key in one pipeline, each followed by an
+        ``EXPIRE`` of ``ttl`` seconds when ``ttl``; returns the replies of the commands (not those of
+        the ``EXPIRE`` commands), a refused command's as its exception.
+
+        Raises:
+            RemoteUnavailable: the server could not be reached.
+        """
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for i, rk in enumerate(record_keys):
+                    command(pipe, i, rk)
+                    if ttl:
+                        pipe.expire(rk, ttl)
+                replies = await pipe.execute(raise_on_error=False)
+        except REMOTE_ERRORS as exc:
+            raise RemoteUnavailable(self.url, _describe(exc)) from None
+        return replies[::2] if ttl else replies
+
     async def metas(self, record_keys: Sequence[str]) -> list[bytes | None]:
         """The ``meta`` field of each record (None where there is no readable one), in one round trip.
 
@@ -91,13 +113,7 @@ class RemoteStore:
         """
         if not record_keys:
             return []
-        try:
-            async with self.client.pipeline(transaction=False) as pipe:
-                for rk in record_keys:
-                    pipe.hget(rk, META_FIELD)
-                replies = await pipe.execute(raise_on_error=False)
-        except REMOTE_ERRORS as exc:
-            raise RemoteUnavailable(self.url, _describe(exc)) from None
+        replies = await self._pipeline(record_keys, lambda pipe, _, rk: pipe.hget(rk, META_FIELD))
         # A refused read (e.g. a key of another type) counts as no record: our write is refused too.
         return [r if isinstance(r, bytes) else None for r in replies]
 
@@ -116,20 +132,11 @@ class RemoteStore:
         """
         if not records:
             return []
-        ttl = self.config.remote_ttl
-        try:
-            async with self.client.pipeline(transaction=False) as pipe:
-                for rk, fields in records:
-                    pipe.hset(rk, mapping=dict(fields))
-                    if ttl:
-                        pipe.expire(rk, ttl)
-                replies = await pipe.execute(raise_on_error=False)
-        except REMOTE_ERRORS as exc:
-            raise RemoteUnavailable(self.url, _describe(exc)) from None
-        step = 2 if ttl else 1
+        replies = await self._pipeline([rk for rk, _ in records],
+                                       lambda pipe, i, rk: pipe.hset(rk, mapping=dict(records[i][1])),
+                                       ttl=self.config.remote_ttl)
         confirmed = []
-        for i, (rk, _) in enumerate(records):
-            reply = replies[i * step]
+        for (rk, _), reply in zip(records, replies):
             ok = not isinstance(reply, BaseException)
             if not ok:
                 logger.warning("remote tier refused %s: %s", rk, reply)
@@ -141,13 +148,7 @@ class RemoteStore:
         ttl = self.config.remote_ttl
         if not ttl or not record_keys:
             return
-        try:
-            async with self.client.pipeline(transaction=False) as pipe:
-                for rk in record_keys:
-                    pipe.expire(rk, ttl)
-                await pipe.execute(raise_on_error=False)
-        except REMOTE_ERRORS as exc:
-            raise RemoteUnavailable(self.url, _describe(exc)) from None
+        await self._pipeline(record_keys, lambda pipe, _, rk: pipe.expire(rk, ttl))
 
     async def read(self, record_keys: Sequence[str]) -> list[dict[bytes, bytes]]:
         """Every field of each record (an empty dict where there is none), in one pipeline.
@@ -159,20 +160,9 @@ class RemoteStore:
         """
         if not record_keys:
             return []
-        ttl = self.config.remote_ttl
-        try:
-            async with self.client.pipeline(transaction=False) as pipe:
-                for rk in record_keys:
-                    pipe.hgetall(rk)
-                    if ttl:
-                        pipe.expire(rk, ttl)
-                replies = await pipe.execute(raise_on_error=False)
-        except REMOTE_ERRORS as exc:
-            raise RemoteUnavailable(self.url, _describe(exc)) from None
-        step = 2 if ttl else 1
+        replies = await self._pipeline(record_keys, lambda pipe, _, rk: pipe.hgetall(rk), ttl=self.config.remote_ttl)
         out: list[dict[bytes, bytes]] = []
-        for i, rk in enumerate(record_keys):
-            reply = replies[i * step]
+        for rk, reply in zip(record_keys, replies):
             if isinstance(reply, BaseException) or not isinstance(reply, dict):
                 logger.warning("remote tier could not read %s: %s", rk, reply)
                 reply = {}
@@ -181,6 +171,24 @@ class RemoteStore:
 
     async def close(self) -> None:
         await self.client.aclose()
+
+
+def batches(items: list[T], limit: int, *, size: Callable[[T], int]) -> list[list[T]]:
+    """``items`` in order, in batches of at most ``limit`` bytes (a bigger item is a batch alone):
+    what one pipelined read or write carries."""
+    out: list[list[T]] = []
+    current: list[T] = []
+    total = 0
+    for item in items:
+        n = size(item)
+        if current and total + n > limit:
+            out.append(current)
+            current, total = [], 0
+        current.append(item)
+        total += n
+    if current:
+        out.append(current)
+    return out
 
 
 def _describe(exc: BaseException) -> str:

@@ -39,6 +39,7 @@ from kvbus.codecs.errors import (
 from kvbus.codecs.full import FullCodec
 from kvbus.codecs.int4 import Int4Codec
 from kvbus.codecs.int8 import Int8Codec
+from kvbus.codecs.layerwise import LayerBuffer, LayerwiseCodec
 from kvbus.codecs.lowrank import LowRankCodec
 from kvbus.codecs.spec import parse_spec
 from kvbus.codecs.summary import ModelSummarizer, Summarizer, SummaryCodec, TailSummarizer
@@ -69,6 +70,8 @@ __all__ = [
     "GeneratingRunner",
     "Int4Codec",
     "Int8Codec",
+    "LayerBuffer",
+    "LayerwiseCodec",
     "LowRankCodec",
     "ModelRunner",
     "ModelSummarizer",

@@ -2,53 +2,37 @@
 
 from __future__ import annotations
 
-from kvbus.codecs._header import KVHeader, encode_buffers
-from kvbus.codecs._tensors import check_buffer_count, require_map, tensor_from
-from kvbus.codecs.base import Codec, Encoded, ModelRunner, register
-from kvbus.kvcache import KVCache
+from collections.abc import Sequence
+
+import torch
+
+from kvbus.codecs._header import KVHeader
+from kvbus.codecs.base import register
+from kvbus.codecs.layerwise import LayerBuffer, LayerwiseCodec
 
 
 @register("full")
-class FullCodec(Codec):
+class FullCodec(LayerwiseCodec):
     """Send tokens and every layer's keys and values in the cache's own dtype.
 
     Wire layout: ``[tokens int64, (positions int64), k0, v0, k1, v1, ...]``. Encoding only
     calls ``.contiguous()`` (no copy for contiguous tensors); decoding builds tensors that view
-    the received buffers.
+    the received buffers (copied once if misaligned).
     """
 
     lossless = True
     cheap_decode = True
     fidelity = 1.0
 
-    def encode(self, kv: KVCache, *, base: KVCache | None = None, runner: ModelRunner | None = None) -> Encoded:
-        """Encode ``kv``; the buffers share memory with its (contiguous) tensors.
-
-        Raises:
-            SignatureMismatch: ``kv`` does not fit its own signature.
-        """
-        header = KVHeader.of(kv)
-        tensors = header.prefix_tensors(kv)
-        for k, v in zip(kv.keys, kv.values):
-            tensors += [k.contiguous(), v.contiguous()]
-        return Encoded(codec=self.name, meta=header.to_meta(), buffers=encode_buffers(tensors), keepalive=tensors)
-
-    def decode(self, encoded: Encoded, *, base: KVCache | None = None,
-               runner: ModelRunner | None = None) -> KVCache:
-        """Rebuild the cache; its tensors view ``encoded``'s buffers (copied once if read-only).
-
-        Raises:
-            DecodeError: the metadata or a buffer is malformed.
-        """
-        header = KVHeader.from_meta(require_map(encoded.meta, self.name), self.name)
-        buffers = check_buffer_count(encoded.buffers, header.n_prefix + 2 * header.n_layers, self.name)
-        tokens, positions = header.read_prefix(buffers, self.name)
-        layers = buffers[header.n_prefix:]
+    def layer_layout(self, header: KVHeader) -> Sequence[LayerBuffer]:
+        """Keys then values, each ``[batch, kv_heads, seq, head_dim]`` in the KV dtype."""
         shape = header.layer_shape
-        keys = [tensor_from(layers[2 * i], header.dtype, shape, self.name, f"keys[{i}]")
-                for i in range(header.n_layers)]
-        values = [tensor_from(layers[2 * i + 1], header.dtype, shape, self.name, f"values[{i}]")
-                  for i in range(header.n_layers)]
-        kv = KVCache(tokens=tokens, signature=header.signature, keys=keys, values=values,
-                     positions=positions, fidelity=header.fidelity)
-        return header.finish(kv, self.name)
+        return (LayerBuffer("keys", header.dtype, shape), LayerBuffer("values", header.dtype, shape))
+
+    def encode_layer(self, header: KVHeader, keys: torch.Tensor, values: torch.Tensor) -> Sequence[torch.Tensor]:
+        """The layer's keys and values themselves (contiguous)."""
+        return keys.contiguous(), values.contiguous()
+
+    def decode_layer(self, header: KVHeader, views: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The views themselves: the decoded cache shares the received buffers."""
+        return views[0], views[1]

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
-from kvbus.codecs._header import KVHeader, encode_buffers
+from kvbus.codecs._header import KVHeader
 from kvbus.codecs._kernels import int4_decode, int4_encode, int4_grouped_shape
-from kvbus.codecs._tensors import check_buffer_count, require_map, tensor_from
-from kvbus.codecs.base import Codec, Encoded, ModelRunner, register
+from kvbus.codecs.base import register
+from kvbus.codecs.layerwise import LayerBuffer, LayerwiseCodec
 from kvbus.codecs.spec import Param
-from kvbus.kvcache import KVCache
 from kvbus.signature import ModelSignature
 
 #: Default group size (tokens per key group, channels per value group).
@@ -19,7 +19,7 @@ DEFAULT_GROUP = 32
 
 
 @register("int4")
-class Int4Codec(Codec):
+class Int4Codec(LayerwiseCodec):
     """Asymmetric 4-bit codes (min and scale per group), two per byte.
 
     Keys are quantised per channel in groups of ``g`` tokens (their outlier channels get their
@@ -40,63 +40,34 @@ class Int4Codec(Codec):
     def _key_group(self, seq_len: int) -> int:
         return max(1, min(self.args["g"], seq_len))
 
-    def encode(self, kv: KVCache, *, base: KVCache | None = None, runner: ModelRunner | None = None) -> Encoded:
-        """Quantise ``kv`` (its tensors are not modified).
+    def _groups(self, header: KVHeader) -> tuple[tuple[int, int], tuple[int, int]]:
+        """``(axis, group)`` of the keys (groups of tokens) and of the values (groups of channels)."""
+        return (2, self._key_group(header.seq_len)), (3, self.args["g"])
 
-        Raises:
-            SignatureMismatch: ``kv`` does not fit its own signature.
-        """
-        header = KVHeader.of(kv)
-        g, kg = self.args["g"], self._key_group(kv.seq_len)
-        params: list[torch.Tensor] = []
-        codes: list[torch.Tensor] = []
-        for k, v in zip(kv.keys, kv.values):
-            kq, ks, kl = int4_encode(k, 2, kg)
-            vq, vs, vl = int4_encode(v, 3, g)
-            params += [ks, kl, vs, vl]
-            codes += [kq, vq]
-        tensors = header.prefix_tensors(kv) + params + codes
-        return Encoded(codec=self.name, meta=header.to_meta(), buffers=encode_buffers(tensors), keepalive=tensors)
+    def layer_layout(self, header: KVHeader) -> Sequence[LayerBuffer]:
+        """Per tensor its packed codes, two per byte (section 1), then a scale and a minimum per
+        group in the KV dtype (section 0)."""
+        out: list[LayerBuffer] = []
+        for what, (axis, group) in zip(("keys", "values"), self._groups(header)):
+            grouped, red = int4_grouped_shape(header.layer_shape, axis, group)
+            reduced = tuple(1 if j == red else n for j, n in enumerate(grouped))
+            out += [LayerBuffer(what, torch.uint8, ((math.prod(grouped) + 1) // 2,), section=1),
+                    LayerBuffer(f"{what} scales", header.dtype, reduced),
+                    LayerBuffer(f"{what} mins", header.dtype, reduced)]
+        return out
 
-    def decode(self, encoded: Encoded, *, base: KVCache | None = None,
-               runner: ModelRunner | None = None) -> KVCache:
-        """Dequantise straight to the KV dtype; the result's fidelity is the sender's times ours.
+    def encode_layer(self, header: KVHeader, keys: torch.Tensor, values: torch.Tensor) -> Sequence[torch.Tensor]:
+        """Quantise keys per channel in groups of tokens, values per token in groups of channels."""
+        (k_axis, k_group), (v_axis, v_group) = self._groups(header)
+        return (*int4_encode(keys, k_axis, k_group), *int4_encode(values, v_axis, v_group))
 
-        Raises:
-            DecodeError: the metadata or a buffer is malformed.
-        """
-        header = KVHeader.from_meta(require_map(encoded.meta, self.name), self.name)
-        n = header.n_layers
-        buffers = check_buffer_count(encoded.buffers, header.n_prefix + 6 * n, self.name)
-        tokens, positions = header.read_prefix(buffers, self.name)
-        param_bufs = buffers[header.n_prefix:header.n_prefix + 4 * n]
-        code_bufs = buffers[header.n_prefix + 4 * n:]
+    def decode_layer(self, header: KVHeader, views: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unpack and dequantise straight to the KV dtype."""
+        kc, ks, kl, vc, vs, vl = views
+        (k_axis, k_group), (v_axis, v_group) = self._groups(header)
         shape = header.layer_shape
-        g, kg = self.args["g"], self._key_group(header.seq_len)
-        layouts = []
-        for axis, group in ((2, kg), (3, g)):
-            grouped, red = int4_grouped_shape(shape, axis, group)
-            reduced = list(grouped)
-            reduced[red] = 1
-            layouts.append((axis, group, reduced, (math.prod(grouped) + 1) // 2))
-        views = []
-        for i in range(n):
-            layer = []
-            for j, (axis, group, reduced, n_codes) in enumerate(layouts):
-                what = ("keys", "values")[j]
-                layer.append((
-                    tensor_from(code_bufs[2 * i + j], torch.uint8, (n_codes,), self.name, f"{what}[{i}]"),
-                    tensor_from(param_bufs[4 * i + 2 * j], header.dtype, reduced, self.name, f"{what} scales[{i}]"),
-                    tensor_from(param_bufs[4 * i + 2 * j + 1], header.dtype, reduced, self.name, f"{what} mins[{i}]"),
-                    axis, group))
-            views.append(layer)
-        keys, values = [], []
-        for (kc, ks, kl, ka, kgroup), (vc, vs, vl, va, vgroup) in views:
-            keys.append(int4_decode(kc, ks, kl, shape, ka, kgroup))
-            values.append(int4_decode(vc, vs, vl, shape, va, vgroup))
-        kv = KVCache(tokens=tokens, signature=header.signature, keys=keys, values=values,
-                     positions=positions, fidelity=header.fidelity * self.fidelity if n else header.fidelity)
-        return header.finish(kv, self.name)
+        return (int4_decode(kc, ks, kl, shape, k_axis, k_group),
+                int4_decode(vc, vs, vl, shape, v_axis, v_group))
 
     def estimate_nbytes(self, signature: ModelSignature, n_tokens: int, batch: int = 1) -> int:
         """Token ids, half a byte per KV element (keys padded to whole groups), scales and minimums."""

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from kvbus.codecs._header import KVHeader, encode_buffers
+from kvbus.codecs._header import KVHeader
 from kvbus.codecs._kernels import int8_decode, int8_encode
-from kvbus.codecs._tensors import check_buffer_count, require_map, tensor_from
-from kvbus.codecs.base import Codec, Encoded, ModelRunner, register
-from kvbus.kvcache import KVCache
+from kvbus.codecs.base import register
+from kvbus.codecs.layerwise import LayerBuffer, LayerwiseCodec
 from kvbus.signature import ModelSignature
 
 #: Largest quantised magnitude (symmetric: -127..127, so -128 is never used).
@@ -35,7 +36,7 @@ def dequantise(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 @register("int8")
-class Int8Codec(Codec):
+class Int8Codec(LayerwiseCodec):
     """Keys quantised per channel, values per token, to int8 with scales in the KV dtype.
 
     Wire layout: ``[tokens, (positions), kscale0, vscale0, kscale1, ..., kq0, vq0, kq1, ...]``;
@@ -47,48 +48,23 @@ class Int8Codec(Codec):
     lossless = False
     fidelity = 0.99
 
-    def encode(self, kv: KVCache, *, base: KVCache | None = None, runner: ModelRunner | None = None) -> Encoded:
-        """Quantise ``kv`` (its tensors are not modified).
-
-        Raises:
-            SignatureMismatch: ``kv`` does not fit its own signature.
-        """
-        header = KVHeader.of(kv)
-        scales: list[torch.Tensor] = []
-        quants: list[torch.Tensor] = []
-        for k, v in zip(kv.keys, kv.values):
-            kq, ks = quantise(k, KEY_AXIS)
-            vq, vs = quantise(v, VALUE_AXIS)
-            scales += [ks, vs]
-            quants += [kq, vq]
-        tensors = header.prefix_tensors(kv) + scales + quants
-        return Encoded(codec=self.name, meta=header.to_meta(), buffers=encode_buffers(tensors), keepalive=tensors)
-
-    def decode(self, encoded: Encoded, *, base: KVCache | None = None,
-               runner: ModelRunner | None = None) -> KVCache:
-        """Dequantise straight to the KV dtype; the result's fidelity is the sender's times ours.
-
-        Raises:
-            DecodeError: the metadata or a buffer is malformed.
-        """
-        header = KVHeader.from_meta(require_map(encoded.meta, self.name), self.name)
-        n = header.n_layers
-        buffers = check_buffer_count(encoded.buffers, header.n_prefix + 4 * n, self.name)
-        tokens, positions = header.read_prefix(buffers, self.name)
-        scale_bufs = buffers[header.n_prefix:header.n_prefix + 2 * n]
-        quant_bufs = buffers[header.n_prefix + 2 * n:]
+    def layer_layout(self, header: KVHeader) -> Sequence[LayerBuffer]:
+        """Per tensor its int8 codes (section 1) and its scales in the KV dtype (section 0): per
+        channel ``[b, h, 1, d]`` for keys, per token ``[b, h, s, 1]`` for values."""
         b, h, s, d = header.layer_shape
-        # Every buffer is checked (views, no allocation) before anything is computed from one.
-        views = [(tensor_from(quant_bufs[2 * i], torch.int8, (b, h, s, d), self.name, f"keys[{i}]"),
-                  tensor_from(scale_bufs[2 * i], header.dtype, (b, h, 1, d), self.name, f"key scales[{i}]"),
-                  tensor_from(quant_bufs[2 * i + 1], torch.int8, (b, h, s, d), self.name, f"values[{i}]"),
-                  tensor_from(scale_bufs[2 * i + 1], header.dtype, (b, h, s, 1), self.name, f"value scales[{i}]"))
-                 for i in range(n)]
-        keys = [dequantise(kq, ks) for kq, ks, _, _ in views]
-        values = [dequantise(vq, vs) for _, _, vq, vs in views]
-        kv = KVCache(tokens=tokens, signature=header.signature, keys=keys, values=values,
-                     positions=positions, fidelity=header.fidelity * self.fidelity if n else header.fidelity)
-        return header.finish(kv, self.name)
+        return (LayerBuffer("keys", torch.int8, (b, h, s, d), section=1),
+                LayerBuffer("key scales", header.dtype, (b, h, 1, d)),
+                LayerBuffer("values", torch.int8, (b, h, s, d), section=1),
+                LayerBuffer("value scales", header.dtype, (b, h, s, 1)))
+
+    def encode_layer(self, header: KVHeader, keys: torch.Tensor, values: torch.Tensor) -> Sequence[torch.Tensor]:
+        """Quantise keys per channel and values per token."""
+        return (*quantise(keys, KEY_AXIS), *quantise(values, VALUE_AXIS))
+
+    def decode_layer(self, header: KVHeader, views: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantise straight to the KV dtype."""
+        kq, ks, vq, vs = views
+        return dequantise(kq, ks), dequantise(vq, vs)
 
     def estimate_nbytes(self, signature: ModelSignature, n_tokens: int, batch: int = 1) -> int:
         """Token ids, one byte per KV element, and the per-channel and per-token scales."""

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from kvbus.codecs._header import KVHeader, encode_buffers
-from kvbus.codecs._tensors import check_buffer_count, require_map, tensor_from
-from kvbus.codecs.base import Codec, Encoded, ModelRunner, register
+from kvbus.codecs._header import KVHeader
+from kvbus.codecs.base import register
 from kvbus.codecs.errors import DecodeError
+from kvbus.codecs.layerwise import LayerBuffer, LayerwiseCodec
 from kvbus.codecs.spec import Param
-from kvbus.kvcache import KVCache
 from kvbus.signature import ModelSignature
 
 #: A payload may decode to at most this many times its own size (plus `MAX_EXPANSION_FLOOR`
@@ -45,7 +46,7 @@ def principal_basis(x: torch.Tensor, r: int) -> torch.Tensor:
 
 
 @register("lowrank")
-class LowRankCodec(Codec):
+class LowRankCodec(LayerwiseCodec):
     """Each layer's keys and values, as token rows of ``heads x head_dim`` features, projected to rank ``r``.
 
     The basis is computed per transfer and per tensor (exactly for narrow models, randomised
@@ -71,50 +72,46 @@ class LowRankCodec(Codec):
         basis = principal_basis(rows, r)
         return (rows @ basis).to(x.dtype), basis.T.contiguous().to(x.dtype)
 
-    def encode(self, kv: KVCache, *, base: KVCache | None = None, runner: ModelRunner | None = None) -> Encoded:
-        """Project every layer's keys and values (its tensors are not modified).
-
-        Raises:
-            SignatureMismatch: ``kv`` does not fit its own signature.
-        """
-        header = KVHeader.of(kv)
-        tensors = header.prefix_tensors(kv)
-        for k, v in zip(kv.keys, kv.values):
-            tensors += [*self._project(k), *self._project(v)]
-        return Encoded(codec=self.name, meta=header.to_meta(), buffers=encode_buffers(tensors), keepalive=tensors)
-
-    def decode(self, encoded: Encoded, *, base: KVCache | None = None,
-               runner: ModelRunner | None = None) -> KVCache:
-        """Multiply coefficients by bases back to ``[batch, heads, seq, head_dim]`` in the KV dtype.
-
-        Raises:
-            DecodeError: the metadata or a buffer is malformed.
-        """
-        header = KVHeader.from_meta(require_map(encoded.meta, self.name), self.name)
-        n = header.n_layers
-        buffers = check_buffer_count(encoded.buffers, header.n_prefix + 4 * n, self.name)
-        tokens, positions = header.read_prefix(buffers, self.name)
+    def _rank(self, header: KVHeader) -> int:
         b, h, s, d = header.layer_shape
-        r = effective_rank(self.args["rank"], b * s, h * d)
-        layers = buffers[header.n_prefix:]
-        received = sum(buf.nbytes for buf in layers)
-        produced = 2 * n * b * s * h * d * header.dtype.itemsize
+        return effective_rank(self.args["rank"], b * s, h * d)
+
+    def layer_layout(self, header: KVHeader) -> Sequence[LayerBuffer]:
+        """Per tensor (keys, then values) ``coef [batch*seq, r]`` and ``basis [r, heads*head_dim]`` in the KV dtype."""
+        b, h, s, d = header.layer_shape
+        r = self._rank(header)
+        coef = LayerBuffer("coefficients", header.dtype, (b * s, r))
+        basis = LayerBuffer("basis", header.dtype, (r, h * d))
+        return coef, basis, coef, basis
+
+    def buffer_name(self, position: int, buffer: LayerBuffer, layer: int) -> str:
+        """Errors count the layers' tensors: layer 3's value basis is ``basis[7]``."""
+        return f"{buffer.what}[{2 * layer + position // 2}]"
+
+    def encode_layer(self, header: KVHeader, keys: torch.Tensor, values: torch.Tensor) -> Sequence[torch.Tensor]:
+        """The keys' coefficients and basis, then the values'."""
+        return (*self._project(keys), *self._project(values))
+
+    def check_payload(self, header: KVHeader, buffers: list[memoryview]) -> None:
+        """Refuse a payload that would decode to far more than was received (see `MAX_EXPANSION`)."""
+        b, h, s, d = header.layer_shape
+        received = sum(buf.nbytes for buf in buffers)
+        produced = 2 * header.n_layers * b * s * h * d * header.dtype.itemsize
         if produced > MAX_EXPANSION * received + MAX_EXPANSION_FLOOR:
             raise DecodeError(self.name, f"{received} bytes would decode to {produced} bytes, more than "
                                          f"{MAX_EXPANSION}x what was received")
-        views = [(tensor_from(layers[2 * i], header.dtype, (b * s, r), self.name, f"coefficients[{i}]"),
-                  tensor_from(layers[2 * i + 1], header.dtype, (r, h * d), self.name, f"basis[{i}]"))
-                 for i in range(2 * n)]
+
+    def decode_layer(self, header: KVHeader, views: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Multiply coefficients by bases back to ``[batch, heads, seq, head_dim]`` in the KV dtype."""
+        b, h, s, d = header.layer_shape
+        r = self._rank(header)
 
         def rebuild(coef: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
             rows = coef.float() @ basis.float() if r else torch.zeros(b * s, h * d)
             return rows.view(b, s, h, d).permute(0, 2, 1, 3).to(header.dtype).contiguous()
 
-        keys = [rebuild(*views[2 * i]) for i in range(n)]
-        values = [rebuild(*views[2 * i + 1]) for i in range(n)]
-        kv = KVCache(tokens=tokens, signature=header.signature, keys=keys, values=values,
-                     positions=positions, fidelity=header.fidelity * self.fidelity if n else header.fidelity)
-        return header.finish(kv, self.name)
+        kc, kb, vc, vb = views
+        return rebuild(kc, kb), rebuild(vc, vb)
 
     def estimate_nbytes(self, signature: ModelSignature, n_tokens: int, batch: int = 1) -> int:
         """Token ids plus, per layer and tensor, ``rows x r`` coefficients and an ``r x features`` basis."""

@@ -1,0 +1,150 @@
+"""`LayerwiseCodec`: the family of dense KV media that encode and decode one layer at a time.
+
+``full``, ``int8``, ``int4`` and ``lowrank`` send the same frame: the `KVHeader` as metadata,
+the token ids (and KV positions) first, then a few tensors per layer. They differ only in what
+a layer becomes (`encode_layer`), what its buffers must look like (`layer_layout`) and how a
+layer is rebuilt from them (`decode_layer`); this base does the rest, with every buffer of every
+layer checked (views, no allocation) before anything is computed from one.
+"""
+
+from __future__ import annotations
+
+import collections
+from abc import abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvbus.codecs._header import KVHeader, encode_buffers
+from kvbus.codecs._tensors import check_buffer_count, require_map, tensor_from
+from kvbus.codecs.base import Codec, Encoded, ModelRunner
+from kvbus.kvcache import KVCache
+
+
+@dataclass(frozen=True, slots=True)
+class LayerBuffer:
+    """What one buffer of every layer must hold, and where it travels."""
+
+    what: str
+    """What it is, for errors: ``"keys"`` names layer 3's ``keys[3]`` (see `LayerwiseCodec.buffer_name`)."""
+    dtype: torch.dtype
+    """The dtype of its elements."""
+    shape: tuple[int, ...]
+    """The shape of the tensor it holds."""
+    section: int = 0
+    """The section of the payload it travels in (see `LayerwiseCodec`)."""
+
+
+class LayerwiseCodec(Codec):
+    """A KV medium whose payload is the tokens (and positions), then per layer a few tensors.
+
+    Wire layout: ``[tokens int64, (positions int64), section 0, section 1, ...]``, where section
+    ``j`` holds, layer after layer, that layer's buffers whose `LayerBuffer.section` is ``j`` (in
+    the order `layer_layout` lists them). Media with tensors of several dtypes use sections to
+    keep every buffer aligned to its dtype (``int8`` sends all its scales, then all its codes).
+
+    Subclasses implement `layer_layout` (the one description of the wire layout, used on both
+    ends), `encode_layer` and `decode_layer`; `check_payload` adds whole-payload checks and
+    `buffer_name` other names in errors. A decoded cache's fidelity is the sender's times this
+    medium's (1 for a lossless one).
+    """
+
+    @abstractmethod
+    def layer_layout(self, header: KVHeader) -> Sequence[LayerBuffer]:
+        """The buffers of each layer, in the order `encode_layer` returns and `decode_layer` takes them.
+
+        A decoder checks them in this order. Called once per payload, for a header that has
+        already been checked.
+        """
+
+    @abstractmethod
+    def encode_layer(self, header: KVHeader, keys: torch.Tensor, values: torch.Tensor) -> Sequence[torch.Tensor]:
+        """One layer's tensors, one per buffer of `layer_layout`, in that order.
+
+        ``keys`` and ``values`` are ``[batch, kv_heads, seq, head_dim]`` and must not be modified.
+        """
+
+    @abstractmethod
+    def decode_layer(self, header: KVHeader, views: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rebuild one layer's ``(keys, values)`` from the checked views of its buffers (layout order).
+
+        The views alias the received payload: build new tensors rather than write into them.
+        """
+
+    def check_payload(self, header: KVHeader, buffers: list[memoryview]) -> None:
+        """Checks over every layer's buffers at once, before any is viewed (default: none).
+
+        Raises:
+            DecodeError: the payload is unacceptable as a whole.
+        """
+
+    def buffer_name(self, position: int, buffer: LayerBuffer, layer: int) -> str:
+        """How errors name buffer ``position`` of the layout of layer ``layer`` (default ``"keys[3]"``)."""
+        return f"{buffer.what}[{layer}]"
+
+    def encode(self, kv: KVCache, *, base: KVCache | None = None, runner: ModelRunner | None = None) -> Encoded:
+        """Encode ``kv`` layer by layer (its tensors are not modified).
+
+        Raises:
+            SignatureMismatch: ``kv`` does not fit its own signature.
+        """
+        header = KVHeader.of(kv)
+        tensors = header.prefix_tensors(kv)
+        if kv.keys:
+            layout = self.layer_layout(header)
+            sections: dict[int, list[torch.Tensor]] = {j: [] for j in sorted({want.section for want in layout})}
+            for k, v in zip(kv.keys, kv.values):
+                for want, tensor in zip(layout, self.encode_layer(header, k, v), strict=True):
+                    sections[want.section].append(tensor)
+            for section in sections.values():
+                tensors += section
+        return Encoded(codec=self.name, meta=header.to_meta(), buffers=encode_buffers(tensors), keepalive=tensors)
+
+    def decode(self, encoded: Encoded, *, base: KVCache | None = None,
+               runner: ModelRunner | None = None) -> KVCache:
+        """Rebuild the cache; the result's fidelity is the sender's times this medium's.
+
+        Raises:
+            DecodeError: the metadata or a buffer is malformed.
+        """
+        header = KVHeader.from_meta(require_map(encoded.meta, self.name), self.name)
+        n = header.n_layers
+        layout = self.layer_layout(header) if n else ()
+        first, stride = _wire_index(layout, n)
+        buffers = check_buffer_count(encoded.buffers, header.n_prefix + n * len(layout), self.name)
+        tokens, positions = header.read_prefix(buffers, self.name)
+        layers = buffers[header.n_prefix:]
+        self.check_payload(header, layers)
+        # Every buffer is checked (views, no allocation) before anything is computed from one.
+        views = [[tensor_from(layers[first[p] + i * stride[p]], want.dtype, want.shape, self.name,
+                              self.buffer_name(p, want, i))
+                  for p, want in enumerate(layout)]
+                 for i in range(n)]
+        keys, values = [], []
+        for mine in views:
+            k, v = self.decode_layer(header, mine)
+            keys.append(k)
+            values.append(v)
+        kv = KVCache(tokens=tokens, signature=header.signature, keys=keys, values=values,
+                     positions=positions, fidelity=header.fidelity * self.fidelity if n else header.fidelity)
+        return header.finish(kv, self.name)
+
+
+def _wire_index(layout: Sequence[LayerBuffer], n_layers: int) -> tuple[list[int], list[int]]:
+    """Where the buffers of ``layout`` travel: buffer ``p`` of layer ``i`` is number ``first[p] + i * stride[p]``
+    after the tokens and positions."""
+    widths = collections.Counter(want.section for want in layout)
+    starts: dict[int, int] = {}
+    offset = 0
+    for section in sorted(widths):
+        starts[section] = offset
+        offset += n_layers * widths[section]
+    first: list[int] = []
+    stride: list[int] = []
+    seen: collections.Counter[int] = collections.Counter()
+    for want in layout:
+        first.append(starts[want.section] + seen[want.section])
+        stride.append(widths[want.section])
+        seen[want.section] += 1
+    return first, stride
