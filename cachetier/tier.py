@@ -67,9 +67,9 @@ class CacheTier:
     ``bus.agent(..., cache=tier)``: probes report `memory_bytes` and `Agent.prefetch` calls
     `prefetch`.
 
-    ``listener`` may be replaced at any time (the tier calls whichever is set);
-    `has_default_listener` says whether anyone has hooked in yet. The other attributes are
-    fixed once the tier is built.
+    ``listener`` may be replaced at any time (the tier calls whichever is set; the bus wraps it
+    in a metrics listener that forwards every event). The other attributes are fixed once the
+    tier is built.
     """
 
     def __init__(self, signature: ModelSignature | None = None, *, runner: ModelRunner | None = None,
@@ -145,15 +145,6 @@ class CacheTier:
     def status(self) -> Status:
         """Open, or closed by `close`."""
         return self._table.status
-
-    @property
-    def has_default_listener(self) -> bool:
-        """Whether `listener` is still the default, silent `TierListener` (nobody has hooked in).
-
-        An owner that wants the tier's events (the bus counts them as metrics) may then replace
-        it without silencing anyone else's hook.
-        """
-        return type(self.listener) is TierListener
 
     @property
     def memory_bytes(self) -> int:

@@ -526,24 +526,6 @@ async def test_prefetch_makes_a_later_get_local(make_tier: TierFactory, runner: 
     assert close_to(got, kv, atol=0.05)
 
 
-def test_the_tier_says_whether_its_listener_is_the_default(runner: HFRunner) -> None:
-    """`has_default_listener`: what an owner (the bus) checks before it hooks its own listener in."""
-
-    class Counting(TierListener):
-        def __init__(self) -> None:
-            self.dropped_keys: list[str] = []
-
-        def dropped(self, keys: list[str]) -> None:
-            self.dropped_keys += keys
-
-    tier = CacheTier(runner.signature, runner=runner)
-    assert tier.has_default_listener
-    assert CacheTier(runner.signature, listener=TierListener()).has_default_listener  # still the silent one
-    assert not CacheTier(runner.signature, listener=Counting()).has_default_listener
-    tier.listener = Counting()
-    assert not tier.has_default_listener
-
-
 async def test_a_listener_set_after_construction_gets_the_events(runner: HFRunner) -> None:
     tier = CacheTier(runner.signature, runner=runner, config=CacheTierConfig(block_tokens=BLOCK, drop_below=1e9))
     events: list[tuple[str, int]] = []
