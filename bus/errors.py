@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvbus.errors import KVBusError
-from kvbus.protocol.reasons import Reason
+from kvbus.reasons import Reason
 
 
 class BusError(KVBusError):

@@ -255,7 +255,7 @@ class SchedulerLink:
                               period_s=float(period), size_bytes=int(size), deadline_s=float(deadline))
         reply = await self._reservation_request(msg)
         if not reply.ok:
-            raise ReservationRefused(rid, reply.reason)
+            raise ReservationRefused(rid, reply.reason, reply.code or Reason.REFUSED)
         return rid
 
     async def unreserve(self, reservation_id: str) -> None:

@@ -7,6 +7,8 @@ attributes and users read a sentence.
 
 from __future__ import annotations
 
+from kvbus.reasons import Reason
+
 
 class KVBusError(Exception):
     """Root of all kvbus errors."""
@@ -120,11 +122,12 @@ class GenerationError(KVBusError, ValueError):
 
 
 class ReservationRefused(KVBusError):
-    """Admission control refused a reservation; ``reason`` says why."""
+    """Admission control refused a reservation; ``reason`` says why, ``code`` is the `Reason` to match on."""
 
-    def __init__(self, reservation_id: str, reason: str) -> None:
+    def __init__(self, reservation_id: str, reason: str, code: Reason = Reason.REFUSED) -> None:
         self.reservation_id = reservation_id
         self.reason = reason
+        self.code = code
         super().__init__(f"reservation {reservation_id} refused: {reason}")
 
 

@@ -20,6 +20,7 @@ from kvbus.protocol import (
     LeaseRequest,
     PlacementReply,
     PlacementRequest,
+    Reason,
     ReservationCancel,
     ReservationReply,
     ReservationRequest,
@@ -64,7 +65,7 @@ class CoordinatorClient:
         req = ReservationRequest(rid, group, who, period_s, size_bytes, deadline_s, traceparent=traceparent)
         reply = ReservationReply.decode(await self._request(COORD_RESERVE, req.encode(), "reserve", rid))
         if not reply.ok:
-            raise ReservationRefused(rid, reply.reason)
+            raise ReservationRefused(rid, reply.reason, reply.code or Reason.REFUSED)
         return reply
 
     async def unreserve(self, reservation_id: str) -> None:

@@ -5,7 +5,7 @@
 - `messages`: agent <-> group scheduler control messages;
 - `framing`: a transfer's `Open`, its reply, acknowledgements and chunk headers;
 - `coordination`: group schedulers <-> coordinator;
-- `reasons`: the typed reason codes of refusals and failures.
+- `Reason` (from `kvbus.reasons`): the typed reason codes of refusals and failures.
 """
 
 from kvbus.protocol.subjects import (
@@ -72,7 +72,7 @@ from kvbus.protocol.coordination import (
     ReservationReply,
     ReservationRequest,
 )
-from kvbus.protocol.reasons import (
+from kvbus.reasons import (
     Reason,
 )
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from kvbus.protocol.reasons import Reason
+from kvbus.reasons import Reason
 from kvbus.protocol.wire import Message, OptStr, message
 
 @message("group", {"group": str, "scheduler": str, "agents": int, "ts": float})

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from kvbus.errors import WireFormatError
-from kvbus.protocol.reasons import Reason
+from kvbus.reasons import Reason
 from kvbus.protocol.wire import Message, OptStr, message
 
 #: Largest codec metadata map inside an `Open`.

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from kvbus.errors import WireFormatError
-from kvbus.protocol.reasons import Reason
+from kvbus.reasons import Reason
 from kvbus.protocol.wire import AnyValue, Message, OptFloat, OptStr, message
 
 @message("request", {"transfer_id": str, "src": str, "dst": list, "group": str, "n_tokens": int,
