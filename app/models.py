@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from kvbus.errors import ModelUnavailable
-from kvbus.app.runner import HFRunner
+from kvbus.codecs.runner import HFRunner
 
 logger = logging.getLogger(__name__)
 

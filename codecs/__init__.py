@@ -37,6 +37,7 @@ from kvbus.codecs.errors import (
     UnknownCodec,
 )
 from kvbus.codecs.full import FullCodec
+from kvbus.codecs.runner import HFRunner
 from kvbus.codecs.int4 import Int4Codec
 from kvbus.codecs.int8 import Int8Codec
 from kvbus.codecs.layerwise import LayerBuffer, LayerwiseCodec
@@ -68,6 +69,7 @@ __all__ = [
     "Encoded",
     "FullCodec",
     "GeneratingRunner",
+    "HFRunner",
     "Int4Codec",
     "Int8Codec",
     "LayerBuffer",

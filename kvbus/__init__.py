@@ -31,7 +31,7 @@ from kvbus.bus import (
     TransferTimeout,
 )
 from kvbus.cachetier import CacheTier, CacheTierConfig
-from kvbus.codecs import Codec, Encoded, ModelRunner, available_codecs, get_codec
+from kvbus.codecs import Codec, Encoded, HFRunner, ModelRunner, available_codecs, get_codec
 from kvbus.coordinator import Coordinator, CoordinatorConfig
 from kvbus.errors import (
     ConfigError,
@@ -53,7 +53,7 @@ __all__ = [
     # the client
     "Bus", "Agent", "BusConfig", "Delivery", "TransferReport", "EmulatedLink", "NatsAuth",
     # what travels
-    "KVCache", "ModelSignature", "Codec", "Encoded", "ModelRunner", "get_codec", "available_codecs",
+    "KVCache", "ModelSignature", "Codec", "Encoded", "ModelRunner", "HFRunner", "get_codec", "available_codecs",
     # the services
     "GroupScheduler", "SchedulerConfig", "Coordinator", "CoordinatorConfig", "CacheTier", "CacheTierConfig",
     # errors

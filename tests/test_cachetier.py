@@ -44,7 +44,7 @@ from kvbus.errors import KVBusError
 from kvbus.kvcache import KVCache
 from kvbus.app.local import RedisServer
 from kvbus.app.models import random_model
-from kvbus.app.runner import HFRunner
+from kvbus.codecs.runner import HFRunner
 from kvbus.signature import ModelSignature
 from tests.kvutil import random_kv
 

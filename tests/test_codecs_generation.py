@@ -11,7 +11,7 @@ from kvbus.codecs.topk import attention_scores
 from kvbus.errors import GenerationError
 from kvbus.kvcache import KVCache
 from kvbus.app.models import random_model
-from kvbus.app.runner import HFRunner
+from kvbus.codecs.runner import HFRunner
 
 NEW = 10
 

@@ -12,7 +12,7 @@ from kvbus.codecs import Encoded, get_codec
 from kvbus.errors import GenerationError, SignatureMismatch
 from kvbus.kvcache import KVCache
 from kvbus.app.models import SMOLLM2_NAME, load_smollm2, random_model, smollm2_path
-from kvbus.app.runner import HFRunner
+from kvbus.codecs.runner import HFRunner
 
 NEW_TOKENS = 12
 

@@ -1,4 +1,4 @@
-"""`HFRunner`: a `transformers` causal LM behind the `ModelRunner` protocol.
+"""`HFRunner`: a `transformers` causal LM behind the `ModelRunner` protocol (the Hugging Face model adapter).
 
 Note on `transformers` 5: the forward keyword for a KV-cache is ``cache=`` and the model output
 holds it under ``.cache`` (``past_key_values`` is gone).
