@@ -56,8 +56,20 @@ CONTEXT = 512
 #: Continuation tokens scored per window.
 FOLLOWING = 64
 #: The media measured (canonical specs). ``delta+X`` costs what X costs on the new tokens.
-SPECS = ("full", "int8", "int4", "int4(64)", "topk", "topk(0.5)", "topk+int8", "topk+int4",
-         "lowrank", "lowrank(128)", "tokens", "summary")
+SPECS = (
+    "full",
+    "int8",
+    "int4",
+    "int4(64)",
+    "topk",
+    "topk(0.5)",
+    "topk+int8",
+    "topk+int4",
+    "lowrank",
+    "lowrank(128)",
+    "tokens",
+    "summary",
+)
 #: Windows and timing repeats: (quick, full).
 WINDOWS = (2, 6)
 REPEATS = (2, 4)
@@ -79,7 +91,7 @@ def windows(tokenizer: Any, n: int, length: int = CONTEXT + FOLLOWING) -> list[t
         added = False
         for ids in streams:
             if ids.shape[1] >= offset + length and len(out) < n:
-                out.append(ids[:, offset:offset + length])
+                out.append(ids[:, offset : offset + length])
                 added = True
         if not added:
             break
@@ -130,8 +142,15 @@ def compare(ref_logits: torch.Tensor, logits: torch.Tensor, following: torch.Ten
     return max(kl, 0.0), top1, float(nll - nll_ref)
 
 
-def measure(*, quick: bool = False, specs: tuple[str, ...] = SPECS, runner: Any = None, tokenizer: Any = None,
-            n_windows: int | None = None, progress: Callable[[str], None] | None = None) -> CalibrationProfile:
+def measure(
+    *,
+    quick: bool = False,
+    specs: tuple[str, ...] = SPECS,
+    runner: Any = None,
+    tokenizer: Any = None,
+    n_windows: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> CalibrationProfile:
     """Run the calibration and return the profile (nothing is written).
 
     Args:
@@ -179,13 +198,21 @@ def measure(*, quick: bool = False, specs: tuple[str, ...] = SPECS, runner: Any 
             logits = runner.score(out, following)
             kl, top1, dnll = compare(ref, logits, following)
             row = rows[spec]
-            for key, value in (("encode_gbps", kv_bytes / t_enc / 1e9), ("decode_gbps", kv_bytes / t_dec / 1e9),
-                               ("ratio", full_bytes / max(1, encoded.nbytes)), ("rel_error", rel_error(kv, out)),
-                               ("kl", kl), ("top1", top1), ("nll_delta", dnll)):
+            for key, value in (
+                ("encode_gbps", kv_bytes / t_enc / 1e9),
+                ("decode_gbps", kv_bytes / t_dec / 1e9),
+                ("ratio", full_bytes / max(1, encoded.nbytes)),
+                ("rel_error", rel_error(kv, out)),
+                ("kl", kl),
+                ("top1", top1),
+                ("nll_delta", dnll),
+            ):
                 row.setdefault(key, []).append(value)
-            say(f"window {w + 1}/{len(wins)} {spec:>14}: ratio {full_bytes / max(1, encoded.nbytes):8.2f}  "
+            say(
+                f"window {w + 1}/{len(wins)} {spec:>14}: ratio {full_bytes / max(1, encoded.nbytes):8.2f}  "
                 f"KL {kl:.2e}  top1 {top1:.3f}  dNLL {dnll:+.4f}  enc {kv_bytes / t_enc / 1e9:6.2f} GB/s  "
-                f"dec {kv_bytes / t_dec / 1e9:6.2f} GB/s")
+                f"dec {kv_bytes / t_dec / 1e9:6.2f} GB/s"
+            )
     figures: dict[str, CodecFigures] = {}
     for spec, row in rows.items():
         codec = get_codec(spec)
@@ -194,22 +221,36 @@ def measure(*, quick: bool = False, specs: tuple[str, ...] = SPECS, runner: Any 
         enc, dec = max(row["encode_gbps"]), max(row["decode_gbps"])
         lossless = codec.lossless
         figures[codec.name] = CodecFigures(
-            encode_gbps=enc, decode_gbps=dec, ratio=mean["ratio"],
+            encode_gbps=enc,
+            decode_gbps=dec,
+            ratio=mean["ratio"],
             rel_error=0.0 if lossless else mean["rel_error"],
-            kl=0.0 if lossless else mean["kl"], top1=1.0 if lossless else mean["top1"],
+            kl=0.0 if lossless else mean["kl"],
+            top1=1.0 if lossless else mean["top1"],
             nll_delta=0.0 if lossless else mean["nll_delta"],
-            fidelity=fidelity_from(mean["top1"], mean["kl"], lossless=lossless))
-    now = _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+            fidelity=fidelity_from(mean["top1"], mean["kl"], lossless=lossless),
+        )
+    now = _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat()
     return CalibrationProfile(
-        version=PROFILE_VERSION, model=runner.signature.to_dict(), machine=machine_info(), created=now,
-        codecs=figures, prefill_tokens_per_s=CONTEXT / min(prefill_s), decode_token_s=min(decode_s),
+        version=PROFILE_VERSION,
+        model=runner.signature.to_dict(),
+        machine=machine_info(),
+        created=now,
+        codecs=figures,
+        prefill_tokens_per_s=CONTEXT / min(prefill_s),
+        decode_token_s=min(decode_s),
         context_tokens=CONTEXT,
-        details={"windows": len(wins), "following_tokens": FOLLOWING, "repeats": repeats, "quick": quick,
-                 "compile": compile_enabled(),
-                 "throughput": "GB/s of uncompressed KV bytes, best window; quality figures: mean over windows",
-                 "fidelity": "top1 * exp(-kl), clamped to [0.001, 1]; 1 for lossless media",
-                 "delta": "delta+X costs what X costs on the tokens after the shared prefix",
-                 "topk": "scored with the sender's real queries (runner given to encode)"},
+        details={
+            "windows": len(wins),
+            "following_tokens": FOLLOWING,
+            "repeats": repeats,
+            "quick": quick,
+            "compile": compile_enabled(),
+            "throughput": "GB/s of uncompressed KV bytes, best window; quality figures: mean over windows",
+            "fidelity": "top1 * exp(-kl), clamped to [0.001, 1]; 1 for lossless media",
+            "delta": "delta+X costs what X costs on the tokens after the shared prefix",
+            "topk": "scored with the sender's real queries (runner given to encode)",
+        },
     )
 
 
@@ -219,13 +260,19 @@ def run_calibrate(quick: bool = False, out: str | None = None) -> int:
     print(f"calibrating on SmolLM2-135M-Instruct ({'quick' if quick else 'full'} run)...", flush=True)
     profile = measure(quick=quick, progress=lambda line: print("  " + line, flush=True))
     path = save_profile(profile, Path(out) if out else user_profile_path())
-    print(f"\n{'medium':>14} {'ratio':>8} {'enc GB/s':>9} {'dec GB/s':>9} {'rel err':>8} {'KL':>9} "
-          f"{'top1':>6} {'dNLL':>8} {'fidelity':>8}")
+    print(
+        f"\n{'medium':>14} {'ratio':>8} {'enc GB/s':>9} {'dec GB/s':>9} {'rel err':>8} {'KL':>9} "
+        f"{'top1':>6} {'dNLL':>8} {'fidelity':>8}"
+    )
     for spec, f in profile.codecs.items():
-        print(f"{spec:>14} {f.ratio:8.2f} {f.encode_gbps:9.3f} {f.decode_gbps:9.3f} {f.rel_error:8.4f} "
-              f"{f.kl:9.2e} {f.top1:6.3f} {f.nll_delta:+8.4f} {f.fidelity:8.4f}")
-    print(f"\nprefill {profile.prefill_tokens_per_s:.0f} tokens/s, decode {profile.decode_token_s * 1000:.1f} ms/token "
-          f"({profile.context_tokens}-token context)")
+        print(
+            f"{spec:>14} {f.ratio:8.2f} {f.encode_gbps:9.3f} {f.decode_gbps:9.3f} {f.rel_error:8.4f} "
+            f"{f.kl:9.2e} {f.top1:6.3f} {f.nll_delta:+8.4f} {f.fidelity:8.4f}"
+        )
+    print(
+        f"\nprefill {profile.prefill_tokens_per_s:.0f} tokens/s, decode {profile.decode_token_s * 1000:.1f} ms/token "
+        f"({profile.context_tokens}-token context)"
+    )
     print(f"wrote {path} in {time.perf_counter() - t0:.0f} s")
     return 0
 

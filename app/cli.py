@@ -11,8 +11,8 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from kvbus.config import redact_url
@@ -22,8 +22,7 @@ logger = logging.getLogger("kvbus")
 
 
 STACK_FILE = Path(os.environ.get("KVBUS_STACK_FILE", Path.home() / ".cache" / "kvbus" / "stack.json"))
-CREDENTIALS_FILE = Path(os.environ.get("KVBUS_CREDENTIALS_FILE",
-                                       Path.home() / ".cache" / "kvbus" / "credentials.json"))
+CREDENTIALS_FILE = Path(os.environ.get("KVBUS_CREDENTIALS_FILE", Path.home() / ".cache" / "kvbus" / "credentials.json"))
 
 
 def _stack_nats_url() -> str:
@@ -67,36 +66,55 @@ async def _nats_options(url: str) -> dict[str, Any]:
                 return options
             if time.monotonic() >= give_up:
                 raise
-            logger.warning("%s; trying again for up to %.0f s (KVBUS_NATS_CONNECT_WAIT)", exc,
-                           give_up - time.monotonic())
+            logger.warning(
+                "%s; trying again for up to %.0f s (KVBUS_NATS_CONNECT_WAIT)", exc, give_up - time.monotonic()
+            )
             await asyncio.sleep(min(2.0, max(0.1, give_up - time.monotonic())))
 
 
 def _add_urls(p: argparse.ArgumentParser, redis: bool = True) -> None:
-    p.add_argument("--nats-url", default=os.environ.get("KVBUS_NATS_URL"),
-                   help="use this NATS server instead of starting an embedded one (env KVBUS_NATS_URL)")
+    p.add_argument(
+        "--nats-url",
+        default=os.environ.get("KVBUS_NATS_URL"),
+        help="use this NATS server instead of starting an embedded one (env KVBUS_NATS_URL)",
+    )
     if redis:
-        p.add_argument("--redis-url", default=os.environ.get("KVBUS_REDIS_URL"),
-                       help="use this Redis server instead of starting an embedded one (env KVBUS_REDIS_URL)")
+        p.add_argument(
+            "--redis-url",
+            default=os.environ.get("KVBUS_REDIS_URL"),
+            help="use this Redis server instead of starting an embedded one (env KVBUS_REDIS_URL)",
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvbus", description="Move context (tokens and KV-caches) between LLM agents.")
+    parser = argparse.ArgumentParser(
+        prog="kvbus", description="Move context (tokens and KV-caches) between LLM agents."
+    )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start the local stack: embedded NATS and Redis, coordinator, group schedulers")
     _add_urls(up)
     up.add_argument("--groups", type=int, default=1, help="number of groups (schedulers g0..gN-1, or 'default' for 1)")
-    up.add_argument("--replicas", type=int, default=2,
-                    help="replicas of each group scheduler and of the coordinator: one leads (a lease in "
-                         "JetStream), the others stand by and take over if it dies (default 2)")
-    up.add_argument("--secure", action="store_true",
-                    help="per-agent NATS users and permissions (agents are kept apart; only schedulers grant); "
-                         f"credentials go to {CREDENTIALS_FILE} (mode 0600)")
-    up.add_argument("--agents", default=os.environ.get("KVBUS_AGENTS", ""),
-                    help="with --secure: comma-separated agent names to create users for "
-                         "(each joins the others' broadcasts); agents of group g use the first group")
+    up.add_argument(
+        "--replicas",
+        type=int,
+        default=2,
+        help="replicas of each group scheduler and of the coordinator: one leads (a lease in "
+        "JetStream), the others stand by and take over if it dies (default 2)",
+    )
+    up.add_argument(
+        "--secure",
+        action="store_true",
+        help="per-agent NATS users and permissions (agents are kept apart; only schedulers grant); "
+        f"credentials go to {CREDENTIALS_FILE} (mode 0600)",
+    )
+    up.add_argument(
+        "--agents",
+        default=os.environ.get("KVBUS_AGENTS", ""),
+        help="with --secure: comma-separated agent names to create users for "
+        "(each joins the others' broadcasts); agents of group g use the first group",
+    )
 
     demo = sub.add_parser("demo", help="two agents on SmolLM2 exchange a real KV-cache with each medium")
     _add_urls(demo)
@@ -120,13 +138,19 @@ def build_parser() -> argparse.ArgumentParser:
     gs.add_argument("--group", required=True, help="group name")
     gs.add_argument("--nats-url", default=os.environ.get("KVBUS_NATS_URL", "nats://127.0.0.1:4222"))
     gs.add_argument("--bandwidth", type=float, default=None, help="group bandwidth budget in bytes/s (0 = unlimited)")
-    gs.add_argument("--policy", default=None,
-                    help="scheduling policy: wrr (weighted round robin, preemption, reservations; the default) "
-                         "or fifo (env KVBUS_SCHEDULER_POLICY)")
+    gs.add_argument(
+        "--policy",
+        default=None,
+        help="scheduling policy: wrr (weighted round robin, preemption, reservations; the default) "
+        "or fifo (env KVBUS_SCHEDULER_POLICY)",
+    )
 
     tp = sub.add_parser("top", help="live view of groups, agents, transfers and links")
-    tp.add_argument("--nats-url", default=os.environ.get("KVBUS_NATS_URL"),
-                    help="NATS of the deployment (default: the running `kvbus up`, else nats://127.0.0.1:4222)")
+    tp.add_argument(
+        "--nats-url",
+        default=os.environ.get("KVBUS_NATS_URL"),
+        help="NATS of the deployment (default: the running `kvbus up`, else nats://127.0.0.1:4222)",
+    )
     tp.add_argument("--group", action="append", default=None, help="group to show (default: all the coordinator knows)")
     tp.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     tp.add_argument("--once", action="store_true", help="print one frame and exit")
@@ -142,9 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _up(args: argparse.Namespace) -> None:
+    from kvbus.app.local import LocalServers
     from kvbus.coordinator import Coordinator
     from kvbus.group_scheduler import GroupScheduler
-    from kvbus.app.local import LocalServers
 
     groups = ["default"] if args.groups == 1 else [f"g{i}" for i in range(args.groups)]
     extra, creds = "", None
@@ -152,8 +176,10 @@ async def _up(args: argparse.Namespace) -> None:
         from kvbus.security import AgentGrant, permissions_config, save_credentials
 
         if args.nats_url:
-            raise SystemExit("--secure starts its own nats-server with the generated permissions; "
-                             "drop --nats-url (or configure your server with kvbus.security.permissions_config)")
+            raise SystemExit(
+                "--secure starts its own nats-server with the generated permissions; "
+                "drop --nats-url (or configure your server with kvbus.security.permissions_config)"
+            )
         names = [n.strip() for n in args.agents.split(",") if n.strip()]
         grants = [AgentGrant(n, groups[0], broadcasts_from=tuple(m for m in names if m != n)) for n in names]
         extra, creds = permissions_config(grants, groups)
@@ -163,21 +189,44 @@ async def _up(args: argparse.Namespace) -> None:
         # has no authentication, or the --secure users.
         shared = await _nats_options(servers.nats_url) if args.nats_url else {}
         replicas = max(1, args.replicas)
-        coords = [await Coordinator.connect(servers.nats_url,
-                                            nats_options=creds.coordinator_options() if creds else shared)
-                  for _ in range(replicas)]
-        scheds = [await GroupScheduler.connect(servers.nats_url, g,
-                                               nats_options=creds.scheduler_options(g) if creds else shared)
-                  for g in groups for _ in range(replicas)]
+        coords = [
+            await Coordinator.connect(servers.nats_url, nats_options=creds.coordinator_options() if creds else shared)
+            for _ in range(replicas)
+        ]
+        scheds = [
+            await GroupScheduler.connect(
+                servers.nats_url, g, nats_options=creds.scheduler_options(g) if creds else shared
+            )
+            for g in groups
+            for _ in range(replicas)
+        ]
         STACK_FILE.parent.mkdir(parents=True, exist_ok=True)
-        STACK_FILE.write_text(json.dumps({"nats_url": servers.nats_url, "redis_url": servers.redis_url,
-                                          "groups": groups, "pid": os.getpid(), "secure": bool(creds),
-                                          "credentials": str(CREDENTIALS_FILE) if creds else None}))
-        secure = (f"  secure: {len(creds.agents)} agent users; credentials in {CREDENTIALS_FILE} (0600); "
-                  f"connect with Bus.connect(url, secure=True, **creds.agent_options(name))\n") if creds else ""
-        print(f"kvbus is up\n  NATS:   {redact_url(servers.nats_url)}\n  Redis:  {redact_url(servers.redis_url)}\n"
-              f"  groups: {', '.join(groups)} ({replicas} scheduler replica(s) each; {replicas} coordinator "
-              f"replica(s))\n{secure}`kvbus top` shows it live. Ctrl-C stops everything.", flush=True)
+        STACK_FILE.write_text(
+            json.dumps(
+                {
+                    "nats_url": servers.nats_url,
+                    "redis_url": servers.redis_url,
+                    "groups": groups,
+                    "pid": os.getpid(),
+                    "secure": bool(creds),
+                    "credentials": str(CREDENTIALS_FILE) if creds else None,
+                }
+            )
+        )
+        secure = (
+            (
+                f"  secure: {len(creds.agents)} agent users; credentials in {CREDENTIALS_FILE} (0600); "
+                f"connect with Bus.connect(url, secure=True, **creds.agent_options(name))\n"
+            )
+            if creds
+            else ""
+        )
+        print(
+            f"kvbus is up\n  NATS:   {redact_url(servers.nats_url)}\n  Redis:  {redact_url(servers.redis_url)}\n"
+            f"  groups: {', '.join(groups)} ({replicas} scheduler replica(s) each; {replicas} coordinator "
+            f"replica(s))\n{secure}`kvbus top` shows it live. Ctrl-C stops everything.",
+            flush=True,
+        )
         try:
             await asyncio.Event().wait()
         finally:
@@ -195,8 +244,9 @@ async def _group_scheduler(args: argparse.Namespace) -> None:
     if args.policy is not None:
         overrides["policy"] = args.policy
     config = SchedulerConfig.from_env(**overrides)
-    sched = await GroupScheduler.connect(args.nats_url, args.group, config=config,
-                                         nats_options=await _nats_options(args.nats_url))
+    sched = await GroupScheduler.connect(
+        args.nats_url, args.group, config=config, nats_options=await _nats_options(args.nats_url)
+    )
     print(f"group scheduler for {args.group!r} on {redact_url(args.nats_url)} ({config.policy} policy)", flush=True)
     await sched.run_forever()
 
@@ -206,8 +256,9 @@ async def _selftest(url: str, group: str, nbytes: int) -> int:
 
     # `helm test` runs its two agents as their own users (KVBUS_SELFTEST_SENDER, _RECEIVER).
     agents = agents_from_env()
-    return await selftest(url, group, nbytes, nats_options=await _nats_options(agents[0][1] if agents else url),
-                          agents=agents)
+    return await selftest(
+        url, group, nbytes, nats_options=await _nats_options(agents[0][1] if agents else url), agents=agents
+    )
 
 
 async def _top(url: str, args: argparse.Namespace) -> None:
@@ -253,8 +304,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             # A server of your own (--nats-url) is reached with the KVBUS_NATS_* identity and TLS;
             # it runs the demo's schedulers and agents, so it needs one identity allowed to do both.
             options = asyncio.run(_nats_options(args.nats_url)) if args.nats_url else None
-            return run_demo(nats_url=args.nats_url, redis_url=args.redis_url, quick=args.quick,
-                            new_tokens=args.new_tokens, nats_options=options)
+            return run_demo(
+                nats_url=args.nats_url,
+                redis_url=args.redis_url,
+                quick=args.quick,
+                new_tokens=args.new_tokens,
+                nats_options=options,
+            )
         elif args.command == "calibrate":
             from kvbus.app.calibrate import run_calibrate
 

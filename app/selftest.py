@@ -32,9 +32,15 @@ def agents_from_env(environ: Mapping[str, str] | None = None) -> list[tuple[str,
     return [(env[v], env[f"{v}_URL"], {"inbox_prefix": env[f"{v}_INBOX_PREFIX"]}) for v in AGENT_VARS]
 
 
-async def selftest(nats_url: str, group: str, nbytes: int = 4 << 20, timeout: float = 60.0, *,
-                   nats_options: dict[str, Any] | None = None,
-                   agents: list[tuple[str, str, dict[str, Any]]] | None = None) -> int:
+async def selftest(
+    nats_url: str,
+    group: str,
+    nbytes: int = 4 << 20,
+    timeout: float = 60.0,
+    *,
+    nats_options: dict[str, Any] | None = None,
+    agents: list[tuple[str, str, dict[str, Any]]] | None = None,
+) -> int:
     """Send a random context from one agent to another in ``group``; 0 when it arrives bit-exact.
 
     ``nats_options`` go to `nats.connect` (credentials, TLS). ``agents``: the sender's and the
@@ -44,9 +50,12 @@ async def selftest(nats_url: str, group: str, nbytes: int = 4 << 20, timeout: fl
     n = max(1, nbytes // SIG.kv_bytes_per_token())
     g = torch.Generator().manual_seed(0)
     shape = (1, SIG.n_kv_heads, n, SIG.head_dim)
-    kv = KVCache(torch.randint(0, SIG.vocab_size, (1, n), generator=g), SIG,
-                 [torch.randn(shape, generator=g) for _ in range(SIG.n_layers)],
-                 [torch.randn(shape, generator=g) for _ in range(SIG.n_layers)])
+    kv = KVCache(
+        torch.randint(0, SIG.vocab_size, (1, n), generator=g),
+        SIG,
+        [torch.randn(shape, generator=g) for _ in range(SIG.n_layers)],
+        [torch.randn(shape, generator=g) for _ in range(SIG.n_layers)],
+    )
     buses: list[Bus] = []
     try:
         if agents:
@@ -63,9 +72,11 @@ async def selftest(nats_url: str, group: str, nbytes: int = 4 << 20, timeout: fl
         report = await asyncio.wait_for(tx.send(rx.name, kv, medium="full"), timeout)
         delivery = await rx.receive(timeout=timeout)
         ok = delivery.kv.equal(kv)
-        print(f"selftest {'OK' if ok else 'FAILED'}: {report.nbytes} bytes via group {group} in "
-              f"{(time.perf_counter() - t0) * 1000:.0f} ms ({report.chunks} chunks, medium {report.medium})",
-              flush=True)
+        print(
+            f"selftest {'OK' if ok else 'FAILED'}: {report.nbytes} bytes via group {group} in "
+            f"{(time.perf_counter() - t0) * 1000:.0f} ms ({report.chunks} chunks, medium {report.medium})",
+            flush=True,
+        )
         return 0 if ok else 1
     except Exception as exc:  # noqa: BLE001 - report any failure as the test's result
         print(f"selftest FAILED: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)

@@ -54,21 +54,42 @@ def render(snapshots: dict[str, Any], notes: list[str]) -> Group:
         agents = Table("agent", "role", "prio", "queue", "cache", "load", "seen", box=None, pad_edge=False)
         for name, a in sorted(snap.get("agents", {}).items()):
             seen = "down" if a.get("down") else (f"{a['age_s']:.1f}s ago" if a.get("age_s") is not None else "-")
-            agents.add_row(name, a["role"], f"{a['priority']:g}", str(a["queue"]), _fmt_bytes(a["cache_bytes"]),
-                           f"{a['load']:.0%}", seen)
+            agents.add_row(
+                name,
+                a["role"],
+                f"{a['priority']:g}",
+                str(a["queue"]),
+                _fmt_bytes(a["cache_bytes"]),
+                f"{a['load']:.0%}",
+                seen,
+            )
         active = Table("transfer", "src -> dst", "medium", "rate", "bytes", "age", box=None, pad_edge=False)
         for t in snap.get("active", []):
-            active.add_row(t["id"], f"{t['src']} -> {','.join(t['dst'])}", t["medium"], _fmt_rate(t["rate_bps"]),
-                           _fmt_bytes(t["bytes"]), f"{t['age_s']:.1f}s")
+            active.add_row(
+                t["id"],
+                f"{t['src']} -> {','.join(t['dst'])}",
+                t["medium"],
+                _fmt_rate(t["rate_bps"]),
+                _fmt_bytes(t["bytes"]),
+                f"{t['age_s']:.1f}s",
+            )
         for q in snap.get("queue", []):
-            active.add_row(q["id"], f"{q['src']} -> {','.join(q['dst'])}", "[dim]queued[/]",
-                           "critical" if q["critical"] else "", "", f"{q['wait_s']:.2f}s")
+            active.add_row(
+                q["id"],
+                f"{q['src']} -> {','.join(q['dst'])}",
+                "[dim]queued[/]",
+                "critical" if q["critical"] else "",
+                "",
+                f"{q['wait_s']:.2f}s",
+            )
         links = Table("link", "estimate", "samples", box=None, pad_edge=False)
         for name, est in sorted(snap.get("links", {}).items()):
             links.add_row(name, _fmt_rate(est["bandwidth_bps"]), str(est["samples"]))
         c = snap.get("counters", {})
-        title = (f"group {g}  ({snap.get('scheduler', '?')})  granted {c.get('granted', 0)}  "
-                 f"completed {c.get('completed', 0)}  failed {c.get('failed', 0)}")
+        title = (
+            f"group {g}  ({snap.get('scheduler', '?')})  granted {c.get('granted', 0)}  "
+            f"completed {c.get('completed', 0)}  failed {c.get('failed', 0)}"
+        )
         parts.append(Panel(Group(agents, active, links), title=title, title_align="left"))
     if not snapshots:
         parts.append(Panel("no groups found", title="kvbus top"))
@@ -78,8 +99,15 @@ def render(snapshots: dict[str, Any], notes: list[str]) -> Group:
     return Group(*parts)
 
 
-async def top(nats_url: str, *, groups: list[str] | None = None, interval: float = 1.0, once: bool = False,
-              console: Console | None = None, nats_options: dict[str, Any] | None = None) -> None:
+async def top(
+    nats_url: str,
+    *,
+    groups: list[str] | None = None,
+    interval: float = 1.0,
+    once: bool = False,
+    console: Console | None = None,
+    nats_options: dict[str, Any] | None = None,
+) -> None:
     """Show the deployment on ``nats_url`` (``nats_options`` go to `nats.connect`: credentials, TLS)."""
     console = console or Console()
     nc = await nats.connect(nats_url, **{"name": "kvbus-top", **(nats_options or {})})

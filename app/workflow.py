@@ -76,10 +76,17 @@ class RunResult:
 class Workflow:
     """Coordinator -> executors -> verifier -> coordinator, for a number of rounds."""
 
-    def __init__(self, agents: list[AgentSpec], tasks: list[str], encode: Callable[[str], torch.Tensor], *,
-                 new_tokens: int = 24, bus_config: BusConfig | None = None,
-                 preamble: str = "You coordinate a small team. Keep every step short and concrete.\n",
-                 nats_options: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        agents: list[AgentSpec],
+        tasks: list[str],
+        encode: Callable[[str], torch.Tensor],
+        *,
+        new_tokens: int = 24,
+        bus_config: BusConfig | None = None,
+        preamble: str = "You coordinate a small team. Keep every step short and concrete.\n",
+        nats_options: dict[str, Any] | None = None,
+    ) -> None:
         self.specs = {a.role if a.role != "executor" else a.name: a for a in agents}
         self.coordinator = next(a for a in agents if a.role == "coordinator")
         self.executors = [a for a in agents if a.role == "executor"]
@@ -127,7 +134,7 @@ class Workflow:
             say(f"round {r + 1}/{len(self.tasks)}: coordinator plans")
             prompt = torch.cat([history, self.encode(f"\nTask: {task}\nPlan in {len(self.executors)} parts:")], dim=-1)
             ctx = await asyncio.to_thread(_extend, coord.runner, ctx, prompt, self.new_tokens)
-            out(coord.name, ctx.tokens[:, -self.new_tokens:])
+            out(coord.name, ctx.tokens[:, -self.new_tokens :])
             hold(coord.name, ctx)
             say(f"round {r + 1}: the plan goes to {len(self.executors)} executors")
             plans = await asyncio.gather(*(channel.transfer(r, coord.name, [e.name], ctx) for e in self.executors))
@@ -137,19 +144,20 @@ class Workflow:
                 ask = torch.cat([mine_ctx.tokens, self.encode(f"\nExecutor {i + 1}, do part {i + 1}:")], dim=-1)
                 say(f"round {r + 1}: executor {i + 1} works")
                 mine = await asyncio.to_thread(_extend, ex.runner, mine_ctx, ask, self.new_tokens)
-                out(ex.name, mine.tokens[:, -self.new_tokens:])
+                out(ex.name, mine.tokens[:, -self.new_tokens :])
                 hold(ex.name, mine)
                 results.append(mine)
             say(f"round {r + 1}: executors -> verifier (gather)")
-            gathered = await asyncio.gather(*(channel.transfer(r, ex.name, [verifier.name], kv)
-                                              for ex, kv in zip(self.executors, results)))
+            gathered = await asyncio.gather(
+                *(channel.transfer(r, ex.name, [verifier.name], kv) for ex, kv in zip(self.executors, results))
+            )
             # The verifier reads the last executor's context and checks it.
             last = gathered[-1][verifier.name]
             hold(verifier.name, last)
             check = torch.cat([last.tokens, self.encode("\nVerifier: is the work correct? Answer:")], dim=-1)
             say(f"round {r + 1}: verifier checks")
             verdict = await asyncio.to_thread(_extend, verifier.runner, last, check, self.new_tokens)
-            out(verifier.name, verdict.tokens[:, -self.new_tokens:])
+            out(verifier.name, verdict.tokens[:, -self.new_tokens :])
             say(f"round {r + 1}: verdict -> coordinator")
             ctx = (await channel.transfer(r, verifier.name, [coord.name], verdict))[coord.name]
             hold(coord.name, ctx)
@@ -181,8 +189,9 @@ class Channel:
     def start(self, result: RunResult, t0: float) -> None:
         self.result, self.t0 = result, t0
 
-    async def transfer(self, round_: int, src: str, dst: list[str], kv: KVCache, *,
-                       foreign: bool = False) -> dict[str, KVCache]:
+    async def transfer(
+        self, round_: int, src: str, dst: list[str], kv: KVCache, *, foreign: bool = False
+    ) -> dict[str, KVCache]:
         """Move ``kv`` from ``src`` to every agent of ``dst``; return what each one has."""
         raise NotImplementedError
 
@@ -190,8 +199,9 @@ class Channel:
 class LocalChannel(Channel):
     """Hands the object over: no bus, no codec (the reference run)."""
 
-    async def transfer(self, round_: int, src: str, dst: list[str], kv: KVCache, *,
-                       foreign: bool = False) -> dict[str, KVCache]:
+    async def transfer(
+        self, round_: int, src: str, dst: list[str], kv: KVCache, *, foreign: bool = False
+    ) -> dict[str, KVCache]:
         return {d: kv.token_only() if foreign else kv for d in dst}
 
 
@@ -208,12 +218,19 @@ class BusChannel(Channel):
         agents = {}
         specs = [flow.coordinator, *flow.executors, flow.verifier, *([flow.archivist] if flow.archivist else [])]
         for spec in specs:
-            agents[spec.name] = await bus.agent(f"{spec.name}-{tag}", group=spec.group, role=spec.role,
-                                                priority=spec.priority, runner=spec.runner, link=spec.link)
+            agents[spec.name] = await bus.agent(
+                f"{spec.name}-{tag}",
+                group=spec.group,
+                role=spec.role,
+                priority=spec.priority,
+                runner=spec.runner,
+                link=spec.link,
+            )
         return cls(agents, None if policy == "adaptive" else policy)
 
-    async def transfer(self, round_: int, src: str, dst: list[str], kv: KVCache, *,
-                       foreign: bool = False) -> dict[str, KVCache]:
+    async def transfer(
+        self, round_: int, src: str, dst: list[str], kv: KVCache, *, foreign: bool = False
+    ) -> dict[str, KVCache]:
         sender = self.agents[src]
         receivers = [self.agents[d] for d in dst]
         start = time.perf_counter() - self.t0
@@ -224,9 +241,20 @@ class BusChannel(Channel):
         else:
             report = await sender.broadcast([r.name for r in receivers], kv, medium=medium)
         got = {d: (await r.gather([sender.name], timeout=300))[sender.name].kv for d, r in zip(dst, receivers)}
-        self.result.transfers.append(TransferRecord(
-            round_, src, tuple(dst), report.medium, report.nbytes, kv.nbytes, kv.n_tokens, start,
-            time.perf_counter() - self.t0, max(report.decode_s.values(), default=0.0)))
+        self.result.transfers.append(
+            TransferRecord(
+                round_,
+                src,
+                tuple(dst),
+                report.medium,
+                report.nbytes,
+                kv.nbytes,
+                kv.n_tokens,
+                start,
+                time.perf_counter() - self.t0,
+                max(report.decode_s.values(), default=0.0),
+            )
+        )
         if report.medium in ("tokens", "summary") or report.medium.startswith("summary"):
             self.result.recompute_s += sum(report.decode_s.values())
         return got
@@ -235,8 +263,17 @@ class BusChannel(Channel):
 def _extend(runner: Any, kv: KVCache | None, tokens: torch.Tensor, n: int) -> KVCache:
     """The context ``tokens`` (reusing ``kv``'s KV for its prefix) continued by ``n`` greedy tokens."""
     base = kv if kv is not None and kv.has_kv and _is_prefix(kv.tokens, tokens) else None
-    ctx = KVCache(tokens, runner.signature, base.keys if base else [], base.values if base else [],
-                  fidelity=base.fidelity if base else 1.0) if base is not None else KVCache(tokens, runner.signature)
+    ctx = (
+        KVCache(
+            tokens,
+            runner.signature,
+            base.keys if base else [],
+            base.values if base else [],
+            fidelity=base.fidelity if base else 1.0,
+        )
+        if base is not None
+        else KVCache(tokens, runner.signature)
+    )
     return runner.continue_context(ctx, n)
 
 

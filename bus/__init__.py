@@ -21,7 +21,25 @@ from kvbus.net.transport import NatsTransport, NoResponders, Transport
 from kvbus.protocol import Reason
 
 __all__ = [
-    "Agent", "Bus", "BusClosed", "BusConfig", "BusError", "Delivery", "EmulatedLink", "NatsTransport", "NoResponders",
-    "PayloadTooLarge", "Reason", "ReceiveTimeout", "ReceiverGone", "ReservationRefused", "SchedulerUnavailable",
-    "Status", "TransferError", "TransferRejected", "TransferReport", "TransferTimeout", "Transport",
+    "Agent",
+    "Bus",
+    "BusClosed",
+    "BusConfig",
+    "BusError",
+    "Delivery",
+    "EmulatedLink",
+    "NatsTransport",
+    "NoResponders",
+    "PayloadTooLarge",
+    "Reason",
+    "ReceiveTimeout",
+    "ReceiverGone",
+    "ReservationRefused",
+    "SchedulerUnavailable",
+    "Status",
+    "TransferError",
+    "TransferRejected",
+    "TransferReport",
+    "TransferTimeout",
+    "Transport",
 ]

@@ -35,11 +35,30 @@ class Agent(Endpoint):
     `Inbox`, `SchedulerLink` (grants, controls, reservations, registration) and `Probes`.
     """
 
-    def __init__(self, bus: Bus, name: str, *, group: str, role: str, priority: float,
-                 signature: ModelSignature | None, runner: ModelRunner | None, cache: Any = None,
-                 link: EmulatedLink | None = None) -> None:
-        super().__init__(bus, name, group=group, role=role, priority=priority, signature=signature, runner=runner,
-                         cache=cache, link=link)
+    def __init__(
+        self,
+        bus: Bus,
+        name: str,
+        *,
+        group: str,
+        role: str,
+        priority: float,
+        signature: ModelSignature | None,
+        runner: ModelRunner | None,
+        cache: Any = None,
+        link: EmulatedLink | None = None,
+    ) -> None:
+        super().__init__(
+            bus,
+            name,
+            group=group,
+            role=role,
+            priority=priority,
+            signature=signature,
+            runner=runner,
+            cache=cache,
+            link=link,
+        )
         self._scheduler = SchedulerLink(self)
         self._sender = Sender(self, self._scheduler)
         self._inbox = Inbox()
@@ -88,7 +107,7 @@ class Agent(Endpoint):
         for sub in self._subs:
             try:
                 await sub.unsubscribe()
-            except Exception:  # noqa: BLE001 - connection may be closed already
+            except Exception:
                 logger.debug("unsubscribe failed", exc_info=True)
         await self._receiver.stop()
         await self._scheduler.close()
@@ -102,8 +121,9 @@ class Agent(Endpoint):
 
     # -- sending ------------------------------------------------------------------------------
 
-    async def send(self, to: str, kv: KVCache, *, medium: str | None = None, deadline: float | None = None,
-                   critical: bool = False) -> TransferReport:
+    async def send(
+        self, to: str, kv: KVCache, *, medium: str | None = None, deadline: float | None = None, critical: bool = False
+    ) -> TransferReport:
         """Send a context to agent ``to`` and wait until it arrived whole and verified.
 
         Args:
@@ -122,8 +142,15 @@ class Agent(Endpoint):
         """
         return await self._sender.send([to], kv, medium=medium, deadline=deadline, critical=critical)
 
-    async def broadcast(self, to: Iterable[str], kv: KVCache, *, medium: str | None = None,
-                        deadline: float | None = None, critical: bool = False) -> TransferReport:
+    async def broadcast(
+        self,
+        to: Iterable[str],
+        kv: KVCache,
+        *,
+        medium: str | None = None,
+        deadline: float | None = None,
+        critical: bool = False,
+    ) -> TransferReport:
         """Send one context to several agents; its bytes leave this agent once and NATS fans them out.
 
         Raises:

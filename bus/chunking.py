@@ -135,12 +135,12 @@ class Reassembly:
         for b, start, end in self.plan.pieces(index):
             n = end - start
             if start == 0 and end == self.plan.sizes[b]:
-                self.buffers[b] = view[offset:offset + n]
+                self.buffers[b] = view[offset : offset + n]
             else:
                 target = self.buffers[b]
                 if target is None:
                     target = self.buffers[b] = memoryview(torch.empty(self.plan.sizes[b], dtype=torch.uint8).numpy())
-                target[start:end] = view[offset:offset + n]
+                target[start:end] = view[offset : offset + n]
             offset += n
 
     def result(self) -> list[memoryview]:
@@ -155,5 +155,5 @@ def split_inline(open_msg: Open, payload: memoryview) -> tuple[list[memoryview],
     """Buffers and recomputed tree digest of an inline payload."""
     plan = ChunkPlan(open_msg.sizes, open_msg.chunk_size)
     digests = [chunk_digest(payload[lo:hi]) for lo, hi in plan.ranges]
-    buffers = [payload[s:s + n] for s, n in zip(plan.starts, plan.sizes)]
+    buffers = [payload[s : s + n] for s, n in zip(plan.starts, plan.sizes)]
     return buffers, tree_digest(digests, plan.total)

@@ -43,8 +43,14 @@ class Bus:
         self._directory: Any = None
 
     @classmethod
-    async def connect(cls, url: str = "nats://127.0.0.1:4222", *, config: BusConfig | None = None,
-                      secure: bool = False, **nats_options: Any) -> Bus:
+    async def connect(
+        cls,
+        url: str = "nats://127.0.0.1:4222",
+        *,
+        config: BusConfig | None = None,
+        secure: bool = False,
+        **nats_options: Any,
+    ) -> Bus:
         """Connect to NATS at ``url`` (extra keyword arguments go to `nats.connect`).
 
         Args:
@@ -70,9 +76,18 @@ class Bus:
             self._directory = await key_value(nc.jetstream(), AGENTS_BUCKET)
         return self._directory
 
-    async def agent(self, name: str, *, group: str | None = "default", role: str = "agent", priority: float = 1.0,
-                    signature: ModelSignature | None = None, runner: ModelRunner | None = None,
-                    cache: Any = None, link: EmulatedLink | None = None) -> Agent:
+    async def agent(
+        self,
+        name: str,
+        *,
+        group: str | None = "default",
+        role: str = "agent",
+        priority: float = 1.0,
+        signature: ModelSignature | None = None,
+        runner: ModelRunner | None = None,
+        cache: Any = None,
+        link: EmulatedLink | None = None,
+    ) -> Agent:
         """Register an agent on this bus and start its inbox.
 
         Args:
@@ -100,8 +115,17 @@ class Bus:
             raise ValueError(f"agent {name!r} is already registered on this bus")
         if signature is None and runner is not None:
             signature = runner.signature
-        agent = Agent(self, name, group=group, role=role, priority=priority, signature=signature, runner=runner,
-                      cache=cache, link=link)
+        agent = Agent(
+            self,
+            name,
+            group=group,
+            role=role,
+            priority=priority,
+            signature=signature,
+            runner=runner,
+            cache=cache,
+            link=link,
+        )
         await agent._start()
         self._agents[name] = agent
         return agent
@@ -132,7 +156,6 @@ class Bus:
     def __del__(self) -> None:
         if getattr(self, "status", Status.CLOSED) is not Status.CLOSED:
             warnings.warn("kvbus Bus was not closed", ResourceWarning, stacklevel=1)
-
 
 
 __all__ = ["Bus", "Status"]

@@ -56,8 +56,15 @@ class BusConfig:
             raise ConfigError(f"window {self.window} must be in 1..4096")
         if not 1 <= self.ack_every <= self.window:
             raise ConfigError(f"ack_every {self.ack_every} must be in 1..window ({self.window})")
-        for name in ("ack_timeout", "peer_timeout", "request_timeout", "grant_timeout", "regrant_interval",
-                     "partial_timeout", "probe_interval"):
+        for name in (
+            "ack_timeout",
+            "peer_timeout",
+            "request_timeout",
+            "grant_timeout",
+            "regrant_interval",
+            "partial_timeout",
+            "probe_interval",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
 

@@ -66,7 +66,9 @@ class TransferControls:
         if out is None:
             early = self._early.get(tid)
             if early is None:
-                return ControlReply(tid, action, False, 0.0, "no such transfer on this agent (finished or never granted)")
+                return ControlReply(
+                    tid, action, False, 0.0, "no such transfer on this agent (finished or never granted)"
+                )
             if action == "pause":
                 early.paused = True
             elif action == "resume":
@@ -79,8 +81,11 @@ class TransferControls:
         if action == "pause":
             if out.pause(cmd.max_fraction):
                 return ControlReply(tid, action, True, out.fraction_sent)
-            why = ("its payload travels in one message" if out.open.inline else
-                   f"{out.fraction_sent:.0%} already sent, not below the {cmd.max_fraction:.0%} threshold")
+            why = (
+                "its payload travels in one message"
+                if out.open.inline
+                else f"{out.fraction_sent:.0%} already sent, not below the {cmd.max_fraction:.0%} threshold"
+            )
             return ControlReply(tid, action, False, out.fraction_sent, why)
         if action == "resume":
             out.resume()

@@ -21,9 +21,19 @@ class Endpoint:
     link, or a transport swapped for a faulty one in a test, reaches all of them at once.
     """
 
-    def __init__(self, bus: Bus, name: str, *, group: str, role: str, priority: float,
-                 signature: ModelSignature | None, runner: ModelRunner | None, cache: Any = None,
-                 link: EmulatedLink | None = None) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        name: str,
+        *,
+        group: str,
+        role: str,
+        priority: float,
+        signature: ModelSignature | None,
+        runner: ModelRunner | None,
+        cache: Any = None,
+        link: EmulatedLink | None = None,
+    ) -> None:
         self.bus = bus
         """The connection this agent is registered on."""
         self.link = link

@@ -59,8 +59,10 @@ class SchedulerUnavailable(TransferError):
 
     def __init__(self, transfer_id: str, group: str) -> None:
         self.group = group
-        super().__init__(transfer_id, f"no group scheduler answers for group {group!r} "
-                                      f"(start one with `kvbus group-scheduler --group {group}`)")
+        super().__init__(
+            transfer_id,
+            f"no group scheduler answers for group {group!r} (start one with `kvbus group-scheduler --group {group}`)",
+        )
 
 
 class PayloadTooLarge(BusError, ValueError):

@@ -29,8 +29,15 @@ logger = logging.getLogger(__name__)
 class IncomingTransfer:
     """The receiver's side of one streamed transfer: reassembly, verification, repair requests."""
 
-    def __init__(self, transport: Transport, open_msg: Open, rx: str, config: BusConfig,
-                 finish: Callable[[IncomingTransfer], Awaitable[None]], plan: Reassembly | None = None) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        open_msg: Open,
+        rx: str,
+        config: BusConfig,
+        finish: Callable[[IncomingTransfer], Awaitable[None]],
+        plan: Reassembly | None = None,
+    ) -> None:
         self.transport = transport
         self.open = open_msg
         self.rx = rx
@@ -64,20 +71,38 @@ class IncomingTransfer:
         if sub is not None:
             try:
                 await sub.unsubscribe()
-            except Exception:  # noqa: BLE001 - connection may be gone already
+            except Exception:
                 logger.debug("unsubscribe failed", exc_info=True)
 
     async def report(self, *, ok: bool, reason: str = "", code: Reason = Reason.NONE, decode_s: float = 0.0) -> None:
         """Send the final verdict: delivered (``ok``), or refused with ``code`` and ``reason``."""
         await self._ack(done=True, ok=ok, reason=reason, code=code, decode_s=decode_s)
 
-    async def _ack(self, *, missing: list[int] | None = None, done: bool = False, ok: bool = True,
-                   reason: str = "", code: Reason = Reason.NONE, decode_s: float = 0.0) -> None:
-        ack = Ack(transfer_id=self.open.transfer_id, rx=self.rx, next=self.next, received=self.count,
-                  missing=missing or [], done=done, ok=ok, reason=reason, decode_s=decode_s, code=code)
+    async def _ack(
+        self,
+        *,
+        missing: list[int] | None = None,
+        done: bool = False,
+        ok: bool = True,
+        reason: str = "",
+        code: Reason = Reason.NONE,
+        decode_s: float = 0.0,
+    ) -> None:
+        ack = Ack(
+            transfer_id=self.open.transfer_id,
+            rx=self.rx,
+            next=self.next,
+            received=self.count,
+            missing=missing or [],
+            done=done,
+            ok=ok,
+            reason=reason,
+            decode_s=decode_s,
+            code=code,
+        )
         try:
             await self.transport.publish(self.open.ack_subject, ack.encode())
-        except Exception:  # noqa: BLE001 - the sender will ask again
+        except Exception:
             logger.warning("transfer %s: could not send ack", self.open.transfer_id, exc_info=True)
 
     async def _on_chunk(self, msg: Msg) -> None:
@@ -138,8 +163,9 @@ class IncomingTransfer:
 
     async def _request_missing(self, upto: int) -> None:
         """Ask for every chunk below ``upto`` not yet received and not already asked for."""
-        missing = [i for i in range(self.next, min(upto, self.open.n_chunks))
-                   if not self.have[i] and i not in self._asked][: self.config.max_missing]
+        missing = [
+            i for i in range(self.next, min(upto, self.open.n_chunks)) if not self.have[i] and i not in self._asked
+        ][: self.config.max_missing]
         if missing:
             self._asked.update(missing)
             self._since_ack = 0

@@ -71,10 +71,23 @@ class StreamStats:
 class OutgoingTransfer:
     """The sender's side of one transfer to one or more receivers."""
 
-    def __init__(self, transport: Transport, *, transfer_id: str, src: str, codec: str, meta: dict,
-                 buffers: list[memoryview], receivers: list[str], config: BusConfig, chunk_size: int,
-                 window: int, rate_bps: float = 0.0, inline_limit: int = 0,
-                 traceparent: str | None = None) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        transfer_id: str,
+        src: str,
+        codec: str,
+        meta: dict,
+        buffers: list[memoryview],
+        receivers: list[str],
+        config: BusConfig,
+        chunk_size: int,
+        window: int,
+        rate_bps: float = 0.0,
+        inline_limit: int = 0,
+        traceparent: str | None = None,
+    ) -> None:
         self.transport = transport
         self.transfer_id = transfer_id
         self.src = src
@@ -92,13 +105,26 @@ class OutgoingTransfer:
         self.digest = ""
         # Unicast chunks go under the receiver's prefix, broadcasts under the sender's: the
         # permission scheme (kvbus.security) lets only the addressed agents subscribe.
-        self.data_subject = (data_subject(self.receivers[0], transfer_id) if len(self.receivers) == 1
-                             else bcast_subject(src, transfer_id))
+        self.data_subject = (
+            data_subject(self.receivers[0], transfer_id)
+            if len(self.receivers) == 1
+            else bcast_subject(src, transfer_id)
+        )
         self.open = Open(
-            transfer_id=transfer_id, src=src, codec=codec, meta=meta, sizes=self.sizes,
-            total=self.plan.total, chunk_size=chunk_size, n_chunks=self.plan.n_chunks, digest=self.digest,
-            window=window, data_subject=self.data_subject, ack_subject=agent_subject(src, "ack"),
-            inline=False, traceparent=traceparent,
+            transfer_id=transfer_id,
+            src=src,
+            codec=codec,
+            meta=meta,
+            sizes=self.sizes,
+            total=self.plan.total,
+            chunk_size=chunk_size,
+            n_chunks=self.plan.n_chunks,
+            digest=self.digest,
+            window=window,
+            data_subject=self.data_subject,
+            ack_subject=agent_subject(src, "ack"),
+            inline=False,
+            traceparent=traceparent,
         )
         # Inline when small enough and the framed Open (header + payload) fits the server's max_payload.
         room = transport.max_payload - len(self.open.encode()) - 1024
@@ -175,8 +201,9 @@ class OutgoingTransfer:
         """Give up: every receiver still pending fails with ``reason``."""
         for outcome in self.outcomes.values():
             if not outcome.ok and outcome.error is None:
-                outcome.error = TransferRejected(self.transfer_id, "scheduler", reason or "cancelled",
-                                                 code=Reason.CANCELLED)
+                outcome.error = TransferRejected(
+                    self.transfer_id, "scheduler", reason or "cancelled", code=Reason.CANCELLED
+                )
         self.resume()
         self._progress.set()
 
@@ -200,8 +227,9 @@ class OutgoingTransfer:
                 outcome.ok = True
                 outcome.decode_s = ack.decode_s
             else:
-                outcome.error = TransferRejected(self.transfer_id, ack.rx, ack.reason or "receiver gave up",
-                                                 code=ack.code or Reason.OTHER)
+                outcome.error = TransferRejected(
+                    self.transfer_id, ack.rx, ack.reason or "receiver gave up", code=ack.code or Reason.OTHER
+                )
         else:
             if ack.next > self._acked.get(ack.rx, 0):
                 self._acked[ack.rx] = min(ack.next, self.plan.n_chunks)
@@ -244,16 +272,18 @@ class OutgoingTransfer:
         while True:
             left = give_up - time.monotonic()
             try:
-                data = await self.transport.request(inbox_subject(rx, self.open.src), frame,
-                                                    timeout=min(self.config.request_timeout, max(left, 0.001)))
+                data = await self.transport.request(
+                    inbox_subject(rx, self.open.src), frame, timeout=min(self.config.request_timeout, max(left, 0.001))
+                )
                 break
             except NoResponders:
                 outcome.error = ReceiverGone(self.transfer_id, rx, "no agent listens on its inbox")
                 return
             except TimeoutError:
                 if time.monotonic() >= give_up - 1e-3:
-                    outcome.error = TransferTimeout(self.transfer_id, f"waiting for {rx} to accept",
-                                                    time.monotonic() - started, rx)
+                    outcome.error = TransferTimeout(
+                        self.transfer_id, f"waiting for {rx} to accept", time.monotonic() - started, rx
+                    )
                     return
                 self.span.add_event("open.retry", {"kvbus.receiver": rx})
         try:
@@ -320,8 +350,9 @@ class OutgoingTransfer:
         for rx in self._active():
             outcome = self.outcomes[rx]
             try:
-                data = await self.transport.request(inbox_subject(rx, self.open.src), frame,
-                                                    timeout=self.config.request_timeout)
+                data = await self.transport.request(
+                    inbox_subject(rx, self.open.src), frame, timeout=self.config.request_timeout
+                )
                 reply = OpenReply.decode(data)
             except NoResponders:
                 outcome.error = ReceiverGone(self.transfer_id, rx, "it stopped answering mid-transfer")
@@ -342,4 +373,3 @@ class OutgoingTransfer:
                 self._resend.update(range(start, min(self._next, start + self.window)))
                 logger.info("transfer %s: %s stalled at chunk %d, resending", self.transfer_id, rx, start)
                 self.span.add_event("stalled", {"kvbus.receiver": rx, "kvbus.chunk": start})
-

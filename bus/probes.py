@@ -57,10 +57,17 @@ class Probes:
         link = ep.link or EmulatedLink()
         if self._cache_metrics is not None:
             self._cache_metrics.observe(getattr(ep.cache, "stats", None))
-        return Probe(agent=ep.name, group=ep.group, queue_size=self._queue_size(),
-                     cache_bytes=self.cache_bytes, compute_load=self.compute_load(),
-                     role_priority=ep.priority, role=ep.role, link_bps=link.bandwidth_bps,
-                     latency_s=link.latency_s)
+        return Probe(
+            agent=ep.name,
+            group=ep.group,
+            queue_size=self._queue_size(),
+            cache_bytes=self.cache_bytes,
+            compute_load=self.compute_load(),
+            role_priority=ep.priority,
+            role=ep.role,
+            link_bps=link.bandwidth_bps,
+            latency_s=link.latency_s,
+        )
 
     async def publish(self) -> None:
         """Send one probe to the group scheduler now."""
@@ -73,7 +80,7 @@ class Probes:
                 await self.publish()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - keep probing through reconnects
+            except Exception:
                 logger.debug("probe publish failed", exc_info=True)
             await asyncio.sleep(self._ep.config.probe_interval)
 

@@ -86,7 +86,7 @@ class Receiver:
         """The agent's inbox subject: answer an `Open` (or a sender asking where it stands)."""
         try:
             reply = await self._handle_open(msg)
-        except Exception as exc:  # noqa: BLE001 - a bad request must not kill the inbox
+        except Exception as exc:
             logger.exception("agent %s: error handling an open request", self._ep.name)
             reply = _refuse("", Reason.INTERNAL, f"internal error: {exc}")
         await self._ep.transport.reply(msg, reply.encode())
@@ -107,8 +107,9 @@ class Receiver:
         if active is not None:
             return OpenReply(transfer_id=tid, ok=True, next=active.next)
         if open_msg.total > ep.config.max_transfer_bytes:
-            return _refuse(tid, Reason.TOO_LARGE,
-                           str(PayloadTooLarge("payload", open_msg.total, ep.config.max_transfer_bytes)))
+            return _refuse(
+                tid, Reason.TOO_LARGE, str(PayloadTooLarge("payload", open_msg.total, ep.config.max_transfer_bytes))
+            )
         try:
             codec = get_codec(open_msg.codec)
         except CodecError as exc:
@@ -118,12 +119,18 @@ class Receiver:
             return _refuse(tid, code, problem)
         max_payload = ep.bus.transport.max_payload
         if open_msg.chunk_size > max_payload:
-            return _refuse(tid, Reason.TOO_LARGE,
-                           f"chunk size {open_msg.chunk_size} is over the server's max_payload {max_payload}")
+            return _refuse(
+                tid,
+                Reason.TOO_LARGE,
+                f"chunk size {open_msg.chunk_size} is over the server's max_payload {max_payload}",
+            )
         plan = Reassembly(open_msg.sizes, open_msg.chunk_size)
         if plan.plan.n_chunks != open_msg.n_chunks:
-            return _refuse(tid, Reason.MALFORMED,
-                           f"n_chunks {open_msg.n_chunks} does not match the chunk plan ({plan.plan.n_chunks})")
+            return _refuse(
+                tid,
+                Reason.MALFORMED,
+                f"n_chunks {open_msg.n_chunks} does not match the chunk plan ({plan.plan.n_chunks})",
+            )
         if open_msg.inline:
             return await self._receive_inline(open_msg, inline)
         # A streamed transfer makes this agent subscribe and publish: only on the subjects the
@@ -166,16 +173,19 @@ class Receiver:
             return Reason.NONE, ""
         ep = self._ep
         if ep.signature is None:
-            return Reason.INCOMPATIBLE, (f"agent {ep.name} has no model signature and accepts only token media, "
-                                         f"not {codec.name!r}")
+            return Reason.INCOMPATIBLE, (
+                f"agent {ep.name} has no model signature and accepts only token media, not {codec.name!r}"
+            )
         try:
             sender = ModelSignature.from_dict(meta.get("signature"))
         except WireFormatError as exc:
             return Reason.MALFORMED, str(exc)
         if not sender.compatible_with(ep.signature):
-            return Reason.INCOMPATIBLE, (f"KV from model {sender.model} ({sender.digest()}) cannot be used by "
-                                         f"{ep.name}'s model {ep.signature.model} ({ep.signature.digest()}); "
-                                         f"send tokens or a summary")
+            return Reason.INCOMPATIBLE, (
+                f"KV from model {sender.model} ({sender.digest()}) cannot be used by "
+                f"{ep.name}'s model {ep.signature.model} ({ep.signature.digest()}); "
+                f"send tokens or a summary"
+            )
         return Reason.NONE, ""
 
     # -- streamed transfers ---------------------------------------------------------------------
@@ -188,14 +198,20 @@ class Receiver:
         receive_span, reassemble_span = incoming.spans
         with use_span(receive_span, end_on_exit=True):
             with use_span(reassemble_span, end_on_exit=True):
-                reassemble_span.set_attributes({"kvbus.chunks": incoming.count, "kvbus.corrupt": incoming.corrupt,
-                                                "kvbus.duplicates": incoming.duplicates})
+                reassemble_span.set_attributes(
+                    {
+                        "kvbus.chunks": incoming.count,
+                        "kvbus.corrupt": incoming.corrupt,
+                        "kvbus.duplicates": incoming.duplicates,
+                    }
+                )
                 verified = incoming.verify()
             if not verified:
                 logger.error("transfer %s: payload digest mismatch after reassembly", tid)
                 telemetry.fail(receive_span, TransferError(tid, "payload digest mismatch after reassembly"))
-                await incoming.report(ok=False, reason="payload digest mismatch after reassembly",
-                                      code=Reason.DIGEST_MISMATCH)
+                await incoming.report(
+                    ok=False, reason="payload digest mismatch after reassembly", code=Reason.DIGEST_MISMATCH
+                )
                 return
             t0 = time.perf_counter()
             try:
@@ -218,9 +234,14 @@ class Receiver:
             now = time.monotonic()
             for tid, incoming in list(self.incoming.items()):
                 if now - incoming.last_activity > config.partial_timeout:
-                    logger.warning("transfer %s from %s: sender silent for %.1f s, dropping %d of %d chunks",
-                                   tid, incoming.open.src, now - incoming.last_activity, incoming.count,
-                                   incoming.open.n_chunks)
+                    logger.warning(
+                        "transfer %s from %s: sender silent for %.1f s, dropping %d of %d chunks",
+                        tid,
+                        incoming.open.src,
+                        now - incoming.last_activity,
+                        incoming.count,
+                        incoming.open.n_chunks,
+                    )
                     self.incoming.pop(tid, None)
                     for s in reversed(incoming.spans):
                         telemetry.fail(s, TransferError(tid, "sender went silent"))
@@ -237,8 +258,10 @@ class Receiver:
         heavy = not codec.cheap_decode and (open_msg.total > OFFLOAD_BYTES or not codec.needs_kv)
         base = self.bases.get(open_msg.src)
         attributes = {"kvbus.medium": open_msg.codec, "kvbus.bytes": open_msg.total}
-        with telemetry.span("kvbus.decode", attributes=attributes), \
-                (contextlib.nullcontext() if codec.needs_kv else telemetry.span("kvbus.recompute")):
+        with (
+            telemetry.span("kvbus.decode", attributes=attributes),
+            contextlib.nullcontext() if codec.needs_kv else telemetry.span("kvbus.recompute"),
+        ):
             # A medium without KV is decoded by prefilling its tokens: that is the recompute.
             if heavy:
                 kv = await asyncio.to_thread(codec.decode, encoded, base=base, runner=ep.runner)
@@ -248,8 +271,15 @@ class Receiver:
             self.bases[open_msg.src] = kv
         if kv.has_kv and ep.signature is not None:
             kv.validate(ep.signature)
-        return Delivery(transfer_id=open_msg.transfer_id, sender=open_msg.src, kv=kv, medium=open_msg.codec,
-                        nbytes=open_msg.total, transfer_s=transfer_s, decode_s=time.perf_counter() - t0)
+        return Delivery(
+            transfer_id=open_msg.transfer_id,
+            sender=open_msg.src,
+            kv=kv,
+            medium=open_msg.codec,
+            nbytes=open_msg.total,
+            transfer_s=transfer_s,
+            decode_s=time.perf_counter() - t0,
+        )
 
     def _deliver(self, delivery: Delivery) -> None:
         self.completed[delivery.transfer_id] = time.monotonic()
@@ -260,9 +290,20 @@ class Receiver:
 
 def _receive_span(rx: str, open_msg: Open) -> Any:
     """The receiver's ``kvbus.receive`` span, a child of the sender's via the Open's traceparent."""
-    return telemetry.start("kvbus.receive", parent=open_msg.traceparent, kind=SpanKind.CONSUMER, attributes={
-        telemetry.MESSAGING_SYSTEM: "nats", telemetry.MESSAGING_OPERATION: "receive",
-        telemetry.MESSAGING_DESTINATION: rx, telemetry.MESSAGE_ID: open_msg.transfer_id,
-        telemetry.MESSAGE_BODY_SIZE: open_msg.total, "kvbus.transfer_id": open_msg.transfer_id,
-        "kvbus.src": open_msg.src, "kvbus.medium": open_msg.codec, "kvbus.chunks": open_msg.n_chunks,
-        "kvbus.inline": open_msg.inline})
+    return telemetry.start(
+        "kvbus.receive",
+        parent=open_msg.traceparent,
+        kind=SpanKind.CONSUMER,
+        attributes={
+            telemetry.MESSAGING_SYSTEM: "nats",
+            telemetry.MESSAGING_OPERATION: "receive",
+            telemetry.MESSAGING_DESTINATION: rx,
+            telemetry.MESSAGE_ID: open_msg.transfer_id,
+            telemetry.MESSAGE_BODY_SIZE: open_msg.total,
+            "kvbus.transfer_id": open_msg.transfer_id,
+            "kvbus.src": open_msg.src,
+            "kvbus.medium": open_msg.codec,
+            "kvbus.chunks": open_msg.n_chunks,
+            "kvbus.inline": open_msg.inline,
+        },
+    )

@@ -66,14 +66,22 @@ class SchedulerLink:
         """Write (or, in secure mode, have the scheduler write) the agent's directory record."""
         ep = self._ep
         link = ep.link or EmulatedLink()
-        record = AgentRecord(name=ep.name, group=ep.group, role=ep.role, priority=ep.priority,
-                             signature=ep.signature.to_dict() if ep.signature else None,
-                             link_bps=link.bandwidth_bps, latency_s=link.latency_s, recompute=ep.runner is not None)
+        record = AgentRecord(
+            name=ep.name,
+            group=ep.group,
+            role=ep.role,
+            priority=ep.priority,
+            signature=ep.signature.to_dict() if ep.signature else None,
+            link_bps=link.bandwidth_bps,
+            latency_s=link.latency_s,
+            recompute=ep.runner is not None,
+        )
         if ep.bus.secure:
             # No JetStream rights: the group scheduler writes the record to the directory.
             try:
-                await ep.transport.request(sched_subject(ep.group, "register", ep.name), record.encode(),
-                                           timeout=ep.config.request_timeout)
+                await ep.transport.request(
+                    sched_subject(ep.group, "register", ep.name), record.encode(), timeout=ep.config.request_timeout
+                )
             except (NoResponders, TimeoutError):
                 logger.warning("agent %s: no scheduler of group %s confirmed its registration", ep.name, ep.group)
             return
@@ -90,13 +98,21 @@ class SchedulerLink:
             directory = await self._ep.bus.directory()
             if directory is not None:
                 await directory.delete(self._ep.name)
-        except Exception:  # noqa: BLE001 - best effort on the way out
+        except Exception:
             logger.debug("could not remove %s from the directory", self._ep.name, exc_info=True)
 
     # -- grants -------------------------------------------------------------------------------
 
-    async def request_grant(self, transfer_id: str, receivers: list[str], kv: KVCache, medium: str | None,
-                            deadline: float | None, critical: bool, base_tokens: int = 0) -> Grant:
+    async def request_grant(
+        self,
+        transfer_id: str,
+        receivers: list[str],
+        kv: KVCache,
+        medium: str | None,
+        deadline: float | None,
+        critical: bool,
+        base_tokens: int = 0,
+    ) -> Grant:
         """Ask the group scheduler for a grant and wait for it.
 
         A queued request is asked again every ``regrant_interval`` (the same transfer id, so the
@@ -119,10 +135,18 @@ class SchedulerLink:
         wait_span = telemetry.start("kvbus.grant.wait")
         try:
             request = TransferRequest(
-                transfer_id=transfer_id, src=ep.name, dst=receivers, group=ep.group, n_tokens=kv.n_tokens,
-                nbytes=kv.nbytes, signature=kv.signature.to_dict(), medium=medium,
-                deadline=time.time() + deadline if deadline is not None else None, critical=critical,
-                fidelity=float(kv.fidelity), base_tokens=base_tokens,
+                transfer_id=transfer_id,
+                src=ep.name,
+                dst=receivers,
+                group=ep.group,
+                n_tokens=kv.n_tokens,
+                nbytes=kv.nbytes,
+                signature=kv.signature.to_dict(),
+                medium=medium,
+                deadline=time.time() + deadline if deadline is not None else None,
+                critical=critical,
+                fidelity=float(kv.fidelity),
+                base_tokens=base_tokens,
                 traceparent=telemetry.traceparent(wait_span),
             )
             wait = deadline if deadline is not None else ep.config.grant_timeout
@@ -135,8 +159,9 @@ class SchedulerLink:
             self._grants.pop(transfer_id, None)
         try:
             if not grant.medium:
-                raise TransferRejected(transfer_id, f"scheduler of {ep.group}", grant.reason,
-                                       code=grant.code or Reason.OTHER)
+                raise TransferRejected(
+                    transfer_id, f"scheduler of {ep.group}", grant.reason, code=grant.code or Reason.OTHER
+                )
             self.controls.granted(transfer_id)
             delay = grant.start_at - time.time()
             if grant.latency_s > 0:
@@ -181,21 +206,38 @@ class SchedulerLink:
             if isinstance(answer, Grant):
                 return answer
             if not answer.ok:
-                raise TransferRejected(transfer_id, f"scheduler of {ep.group}", answer.reason,
-                                       code=answer.code or Reason.OTHER)
+                raise TransferRejected(
+                    transfer_id, f"scheduler of {ep.group}", answer.reason, code=answer.code or Reason.OTHER
+                )
             # Queued: the grant comes on the ctl subject. Ask again if it takes long.
             await asyncio.wait({fut}, timeout=min(ep.config.regrant_interval, max(0.0, give_up - time.monotonic())))
 
-    async def report_done(self, transfer_id: str, medium: str, receivers: list[str], nbytes: int, seconds: float,
-                          error: BaseException | None, wire_s: float = 0.0) -> None:
+    async def report_done(
+        self,
+        transfer_id: str,
+        medium: str,
+        receivers: list[str],
+        nbytes: int,
+        seconds: float,
+        error: BaseException | None,
+        wire_s: float = 0.0,
+    ) -> None:
         """Tell the scheduler a granted transfer finished (or failed), with its observed size and time."""
         ep = self._ep
-        done = TransferDone(transfer_id=transfer_id, src=ep.name, ok=error is None, medium=medium,
-                            nbytes=nbytes, seconds=seconds, error=str(error) if error else "", dst=receivers,
-                            wire_s=wire_s)
+        done = TransferDone(
+            transfer_id=transfer_id,
+            src=ep.name,
+            ok=error is None,
+            medium=medium,
+            nbytes=nbytes,
+            seconds=seconds,
+            error=str(error) if error else "",
+            dst=receivers,
+            wire_s=wire_s,
+        )
         try:
             await ep.transport.publish(sched_subject(ep.group, "done", ep.name), done.encode())
-        except Exception:  # noqa: BLE001 - the scheduler also expires silent transfers
+        except Exception:
             logger.warning("could not report transfer %s done", transfer_id, exc_info=True)
 
     # -- control messages -----------------------------------------------------------------------
@@ -251,8 +293,15 @@ class SchedulerLink:
         for rx in receivers:
             check_name("agent", rx)
         rid = uuid.uuid4().hex[:16]
-        msg = FlowReservation(reservation_id=rid, src=ep.name, dst=receivers, group=ep.group,
-                              period_s=float(period), size_bytes=int(size), deadline_s=float(deadline))
+        msg = FlowReservation(
+            reservation_id=rid,
+            src=ep.name,
+            dst=receivers,
+            group=ep.group,
+            period_s=float(period),
+            size_bytes=int(size),
+            deadline_s=float(deadline),
+        )
         reply = await self._reservation_request(msg)
         if not reply.ok:
             raise ReservationRefused(rid, reply.reason, reply.code or Reason.REFUSED)
@@ -260,18 +309,30 @@ class SchedulerLink:
 
     async def unreserve(self, reservation_id: str) -> None:
         """Release a reservation made with `reserve`."""
-        msg = FlowReservation(reservation_id=reservation_id, src=self._ep.name, dst=[], group=self._ep.group,
-                              period_s=0.0, size_bytes=0, deadline_s=0.0, cancel=True)
+        msg = FlowReservation(
+            reservation_id=reservation_id,
+            src=self._ep.name,
+            dst=[],
+            group=self._ep.group,
+            period_s=0.0,
+            size_bytes=0,
+            deadline_s=0.0,
+            cancel=True,
+        )
         await self._reservation_request(msg)
 
     async def _reservation_request(self, msg: FlowReservation) -> ReservationReply:
         ep = self._ep
         try:
-            data = await ep.transport.request(sched_subject(ep.group, "reserve", ep.name), msg.encode(),
-                                              timeout=ep.config.request_timeout)
+            data = await ep.transport.request(
+                sched_subject(ep.group, "reserve", ep.name), msg.encode(), timeout=ep.config.request_timeout
+            )
         except NoResponders:
             raise SchedulerUnavailable(msg.reservation_id, ep.group) from None
         except TimeoutError:
-            raise TransferTimeout(msg.reservation_id, f"asking the scheduler of group {ep.group!r} for a "
-                                  f"reservation", ep.config.request_timeout) from None
+            raise TransferTimeout(
+                msg.reservation_id,
+                f"asking the scheduler of group {ep.group!r} for a reservation",
+                ep.config.request_timeout,
+            ) from None
         return ReservationReply.decode(data)

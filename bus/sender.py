@@ -34,7 +34,6 @@ from kvbus.protocol import MAX_META_BYTES, Ack, Grant, Reason, check_name, packb
 logger = logging.getLogger(__name__)
 
 
-
 class Sender:
     """Sends contexts from one agent and remembers what each receiver last got from it."""
 
@@ -46,8 +45,9 @@ class Sender:
         self.sent_tokens: dict[str, torch.Tensor] = {}
         """Per receiver: the token ids of the last context it got from this agent (delta bases)."""
 
-    async def send(self, receivers: list[str], kv: KVCache, *, medium: str | None, deadline: float | None,
-                   critical: bool) -> TransferReport:
+    async def send(
+        self, receivers: list[str], kv: KVCache, *, medium: str | None, deadline: float | None, critical: bool
+    ) -> TransferReport:
         """Send ``kv`` to ``receivers``; sent again without delta when a receiver no longer holds
         the base it was encoded against (it restarted, or got a context from us it could not keep).
 
@@ -65,8 +65,9 @@ class Sender:
             retry = medium.split("+", 1)[1] if medium and medium.startswith("delta+") else medium
             return await self._transfer(receivers, kv, medium=retry, deadline=deadline, critical=critical)
 
-    async def _transfer(self, receivers: list[str], kv: KVCache, *, medium: str | None, deadline: float | None,
-                        critical: bool) -> TransferReport:
+    async def _transfer(
+        self, receivers: list[str], kv: KVCache, *, medium: str | None, deadline: float | None, critical: bool
+    ) -> TransferReport:
         ep = self._ep
         if ep.closed:
             raise BusClosed("agent")
@@ -77,13 +78,22 @@ class Sender:
         kv.validate()
         t0 = time.perf_counter()
         transfer_id = uuid.uuid4().hex
-        with telemetry.span("kvbus.send", kind=SpanKind.PRODUCER, attributes={
-                telemetry.MESSAGING_SYSTEM: "nats", telemetry.MESSAGING_OPERATION: "send",
-                telemetry.MESSAGING_DESTINATION: ",".join(receivers), telemetry.MESSAGE_ID: transfer_id,
-                "kvbus.transfer_id": transfer_id, "kvbus.src": ep.name,
-                "kvbus.context_bytes": kv.nbytes}) as send_span:
-            grant = await self._scheduler.request_grant(transfer_id, receivers, kv, medium, deadline, critical,
-                                                        base_tokens=self.base_tokens(receivers, kv))
+        with telemetry.span(
+            "kvbus.send",
+            kind=SpanKind.PRODUCER,
+            attributes={
+                telemetry.MESSAGING_SYSTEM: "nats",
+                telemetry.MESSAGING_OPERATION: "send",
+                telemetry.MESSAGING_DESTINATION: ",".join(receivers),
+                telemetry.MESSAGE_ID: transfer_id,
+                "kvbus.transfer_id": transfer_id,
+                "kvbus.src": ep.name,
+                "kvbus.context_bytes": kv.nbytes,
+            },
+        ) as send_span:
+            grant = await self._scheduler.request_grant(
+                transfer_id, receivers, kv, medium, deadline, critical, base_tokens=self.base_tokens(receivers, kv)
+            )
             t_grant = time.perf_counter()
             send_span.set_attribute("kvbus.medium", grant.medium)
             try:
@@ -101,10 +111,18 @@ class Sender:
                     raise PayloadTooLarge("codec metadata", len(meta), MAX_META_BYTES)
                 chunk_size = min(grant.chunk_size or ep.bus.chunk_size, ep.bus.chunk_size)
                 out = OutgoingTransfer(
-                    ep.transport, transfer_id=transfer_id, src=ep.name, codec=encoded.codec, meta=encoded.meta,
-                    buffers=encoded.buffers, receivers=receivers, config=ep.config,
-                    chunk_size=chunk_size, inline_limit=ep.config.inline_limit,
-                    window=grant.window or ep.config.window, rate_bps=grant.rate_bps,
+                    ep.transport,
+                    transfer_id=transfer_id,
+                    src=ep.name,
+                    codec=encoded.codec,
+                    meta=encoded.meta,
+                    buffers=encoded.buffers,
+                    receivers=receivers,
+                    config=ep.config,
+                    chunk_size=chunk_size,
+                    inline_limit=ep.config.inline_limit,
+                    window=grant.window or ep.config.window,
+                    rate_bps=grant.rate_bps,
                     traceparent=telemetry.traceparent(),
                 )
                 self.outgoing[transfer_id] = out
@@ -112,9 +130,13 @@ class Sender:
                     with telemetry.span("kvbus.stream", attributes={"kvbus.rate_bps": grant.rate_bps}) as stream_span:
                         out.span = stream_span
                         outcomes = await out.run()
-                        stream_span.set_attributes({"kvbus.chunks": out.stats.chunks_sent,
-                                                    "kvbus.retransmits": out.stats.retransmits,
-                                                    "kvbus.pauses": out.stats.pauses})
+                        stream_span.set_attributes(
+                            {
+                                "kvbus.chunks": out.stats.chunks_sent,
+                                "kvbus.retransmits": out.stats.retransmits,
+                                "kvbus.pauses": out.stats.pauses,
+                            }
+                        )
                 finally:
                     self.outgoing.pop(transfer_id, None)
                 t_done = time.perf_counter()
@@ -125,9 +147,15 @@ class Sender:
             failed = {rx: o.error for rx, o in outcomes.items() if o.error is not None}
             error = next(iter(failed.values())) if failed else None
             slowest_decode = max((o.decode_s for o in outcomes.values()), default=0.0)
-            await self._scheduler.report_done(transfer_id, grant.medium, receivers,
-                                              out.stats.bytes_sent or encoded.nbytes, t_done - t_grant, error,
-                                              wire_s=max(0.0, t_done - t_enc - slowest_decode))
+            await self._scheduler.report_done(
+                transfer_id,
+                grant.medium,
+                receivers,
+                out.stats.bytes_sent or encoded.nbytes,
+                t_done - t_grant,
+                error,
+                wire_s=max(0.0, t_done - t_enc - slowest_decode),
+            )
             for rx, o in outcomes.items():
                 if o.ok:
                     self.sent_tokens[rx] = kv.tokens
@@ -136,12 +164,20 @@ class Sender:
                 error.failed = failed  # type: ignore[union-attr]
                 raise error
             return TransferReport(
-                transfer_id=transfer_id, src=ep.name, dst=tuple(receivers), medium=grant.medium,
-                nbytes=encoded.nbytes, context_bytes=kv.nbytes if kv.has_kv else kv.nbytes,
+                transfer_id=transfer_id,
+                src=ep.name,
+                dst=tuple(receivers),
+                medium=grant.medium,
+                nbytes=encoded.nbytes,
+                context_bytes=kv.nbytes if kv.has_kv else kv.nbytes,
                 chunks=out.stats.chunks_sent,
-                retransmits=out.stats.retransmits, queued_s=t_grant - t0, encode_s=t_enc - t_grant,
-                transfer_s=t_done - t_enc, decode_s={rx: o.decode_s for rx, o in outcomes.items()},
-                total_s=t_done - t0, rate_bps=grant.rate_bps,
+                retransmits=out.stats.retransmits,
+                queued_s=t_grant - t0,
+                encode_s=t_enc - t_grant,
+                transfer_s=t_done - t_enc,
+                decode_s={rx: o.decode_s for rx, o in outcomes.items()},
+                total_s=t_done - t0,
+                rate_bps=grant.rate_bps,
                 decision={**grant.decision, "reason": grant.reason, "observed_s": round(t_done - t_grant, 6)},
             )
 
@@ -181,8 +217,17 @@ class Sender:
         return common
 
 
-def _record_send(span: Any, agent: str, grant: Grant, out: OutgoingTransfer, nbytes: int, t0: float, t_grant: float,
-                 t_done: float, error: BaseException | None) -> None:
+def _record_send(
+    span: Any,
+    agent: str,
+    grant: Grant,
+    out: OutgoingTransfer,
+    nbytes: int,
+    t0: float,
+    t_grant: float,
+    t_done: float,
+    error: BaseException | None,
+) -> None:
     """Metrics of one finished send, and its span's result attributes (predicted vs observed time)."""
     m = telemetry.instruments()
     by_medium = {"medium": grant.medium}
@@ -195,10 +240,19 @@ def _record_send(span: Any, agent: str, grant: Grant, out: OutgoingTransfer, nby
         m.retransmits.add(out.stats.retransmits, {"agent": agent})
     if span.is_recording():
         predicted = grant.decision.get("predicted_s")
-        span.set_attributes({
-            telemetry.MESSAGE_BODY_SIZE: nbytes, "kvbus.bytes": nbytes, "kvbus.medium": grant.medium,
-            "kvbus.chunks": out.stats.chunks_sent, "kvbus.retransmits": out.stats.retransmits,
-            "kvbus.pauses": out.stats.pauses, "kvbus.rate_bps": grant.rate_bps, "kvbus.reason": grant.reason,
-            "kvbus.queued_s": t_grant - t0, "kvbus.observed_s": t_done - t_grant, "kvbus.total_s": t_done - t0,
-            **({"kvbus.predicted_s": float(predicted)} if isinstance(predicted, (int, float)) else {}),
-        })
+        span.set_attributes(
+            {
+                telemetry.MESSAGE_BODY_SIZE: nbytes,
+                "kvbus.bytes": nbytes,
+                "kvbus.medium": grant.medium,
+                "kvbus.chunks": out.stats.chunks_sent,
+                "kvbus.retransmits": out.stats.retransmits,
+                "kvbus.pauses": out.stats.pauses,
+                "kvbus.rate_bps": grant.rate_bps,
+                "kvbus.reason": grant.reason,
+                "kvbus.queued_s": t_grant - t0,
+                "kvbus.observed_s": t_done - t_grant,
+                "kvbus.total_s": t_done - t0,
+                **({"kvbus.predicted_s": float(predicted)} if isinstance(predicted, (int, float)) else {}),
+            }
+        )

@@ -54,18 +54,21 @@ def split_blocks(kv: KVCache, ids: torch.Tensor, spans: list[BlockSpan]) -> list
     """Each span of ``kv`` as a block that owns contiguous copies of its tensors."""
     out = []
     for span in spans:
-        out.append(KVCache(
-            tokens=ids[:, span.start:span.stop].clone(),
-            signature=kv.signature,
-            keys=[k[:, :, span.start:span.stop].clone(memory_format=torch.contiguous_format) for k in kv.keys],
-            values=[v[:, :, span.start:span.stop].clone(memory_format=torch.contiguous_format) for v in kv.values],
-            fidelity=kv.fidelity,
-        ))
+        out.append(
+            KVCache(
+                tokens=ids[:, span.start : span.stop].clone(),
+                signature=kv.signature,
+                keys=[k[:, :, span.start : span.stop].clone(memory_format=torch.contiguous_format) for k in kv.keys],
+                values=[
+                    v[:, :, span.start : span.stop].clone(memory_format=torch.contiguous_format) for v in kv.values
+                ],
+                fidelity=kv.fidelity,
+            )
+        )
     return out
 
 
-def assemble(parts: list[KVCache | None], ids: torch.Tensor, signature: ModelSignature,
-             dtype: torch.dtype) -> KVCache:
+def assemble(parts: list[KVCache | None], ids: torch.Tensor, signature: ModelSignature, dtype: torch.dtype) -> KVCache:
     """One context from its blocks, in order (new tensors: the caller may keep or modify them)."""
     blocks = [p for p in parts if p is not None]
     if len(blocks) != len(parts):

@@ -60,8 +60,9 @@ class CacheTierConfig:
         if self.budget_bytes < 0:
             raise ConfigError(f"budget_bytes {self.budget_bytes} must not be negative")
         if not 0.0 <= self.low_watermark <= self.high_watermark <= 1.0:
-            raise ConfigError(f"watermarks must satisfy 0 <= low ({self.low_watermark}) "
-                              f"<= high ({self.high_watermark}) <= 1")
+            raise ConfigError(
+                f"watermarks must satisfy 0 <= low ({self.low_watermark}) <= high ({self.high_watermark}) <= 1"
+            )
         if self.half_life <= 0:
             raise ConfigError(f"half_life {self.half_life} must be positive")
         if self.drop_below < 0:

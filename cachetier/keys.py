@@ -50,8 +50,9 @@ def chain_seed(signature: ModelSignature, dtype: torch.dtype, block_tokens: int,
     return hashlib.blake2b(text.encode(), digest_size=KEY_BYTES).digest()
 
 
-def block_spans(tokens: torch.Tensor, signature: ModelSignature, dtype: torch.dtype, block_tokens: int,
-                *, stop: int | None = None) -> list[BlockSpan]:
+def block_spans(
+    tokens: torch.Tensor, signature: ModelSignature, dtype: torch.dtype, block_tokens: int, *, stop: int | None = None
+) -> list[BlockSpan]:
     """The blocks covering ``tokens[:, :stop]`` (all of them by default), with their keys.
 
     Args:
@@ -73,7 +74,7 @@ def block_spans(tokens: torch.Tensor, signature: ModelSignature, dtype: torch.dt
         h = hashlib.blake2b(prev, digest_size=KEY_BYTES)
         h.update((end - start).to_bytes(4, "little"))
         for row in rows:
-            h.update(row[start * 8:end * 8])
+            h.update(row[start * 8 : end * 8])
         prev = h.digest()
         spans.append(BlockSpan(key=prev.hex(), index=index, start=start, stop=end))
     return spans

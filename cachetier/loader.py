@@ -57,17 +57,25 @@ class _Load:
 class Loader:
     """Fetches, verifies and recomputes the blocks of one tier's `Residency`."""
 
-    def __init__(self, table: Residency, remote: RemoteStore | None, runner: ModelRunner | None,
-                 config: CacheTierConfig, stats: TierStats, *, codec_for: Callable[[BlockInfo], Codec],
-                 notify: Notify) -> None:
+    def __init__(
+        self,
+        table: Residency,
+        remote: RemoteStore | None,
+        runner: ModelRunner | None,
+        config: CacheTierConfig,
+        stats: TierStats,
+        *,
+        codec_for: Callable[[BlockInfo], Codec],
+        notify: Notify,
+    ) -> None:
         """Args:
-            table: the blocks that loads make resident.
-            remote: the remote tier, or None for a memory-only tier.
-            runner: the model, to recompute blocks (None: missing blocks raise `BlockUnavailable`).
-            config: the read batch size.
-            stats: the tier's counters.
-            codec_for: the storage codec of a block (where to look for a block this tier does not know).
-            notify: the tier's listener hook.
+        table: the blocks that loads make resident.
+        remote: the remote tier, or None for a memory-only tier.
+        runner: the model, to recompute blocks (None: missing blocks raise `BlockUnavailable`).
+        config: the read batch size.
+        stats: the tier's counters.
+        codec_for: the storage codec of a block (where to look for a block this tier does not know).
+        notify: the tier's listener hook.
         """
         self.table = table
         self.remote = remote
@@ -297,8 +305,10 @@ class Loader:
     async def _recompute(self, spans: list[BlockSpan], ids: torch.Tensor) -> None:
         runner = self.runner
         if runner is None:
-            raise BlockUnavailable([s.key for s in spans], "not in memory nor in the remote tier, and the tier "
-                                                           "has no model runner to recompute them")
+            raise BlockUnavailable(
+                [s.key for s in spans],
+                "not in memory nor in the remote tier, and the tier has no model runner to recompute them",
+            )
         stop = max(s.stop for s in spans)
         parts = await asyncio.to_thread(prefill_blocks, runner, ids, stop, spans)
         for span, part in zip(spans, parts):
@@ -311,12 +321,15 @@ class Loader:
     def _check_recomputed(self, kv: KVCache) -> None:
         table = self.table
         if not kv.signature.compatible_with(table.signature) or kv.dtype != table.dtype:
-            raise ContextMismatch(f"the runner to compute KV of {table.signature.model} in {table.dtype}",
-                                  f"KV of {kv.signature.model} in {kv.dtype}")
+            raise ContextMismatch(
+                f"the runner to compute KV of {table.signature.model} in {table.dtype}",
+                f"KV of {kv.signature.model} in {kv.dtype}",
+            )
 
 
-def _open_batch(batch: list[_Load], records: list[dict[bytes, bytes]], ids: torch.Tensor,
-                signature: ModelSignature) -> list[_Load]:
+def _open_batch(
+    batch: list[_Load], records: list[dict[bytes, bytes]], ids: torch.Tensor, signature: ModelSignature
+) -> list[_Load]:
     """Verify and decode a batch of records read for ``batch`` (in a worker thread); fills in each load."""
     for ld, fields in zip(batch, records):
         if not fields:
@@ -324,7 +337,7 @@ def _open_batch(batch: list[_Load], records: list[dict[bytes, bytes]], ids: torc
             continue
         try:
             record, encoded = parse_record(fields, ld.span.key, ld.stub)
-            tokens = ids[:, ld.span.start:ld.span.stop]
+            tokens = ids[:, ld.span.start : ld.span.stop]
             ld.kv = open_record(record, encoded, tokens, signature)
             ld.record = record
         except KVBusError as exc:

@@ -49,15 +49,23 @@ class Offloaded:
 class Offloader:
     """Writes blocks to a `RemoteStore` (or, without one, hands every block back as failed)."""
 
-    def __init__(self, remote: RemoteStore | None, config: CacheTierConfig, signature: ModelSignature,
-                 stats: TierStats, *, codec_for: Callable[[BlockInfo], Codec], notify: Notify) -> None:
+    def __init__(
+        self,
+        remote: RemoteStore | None,
+        config: CacheTierConfig,
+        signature: ModelSignature,
+        stats: TierStats,
+        *,
+        codec_for: Callable[[BlockInfo], Codec],
+        notify: Notify,
+    ) -> None:
         """Args:
-            remote: the remote tier, or None for a memory-only tier.
-            config: the write batch size.
-            signature: the model of the blocks (for size estimates).
-            stats: the tier's counters.
-            codec_for: the storage codec of a block (the policy's choice).
-            notify: the tier's listener hook.
+        remote: the remote tier, or None for a memory-only tier.
+        config: the write batch size.
+        signature: the model of the blocks (for size estimates).
+        stats: the tier's counters.
+        codec_for: the storage codec of a block (the policy's choice).
+        notify: the tier's listener hook.
         """
         self.remote = remote
         self.config = config
@@ -100,8 +108,11 @@ class Offloader:
             if adopted_keys:
                 await remote.touch(adopted_keys)
             todo = rest
-            planned = batches([(b, c.name, c.estimate_nbytes(self.signature, b.n_tokens, b.tokens.shape[0]))
-                               for b, c in todo], self.config.write_batch_bytes, size=lambda t: t[2])
+            planned = batches(
+                [(b, c.name, c.estimate_nbytes(self.signature, b.n_tokens, b.tokens.shape[0])) for b, c in todo],
+                self.config.write_batch_bytes,
+                size=lambda t: t[2],
+            )
             # The next batch is encoded in a thread while this one is written.
             async with contextlib.aclosing(_ahead(_encode_batch, planned)) as encoded_batches:
                 async for encoded in encoded_batches:
@@ -124,8 +135,11 @@ class Offloader:
         finally:
             for _, block in victims:
                 block.busy = False
-        failed = [b for _, b in victims if b.stub is None and b.resident and table.blocks.get(b.key) is b
-                  and not table.pins[b.key]]
+        failed = [
+            b
+            for _, b in victims
+            if b.stub is None and b.resident and table.blocks.get(b.key) is b and not table.pins[b.key]
+        ]
         return Offloaded(written=written, adopted=adopted, nbytes=nbytes, failed=failed)
 
 

@@ -89,13 +89,18 @@ class ShedPolicy(ABC):
 class UtilityPolicy(ShedPolicy):
     """The default policy: decayed-frequency utility, one codec for every offloaded block."""
 
-    def __init__(self, *, codec: str = DEFAULT_CODEC, half_life: float = DEFAULT_HALF_LIFE,
-                 drop_below: float = DEFAULT_DROP_BELOW) -> None:
+    def __init__(
+        self,
+        *,
+        codec: str = DEFAULT_CODEC,
+        half_life: float = DEFAULT_HALF_LIFE,
+        drop_below: float = DEFAULT_DROP_BELOW,
+    ) -> None:
         """Args:
-            codec: the codec offloaded blocks are stored with.
-            half_life: seconds after which an access counts half.
-            drop_below: utility under which a shed block is dropped instead of offloaded
-                (0 offloads everything; ``inf`` drops everything).
+        codec: the codec offloaded blocks are stored with.
+        half_life: seconds after which an access counts half.
+        drop_below: utility under which a shed block is dropped instead of offloaded
+            (0 offloads everything; ``inf`` drops everything).
         """
         if half_life <= 0:
             raise ConfigError(f"half_life {half_life} must be positive")

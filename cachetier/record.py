@@ -82,11 +82,21 @@ class Stub:
 
     def to_bytes(self) -> bytes:
         """The record's ``meta`` field."""
-        return msgpack.packb({
-            "v": RECORD_VERSION, "key": self.key, "codec": self.codec, "shape": list(self.shape),
-            "dtype": self.dtype, "checksum": self.checksum, "size": self.size, "nbytes": self.nbytes,
-            "sizes": list(self.sizes), "meta": self.meta_blob,
-        }, use_bin_type=True)
+        return msgpack.packb(
+            {
+                "v": RECORD_VERSION,
+                "key": self.key,
+                "codec": self.codec,
+                "shape": list(self.shape),
+                "dtype": self.dtype,
+                "checksum": self.checksum,
+                "size": self.size,
+                "nbytes": self.nbytes,
+                "sizes": list(self.sizes),
+                "meta": self.meta_blob,
+            },
+            use_bin_type=True,
+        )
 
     @classmethod
     def from_bytes(cls, raw: object) -> Stub:
@@ -139,14 +149,31 @@ class Stub:
             raise RecordFormatError("record meta", f"codec metadata is not msgpack ({type(exc).__name__})") from None
         if not isinstance(meta, dict):
             raise RecordFormatError("record meta", f"codec metadata must be a map, got {type(meta).__name__}")
-        return cls(key=key, codec=codec, shape=(shape[0], shape[1], shape[2], shape[3]), dtype=dtype,
-                   checksum=checksum, size=size, nbytes=nbytes, sizes=tuple(sizes), meta_blob=blob, meta=meta)
+        return cls(
+            key=key,
+            codec=codec,
+            shape=(shape[0], shape[1], shape[2], shape[3]),
+            dtype=dtype,
+            checksum=checksum,
+            size=size,
+            nbytes=nbytes,
+            sizes=tuple(sizes),
+            meta_blob=blob,
+            meta=meta,
+        )
 
     def same_payload(self, other: Stub) -> bool:
         """Whether ``other`` describes the very record this stub was written with."""
-        return (self.key == other.key and self.codec == other.codec and self.checksum == other.checksum
-                and self.sizes == other.sizes and self.meta_blob == other.meta_blob and self.shape == other.shape
-                and self.dtype == other.dtype and self.nbytes == other.nbytes)
+        return (
+            self.key == other.key
+            and self.codec == other.codec
+            and self.checksum == other.checksum
+            and self.sizes == other.sizes
+            and self.meta_blob == other.meta_blob
+            and self.shape == other.shape
+            and self.dtype == other.dtype
+            and self.nbytes == other.nbytes
+        )
 
 
 def _get(data: dict[str, Any], name: str, kind: type) -> Any:
@@ -209,9 +236,18 @@ def build_record(key: str, kv: KVCache, codec: str) -> tuple[Stub, dict[bytes, A
     encoded = medium.encode(kv)
     sizes = tuple(encoded.sizes)
     blob = msgpack.packb(encoded.meta, use_bin_type=True)
-    stub = Stub(key=key, codec=medium.name, shape=_layer_shape(kv), dtype=dtype_name(kv.dtype),
-                checksum=checksum(blob, encoded.buffers), size=sum(sizes), nbytes=kv.nbytes, sizes=sizes,
-                meta_blob=blob, meta=encoded.meta)
+    stub = Stub(
+        key=key,
+        codec=medium.name,
+        shape=_layer_shape(kv),
+        dtype=dtype_name(kv.dtype),
+        checksum=checksum(blob, encoded.buffers),
+        size=sum(sizes),
+        nbytes=kv.nbytes,
+        sizes=sizes,
+        meta_blob=blob,
+        meta=encoded.meta,
+    )
     fields: dict[bytes, Any] = {META_FIELD: stub.to_bytes()}
     for i, buf in enumerate(encoded.buffers):
         fields[buffer_field(i)] = buf
@@ -279,8 +315,10 @@ def open_record(stub: Stub, encoded: Encoded, tokens: torch.Tensor, signature: M
     if kv.tokens.shape != tokens.shape or not torch.equal(kv.tokens, tokens.to(kv.tokens.dtype)):
         raise RecordFormatError("record payload", "its token ids are not the block's")
     if not kv.keys or kv.seq_len != tokens.shape[-1] or kv.dtype != want_dtype or kv.positions is not None:
-        raise RecordFormatError("record payload", f"it holds {kv.seq_len} KV positions in {kv.dtype}, "
-                                                  f"expected {tokens.shape[-1]} in {want_dtype}")
+        raise RecordFormatError(
+            "record payload",
+            f"it holds {kv.seq_len} KV positions in {kv.dtype}, expected {tokens.shape[-1]} in {want_dtype}",
+        )
     if tuple(kv.keys[0].shape) != stub.shape:
         raise RecordFormatError("record payload", f"layer shape {list(kv.keys[0].shape)}, expected {list(stub.shape)}")
     if kv.nbytes != stub.nbytes:
@@ -300,7 +338,13 @@ def adoptable(raw: bytes | None, key: str, kv: KVCache | None, codec: str) -> St
         stub = Stub.from_bytes(raw)
     except KVBusError:
         return None
-    if (stub.key != key or stub.codec != codec or kv is None or stub.dtype != dtype_name(kv.dtype)
-            or stub.shape != tuple(kv.keys[0].shape) or stub.nbytes != kv.nbytes):
+    if (
+        stub.key != key
+        or stub.codec != codec
+        or kv is None
+        or stub.dtype != dtype_name(kv.dtype)
+        or stub.shape != tuple(kv.keys[0].shape)
+        or stub.nbytes != kv.nbytes
+    ):
         return None
     return stub

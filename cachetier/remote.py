@@ -57,12 +57,19 @@ class RemoteStore:
         """Create the client (no connection yet; see `connect`)."""
         self.url = redact(url)
         self.config = config
-        retry = Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.5), config.retries,
-                      supported_errors=(RedisConnectionError, RedisTimeoutError, OSError))
+        retry = Retry(
+            ExponentialWithJitterBackoff(base=0.01, cap=0.5),
+            config.retries,
+            supported_errors=(RedisConnectionError, RedisTimeoutError, OSError),
+        )
         try:
             self.client = aioredis.Redis.from_url(
-                url, socket_connect_timeout=config.connect_timeout, socket_timeout=config.socket_timeout,
-                retry=retry, decode_responses=False)
+                url,
+                socket_connect_timeout=config.connect_timeout,
+                socket_timeout=config.socket_timeout,
+                retry=retry,
+                decode_responses=False,
+            )
         except (ValueError, RedisError) as exc:
             raise RemoteUnavailable(self.url, f"bad URL: {exc}") from None
 
@@ -85,8 +92,9 @@ class RemoteStore:
         """The Redis key of the record of block ``key`` stored with ``codec``."""
         return f"{self.config.key_prefix}{codec}:{key}"
 
-    async def _pipeline(self, record_keys: Sequence[str], command: Callable[[Any, int, str], object], *,
-                        ttl: int = 0) -> list[Any]:
+    async def _pipeline(
+        self, record_keys: Sequence[str], command: Callable[[Any, int, str], object], *, ttl: int = 0
+    ) -> list[Any]:
         """Run ``command(pipe, i, record_key)`` for each record key in one pipeline, each followed by an
         ``EXPIRE`` of ``ttl`` seconds when ``ttl``; returns the replies of the commands (not those of
         the ``EXPIRE`` commands), a refused command's as its exception.
@@ -132,9 +140,11 @@ class RemoteStore:
         """
         if not records:
             return []
-        replies = await self._pipeline([rk for rk, _ in records],
-                                       lambda pipe, i, rk: pipe.hset(rk, mapping=dict(records[i][1])),
-                                       ttl=self.config.remote_ttl)
+        replies = await self._pipeline(
+            [rk for rk, _ in records],
+            lambda pipe, i, rk: pipe.hset(rk, mapping=dict(records[i][1])),
+            ttl=self.config.remote_ttl,
+        )
         confirmed = []
         for (rk, _), reply in zip(records, replies):
             ok = not isinstance(reply, BaseException)

@@ -43,16 +43,26 @@ class Residency:
     overshoot the budget together.
     """
 
-    def __init__(self, signature: ModelSignature, dtype: torch.dtype, config: CacheTierConfig, policy: ShedPolicy,
-                 stats: TierStats, *, clock: Callable[[], float], offloader: Offloader, notify: Notify) -> None:
+    def __init__(
+        self,
+        signature: ModelSignature,
+        dtype: torch.dtype,
+        config: CacheTierConfig,
+        policy: ShedPolicy,
+        stats: TierStats,
+        *,
+        clock: Callable[[], float],
+        offloader: Offloader,
+        notify: Notify,
+    ) -> None:
         """Args:
-            signature, dtype: the model and KV dtype of the blocks (for size estimates).
-            config: the budget and watermarks.
-            policy: utilities and what shedding does with each block.
-            stats: the tier's counters (shared with its loader and offloader).
-            clock: monotonic seconds, for utility decay.
-            offloader: writes shed blocks to the remote tier.
-            notify: the tier's listener hook.
+        signature, dtype: the model and KV dtype of the blocks (for size estimates).
+        config: the budget and watermarks.
+        policy: utilities and what shedding does with each block.
+        stats: the tier's counters (shared with its loader and offloader).
+        clock: monotonic seconds, for utility decay.
+        offloader: writes shed blocks to the remote tier.
+        notify: the tier's listener hook.
         """
         self.signature = signature
         self.dtype = dtype
@@ -203,8 +213,9 @@ class Residency:
         infos: list[tuple[BlockInfo, Block]] = []
         for block in self.blocks.values():
             if block.resident and not block.busy and not self.pins[block.key]:
-                info = BlockInfo(block.key, block.start, block.n_tokens, block.memory,
-                                 self.policy.utility(block.usage, now))
+                info = BlockInfo(
+                    block.key, block.start, block.n_tokens, block.memory, self.policy.utility(block.usage, now)
+                )
                 infos.append((info, block))
         # Least useful first; among equals, later blocks first (earlier ones are shared by more contexts).
         infos.sort(key=lambda ib: (ib[0].utility, -ib[0].start))
@@ -227,9 +238,15 @@ class Residency:
         done = await self.offloader.offload(offload, self)
         self.drop(done.failed)
         self.stats.released += len(released)
-        return ShedReport(dropped=len(drop) + len(done.failed), offloaded=done.written, adopted=done.adopted,
-                          released=len(released), bytes_freed=before - self.memory, bytes_written=done.nbytes,
-                          memory_bytes=self.memory)
+        return ShedReport(
+            dropped=len(drop) + len(done.failed),
+            offloaded=done.written,
+            adopted=done.adopted,
+            released=len(released),
+            bytes_freed=before - self.memory,
+            bytes_written=done.nbytes,
+            memory_bytes=self.memory,
+        )
 
     def drop(self, blocks: list[Block]) -> None:
         for block in blocks:

@@ -72,10 +72,18 @@ class CacheTier:
     tier is built.
     """
 
-    def __init__(self, signature: ModelSignature | None = None, *, runner: ModelRunner | None = None,
-                 remote: RemoteStore | None = None, config: CacheTierConfig | None = None,
-                 policy: ShedPolicy | None = None, listener: TierListener | None = None,
-                 clock: Callable[[], float] = time.monotonic, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        signature: ModelSignature | None = None,
+        *,
+        runner: ModelRunner | None = None,
+        remote: RemoteStore | None = None,
+        config: CacheTierConfig | None = None,
+        policy: ShedPolicy | None = None,
+        listener: TierListener | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         """Build a tier on an already connected remote store (see `connect`).
 
         Args:
@@ -98,8 +106,9 @@ class CacheTier:
         self.runner = runner
         self.remote = remote
         self.config = config or CacheTierConfig.from_env()
-        self.policy = policy or UtilityPolicy(codec=self.config.codec, half_life=self.config.half_life,
-                                              drop_below=self.config.drop_below)
+        self.policy = policy or UtilityPolicy(
+            codec=self.config.codec, half_life=self.config.half_life, drop_below=self.config.drop_below
+        )
         self._codecs: dict[str, Codec] = {}
         # Fail now, not at the first offload, on a codec that cannot store blocks.
         self._codec_for(BlockInfo("0" * 32, 0, self.config.block_tokens, 0, 1.0))
@@ -107,18 +116,36 @@ class CacheTier:
         """The hook the tier calls on offloads, fetches, misses, drops and recomputes (replaceable)."""
         self.clock = clock
         self.stats = TierStats()
-        offloader = Offloader(remote, self.config, signature, self.stats, codec_for=self._codec_for,
-                              notify=self._notify)
-        self._table = Residency(signature, self.dtype, self.config, self.policy, self.stats, clock=clock,
-                                offloader=offloader, notify=self._notify)
-        self._loader = Loader(self._table, remote, runner, self.config, self.stats, codec_for=self._codec_for,
-                              notify=self._notify)
+        offloader = Offloader(
+            remote, self.config, signature, self.stats, codec_for=self._codec_for, notify=self._notify
+        )
+        self._table = Residency(
+            signature,
+            self.dtype,
+            self.config,
+            self.policy,
+            self.stats,
+            clock=clock,
+            offloader=offloader,
+            notify=self._notify,
+        )
+        self._loader = Loader(
+            self._table, remote, runner, self.config, self.stats, codec_for=self._codec_for, notify=self._notify
+        )
 
     @classmethod
-    async def connect(cls, redis_url: str | None, *, signature: ModelSignature | None = None,
-                      runner: ModelRunner | None = None, config: CacheTierConfig | None = None,
-                      policy: ShedPolicy | None = None, listener: TierListener | None = None,
-                      clock: Callable[[], float] = time.monotonic, dtype: torch.dtype | None = None) -> CacheTier:
+    async def connect(
+        cls,
+        redis_url: str | None,
+        *,
+        signature: ModelSignature | None = None,
+        runner: ModelRunner | None = None,
+        config: CacheTierConfig | None = None,
+        policy: ShedPolicy | None = None,
+        listener: TierListener | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        dtype: torch.dtype | None = None,
+    ) -> CacheTier:
         """A tier whose remote tier is the Redis-protocol server at ``redis_url``.
 
         Args:
@@ -132,8 +159,16 @@ class CacheTier:
         config = config or CacheTierConfig.from_env()
         remote = await RemoteStore.connect(redis_url, config) if redis_url else None
         try:
-            return cls(signature, runner=runner, remote=remote, config=config, policy=policy, listener=listener,
-                       clock=clock, dtype=dtype)
+            return cls(
+                signature,
+                runner=runner,
+                remote=remote,
+                config=config,
+                policy=policy,
+                listener=listener,
+                clock=clock,
+                dtype=dtype,
+            )
         except BaseException:
             if remote is not None:
                 await remote.close()
@@ -194,8 +229,10 @@ class CacheTier:
 
     def _check_kv(self, kv: KVCache) -> None:
         if not kv.signature.compatible_with(self.signature):
-            raise ContextMismatch(f"KV of {self.signature.model} ({self.signature.digest()})",
-                                  f"KV of {kv.signature.model} ({kv.signature.digest()})")
+            raise ContextMismatch(
+                f"KV of {self.signature.model} ({self.signature.digest()})",
+                f"KV of {kv.signature.model} ({kv.signature.digest()})",
+            )
         if not kv.has_kv:
             raise ContextMismatch("a context with KV", "a token-only context")
         if kv.dtype != self.dtype:
@@ -316,6 +353,8 @@ class CacheTier:
             warnings.warn("kvbus CacheTier was not closed", ResourceWarning, stacklevel=1)
 
     def __repr__(self) -> str:
-        return (f"<CacheTier {self.signature.model} blocks={len(self._table.blocks)} "
-                f"memory={self._table.memory}/{self.config.budget_bytes} "
-                f"remote={self.remote.url if self.remote else None}>")
+        return (
+            f"<CacheTier {self.signature.model} blocks={len(self._table.blocks)} "
+            f"memory={self._table.memory}/{self.config.budget_bytes} "
+            f"remote={self.remote.url if self.remote else None}>"
+        )

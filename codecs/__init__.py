@@ -6,15 +6,15 @@ Importing this package registers ``full``, ``int8``, ``int4``, ``topk``, ``lowra
 in calibration profiles (`kvbus.codecs.calibration`).
 """
 
+from kvbus.codecs import delta as _delta  # noqa: F401  (registers "delta")
 from kvbus.codecs import errors
 from kvbus.codecs import full as _full  # noqa: F401  (registers "full")
-from kvbus.codecs import int8 as _int8  # noqa: F401  (registers "int8")
 from kvbus.codecs import int4 as _int4  # noqa: F401  (registers "int4")
-from kvbus.codecs import topk as _topk  # noqa: F401  (registers "topk")
+from kvbus.codecs import int8 as _int8  # noqa: F401  (registers "int8")
 from kvbus.codecs import lowrank as _lowrank  # noqa: F401  (registers "lowrank")
-from kvbus.codecs import delta as _delta  # noqa: F401  (registers "delta")
-from kvbus.codecs import tokens as _tokens  # noqa: F401  (registers "tokens")
 from kvbus.codecs import summary as _summary  # noqa: F401  (registers "summary")
+from kvbus.codecs import tokens as _tokens  # noqa: F401  (registers "tokens")
+from kvbus.codecs import topk as _topk  # noqa: F401  (registers "topk")
 from kvbus.codecs.base import (
     Codec,
     Encoded,
@@ -37,11 +37,11 @@ from kvbus.codecs.errors import (
     UnknownCodec,
 )
 from kvbus.codecs.full import FullCodec
-from kvbus.codecs.runner import HFRunner
 from kvbus.codecs.int4 import Int4Codec
 from kvbus.codecs.int8 import Int8Codec
 from kvbus.codecs.layerwise import LayerBuffer, LayerwiseCodec
 from kvbus.codecs.lowrank import LowRankCodec
+from kvbus.codecs.runner import HFRunner
 from kvbus.codecs.spec import parse_spec
 from kvbus.codecs.summary import ModelSummarizer, Summarizer, SummaryCodec, TailSummarizer
 from kvbus.codecs.tokens import TokensCodec

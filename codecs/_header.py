@@ -55,10 +55,13 @@ class KVHeader:
             ValueError: the positions are not an int ``[seq]`` tensor.
         """
         kv.validate()
-        if kv.positions is not None and (kv.positions.dim() != 1 or kv.positions.shape[0] != kv.seq_len
-                                         or kv.positions.dtype.is_floating_point):
-            raise ValueError(f"positions must be an integer tensor [{kv.seq_len}], "
-                             f"got {kv.positions.dtype} {list(kv.positions.shape)}")
+        if kv.positions is not None and (
+            kv.positions.dim() != 1 or kv.positions.shape[0] != kv.seq_len or kv.positions.dtype.is_floating_point
+        ):
+            raise ValueError(
+                f"positions must be an integer tensor [{kv.seq_len}], "
+                f"got {kv.positions.dtype} {list(kv.positions.shape)}"
+            )
         return cls(
             signature=kv.signature,
             batch=kv.batch,
@@ -117,8 +120,16 @@ class KVHeader:
         positions = meta_bool(meta, "positions", codec)
         if positions and n_layers == 0:
             raise DecodeError(codec, "positions without any layer")
-        return cls(signature=signature, batch=batch, n_tokens=n_tokens, seq_len=seq_len, n_layers=n_layers,
-                   dtype=dtype, fidelity=fidelity, positions=positions)
+        return cls(
+            signature=signature,
+            batch=batch,
+            n_tokens=n_tokens,
+            seq_len=seq_len,
+            n_layers=n_layers,
+            dtype=dtype,
+            fidelity=fidelity,
+            positions=positions,
+        )
 
     def prefix_tensors(self, kv: KVCache) -> list[torch.Tensor]:
         """The tokens (and positions) of ``kv`` as int64, contiguous (no copy when already so)."""

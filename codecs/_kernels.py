@@ -73,9 +73,10 @@ class _Kernel:
             if self._compiled is None and not self._failed:
                 try:
                     self._compiled = torch.compile(self.eager, dynamic=True)
-                except Exception:  # noqa: BLE001 - any failure means: stay eager
-                    logger.warning("torch.compile of %s failed; using eager kernels", self.eager.__name__,
-                                   exc_info=True)
+                except Exception:
+                    logger.warning(
+                        "torch.compile of %s failed; using eager kernels", self.eager.__name__, exc_info=True
+                    )
                     self._failed = True
         return self._compiled
 
@@ -85,9 +86,10 @@ class _Kernel:
             if fn is not None:
                 try:
                     return fn(x, *args)
-                except Exception:  # noqa: BLE001 - e.g. no C++ compiler: fall back for good
-                    logger.warning("compiled %s failed; using eager kernels from now on", self.eager.__name__,
-                                   exc_info=True)
+                except Exception:
+                    logger.warning(
+                        "compiled %s failed; using eager kernels from now on", self.eager.__name__, exc_info=True
+                    )
                     self._failed = True
         return self.eager(x, *args)
 
@@ -194,8 +196,14 @@ def int4_encode(x: torch.Tensor, axis: int, group: int) -> tuple[torch.Tensor, t
     return packed, scale, low
 
 
-def int4_decode(packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, shape: tuple[int, int, int, int],
-                axis: int, group: int) -> torch.Tensor:
+def int4_decode(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    low: torch.Tensor,
+    shape: tuple[int, int, int, int],
+    axis: int,
+    group: int,
+) -> torch.Tensor:
     """Rebuild ``[b, h, s, d]`` from `int4_encode`'s output, in ``scale``'s dtype.
 
     The caller has checked ``packed`` holds ``ceil(numel(grouped) / 2)`` bytes and the scale
@@ -211,4 +219,4 @@ def int4_decode(packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, sh
     codes = q.view(-1)[:n].view(grouped)
     out = torch.addcmul(low, codes.to(scale.dtype), scale)
     out = out.view(grouped[0], grouped[1], -1, shape[3]) if axis == 2 else out.view(shape)
-    return out[:, :, :shape[2]] if out.shape[2] != shape[2] else out
+    return out[:, :, : shape[2]] if out.shape[2] != shape[2] else out

@@ -40,8 +40,7 @@ def densify(positions: torch.Tensor | None) -> torch.Tensor | None:
     return positions
 
 
-def select_entries(kv: KVCache, idx: torch.Tensor, *, tokens: torch.Tensor | None = None,
-                   offset: int = 0) -> KVCache:
+def select_entries(kv: KVCache, idx: torch.Tensor, *, tokens: torch.Tensor | None = None, offset: int = 0) -> KVCache:
     """The cache holding only the KV entries ``idx`` (sorted, int64) of ``kv``.
 
     Args:
@@ -53,8 +52,7 @@ def select_entries(kv: KVCache, idx: torch.Tensor, *, tokens: torch.Tensor | Non
     pos = kv_positions(kv).index_select(0, idx) - offset
     keys = [k.index_select(2, idx) for k in kv.keys]
     values = [v.index_select(2, idx) for v in kv.values]
-    return replace(kv, tokens=kv.tokens if tokens is None else tokens, keys=keys, values=values,
-                   positions=densify(pos))
+    return replace(kv, tokens=kv.tokens if tokens is None else tokens, keys=keys, values=values, positions=densify(pos))
 
 
 def check_positions(kv: KVCache, codec: str) -> None:

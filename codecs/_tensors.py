@@ -33,7 +33,7 @@ def show(value: object, limit: int = 80) -> str:
         text = repr(value)
     except ValueError:  # e.g. a container holding an int too long to print
         text = f"<{type(value).__name__}>"
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def as_bytes(t: torch.Tensor) -> memoryview:
@@ -80,8 +80,9 @@ def check_shape(shape: object, codec: str, what: str = "tensor") -> tuple[int, .
     return tuple(shape)
 
 
-def tensor_from(buf: memoryview, dtype: torch.dtype, shape: Sequence[int], codec: str,
-                what: str = "tensor") -> torch.Tensor:
+def tensor_from(
+    buf: memoryview, dtype: torch.dtype, shape: Sequence[int], codec: str, what: str = "tensor"
+) -> torch.Tensor:
     """A tensor of ``dtype`` and ``shape`` viewing ``buf``.
 
     Zero copy when ``buf`` is suitably aligned (a misaligned one is copied into an aligned
@@ -99,8 +100,9 @@ def tensor_from(buf: memoryview, dtype: torch.dtype, shape: Sequence[int], codec
         raise DecodeError(codec, f"{what} of shape {list(dims)} has {numel} elements, more than {MAX_ELEMENTS}")
     want = numel * dtype.itemsize
     if view.nbytes != want:
-        raise DecodeError(codec, f"{what} of shape {list(dims)} in {dtype} needs {want} bytes, "
-                                 f"its buffer has {view.nbytes}")
+        raise DecodeError(
+            codec, f"{what} of shape {list(dims)} in {dtype} needs {want} bytes, its buffer has {view.nbytes}"
+        )
     if numel == 0:
         return torch.empty(dims, dtype=dtype)
     if view.readonly:

@@ -62,8 +62,9 @@ class Encoded:
         return [b.nbytes for b in self.buffers]
 
     @classmethod
-    def from_payload(cls, codec: str, meta: dict[str, Any], payload: memoryview | bytes | bytearray,
-                     sizes: Sequence[int]) -> Encoded:
+    def from_payload(
+        cls, codec: str, meta: dict[str, Any], payload: memoryview | bytes | bytearray, sizes: Sequence[int]
+    ) -> Encoded:
         """Split a received contiguous payload back into its buffers (views, no copies).
 
         Raises:
@@ -76,7 +77,7 @@ class Encoded:
             raise DecodeError(codec, f"buffer sizes add up to {sum(sizes)} bytes, payload has {view.nbytes}")
         buffers, offset = [], 0
         for n in sizes:
-            buffers.append(view[offset:offset + n])
+            buffers.append(view[offset : offset + n])
             offset += n
         return cls(codec=codec, meta=meta, buffers=buffers, keepalive=[payload])
 
@@ -173,8 +174,7 @@ class Codec(ABC):
         """
 
     @abstractmethod
-    def decode(self, encoded: Encoded, *, base: KVCache | None = None,
-               runner: ModelRunner | None = None) -> KVCache:
+    def decode(self, encoded: Encoded, *, base: KVCache | None = None, runner: ModelRunner | None = None) -> KVCache:
         """Rebuild a KV-cache.
 
         The result's fidelity is the sender's times this medium's factor (1 when lossless).
@@ -269,8 +269,10 @@ def get_codec(spec: str) -> Codec:
             if allowed is None:
                 raise SpecError(shown, f"{cls.medium!r} cannot wrap another medium; it must come last")
             if kinds[i + 1] not in allowed:
-                raise SpecError(shown, f"{cls.medium!r} cannot wrap {classes[i + 1].medium!r} "
-                                       f"(it wraps {' or '.join(allowed)} media)")
+                raise SpecError(
+                    shown,
+                    f"{cls.medium!r} cannot wrap {classes[i + 1].medium!r} (it wraps {' or '.join(allowed)} media)",
+                )
         elif kind == "summary" and i > 0:
             raise SpecError(shown, "'summary' stands alone")
     codec: Codec | None = None

@@ -153,10 +153,17 @@ class CalibrationProfile:
         decode = float(get("decode_token_s", (int, float)))
         if not (prefill > 0 and decode > 0 and math.isfinite(prefill) and math.isfinite(decode)):
             raise CalibrationError(path, "prefill_tokens_per_s and decode_token_s must be positive")
-        return cls(version=version, model=get("model", dict), machine=get("machine", dict),
-                   created=get("created", str), codecs=codecs, prefill_tokens_per_s=prefill,
-                   decode_token_s=decode, context_tokens=int(get("context_tokens", int)),
-                   details=dict(data.get("details") or {}))
+        return cls(
+            version=version,
+            model=get("model", dict),
+            machine=get("machine", dict),
+            created=get("created", str),
+            codecs=codecs,
+            prefill_tokens_per_s=prefill,
+            decode_token_s=decode,
+            context_tokens=int(get("context_tokens", int)),
+            details=dict(data.get("details") or {}),
+        )
 
 
 def shipped_profile_path() -> Path:

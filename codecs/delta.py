@@ -43,7 +43,7 @@ def prefix_version(tokens: torch.Tensor, n: int | None = None) -> str:
     t = t[:, :n].to(torch.int64)
     digest = xxhash.xxh3_128(_SEED + f"|{t.shape[0]}|{n}".encode()).digest()
     for start in range(0, n, BLOCK):
-        block = t[:, start:start + BLOCK].contiguous()
+        block = t[:, start : start + BLOCK].contiguous()
         digest = xxhash.xxh3_128(digest + block.numpy().tobytes()).digest()
     return digest.hex()
 
@@ -100,8 +100,7 @@ class DeltaCodec(Codec):
         meta[META_KEY] = {"prefix": p, "version": prefix_version(kv.tokens, p)}
         return Encoded(codec=self.name, meta=meta, buffers=inner.buffers, keepalive=inner.keepalive)
 
-    def decode(self, encoded: Encoded, *, base: KVCache | None = None,
-               runner: ModelRunner | None = None) -> KVCache:
+    def decode(self, encoded: Encoded, *, base: KVCache | None = None, runner: ModelRunner | None = None) -> KVCache:
         """Decode the new part and join it to ``base``'s prefix: the whole context as one cache.
 
         Raises:
@@ -119,8 +118,10 @@ class DeltaCodec(Codec):
         # tokens are decoded without a runner: the receiver's KV for the prefix is reused, not recomputed
         inner = self.inner
         assert inner is not None
-        new = inner.decode(Encoded(inner.name, inner_meta, encoded.buffers, encoded.keepalive),
-                           runner=None if not self.needs_kv else runner)
+        new = inner.decode(
+            Encoded(inner.name, inner_meta, encoded.buffers, encoded.keepalive),
+            runner=None if not self.needs_kv else runner,
+        )
         if new.has_kv and self.inner.fidelity > 0:  # type: ignore[union-attr]
             new.fidelity = min(1.0, new.fidelity / self.inner.fidelity * self.fidelity)  # type: ignore[union-attr]
         if p == 0:
@@ -130,16 +131,18 @@ class DeltaCodec(Codec):
         if base is None:
             raise DeltaBaseMismatch(f"the payload follows a prefix of {p} tokens and the receiver holds no base")
         if not base.signature.compatible_with(new.signature):
-            raise DeltaBaseMismatch(f"the base is a {base.signature.model} context, the delta is for "
-                                    f"{new.signature.model}")
+            raise DeltaBaseMismatch(
+                f"the base is a {base.signature.model} context, the delta is for {new.signature.model}"
+            )
         if base.batch != new.batch:
             raise DeltaBaseMismatch(f"the base has batch {base.batch}, the delta {new.batch}")
         if base.n_tokens < p:
             raise DeltaBaseMismatch(f"the base holds {base.n_tokens} tokens, the delta follows {p} (stale base)")
         mine = prefix_version(base.tokens, p)
         if mine != version:
-            raise DeltaBaseMismatch(f"the base's first {p} tokens differ from the sender's (version "
-                                    f"{mine[:16]}... vs {version[:16]}...)")
+            raise DeltaBaseMismatch(
+                f"the base's first {p} tokens differ from the sender's (version {mine[:16]}... vs {version[:16]}...)"
+            )
         return self._join(base, p, new)
 
     def _join(self, base: KVCache, p: int, new: KVCache) -> KVCache:
@@ -162,8 +165,14 @@ class DeltaCodec(Codec):
             keys.append(torch.cat([bk.to(dtype), new.keys[i].to(dtype)], dim=2))
             values.append(torch.cat([bv.to(dtype), new.values[i].to(dtype)], dim=2))
         positions = torch.cat([base_pos.index_select(0, head), kv_positions(new) + p])
-        out = KVCache(tokens=tokens, signature=new.signature, keys=keys, values=values,
-                      positions=densify(positions), fidelity=fidelity)
+        out = KVCache(
+            tokens=tokens,
+            signature=new.signature,
+            keys=keys,
+            values=values,
+            positions=densify(positions),
+            fidelity=fidelity,
+        )
         try:
             out.validate()
         except ValueError as exc:

@@ -51,9 +51,11 @@ class Int4Codec(LayerwiseCodec):
         for what, (axis, group) in zip(("keys", "values"), self._groups(header)):
             grouped, red = int4_grouped_shape(header.layer_shape, axis, group)
             reduced = tuple(1 if j == red else n for j, n in enumerate(grouped))
-            out += [LayerBuffer(what, torch.uint8, ((math.prod(grouped) + 1) // 2,), section=1),
-                    LayerBuffer(f"{what} scales", header.dtype, reduced),
-                    LayerBuffer(f"{what} mins", header.dtype, reduced)]
+            out += [
+                LayerBuffer(what, torch.uint8, ((math.prod(grouped) + 1) // 2,), section=1),
+                LayerBuffer(f"{what} scales", header.dtype, reduced),
+                LayerBuffer(f"{what} mins", header.dtype, reduced),
+            ]
         return out
 
     def encode_layer(self, header: KVHeader, keys: torch.Tensor, values: torch.Tensor) -> Sequence[torch.Tensor]:
@@ -66,8 +68,7 @@ class Int4Codec(LayerwiseCodec):
         kc, ks, kl, vc, vs, vl = views
         (k_axis, k_group), (v_axis, v_group) = self._groups(header)
         shape = header.layer_shape
-        return (int4_decode(kc, ks, kl, shape, k_axis, k_group),
-                int4_decode(vc, vs, vl, shape, v_axis, v_group))
+        return (int4_decode(kc, ks, kl, shape, k_axis, k_group), int4_decode(vc, vs, vl, shape, v_axis, v_group))
 
     def estimate_nbytes(self, signature: ModelSignature, n_tokens: int, batch: int = 1) -> int:
         """Token ids, half a byte per KV element (keys padded to whole groups), scales and minimums."""

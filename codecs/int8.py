@@ -52,10 +52,12 @@ class Int8Codec(LayerwiseCodec):
         """Per tensor its int8 codes (section 1) and its scales in the KV dtype (section 0): per
         channel ``[b, h, 1, d]`` for keys, per token ``[b, h, s, 1]`` for values."""
         b, h, s, d = header.layer_shape
-        return (LayerBuffer("keys", torch.int8, (b, h, s, d), section=1),
-                LayerBuffer("key scales", header.dtype, (b, h, 1, d)),
-                LayerBuffer("values", torch.int8, (b, h, s, d), section=1),
-                LayerBuffer("value scales", header.dtype, (b, h, s, 1)))
+        return (
+            LayerBuffer("keys", torch.int8, (b, h, s, d), section=1),
+            LayerBuffer("key scales", header.dtype, (b, h, 1, d)),
+            LayerBuffer("values", torch.int8, (b, h, s, d), section=1),
+            LayerBuffer("value scales", header.dtype, (b, h, s, 1)),
+        )
 
     def encode_layer(self, header: KVHeader, keys: torch.Tensor, values: torch.Tensor) -> Sequence[torch.Tensor]:
         """Quantise keys per channel and values per token."""
@@ -69,6 +71,7 @@ class Int8Codec(LayerwiseCodec):
     def estimate_nbytes(self, signature: ModelSignature, n_tokens: int, batch: int = 1) -> int:
         """Token ids, one byte per KV element, and the per-channel and per-token scales."""
         itemsize = signature.torch_dtype.itemsize
-        per_layer = signature.n_kv_heads * (2 * n_tokens * signature.head_dim
-                                            + signature.head_dim * itemsize + n_tokens * itemsize)
+        per_layer = signature.n_kv_heads * (
+            2 * n_tokens * signature.head_dim + signature.head_dim * itemsize + n_tokens * itemsize
+        )
         return batch * (n_tokens * 8 + signature.n_layers * per_layer)

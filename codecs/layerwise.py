@@ -101,8 +101,7 @@ class LayerwiseCodec(Codec):
                 tensors += section
         return Encoded(codec=self.name, meta=header.to_meta(), buffers=encode_buffers(tensors), keepalive=tensors)
 
-    def decode(self, encoded: Encoded, *, base: KVCache | None = None,
-               runner: ModelRunner | None = None) -> KVCache:
+    def decode(self, encoded: Encoded, *, base: KVCache | None = None, runner: ModelRunner | None = None) -> KVCache:
         """Rebuild the cache; the result's fidelity is the sender's times this medium's.
 
         Raises:
@@ -114,20 +113,31 @@ class LayerwiseCodec(Codec):
         first, stride = _wire_index(layout, n)
         buffers = check_buffer_count(encoded.buffers, header.n_prefix + n * len(layout), self.name)
         tokens, positions = header.read_prefix(buffers, self.name)
-        layers = buffers[header.n_prefix:]
+        layers = buffers[header.n_prefix :]
         self.check_payload(header, layers)
         # Every buffer is checked (views, no allocation) before anything is computed from one.
-        views = [[tensor_from(layers[first[p] + i * stride[p]], want.dtype, want.shape, self.name,
-                              self.buffer_name(p, want, i))
-                  for p, want in enumerate(layout)]
-                 for i in range(n)]
+        views = [
+            [
+                tensor_from(
+                    layers[first[p] + i * stride[p]], want.dtype, want.shape, self.name, self.buffer_name(p, want, i)
+                )
+                for p, want in enumerate(layout)
+            ]
+            for i in range(n)
+        ]
         keys, values = [], []
         for mine in views:
             k, v = self.decode_layer(header, mine)
             keys.append(k)
             values.append(v)
-        kv = KVCache(tokens=tokens, signature=header.signature, keys=keys, values=values,
-                     positions=positions, fidelity=header.fidelity * self.fidelity if n else header.fidelity)
+        kv = KVCache(
+            tokens=tokens,
+            signature=header.signature,
+            keys=keys,
+            values=values,
+            positions=positions,
+            fidelity=header.fidelity * self.fidelity if n else header.fidelity,
+        )
         return header.finish(kv, self.name)
 
 

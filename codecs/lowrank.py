@@ -98,8 +98,10 @@ class LowRankCodec(LayerwiseCodec):
         received = sum(buf.nbytes for buf in buffers)
         produced = 2 * header.n_layers * b * s * h * d * header.dtype.itemsize
         if produced > MAX_EXPANSION * received + MAX_EXPANSION_FLOOR:
-            raise DecodeError(self.name, f"{received} bytes would decode to {produced} bytes, more than "
-                                         f"{MAX_EXPANSION}x what was received")
+            raise DecodeError(
+                self.name,
+                f"{received} bytes would decode to {produced} bytes, more than {MAX_EXPANSION}x what was received",
+            )
 
     def decode_layer(self, header: KVHeader, views: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Multiply coefficients by bases back to ``[batch, heads, seq, head_dim]`` in the KV dtype."""

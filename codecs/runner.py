@@ -37,7 +37,9 @@ class HFRunner:
         self.signature: ModelSignature = ModelSignature.from_hf_config(model.config, model=name, dtype=model.dtype)
 
     def __repr__(self) -> str:
-        return f"<HFRunner {self.name!r} {self.signature.n_layers}x{self.signature.n_kv_heads}x{self.signature.head_dim}>"
+        return (
+            f"<HFRunner {self.name!r} {self.signature.n_layers}x{self.signature.n_kv_heads}x{self.signature.head_dim}>"
+        )
 
     def _ids(self, tokens: torch.Tensor) -> torch.Tensor:
         if not isinstance(tokens, torch.Tensor) or tokens.dtype.is_floating_point or tokens.dim() not in (1, 2):
@@ -90,14 +92,22 @@ class HFRunner:
             part = kv.slice(0, start) if start else None
         else:
             pos = kv.positions.to(torch.int64)
-            if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= n
-                                or (pos.numel() > 1 and not bool((pos.diff() > 0).all()))):
+            if pos.numel() and (
+                int(pos.min()) < 0 or int(pos.max()) >= n or (pos.numel() > 1 and not bool((pos.diff() > 0).all()))
+            ):
                 raise GenerationError(f"KV positions must increase strictly within 0..{n - 1}")
             start = min(int(pos.max()) + 1 if pos.numel() else 0, n - 1)
             keep = torch.nonzero(pos < start).view(-1)
-            part = KVCache(tokens=ids[:, :start], signature=kv.signature,
-                           keys=[k.index_select(2, keep) for k in kv.keys],
-                           values=[v.index_select(2, keep) for v in kv.values]) if keep.numel() else None
+            part = (
+                KVCache(
+                    tokens=ids[:, :start],
+                    signature=kv.signature,
+                    keys=[k.index_select(2, keep) for k in kv.keys],
+                    values=[v.index_select(2, keep) for v in kv.values],
+                )
+                if keep.numel()
+                else None
+            )
         cache = part.to(self.model.dtype).to_hf(self.model.config) if part is not None and part.seq_len else None
         return cache, ids[:, start:], start
 
@@ -122,8 +132,10 @@ class HFRunner:
         rotary = getattr(base, "rotary_emb", None)
         if layers is None or rotary is None or kv.positions is not None or kv.seq_len < 2 or not kv.has_kv:
             return None
-        if not all(hasattr(layer, "input_layernorm") and hasattr(getattr(layer, "self_attn", None), "q_proj")
-                   for layer in layers):
+        if not all(
+            hasattr(layer, "input_layernorm") and hasattr(getattr(layer, "self_attn", None), "q_proj")
+            for layer in layers
+        ):
             return None
         kv.validate(self.signature)
         n = kv.seq_len
@@ -134,8 +146,13 @@ class HFRunner:
         total = torch.zeros(n, dtype=torch.float32)
         mask = torch.ones(w, n, dtype=torch.bool).triu_(n - w + 1)
         with torch.inference_mode():
-            out = base(input_ids=ids[:, n - w:], cache=cache, position_ids=positions, use_cache=True,
-                       output_hidden_states=True)
+            out = base(
+                input_ids=ids[:, n - w :],
+                cache=cache,
+                position_ids=positions,
+                use_cache=True,
+                output_hidden_states=True,
+            )
             hidden = out.hidden_states
             cos, sin = rotary(hidden[0], positions)
             cos, sin = cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
@@ -153,7 +170,7 @@ class HFRunner:
                 q = q * cos + rotated * sin
                 k = kv.keys[i].float()
                 k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-                scale = getattr(attn, "scaling", d ** -0.5)
+                scale = getattr(attn, "scaling", d**-0.5)
                 logits = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
                 logits.masked_fill_(mask, float("-inf"))
                 total += logits.softmax(dim=-1).sum(dim=2).mean(dim=(0, 1))

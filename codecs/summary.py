@@ -51,8 +51,14 @@ class ModelSummarizer:
     runner with ``generate`` and a ``tokenizer`` (an `HFRunner`), or explicit instruction ids.
     """
 
-    def __init__(self, instruction: str = INSTRUCTION, prefix: str = PREFIX, *,
-                 instruction_ids: torch.Tensor | None = None, prefix_ids: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        instruction: str = INSTRUCTION,
+        prefix: str = PREFIX,
+        *,
+        instruction_ids: torch.Tensor | None = None,
+        prefix_ids: torch.Tensor | None = None,
+    ) -> None:
         self.instruction = instruction
         self.prefix = prefix
         self.instruction_ids = instruction_ids
@@ -72,8 +78,14 @@ class ModelSummarizer:
 
         batch = kv.batch
         ask = ids(self.instruction, self.instruction_ids).expand(batch, -1)
-        context = KVCache(tokens=torch.cat([kv.tokens.to(torch.int64), ask], dim=1), signature=kv.signature,
-                          keys=kv.keys, values=kv.values, positions=kv.positions, fidelity=kv.fidelity)
+        context = KVCache(
+            tokens=torch.cat([kv.tokens.to(torch.int64), ask], dim=1),
+            signature=kv.signature,
+            keys=kv.keys,
+            values=kv.values,
+            positions=kv.positions,
+            fidelity=kv.fidelity,
+        )
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         prefix = ids(self.prefix, self.prefix_ids).expand(batch, -1)
         budget = max(1, max_tokens - prefix.shape[1])
@@ -81,7 +93,7 @@ class ModelSummarizer:
         if eos is not None and batch == 1:
             hits = torch.nonzero(new[0] == eos)
             if hits.numel():
-                new = new[:, :int(hits[0])]
+                new = new[:, : int(hits[0])]
         out = torch.cat([prefix, new], dim=1)[:, :max_tokens]
         text = tokenizer.decode(out[0], skip_special_tokens=True) if tokenizer is not None and batch == 1 else None
         return out, text
@@ -91,7 +103,7 @@ class TailSummarizer:
     """A model-free stand-in: the last ``max_tokens`` tokens of the context (for tests and token-only senders)."""
 
     def summarize(self, kv: KVCache, runner: ModelRunner | None, max_tokens: int) -> tuple[torch.Tensor, str | None]:
-        return kv.tokens[:, max(0, kv.n_tokens - max_tokens):].to(torch.int64), None
+        return kv.tokens[:, max(0, kv.n_tokens - max_tokens) :].to(torch.int64), None
 
 
 @register("summary")
@@ -130,7 +142,7 @@ class SummaryCodec(Codec):
             ids, text = kv.tokens.to(torch.int64), None
         else:
             ids, text = self.summarizer.summarize(kv, runner, self.args["tokens"])
-        ids = ids[:, :self.args["tokens"]].to(torch.int64).contiguous()
+        ids = ids[:, : self.args["tokens"]].to(torch.int64).contiguous()
         raw = (text or "").encode("utf-8")[:MAX_TEXT_BYTES]
         summary = KVCache(tokens=ids, signature=kv.signature, fidelity=kv.fidelity)
         header = KVHeader.of(summary)
@@ -140,8 +152,7 @@ class SummaryCodec(Codec):
         buffers = encode_buffers(tensors) + [memoryview(raw)]
         return Encoded(codec=self.name, meta=meta, buffers=buffers, keepalive=[*tensors, raw])
 
-    def decode(self, encoded: Encoded, *, base: KVCache | None = None,
-               runner: ModelRunner | None = None) -> KVCache:
+    def decode(self, encoded: Encoded, *, base: KVCache | None = None, runner: ModelRunner | None = None) -> KVCache:
         """The summary as the receiver's context: prefilled by ``runner`` if given, else token-only.
 
         When the receiver's model differs from the sender's and has a tokenizer, the summary
@@ -159,8 +170,9 @@ class SummaryCodec(Codec):
         if header.n_layers:
             raise DecodeError(self.name, f"carries no KV, but the metadata says layers={header.n_layers}")
         if header.n_tokens > self.args["tokens"]:
-            raise DecodeError(self.name, f"{header.n_tokens} summary tokens, more than the {self.args['tokens']} "
-                                         f"the spec allows")
+            raise DecodeError(
+                self.name, f"{header.n_tokens} summary tokens, more than the {self.args['tokens']} the spec allows"
+            )
         buffers = check_buffer_count(encoded.buffers, 2, self.name)
         tokens, _ = header.read_prefix(buffers[:1], self.name)
         if buffers[1].nbytes > MAX_TEXT_BYTES:

@@ -28,8 +28,7 @@ class TokensCodec(Codec):
         tensors = header.prefix_tensors(kv)
         return Encoded(codec=self.name, meta=header.to_meta(), buffers=encode_buffers(tensors), keepalive=tensors)
 
-    def decode(self, encoded: Encoded, *, base: KVCache | None = None,
-               runner: ModelRunner | None = None) -> KVCache:
+    def decode(self, encoded: Encoded, *, base: KVCache | None = None, runner: ModelRunner | None = None) -> KVCache:
         """Rebuild the context: recomputed by ``runner`` if given, else token-only.
 
         A token-only result (no layers) tells the receiver to recompute the KV later; it keeps

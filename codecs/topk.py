@@ -39,7 +39,7 @@ def attention_scores(kv: KVCache, window: int, pool: int) -> torch.Tensor:
     mask = torch.ones(w, n, dtype=torch.bool).triu_(n - w + 1)  # query i (at n-w+i) sees keys <= n-w+i
     for k in kv.keys:
         kf = k.float()
-        q = kf[:, :, n - w:]
+        q = kf[:, :, n - w :]
         logits = torch.matmul(q, kf.transpose(-1, -2)).mul_(1.0 / math.sqrt(k.shape[-1]))
         logits.masked_fill_(mask, float("-inf"))
         total += logits.softmax(dim=-1).sum(dim=2).mean(dim=(0, 1))
@@ -61,7 +61,7 @@ def choose_entries(scores: torch.Tensor, keep: int, sink: int, recent: int) -> t
     rest = keep - r - s
     chosen = [torch.arange(s), torch.arange(n - r, n)]
     if rest > 0:
-        middle = scores[s:n - r]
+        middle = scores[s : n - r]
         chosen.append(torch.topk(middle, rest, sorted=False).indices + s)
     return torch.sort(torch.cat(chosen)).values.to(torch.int64)
 
@@ -139,8 +139,7 @@ class TopKCodec(Codec):
         meta[META_KEY] = {"of": kv.seq_len, "score": how}
         return Encoded(codec=self.name, meta=meta, buffers=inner.buffers, keepalive=inner.keepalive)
 
-    def decode(self, encoded: Encoded, *, base: KVCache | None = None,
-               runner: ModelRunner | None = None) -> KVCache:
+    def decode(self, encoded: Encoded, *, base: KVCache | None = None, runner: ModelRunner | None = None) -> KVCache:
         """Decode the kept entries; positions are checked, fidelity is the sender's times ours.
 
         Raises:
@@ -150,8 +149,15 @@ class TopKCodec(Codec):
         if not isinstance(meta, dict) or not isinstance(meta.get(META_KEY), dict):
             raise DecodeError(self.name, f"metadata field {META_KEY!r} is missing or not a map")
         inner_meta = {k: v for k, v in meta.items() if k != META_KEY}
-        out = self.inner.decode(Encoded(self.inner.name, inner_meta, encoded.buffers,  # type: ignore[union-attr]
-                                        encoded.keepalive), runner=runner)
+        out = self.inner.decode(
+            Encoded(
+                self.inner.name,
+                inner_meta,
+                encoded.buffers,  # type: ignore[union-attr]
+                encoded.keepalive,
+            ),
+            runner=runner,
+        )
         check_positions(out, self.name)
         if out.has_kv:
             out.fidelity = min(1.0, out.fidelity / self.inner.fidelity * self.fidelity)  # type: ignore[union-attr]

@@ -11,8 +11,9 @@ from collections.abc import Mapping
 from kvbus.fairness import fair_shares
 
 
-def weighted_max_min(capacity: float, demands: Mapping[str, float], weights: Mapping[str, float] | None = None
-                     ) -> dict[str, float]:
+def weighted_max_min(
+    capacity: float, demands: Mapping[str, float], weights: Mapping[str, float] | None = None
+) -> dict[str, float]:
     """Split ``capacity`` between claimants by weighted max-min fairness (`kvbus.fairness.fair_shares`).
 
     Every claimant gets at most its demand; capacity a claimant does not need is shared by the

@@ -100,13 +100,15 @@ class Coordinator(ReplicatedService):
     def endpoints(self) -> list[Endpoint]:
         """Heartbeats and leaves reach every serving replica; requests go to one (a queue group)."""
         q = "kvbus-coordinator"
-        return [Endpoint(COORD_REGISTER, self._on_heartbeat),
-                Endpoint(COORD_LEAVE, self._on_leave),
-                Endpoint(COORD_GROUPS, self._on_groups, q),
-                Endpoint(COORD_LEASE, self._on_lease, q),
-                Endpoint(COORD_RESERVE, self._on_reserve, q),
-                Endpoint(COORD_UNRESERVE, self._on_unreserve, q),
-                Endpoint(COORD_PLACE, self._on_place, q)]
+        return [
+            Endpoint(COORD_REGISTER, self._on_heartbeat),
+            Endpoint(COORD_LEAVE, self._on_leave),
+            Endpoint(COORD_GROUPS, self._on_groups, q),
+            Endpoint(COORD_LEASE, self._on_lease, q),
+            Endpoint(COORD_RESERVE, self._on_reserve, q),
+            Endpoint(COORD_UNRESERVE, self._on_unreserve, q),
+            Endpoint(COORD_PLACE, self._on_place, q),
+        ]
 
     async def prepare_to_serve(self) -> None:
         """Continue from the durable state the last leader left."""
@@ -114,8 +116,9 @@ class Coordinator(ReplicatedService):
 
     async def now_serving(self) -> None:
         """Say what it continues from."""
-        logger.info("%s serving (%d groups, %d reservations restored)", self.name, len(self.groups),
-                    len(self.reservations))
+        logger.info(
+            "%s serving (%d groups, %d reservations restored)", self.name, len(self.groups), len(self.reservations)
+        )
 
     # -- durable state ---------------------------------------------------------------------------------
 
@@ -153,8 +156,13 @@ class Coordinator(ReplicatedService):
                     self.reservations[req.reservation_id] = (req, _reservation_rate(req))
                 elif key.startswith("lease."):
                     grant = LeaseGrant.decode(entry.value)
-                    self.leases[grant.group] = Lease(grant.group, grant.share_bps, 1.0, grant.share_bps,
-                                                     grant.expires_at - grant.epoch_s * self.config.lease_grace_epochs)
+                    self.leases[grant.group] = Lease(
+                        grant.group,
+                        grant.share_bps,
+                        1.0,
+                        grant.share_bps,
+                        grant.expires_at - grant.epoch_s * self.config.lease_grace_epochs,
+                    )
             except WireFormatError:
                 logger.warning("coordinator state %s is malformed; ignored", key)
 
@@ -188,8 +196,10 @@ class Coordinator(ReplicatedService):
         return {g: hb for g, hb in self.groups.items() if now - hb.ts <= self.config.group_ttl_s}
 
     async def _on_groups(self, msg: Msg) -> None:
-        body = {g: {"scheduler": hb.scheduler, "agents": hb.agents, "age_s": round(time.time() - hb.ts, 3)}
-                for g, hb in self.live_groups().items()}
+        body = {
+            g: {"scheduler": hb.scheduler, "agents": hb.agents, "age_s": round(time.time() - hb.ts, 3)}
+            for g, hb in self.live_groups().items()
+        }
         await self.transport.reply(msg, packb(body))
 
     # -- leases -----------------------------------------------------------------------------------------
@@ -215,8 +225,11 @@ class Coordinator(ReplicatedService):
     def allocate(self, now: float | None = None) -> dict[str, float]:
         """Weighted max-min shares of the leasable capacity among the live leases."""
         self.expire_leases(now)
-        shares = weighted_max_min(self.lease_capacity(), {g: lz.demand_bps for g, lz in self.leases.items()},
-                                  {g: max(lz.priority, 1e-6) for g, lz in self.leases.items()})
+        shares = weighted_max_min(
+            self.lease_capacity(),
+            {g: lz.demand_bps for g, lz in self.leases.items()},
+            {g: max(lz.priority, 1e-6) for g, lz in self.leases.items()},
+        )
         for g, share in shares.items():
             self.leases[g].share_bps = share
         return shares
@@ -228,8 +241,9 @@ class Coordinator(ReplicatedService):
             await self.transport.reply(msg, LeaseGrant("", 0.0, 0.0, self.config.epoch_s).encode())
             logger.warning("bad lease request: %s", exc)
             return
-        with _traced("kvbus.coord.lease", req.traceparent, {"kvbus.group": req.group,
-                                                            "kvbus.demand_bps": req.demand_bps}) as span:
+        with _traced(
+            "kvbus.coord.lease", req.traceparent, {"kvbus.group": req.group, "kvbus.demand_bps": req.demand_bps}
+        ) as span:
             now = time.time()
             if req.demand_bps <= 0:
                 self.leases.pop(req.group, None)
@@ -250,21 +264,28 @@ class Coordinator(ReplicatedService):
     def admit(self, req: ReservationRequest) -> ReservationReply:
         """Admission control: the reservation's peak rate must fit in what reservations may take."""
         if req.period_s <= 0 or req.deadline_s <= 0 or req.size_bytes <= 0:
-            return ReservationReply(req.reservation_id, False, "period, deadline and size must be positive",
-                                    code=Reason.MALFORMED)
+            return ReservationReply(
+                req.reservation_id, False, "period, deadline and size must be positive", code=Reason.MALFORMED
+            )
         if req.deadline_s > req.period_s:
-            return ReservationReply(req.reservation_id, False,
-                                    f"deadline {req.deadline_s} s is longer than the period {req.period_s} s",
-                                    code=Reason.MALFORMED)
+            return ReservationReply(
+                req.reservation_id,
+                False,
+                f"deadline {req.deadline_s} s is longer than the period {req.period_s} s",
+                code=Reason.MALFORMED,
+            )
         rate = _reservation_rate(req)
         limit = self.config.capacity_bps * self.config.reservable_fraction
         others = sum(r for rid, (_, r) in self.reservations.items() if rid != req.reservation_id)
         if others + rate > limit:
             return ReservationReply(
-                req.reservation_id, False,
+                req.reservation_id,
+                False,
                 f"needs {rate * 8 / 1e6:.1f} Mbit/s ({req.size_bytes} B within {req.deadline_s} s); only "
                 f"{max(0.0, limit - others) * 8 / 1e6:.1f} of the {limit * 8 / 1e6:.1f} Mbit/s reservations may "
-                f"take is left", code=Reason.REFUSED)
+                f"take is left",
+                code=Reason.REFUSED,
+            )
         self.reservations[req.reservation_id] = (req, rate)
         return ReservationReply(req.reservation_id, True, "admitted", rate)
 
@@ -274,8 +295,11 @@ class Coordinator(ReplicatedService):
         except WireFormatError as exc:
             await self.transport.reply(msg, ReservationReply("", False, str(exc), code=Reason.MALFORMED).encode())
             return
-        with _traced("kvbus.coord.reserve", req.traceparent, {"kvbus.group": req.group,
-                                                              "kvbus.reservation_id": req.reservation_id}) as span:
+        with _traced(
+            "kvbus.coord.reserve",
+            req.traceparent,
+            {"kvbus.group": req.group, "kvbus.reservation_id": req.reservation_id},
+        ) as span:
             reply = self.admit(req)
             if span is not None:
                 span.set_attributes({"kvbus.admitted": reply.ok, "kvbus.reason": reply.reason})

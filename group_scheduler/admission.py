@@ -70,9 +70,11 @@ def down_refusal(state: GroupState, probe_ttl_s: float, agent: str, src: str, no
     age = now - a.last_seen if a is not None else 0.0
     sender = agent == src
     who = "sender" if sender else "receiver"
-    return Refusal(Reason.SENDER_DOWN if sender else Reason.RECEIVER_DOWN,
-                   f"{who} {agent!r} is down: no probe for {age:.1f} s (probe_ttl_s {probe_ttl_s:g} s); "
-                   f"transfers to or from it are refused until it probes again")
+    return Refusal(
+        Reason.SENDER_DOWN if sender else Reason.RECEIVER_DOWN,
+        f"{who} {agent!r} is down: no probe for {age:.1f} s (probe_ttl_s {probe_ttl_s:g} s); "
+        f"transfers to or from it are refused until it probes again",
+    )
 
 
 class RequestAdmission:
@@ -104,8 +106,9 @@ class RequestAdmission:
             except WireFormatError:
                 sigs[rx] = None
         if unknown:
-            return Refusal(Reason.UNKNOWN_RECEIVER,
-                           f"unknown agent(s): {', '.join(unknown)} (not registered on the bus)")
+            return Refusal(
+                Reason.UNKNOWN_RECEIVER, f"unknown agent(s): {', '.join(unknown)} (not registered on the bus)"
+            )
         now = time.monotonic()
         down = [a for a in [req.src, *req.dst] if self.state.is_down(a)]
         if down:

@@ -114,8 +114,9 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if not MIN_TICK_S <= self.tick_s <= MAX_TICK_S:
-            raise ConfigError(f"tick_s {self.tick_s} must be within {MIN_TICK_S * 1000:.0f}.."
-                              f"{MAX_TICK_S * 1000:.0f} ms")
+            raise ConfigError(
+                f"tick_s {self.tick_s} must be within {MIN_TICK_S * 1000:.0f}..{MAX_TICK_S * 1000:.0f} ms"
+            )
         if self.max_active < 1 or self.per_pair < 1:
             raise ConfigError("max_active and per_pair must be at least 1")
         if self.selector not in ("adaptive", "static"):

@@ -135,10 +135,16 @@ class Estimate:
         return self.comm_s + self.comp_s + self.loss_s if self.usable else math.inf
 
     def as_dict(self) -> dict[str, Any]:
-        return {"medium": self.medium, "bytes": self.nbytes, "comm_s": round(self.comm_s, 6),
-                "comp_s": round(self.comp_s, 6), "loss_s": round(self.loss_s, 6),
-                "total_s": round(self.total_s, 6) if self.usable else None, "fidelity": self.fidelity,
-                **({"why_not": self.why_not} if self.why_not else {})}
+        return {
+            "medium": self.medium,
+            "bytes": self.nbytes,
+            "comm_s": round(self.comm_s, 6),
+            "comp_s": round(self.comp_s, 6),
+            "loss_s": round(self.loss_s, 6),
+            "total_s": round(self.total_s, 6) if self.usable else None,
+            "fidelity": self.fidelity,
+            **({"why_not": self.why_not} if self.why_not else {}),
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,9 +160,14 @@ class Choice:
 
     def record(self) -> dict[str, Any]:
         """The decision record that travels in the grant and ends up in the TransferReport."""
-        return {"medium": self.medium, "reason": self.reason, "predicted_s": round(self.estimate.total_s, 6),
-                "forced_lossless": self.forced_lossless, "kept_by_hysteresis": self.kept_by_hysteresis,
-                "candidates": [c.as_dict() for c in self.candidates]}
+        return {
+            "medium": self.medium,
+            "reason": self.reason,
+            "predicted_s": round(self.estimate.total_s, 6),
+            "forced_lossless": self.forced_lossless,
+            "kept_by_hysteresis": self.kept_by_hysteresis,
+            "candidates": [c.as_dict() for c in self.candidates],
+        }
 
 
 def base_medium(spec: str) -> str:
@@ -167,8 +178,13 @@ def base_medium(spec: str) -> str:
 class CostModel:
     """Predicts the latency of each medium and chooses one, with hysteresis and precision refresh."""
 
-    def __init__(self, figures: Mapping[str, MediumFigures] | None = None, *, config: CostConfig | None = None,
-                 calibrated: bool = True) -> None:
+    def __init__(
+        self,
+        figures: Mapping[str, MediumFigures] | None = None,
+        *,
+        config: CostConfig | None = None,
+        calibrated: bool = True,
+    ) -> None:
         self.figures = dict(figures or FALLBACK_FIGURES)
         self.config = config or CostConfig()
         self.calibrated = calibrated and figures is not None
@@ -188,9 +204,12 @@ class CostModel:
                 logger.info("calibration profile names unknown medium %r; ignored", spec)
                 continue
             figures[spec] = MediumFigures(
-                ratio=max(float(f.ratio), 1e-6), encode_gbps=max(float(f.encode_gbps), 1e-6),
-                decode_gbps=max(float(f.decode_gbps), 1e-6), fidelity=min(1.0, max(0.0, float(f.fidelity))),
-                needs_kv=bool(codec.needs_kv), lossless=bool(codec.lossless),
+                ratio=max(float(f.ratio), 1e-6),
+                encode_gbps=max(float(f.encode_gbps), 1e-6),
+                decode_gbps=max(float(f.decode_gbps), 1e-6),
+                fidelity=min(1.0, max(0.0, float(f.fidelity))),
+                needs_kv=bool(codec.needs_kv),
+                lossless=bool(codec.lossless),
                 summary_tokens=int(getattr(f, "summary_tokens", 0) or (64 if base_medium(spec) == "summary" else 0)),
             )
         for name, fb in FALLBACK_FIGURES.items():
@@ -211,15 +230,27 @@ class CostModel:
 
     # -- prediction ---------------------------------------------------------------------------------
 
-    def estimate(self, medium: str, *, n_tokens: int, kv_bytes: int, link: Link, sender: Endpoint,
-                 receiver: Endpoint, base_tokens: int = 0) -> Estimate:
+    def estimate(
+        self,
+        medium: str,
+        *,
+        n_tokens: int,
+        kv_bytes: int,
+        link: Link,
+        sender: Endpoint,
+        receiver: Endpoint,
+        base_tokens: int = 0,
+    ) -> Estimate:
         """Predicted cost terms of sending ``n_tokens`` (``kv_bytes`` uncompressed) with ``medium``."""
         cfg = self.config
         fig = self.figures.get(medium)
         if fig is None:
             return Estimate(medium, 0, 0, 0, 0, 0, usable=False, why_not="no figures for this medium")
-        if fig.needs_kv and (receiver.signature is None or sender.signature is None
-                             or not sender.signature.compatible_with(receiver.signature)):
+        if fig.needs_kv and (
+            receiver.signature is None
+            or sender.signature is None
+            or not sender.signature.compatible_with(receiver.signature)
+        ):
             return Estimate(medium, 0, 0, 0, 0, fig.fidelity, usable=False, why_not="receiver cannot use this KV")
         delta = medium.startswith("delta+")
         if delta and base_tokens <= 0:
@@ -262,9 +293,19 @@ class CostModel:
         bias = self.bias.get(medium, 1.0)
         return Estimate(medium, nbytes, comm * bias, comp * bias, loss, fidelity)
 
-    def choose(self, candidates: Iterable[str], *, n_tokens: int, kv_bytes: int, link: Link, sender: Endpoint,
-               receiver: Endpoint, lineage: float = 1.0, current: str | None = None,
-               base_tokens: int = 0) -> Choice:
+    def choose(
+        self,
+        candidates: Iterable[str],
+        *,
+        n_tokens: int,
+        kv_bytes: int,
+        link: Link,
+        sender: Endpoint,
+        receiver: Endpoint,
+        lineage: float = 1.0,
+        current: str | None = None,
+        base_tokens: int = 0,
+    ) -> Choice:
         """The medium with the lowest predicted latency.
 
         Args:
@@ -276,8 +317,18 @@ class CostModel:
             base_tokens: tokens of this context the receiver already holds (enables delta media).
         """
         cfg = self.config
-        ests = [self.estimate(m, n_tokens=n_tokens, kv_bytes=kv_bytes, link=link, sender=sender, receiver=receiver,
-                              base_tokens=base_tokens) for m in dict.fromkeys(candidates)]
+        ests = [
+            self.estimate(
+                m,
+                n_tokens=n_tokens,
+                kv_bytes=kv_bytes,
+                link=link,
+                sender=sender,
+                receiver=receiver,
+                base_tokens=base_tokens,
+            )
+            for m in dict.fromkeys(candidates)
+        ]
         pool = [e for e in ests if e.usable]
         if not pool:
             raise ValueError("no usable medium among " + ", ".join(e.medium for e in ests))

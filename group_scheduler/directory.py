@@ -78,7 +78,7 @@ class Directory:
                     self.remember(entry.key, record, time.monotonic())
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - lookups fall back to the TTL cache meanwhile
+            except Exception:
                 logger.debug("group %s: directory watch stopped; restarting", self.group, exc_info=True)
             finally:
                 self.live = False

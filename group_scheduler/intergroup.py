@@ -14,11 +14,10 @@ import logging
 import time
 from collections.abc import Callable
 
-from kvbus.net.transport import Transport
-from kvbus.errors import CoordinatorUnavailable
-from kvbus.net.coordinator_client import CoordinatorClient
-from kvbus.errors import WireFormatError
+from kvbus.errors import CoordinatorUnavailable, WireFormatError
 from kvbus.group_scheduler.state import GroupState, Pending
+from kvbus.net.coordinator_client import CoordinatorClient
+from kvbus.net.transport import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +42,17 @@ class InterGroupLease:
         on_change: called when the cap changes (the policy reallocates rates).
     """
 
-    def __init__(self, transport: Transport, state: GroupState, scheduler: str, *, default_bps: float,
-                 priority: float = 1.0, timeout: float = 0.5, on_change: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        state: GroupState,
+        scheduler: str,
+        *,
+        default_bps: float,
+        priority: float = 1.0,
+        timeout: float = 0.5,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
         self.client = CoordinatorClient(transport, timeout=timeout)
         self.state = state
         self.scheduler = scheduler
@@ -112,14 +120,19 @@ class InterGroupLease:
         if self.fallback and time.time() < self._retry_at:
             return  # no coordinator lately: do not make every epoch wait for the timeout
         try:
-            grant = await self.client.lease(self.state.group, self.scheduler, demand, self.priority,
-                                            traceparent=traceparent)
+            grant = await self.client.lease(
+                self.state.group, self.scheduler, demand, self.priority, traceparent=traceparent
+            )
         except (CoordinatorUnavailable, WireFormatError) as exc:
             if time.time() < self.expires_at:
                 return  # the last lease still holds
             if not self._warned:
-                logger.warning("group %s: no lease from the coordinator (%s); inter-group transfers fall back "
-                               "to the group's own budget", self.state.group, exc)
+                logger.warning(
+                    "group %s: no lease from the coordinator (%s); inter-group transfers fall back "
+                    "to the group's own budget",
+                    self.state.group,
+                    exc,
+                )
                 self._warned = True
             self.fallback = True
             self._retry_at = time.time() + RETRY_S
@@ -165,5 +178,5 @@ class InterGroupLease:
         """Deregister the group from the coordinator (its lease goes to the others at once)."""
         try:
             await self.client.leave(self.state.group, self.scheduler)
-        except Exception:  # noqa: BLE001 - closing anyway; an unrenewed lease expires by itself
+        except Exception:
             logger.debug("leave of group %s failed", self.state.group, exc_info=True)

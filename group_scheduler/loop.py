@@ -48,8 +48,9 @@ class GrantLoop:
         config: the time slice, the probe TTL and the transfer timeout.
     """
 
-    def __init__(self, transport: Transport, state: GroupState, policy: SchedulingPolicy,
-                 config: SchedulerConfig) -> None:
+    def __init__(
+        self, transport: Transport, state: GroupState, policy: SchedulingPolicy, config: SchedulerConfig
+    ) -> None:
         self.transport = transport
         self.state = state
         self.group = state.group
@@ -116,8 +117,12 @@ class GrantLoop:
                 policy.released(p)
         gone = state.expire(now, self.config.probe_ttl_s)
         for name in gone:
-            logger.warning("group %s: agent %s sent no probe for %.1f s; marked down", self.group, name,
-                           now - state.agents[name].last_seen)
+            logger.warning(
+                "group %s: agent %s sent no probe for %.1f s; marked down",
+                self.group,
+                name,
+                now - state.agents[name].last_seen,
+            )
         refusals = []
         if state.n_down:
             for p in list(state.queue):
@@ -162,9 +167,17 @@ class GrantLoop:
                 rate = min(rate, emulated) if rate > 0 else emulated
             latency = max((state.declared_latency(req.src, rx) for rx in req.dst), default=0.0)
             start = wall + max(0.0, decision.start_at - now) if decision.start_at else wall
-            grant = Grant(transfer_id=pending.transfer_id, medium=decision.medium, rate_bps=rate, start_at=start,
-                          reason=decision.reason, decision=pending.decision, latency_s=latency,
-                          sched_s=max(0.0, wall - req.ts), code=decision.code)
+            grant = Grant(
+                transfer_id=pending.transfer_id,
+                medium=decision.medium,
+                rate_bps=rate,
+                start_at=start,
+                reason=decision.reason,
+                decision=pending.decision,
+                latency_s=latency,
+                sched_s=max(0.0, wall - req.ts),
+                code=decision.code,
+            )
             data = grant.encode()
             _record_decision(pending, decision, rate, wall, now)
             if decision.medium:
@@ -192,8 +205,13 @@ class GrantLoop:
 
     async def _control(self, adj: Adjustment) -> None:
         p = adj.pending
-        ctl = Control(transfer_id=p.transfer_id, action=adj.action, reason=adj.reason, rate_bps=adj.rate_bps,
-                      max_fraction=adj.max_fraction)
+        ctl = Control(
+            transfer_id=p.transfer_id,
+            action=adj.action,
+            reason=adj.reason,
+            rate_bps=adj.rate_bps,
+            max_fraction=adj.max_fraction,
+        )
         if adj.action == "pause":
             # Conditional: the sender answers whether it paused (it declines past the threshold).
             self.state.preemptions += 1
@@ -204,7 +222,7 @@ class GrantLoop:
             return
         try:
             await self.transport.publish(agent_subject(p.src, "ctl"), ctl.encode())
-        except Exception:  # noqa: BLE001 - the transfer goes on at its old rate
+        except Exception:
             logger.warning("could not send %s to %s", adj.action, p.src, exc_info=True)
 
     async def _pause(self, p: Pending, ctl: Control) -> None:
@@ -239,8 +257,9 @@ class GrantLoop:
             if done.nbytes >= MIN_ESTIMATE_BYTES and done.wire_s > 0:
                 for rx in done.dst:
                     state.link(done.src, rx).observe(done.nbytes, done.wire_s)
-                    telemetry.instruments().link_bandwidth.record(done.nbytes / done.wire_s,
-                                                                  {"group": self.group, "link": f"{done.src}->{rx}"})
+                    telemetry.instruments().link_bandwidth.record(
+                        done.nbytes / done.wire_s, {"group": self.group, "link": f"{done.src}->{rx}"}
+                    )
             model = getattr(self.policy.selector, "model", None)
             if model is not None and pending.predicted_s > 0 and done.seconds > 0:
                 model.observe(pending.medium, pending.predicted_s, done.seconds)
@@ -264,15 +283,24 @@ def _record_decision(pending: Pending, decision: Decision, rate: float, wall: fl
     if not parent:
         return
     arrived_ns = int((wall - max(0.0, now - pending.arrived)) * 1e9)
-    span = telemetry.start("kvbus.schedule", parent=parent, start_time=arrived_ns, attributes={
-        "kvbus.transfer_id": pending.transfer_id, "kvbus.medium": decision.medium, "kvbus.rate_bps": rate})
+    span = telemetry.start(
+        "kvbus.schedule",
+        parent=parent,
+        start_time=arrived_ns,
+        attributes={"kvbus.transfer_id": pending.transfer_id, "kvbus.medium": decision.medium, "kvbus.rate_bps": rate},
+    )
     if span.is_recording():
         choice = pending.decision or {}
-        span.set_attributes({
-            "kvbus.group": pending.request.group, "kvbus.src": pending.src, "kvbus.dst": ",".join(pending.dst),
-            "kvbus.reason": decision.reason, "kvbus.granted": bool(decision.medium),
-            "kvbus.queue_wait_s": max(0.0, now - pending.arrived),
-            "kvbus.predicted_s": float(choice.get("predicted_s") or 0.0),
-            "kvbus.candidates": json.dumps(choice.get("candidates", []), separators=(",", ":"), default=str),
-        })
+        span.set_attributes(
+            {
+                "kvbus.group": pending.request.group,
+                "kvbus.src": pending.src,
+                "kvbus.dst": ",".join(pending.dst),
+                "kvbus.reason": decision.reason,
+                "kvbus.granted": bool(decision.medium),
+                "kvbus.queue_wait_s": max(0.0, now - pending.arrived),
+                "kvbus.predicted_s": float(choice.get("predicted_s") or 0.0),
+                "kvbus.candidates": json.dumps(choice.get("candidates", []), separators=(",", ":"), default=str),
+            }
+        )
     span.end()

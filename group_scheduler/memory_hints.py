@@ -42,7 +42,11 @@ class MemoryHints:
             return None
         agent.last_shed = now
         target = int(watermark * self.config.shed_target)
-        hint = Control(transfer_id="", action="shed", nbytes=target,
-                       reason=f"cache {agent.cache_bytes} B is over its watermark {watermark} B")
+        hint = Control(
+            transfer_id="",
+            action="shed",
+            nbytes=target,
+            reason=f"cache {agent.cache_bytes} B is over its watermark {watermark} B",
+        )
         self.sheds += 1
         return hint

@@ -105,9 +105,12 @@ class StaticSelector(MediumSelector):
             except CodecError as exc:
                 return Selection("", str(exc), Reason.UNKNOWN_CODEC)
             if codec.needs_kv and unusable:
-                return Selection("", f"medium {req.medium!r} carries KV that {', '.join(unusable)} cannot use "
-                                     f"(different model); send with medium='tokens' or let kvbus choose",
-                                 Reason.INCOMPATIBLE)
+                return Selection(
+                    "",
+                    f"medium {req.medium!r} carries KV that {', '.join(unusable)} cannot use "
+                    f"(different model); send with medium='tokens' or let kvbus choose",
+                    Reason.INCOMPATIBLE,
+                )
             return Selection(req.medium, "requested by the sender")
         if unusable:
             return Selection(self.fallback, f"{', '.join(unusable)} cannot use {sender.model} KV")

@@ -39,8 +39,9 @@ class WeightedRates(WeightedBook):
     _held: frozenset[str]
     _deadline_flows: bool
 
-    def _held_now(self, state: GroupState, now: float,
-                  new: Sequence[Pending] = ()) -> tuple[dict[Hashable, float], frozenset[str]]:
+    def _held_now(
+        self, state: GroupState, now: float, new: Sequence[Pending] = ()
+    ) -> tuple[dict[Hashable, float], frozenset[str]]:
         """Bandwidth reservations hold at ``now`` per resource (open windows and instances being
         sent, ``new`` ones included), and the ids of those reservations."""
         sending = [p for p in state.active.values() if p.reservation] + [p for p in new if p.reservation]

@@ -43,7 +43,7 @@ class ReservationStore:
                 self._bucket = await transport_bucket(self.transport, RESERVATIONS_BUCKET)
             if self._bucket is not None:
                 await self._bucket.put(self._key(r.reservation_id), r.message(self.group).encode())
-        except Exception:  # noqa: BLE001 - it still holds in memory
+        except Exception:
             logger.warning("could not persist reservation %s", r.reservation_id, exc_info=True)
 
     async def delete(self, reservation_id: str) -> None:
@@ -51,7 +51,7 @@ class ReservationStore:
         try:
             if self._bucket is not None:
                 await self._bucket.delete(self._key(reservation_id))
-        except Exception:  # noqa: BLE001
+        except Exception:
             logger.debug("could not delete reservation %s", reservation_id, exc_info=True)
 
     async def restore(self, table: ReservationTable, headroom: float) -> None:
@@ -75,5 +75,5 @@ class ReservationStore:
                 table.add(r)
             if len(table):
                 logger.info("group %s: %d reservations restored", self.group, len(table))
-        except Exception:  # noqa: BLE001 - start without them rather than not at all
+        except Exception:
             logger.warning("could not restore the reservations of group %s", self.group, exc_info=True)

@@ -103,14 +103,29 @@ class Reservation:
         return self.next_start + self.deadline_s
 
     def message(self, group: str) -> FlowReservation:
-        return FlowReservation(reservation_id=self.reservation_id, src=self.src, dst=list(self.dst), group=group,
-                               period_s=self.period_s, size_bytes=self.size_bytes, deadline_s=self.deadline_s,
-                               ts=self.created)
+        return FlowReservation(
+            reservation_id=self.reservation_id,
+            src=self.src,
+            dst=list(self.dst),
+            group=group,
+            period_s=self.period_s,
+            size_bytes=self.size_bytes,
+            deadline_s=self.deadline_s,
+            ts=self.created,
+        )
 
     @classmethod
     def from_message(cls, msg: FlowReservation, now: float) -> Reservation:
-        return cls(msg.reservation_id, msg.src, tuple(msg.dst), msg.period_s, msg.size_bytes, msg.deadline_s,
-                   created=msg.ts, next_start=now)
+        return cls(
+            msg.reservation_id,
+            msg.src,
+            tuple(msg.dst),
+            msg.period_s,
+            msg.size_bytes,
+            msg.deadline_s,
+            created=msg.ts,
+            next_start=now,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,8 +163,9 @@ class LocalAdmission(AdmissionControl):
     not checked.
     """
 
-    def __init__(self, reservable_fraction: float = DEFAULT_RESERVABLE_FRACTION,
-                 headroom: float = DEFAULT_HEADROOM) -> None:
+    def __init__(
+        self, reservable_fraction: float = DEFAULT_RESERVABLE_FRACTION, headroom: float = DEFAULT_HEADROOM
+    ) -> None:
         self.reservable_fraction = reservable_fraction
         self.headroom = headroom
 
@@ -157,8 +173,9 @@ class LocalAdmission(AdmissionControl):
         if not all(0 < x < math.inf for x in (r.period_s, r.deadline_s, r.size_bytes)):
             return Admission(False, "period, deadline and size must all be positive and finite", code=Reason.MALFORMED)
         if r.deadline_s > r.period_s:
-            return Admission(False, f"deadline {r.deadline_s} s is longer than the period {r.period_s} s",
-                             code=Reason.MALFORMED)
+            return Admission(
+                False, f"deadline {r.deadline_s} s is longer than the period {r.period_s} s", code=Reason.MALFORMED
+            )
         rate = self.headroom * r.size_bytes / r.deadline_s
         others = [o for o in table.all() if o.reservation_id != r.reservation_id]
         need = f"needs {_mbit(rate)} ({r.size_bytes} B within {r.deadline_s} s, x{self.headroom} headroom)"
@@ -166,19 +183,29 @@ class LocalAdmission(AdmissionControl):
             limit = self.reservable_fraction * state.bandwidth_bps
             taken = sum(o.rate_bps for o in others)
             if taken + rate > limit:
-                return Admission(False, f"{need}; only {_mbit(max(0.0, limit - taken))} of the {_mbit(limit)} "
-                                        f"reservations may take of group {state.group!r}'s budget is left",
-                                 code=Reason.REFUSED)
+                return Admission(
+                    False,
+                    f"{need}; only {_mbit(max(0.0, limit - taken))} of the {_mbit(limit)} "
+                    f"reservations may take of group {state.group!r}'s budget is left",
+                    code=Reason.REFUSED,
+                )
         for side, agent in [("egress", r.src)] + [("ingress", rx) for rx in r.dst]:
             cap = state.capacity(agent)
             if cap <= 0:
                 continue
             limit = self.reservable_fraction * cap
-            taken = sum(o.rate_bps for o in others
-                        if (side == "egress" and o.src == agent) or (side == "ingress" and agent in o.dst))
+            taken = sum(
+                o.rate_bps
+                for o in others
+                if (side == "egress" and o.src == agent) or (side == "ingress" and agent in o.dst)
+            )
             if taken + rate > limit:
-                return Admission(False, f"{need}; only {_mbit(max(0.0, limit - taken))} of the {_mbit(limit)} "
-                                        f"reservations may take of {agent}'s {side} is left", code=Reason.REFUSED)
+                return Admission(
+                    False,
+                    f"{need}; only {_mbit(max(0.0, limit - taken))} of the {_mbit(limit)} "
+                    f"reservations may take of {agent}'s {side} is left",
+                    code=Reason.REFUSED,
+                )
         return Admission(True, f"admitted: {_mbit(rate)} set aside in its windows", rate)
 
     async def admit(self, reservation: Reservation, table: ReservationTable, state: GroupState) -> Admission:
@@ -193,8 +220,9 @@ class CoordinatorAdmission(AdmissionControl):
     is a promise, so it is not made on half the information).
     """
 
-    def __init__(self, transport: Transport, group: str, local: LocalAdmission | None = None, *,
-                 timeout: float = 2.0) -> None:
+    def __init__(
+        self, transport: Transport, group: str, local: LocalAdmission | None = None, *, timeout: float = 2.0
+    ) -> None:
         self.transport = transport
         self.group = group
         self.local = local or LocalAdmission()
@@ -207,26 +235,35 @@ class CoordinatorAdmission(AdmissionControl):
         if not verdict.ok:
             return verdict
         r = reservation
-        req = ReservationRequest(r.reservation_id, self.group, f"{r.src}->{','.join(r.dst)}", r.period_s,
-                                 r.size_bytes, r.deadline_s)
+        req = ReservationRequest(
+            r.reservation_id, self.group, f"{r.src}->{','.join(r.dst)}", r.period_s, r.size_bytes, r.deadline_s
+        )
         try:
             data = await self.rpc.request(COORD_RESERVE, req.encode(), key=r.reservation_id)
             reply = ReservationReply.decode(data)
         except (NoResponders, TimeoutError):
-            return Admission(False, "no coordinator answers to admit it deployment-wide (start one with "
-                                    "`kvbus coordinator`, or use local admission)", code=Reason.UNAVAILABLE)
+            return Admission(
+                False,
+                "no coordinator answers to admit it deployment-wide (start one with "
+                "`kvbus coordinator`, or use local admission)",
+                code=Reason.UNAVAILABLE,
+            )
         except WireFormatError as exc:
             return Admission(False, f"bad answer from the coordinator: {exc}", code=Reason.UNAVAILABLE)
         if not reply.ok:
-            return Admission(False, f"refused by the coordinator: {reply.reason}",
-                             code=reply.code if reply.code != Reason.NONE else Reason.REFUSED)
+            return Admission(
+                False,
+                f"refused by the coordinator: {reply.reason}",
+                code=reply.code if reply.code != Reason.NONE else Reason.REFUSED,
+            )
         return verdict
 
     async def release(self, reservation: Reservation) -> None:
         """Tell the coordinator the reservation is cancelled (best effort)."""
         try:
-            await self.rpc.request(COORD_UNRESERVE, ReservationCancel(reservation.reservation_id).encode(),
-                                   key=reservation.reservation_id)
+            await self.rpc.request(
+                COORD_UNRESERVE, ReservationCancel(reservation.reservation_id).encode(), key=reservation.reservation_id
+            )
         except (NoResponders, TimeoutError):
             pass  # the coordinator drops it when it learns; nothing else to do
 

@@ -23,7 +23,7 @@ from nats.aio.msg import Msg
 
 from kvbus import telemetry
 from kvbus.errors import WireFormatError
-from kvbus.group_scheduler.admission import RequestAdmission, Refusal, check_sender, parse_request, refusal_code
+from kvbus.group_scheduler.admission import Refusal, RequestAdmission, check_sender, parse_request, refusal_code
 from kvbus.group_scheduler.config import SchedulerConfig
 from kvbus.group_scheduler.directory import Directory
 from kvbus.group_scheduler.intergroup import InterGroupLease
@@ -80,8 +80,15 @@ class GroupScheduler(ReplicatedService):
             own budget, or that and the coordinator's table).
     """
 
-    def __init__(self, transport: Transport, group: str, *, policy: SchedulingPolicy | None = None,
-                 config: SchedulerConfig | None = None, admission: AdmissionControl | None = None) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        group: str,
+        *,
+        policy: SchedulingPolicy | None = None,
+        config: SchedulerConfig | None = None,
+        admission: AdmissionControl | None = None,
+    ) -> None:
         group = check_name("group", group)
         # Unique per replica: the leader lease tells holders apart by name.
         super().__init__(transport, replica_name(group))
@@ -103,10 +110,15 @@ class GroupScheduler(ReplicatedService):
         """The admitted reservations in JetStream KV."""
         self.memory = MemoryHints(self.config)
         """Cache watermarks and shed hints."""
-        self.inter = InterGroupLease(transport, self.state, self.name,
-                                     default_bps=self.config.default_bandwidth_bps,
-                                     priority=self.config.lease_priority, timeout=self.config.coordinator_timeout_s,
-                                     on_change=self._lease_changed)
+        self.inter = InterGroupLease(
+            transport,
+            self.state,
+            self.name,
+            default_bps=self.config.default_bandwidth_bps,
+            priority=self.config.lease_priority,
+            timeout=self.config.coordinator_timeout_s,
+            on_change=self._lease_changed,
+        )
         """The group's inter-group bandwidth lease from the coordinator."""
         self._tasks: list[asyncio.Task[None]] = []
         self._probe_sub: Any = None
@@ -116,8 +128,9 @@ class GroupScheduler(ReplicatedService):
         self.loop.wake.set()
 
     @classmethod
-    async def connect(cls, url: str, group: str, *, nats_options: dict[str, Any] | None = None,
-                      **kwargs: Any) -> GroupScheduler:
+    async def connect(
+        cls, url: str, group: str, *, nats_options: dict[str, Any] | None = None, **kwargs: Any
+    ) -> GroupScheduler:
         """Connect to NATS (``nats_options`` go to `nats.connect`: credentials, TLS, inbox prefix) and start."""
         opts = {"name": f"kvbus-scheduler-{group}", **(nats_options or {})}
         sched = cls(await NatsTransport.connect(url, **opts), group, **kwargs)
@@ -174,10 +187,12 @@ class GroupScheduler(ReplicatedService):
             await self.store.restore(self.reservations, self.config.reservation_headroom)
         # Probes reach every replica, so a standby's S(t) is warm when it takes over.
         self._probe_sub = await self.transport.subscribe(sched_subject(self.group, "probe", "*"), self._on_probe)
-        self._tasks = [asyncio.create_task(self.loop.run(), name=f"kvbus-sched-{self.group}"),
-                       asyncio.create_task(self._heartbeat(), name=f"kvbus-sched-hb-{self.group}"),
-                       asyncio.create_task(self.inter.run(), name=f"kvbus-sched-lease-{self.group}"),
-                       asyncio.create_task(self.directory.watch(), name=f"kvbus-sched-dir-{self.group}")]
+        self._tasks = [
+            asyncio.create_task(self.loop.run(), name=f"kvbus-sched-{self.group}"),
+            asyncio.create_task(self._heartbeat(), name=f"kvbus-sched-hb-{self.group}"),
+            asyncio.create_task(self.inter.run(), name=f"kvbus-sched-lease-{self.group}"),
+            asyncio.create_task(self.directory.watch(), name=f"kvbus-sched-dir-{self.group}"),
+        ]
         bucket = await transport_bucket(self.transport, COORD_BUCKET) if self.config.leader_ttl_s > 0 else None
         await self.campaign(bucket, f"sched.{self.group}", ttl=self.config.leader_ttl_s)
 
@@ -185,11 +200,13 @@ class GroupScheduler(ReplicatedService):
         """The group's subjects. Without an election a queue group lets replicas share them; with
         one, only the leader subscribes and the queue group is moot."""
         q = f"kvbus-sched-{self.group}"
-        return [Endpoint(sched_subject(self.group, "request", "*"), self._on_request, q),
-                Endpoint(sched_subject(self.group, "done", "*"), self._on_done, q),
-                Endpoint(sched_subject(self.group, "reserve", "*"), self._on_reserve, q),
-                Endpoint(sched_subject(self.group, "state"), self._on_state, q),
-                Endpoint(sched_subject(self.group, "register", "*"), self._on_register, q)]
+        return [
+            Endpoint(sched_subject(self.group, "request", "*"), self._on_request, q),
+            Endpoint(sched_subject(self.group, "done", "*"), self._on_done, q),
+            Endpoint(sched_subject(self.group, "reserve", "*"), self._on_reserve, q),
+            Endpoint(sched_subject(self.group, "state"), self._on_state, q),
+            Endpoint(sched_subject(self.group, "register", "*"), self._on_register, q),
+        ]
 
     async def now_serving(self) -> None:
         """Look at the queue at once (a standby that took over may hold re-sent requests)."""
@@ -269,7 +286,7 @@ class GroupScheduler(ReplicatedService):
         try:
             await self.directory.write(record)
             await self.transport.reply(msg, b"ok")
-        except Exception:  # noqa: BLE001 - the agent re-registers when its link changes; keep serving
+        except Exception:
             logger.exception("group %s: could not write %s to the directory", self.group, record.name)
 
     async def _on_probe(self, msg: Msg) -> None:
@@ -289,13 +306,13 @@ class GroupScheduler(ReplicatedService):
             return
         try:
             await self.transport.publish(agent_subject(agent.name, "ctl"), hint.encode())
-        except Exception:  # noqa: BLE001 - the next probe tries again
+        except Exception:
             logger.debug("shed hint to %s failed", agent.name, exc_info=True)
 
     async def _on_state(self, msg: Msg) -> None:
         try:
             await self.transport.reply(msg, packb(snapshot(self)))
-        except Exception:  # noqa: BLE001 - an operator view must not hurt scheduling
+        except Exception:
             logger.debug("state snapshot failed", exc_info=True)
 
     async def _heartbeat(self) -> None:
@@ -306,18 +323,32 @@ class GroupScheduler(ReplicatedService):
                     await self.transport.publish(COORD_REGISTER, hb.encode())
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001
+            except Exception:
                 logger.debug("heartbeat failed", exc_info=True)
             await asyncio.sleep(self.config.heartbeat_s)
 
     # -- reservations ------------------------------------------------------------------------------
 
-    async def reserve(self, src: str, dst: list[str], *, period_s: float, size_bytes: int, deadline_s: float,
-                      reservation_id: str | None = None) -> Admission:
+    async def reserve(
+        self,
+        src: str,
+        dst: list[str],
+        *,
+        period_s: float,
+        size_bytes: int,
+        deadline_s: float,
+        reservation_id: str | None = None,
+    ) -> Admission:
         """Admit (or refuse) a periodic critical flow; the same as an agent's `Agent.reserve`."""
-        msg = FlowReservation(reservation_id=reservation_id or uuid.uuid4().hex[:16], src=src, dst=list(dst),
-                              group=self.group, period_s=float(period_s), size_bytes=int(size_bytes),
-                              deadline_s=float(deadline_s))
+        msg = FlowReservation(
+            reservation_id=reservation_id or uuid.uuid4().hex[:16],
+            src=src,
+            dst=list(dst),
+            group=self.group,
+            period_s=float(period_s),
+            size_bytes=int(size_bytes),
+            deadline_s=float(deadline_s),
+        )
         return await self._admit(msg)
 
     async def unreserve(self, reservation_id: str) -> bool:
@@ -335,8 +366,9 @@ class GroupScheduler(ReplicatedService):
     async def _admit(self, msg: FlowReservation) -> Admission:
         table = self.reservations
         if table is None:
-            return Admission(False, f"the {type(self.policy).__name__} policy does not support reservations",
-                             code=Reason.REFUSED)
+            return Admission(
+                False, f"the {type(self.policy).__name__} policy does not support reservations", code=Reason.REFUSED
+            )
         try:
             for name in [msg.src, *msg.dst]:
                 check_name("agent", name)
@@ -347,8 +379,9 @@ class GroupScheduler(ReplicatedService):
         r = Reservation.from_message(msg, time.monotonic())
         verdict = await self.admission.admit(r, table, self.state)
         if not verdict.ok:
-            logger.info("reservation %s (%s -> %s) refused: %s", r.reservation_id, r.src, ",".join(r.dst),
-                        verdict.reason)
+            logger.info(
+                "reservation %s (%s -> %s) refused: %s", r.reservation_id, r.src, ",".join(r.dst), verdict.reason
+            )
             return verdict
         r.rate_bps = verdict.rate_bps
         table.add(r)
@@ -366,10 +399,15 @@ class GroupScheduler(ReplicatedService):
             return
         if req.cancel:
             found = await self.unreserve(req.reservation_id)
-            reply = ReservationReply(req.reservation_id, found, "cancelled" if found else "no such reservation",
-                                     code=Reason.NONE if found else Reason.NOT_FOUND)
+            reply = ReservationReply(
+                req.reservation_id,
+                found,
+                "cancelled" if found else "no such reservation",
+                code=Reason.NONE if found else Reason.NOT_FOUND,
+            )
         else:
             verdict = await self._admit(req)
-            reply = ReservationReply(req.reservation_id, verdict.ok, verdict.reason, verdict.rate_bps,
-                                     code=verdict.code)
+            reply = ReservationReply(
+                req.reservation_id, verdict.ok, verdict.reason, verdict.rate_bps, code=verdict.code
+            )
         await self.transport.reply(msg, reply.encode())

@@ -18,8 +18,18 @@ from kvbus.signature import ModelSignature
 logger = logging.getLogger(__name__)
 
 #: Media the adaptive selector considers when none are configured (those without figures are skipped).
-DEFAULT_CANDIDATES = ("full", "int8", "int4", "topk+int8", "lowrank", "tokens", "summary",
-                      "delta+full", "delta+int8", "delta+int4")
+DEFAULT_CANDIDATES = (
+    "full",
+    "int8",
+    "int4",
+    "topk+int8",
+    "lowrank",
+    "tokens",
+    "summary",
+    "delta+full",
+    "delta+int8",
+    "delta+int4",
+)
 
 
 def _canonical(spec: str) -> str:
@@ -57,11 +67,17 @@ class AdaptiveSelector(MediumSelector):
     when given, is honoured (and still recorded with its predicted cost).
     """
 
-    def __init__(self, model: CostModel | None = None, *, candidates: tuple[str, ...] = DEFAULT_CANDIDATES,
-                 default_bandwidth_bps: float = 1e9) -> None:
+    def __init__(
+        self,
+        model: CostModel | None = None,
+        *,
+        candidates: tuple[str, ...] = DEFAULT_CANDIDATES,
+        default_bandwidth_bps: float = 1e9,
+    ) -> None:
         self.model = model or CostModel()
-        self.candidates = tuple(dict.fromkeys(
-            c for c in (_canonical(m) for m in candidates) if c in self.model.figures and _known(c)))
+        self.candidates = tuple(
+            dict.fromkeys(c for c in (_canonical(m) for m in candidates) if c in self.model.figures and _known(c))
+        )
         self.default_bandwidth_bps = default_bandwidth_bps
         self.last: dict[tuple[str, str], str] = {}
         self.switches = 0
@@ -108,17 +124,36 @@ class AdaptiveSelector(MediumSelector):
         per_rx: list[Choice] = []
         for rx, sig in pending.receivers.items():
             try:
-                per_rx.append(self.model.choose(
-                    candidates, n_tokens=req.n_tokens, kv_bytes=req.nbytes, link=self.link(state, req.src, rx),
-                    sender=sender, receiver=self.endpoint(state, rx, sig), lineage=req.fidelity,
-                    current=None if req.medium else self.last.get((req.src, rx)), base_tokens=req.base_tokens))
+                per_rx.append(
+                    self.model.choose(
+                        candidates,
+                        n_tokens=req.n_tokens,
+                        kv_bytes=req.nbytes,
+                        link=self.link(state, req.src, rx),
+                        sender=sender,
+                        receiver=self.endpoint(state, rx, sig),
+                        lineage=req.fidelity,
+                        current=None if req.medium else self.last.get((req.src, rx)),
+                        base_tokens=req.base_tokens,
+                    )
+                )
             except ValueError:
                 if req.medium and not _known(req.medium):
-                    return Decided("", f"medium {req.medium!r} is not a codec this scheduler knows; send with "
-                                       f"one it knows or let kvbus choose", None, Reason.UNKNOWN_CODEC)
+                    return Decided(
+                        "",
+                        f"medium {req.medium!r} is not a codec this scheduler knows; send with "
+                        f"one it knows or let kvbus choose",
+                        None,
+                        Reason.UNKNOWN_CODEC,
+                    )
                 if req.medium:
-                    return Decided("", f"medium {req.medium!r} carries KV that {rx} cannot use (different model); "
-                                       f"send with medium='tokens' or let kvbus choose", None, Reason.INCOMPATIBLE)
+                    return Decided(
+                        "",
+                        f"medium {req.medium!r} carries KV that {rx} cannot use (different model); "
+                        f"send with medium='tokens' or let kvbus choose",
+                        None,
+                        Reason.INCOMPATIBLE,
+                    )
                 return Decided("", f"no medium can reach {rx}", None, Reason.INCOMPATIBLE)
         choice = per_rx[0] if len(per_rx) == 1 else self._broadcast_choice(per_rx)
         if choice is None:
@@ -148,8 +183,9 @@ class AdaptiveSelector(MediumSelector):
         if best is None:
             return None
         medium = best[1]
-        slowest: Estimate = max((next(e for e in c.candidates if e.medium == medium) for c in per_rx),
-                                key=lambda e: e.total_s)
+        slowest: Estimate = max(
+            (next(e for e in c.candidates if e.medium == medium) for c in per_rx), key=lambda e: e.total_s
+        )
         return Choice(medium, slowest, per_rx[0].candidates, f"broadcast: slowest receiver fastest with {medium}")
 
 

@@ -112,8 +112,17 @@ class Simulation:
     def _at(self, t: float, fn: Callable[[], None]) -> None:
         heapq.heappush(self._events, (t, next(self._seq), fn))
 
-    def submit(self, src: str, dst: str | tuple[str, ...], nbytes: int, *, at: float | None = None,
-               critical: bool = False, deadline_s: float | None = None, tag: str = "") -> SimTransfer:
+    def submit(
+        self,
+        src: str,
+        dst: str | tuple[str, ...],
+        nbytes: int,
+        *,
+        at: float | None = None,
+        critical: bool = False,
+        deadline_s: float | None = None,
+        tag: str = "",
+    ) -> SimTransfer:
         """A transfer that arrives at ``at`` (default: now)."""
         dst = (dst,) if isinstance(dst, str) else tuple(dst)
         t = SimTransfer(src, dst, int(nbytes), self.now if at is None else at, critical, deadline_s, tag)
@@ -130,8 +139,19 @@ class Simulation:
         for _ in range(depth):
             self.submit(src, dst, nbytes, tag=tag)
 
-    def periodic(self, src: str, dst: str | tuple[str, ...], nbytes: int, *, period_s: float, start: float,
-                 until: float, critical: bool = True, deadline_s: float | None = None, tag: str = "") -> None:
+    def periodic(
+        self,
+        src: str,
+        dst: str | tuple[str, ...],
+        nbytes: int,
+        *,
+        period_s: float,
+        start: float,
+        until: float,
+        critical: bool = True,
+        deadline_s: float | None = None,
+        tag: str = "",
+    ) -> None:
         t = start
         while t < until:
             self.submit(src, dst, nbytes, at=t, critical=critical, deadline_s=deadline_s, tag=tag)
@@ -143,8 +163,16 @@ class Simulation:
     # -- mechanics -----------------------------------------------------------------------------
 
     def _arrive(self, t: SimTransfer) -> None:
-        req = TransferRequest(transfer_id=t.transfer_id, src=t.src, dst=list(t.dst), group="sim", n_tokens=1,
-                              nbytes=t.nbytes, signature=SIM_SIGNATURE.to_dict(), critical=t.critical)
+        req = TransferRequest(
+            transfer_id=t.transfer_id,
+            src=t.src,
+            dst=list(t.dst),
+            group="sim",
+            n_tokens=1,
+            nbytes=t.nbytes,
+            signature=SIM_SIGNATURE.to_dict(),
+            critical=t.critical,
+        )
         deadline_at = self.now + t.deadline_s if t.deadline_s is not None else None
         pending = Pending(req, dict.fromkeys(t.dst, SIM_SIGNATURE), arrived=self.now, deadline_at=deadline_at)
         self.state.queue.append(pending)

@@ -14,27 +14,54 @@ def snapshot(scheduler: Any) -> dict[str, Any]:
     state = scheduler.state
     now = time.monotonic()
     agents = {
-        name: {"role": a.role, "priority": a.role_priority, "queue": a.queue_size, "cache_bytes": a.cache_bytes,
-               "load": round(a.compute_load, 3), "age_s": round(now - a.last_seen, 2) if a.last_seen else None,
-               "down": bool(getattr(a, "down", False))}
+        name: {
+            "role": a.role,
+            "priority": a.role_priority,
+            "queue": a.queue_size,
+            "cache_bytes": a.cache_bytes,
+            "load": round(a.compute_load, 3),
+            "age_s": round(now - a.last_seen, 2) if a.last_seen else None,
+            "down": bool(getattr(a, "down", False)),
+        }
         for name, a in state.agents.items()
     }
     active = [
-        {"id": p.transfer_id[:12], "src": p.request.src, "dst": list(p.request.dst), "medium": p.medium,
-         "rate_bps": p.rate_bps, "bytes": p.request.nbytes, "tokens": p.request.n_tokens,
-         "age_s": round(now - p.granted_at, 2) if p.granted_at else 0.0}
+        {
+            "id": p.transfer_id[:12],
+            "src": p.request.src,
+            "dst": list(p.request.dst),
+            "medium": p.medium,
+            "rate_bps": p.rate_bps,
+            "bytes": p.request.nbytes,
+            "tokens": p.request.n_tokens,
+            "age_s": round(now - p.granted_at, 2) if p.granted_at else 0.0,
+        }
         for p in state.active.values()
     ]
     queue = [
-        {"id": p.transfer_id[:12], "src": p.request.src, "dst": list(p.request.dst), "tokens": p.request.n_tokens,
-         "wait_s": round(now - p.arrived, 3), "critical": p.request.critical}
+        {
+            "id": p.transfer_id[:12],
+            "src": p.request.src,
+            "dst": list(p.request.dst),
+            "tokens": p.request.n_tokens,
+            "wait_s": round(now - p.arrived, 3),
+            "critical": p.request.critical,
+        }
         for p in state.queue
     ]
     links = {
         f"{src}->{dst}": {"bandwidth_bps": est.bandwidth_bps, "samples": len(est.samples)}
-        for (src, dst), est in state.links.items() if est.samples
+        for (src, dst), est in state.links.items()
+        if est.samples
     }
-    return {"group": state.group, "scheduler": scheduler.name, "ts": time.time(), "agents": agents,
-            "active": active, "queue": queue, "links": links,
-            "counters": {"granted": state.granted, "completed": state.completed, "failed": state.failed},
-            "bandwidth_bps": state.bandwidth_bps}
+    return {
+        "group": state.group,
+        "scheduler": scheduler.name,
+        "ts": time.time(),
+        "agents": agents,
+        "active": active,
+        "queue": queue,
+        "links": links,
+        "counters": {"granted": state.granted, "completed": state.completed, "failed": state.failed},
+        "bandwidth_bps": state.bandwidth_bps,
+    }

@@ -59,11 +59,21 @@ Started = tuple[Pending, float, str, str]
 class WeightedPolicy(WeightedRates, SchedulingPolicy):
     """Weighted round robin with urgency, preemption, reservations and max-min rates."""
 
-    def __init__(self, selector: MediumSelector | None = None, *, urgency: UrgencyModel | None = None,
-                 picker: PairPicker | None = None, preemption: PreemptionStrategy | None = None,
-                 reservations: ReservationTable | None = None, max_active: int = 8, per_pair: int = 1,
-                 preempt_min_bytes: int = 1 << 20, max_pause_s: float = 10.0, rate_epsilon: float = 0.05,
-                 tick_s: float = 0.010) -> None:
+    def __init__(
+        self,
+        selector: MediumSelector | None = None,
+        *,
+        urgency: UrgencyModel | None = None,
+        picker: PairPicker | None = None,
+        preemption: PreemptionStrategy | None = None,
+        reservations: ReservationTable | None = None,
+        max_active: int = 8,
+        per_pair: int = 1,
+        preempt_min_bytes: int = 1 << 20,
+        max_pause_s: float = 10.0,
+        rate_epsilon: float = 0.05,
+        tick_s: float = 0.010,
+    ) -> None:
         super().__init__(selector)
         self.urgency = urgency or UrgencyModel()
         self.picker = picker or SmoothWRR()
@@ -95,14 +105,28 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
     @classmethod
     def from_config(cls, config: SchedulerConfig, selector: MediumSelector | None = None) -> WeightedPolicy:
         """The policy with the urgency model, preemption, reservations and limits ``config`` sets."""
-        urgency = UrgencyModel(base=config.urgency_base, alpha=config.urgency_alpha, beta=config.urgency_beta,
-                               max_delay_s=config.urgency_max_delay_s, deadline_boost=config.deadline_boost,
-                               deadline_horizon_s=config.deadline_horizon_s, critical_boost=config.critical_boost)
+        urgency = UrgencyModel(
+            base=config.urgency_base,
+            alpha=config.urgency_alpha,
+            beta=config.urgency_beta,
+            max_delay_s=config.urgency_max_delay_s,
+            deadline_boost=config.deadline_boost,
+            deadline_horizon_s=config.deadline_horizon_s,
+            critical_boost=config.critical_boost,
+        )
         kind = ThresholdPreemption if config.preempt else NoPreemption
-        return cls(selector, urgency=urgency, preemption=kind(config.preempt_ratio, config.preempt_threshold),
-                   reservations=ReservationTable(lead_s=config.reservation_lead_s), max_active=config.max_active,
-                   per_pair=config.per_pair, preempt_min_bytes=config.preempt_min_bytes,
-                   max_pause_s=config.max_pause_s, rate_epsilon=config.rate_epsilon, tick_s=config.tick_s)
+        return cls(
+            selector,
+            urgency=urgency,
+            preemption=kind(config.preempt_ratio, config.preempt_threshold),
+            reservations=ReservationTable(lead_s=config.reservation_lead_s),
+            max_active=config.max_active,
+            per_pair=config.per_pair,
+            preempt_min_bytes=config.preempt_min_bytes,
+            max_pause_s=config.max_pause_s,
+            rate_epsilon=config.rate_epsilon,
+            tick_s=config.tick_s,
+        )
 
     def starvation_bound_s(self) -> float:
         """Longest queue delay of a transfer waiting behind other pairs' ordinary transfers."""
@@ -142,8 +166,10 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
             if head.transfer_id not in self._special:
                 cands.append(head)
         if cands:
-            scored = sorted(((urgency(p, now, since=max(p.arrived, pairs.waiting_since(p.pair))), p) for p in cands),
-                            key=lambda x: -x[0])
+            scored = sorted(
+                ((urgency(p, now, since=max(p.arrived, pairs.waiting_since(p.pair))), p) for p in cands),
+                key=lambda x: -x[0],
+            )
             floor = self.preemption.ratio * self._u0
             for u, p in scored:
                 r = self.reservations.match(p) if len(self.reservations) else None
@@ -258,9 +284,14 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
                 if run.loaded:
                     self._add_load(run, -run.weight)
                 self.preemptions += 1
-                self._immediate.append(Adjustment(
-                    f, "pause", max_fraction=self.preemption.threshold,
-                    reason=f"preempted by {p.transfer_id} (urgency {level:.1f} vs {run.urgency:.1f})"))
+                self._immediate.append(
+                    Adjustment(
+                        f,
+                        "pause",
+                        max_fraction=self.preemption.threshold,
+                        reason=f"preempted by {p.transfer_id} (urgency {level:.1f} vs {run.urgency:.1f})",
+                    )
+                )
 
     def _resume(self, state: GroupState, now: float) -> None:
         active = state.active

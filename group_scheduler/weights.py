@@ -79,8 +79,11 @@ class UrgencyModel:
 
         For a broadcast the receivers' side counts with the highest priority among them.
         """
-        return (state.role_priority(p.src) + max((state.role_priority(rx) for rx in p.dst), default=0.0)
-                + self.urgency(p, now, running=running))
+        return (
+            state.role_priority(p.src)
+            + max((state.role_priority(rx) for rx in p.dst), default=0.0)
+            + self.urgency(p, now, running=running)
+        )
 
     def starvation_bound_s(self, ratio: float, tick_s: float) -> float:
         """Longest a pair with queued work and nothing running waits, behind ordinary transfers.
@@ -98,4 +101,3 @@ class UrgencyModel:
         if target <= self.base + self.alpha:
             return tick_s
         return math.log((target - self.base) / self.alpha) / self.beta + tick_s
-

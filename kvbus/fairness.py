@@ -93,8 +93,9 @@ def weighted_max_min(flows: Sequence[Flow], capacity: Mapping[Hashable, float]) 
 _SHARED = ("fairness.shared",)
 
 
-def fair_shares(capacity: float, demands: Mapping[str, float], weights: Mapping[str, float] | None = None
-                ) -> dict[str, float]:
+def fair_shares(
+    capacity: float, demands: Mapping[str, float], weights: Mapping[str, float] | None = None
+) -> dict[str, float]:
     """Split ``capacity`` between claimants by weighted max-min fairness.
 
     Every claimant gets at most its demand; capacity a claimant does not need is shared by the

@@ -80,8 +80,10 @@ class KVCache:
         """
         sig = signature or self.signature
         if signature is not None and not self.signature.compatible_with(signature):
-            raise SignatureMismatch(f"a cache for {signature.model} ({signature.digest()})",
-                                    f"one for {self.signature.model} ({self.signature.digest()})")
+            raise SignatureMismatch(
+                f"a cache for {signature.model} ({signature.digest()})",
+                f"one for {self.signature.model} ({self.signature.digest()})",
+            )
         if self.tokens.dtype not in (torch.int64, torch.int32) or self.tokens.dim() != 2:
             raise SignatureMismatch("token ids int64 [batch, n]", f"{self.tokens.dtype} {list(self.tokens.shape)}")
         if not self.keys and not self.values:

@@ -72,20 +72,26 @@ class Credentials:
         return {"user": user, "password": password, "inbox_prefix": "_INBOX.coord"}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"agents": {k: list(v) for k, v in self.agents.items()},
-                "schedulers": {k: list(v) for k, v in self.schedulers.items()},
-                "coordinator": list(self.coordinator)}
+        return {
+            "agents": {k: list(v) for k, v in self.agents.items()},
+            "schedulers": {k: list(v) for k, v in self.schedulers.items()},
+            "coordinator": list(self.coordinator),
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Credentials:
-        return cls(agents={k: (v[0], v[1]) for k, v in data.get("agents", {}).items()},
-                   schedulers={k: (v[0], v[1]) for k, v in data.get("schedulers", {}).items()},
-                   coordinator=tuple(data.get("coordinator", ("", ""))))  # type: ignore[arg-type]
+        return cls(
+            agents={k: (v[0], v[1]) for k, v in data.get("agents", {}).items()},
+            schedulers={k: (v[0], v[1]) for k, v in data.get("schedulers", {}).items()},
+            coordinator=tuple(data.get("coordinator", ("", ""))),
+        )  # type: ignore[arg-type]
 
     def __repr__(self) -> str:
         # Never show passwords (in logs, tracebacks, debuggers).
-        return (f"Credentials(agents={sorted(self.agents)}, schedulers={sorted(self.schedulers)}, "
-                f"coordinator={self.coordinator[0]!r})")
+        return (
+            f"Credentials(agents={sorted(self.agents)}, schedulers={sorted(self.schedulers)}, "
+            f"coordinator={self.coordinator[0]!r})"
+        )
 
 
 def save_credentials(creds: Credentials, path: Path) -> None:
@@ -109,9 +115,16 @@ def agent_permissions(grant: AgentGrant) -> dict[str, object]:
     subscribe = [f"kvbus.agent.{a}.>", f"_INBOX.{a}.>"]
     subscribe += [f"kvbus.bcast.{check_name('agent', s)}.>" for s in grant.broadcasts_from]
     return {
-        "publish": {"allow": [*(sched_subject(g, kind, a) for kind in AGENT_TO_SCHED), inbox_subject("*", a),
-                              "kvbus.agent.*.ack", "kvbus.agent.*.data.>", f"kvbus.bcast.{a}.>",
-                              "kvbus.coord.place"]},
+        "publish": {
+            "allow": [
+                *(sched_subject(g, kind, a) for kind in AGENT_TO_SCHED),
+                inbox_subject("*", a),
+                "kvbus.agent.*.ack",
+                "kvbus.agent.*.data.>",
+                f"kvbus.bcast.{a}.>",
+                "kvbus.coord.place",
+            ]
+        },
         "subscribe": {"allow": subscribe},
         "allow_responses": True,
     }
@@ -120,10 +133,25 @@ def agent_permissions(grant: AgentGrant) -> dict[str, object]:
 def scheduler_permissions(group: str) -> dict[str, object]:
     g = check_name("group", group)
     return {
-        "publish": {"allow": ["kvbus.agent.*.ctl", "kvbus.coord.>", "$JS.API.>", "$KV.kvbus_agents.>",
-                              "$KV.kvbus_coord.>", f"$KV.kvbus_sched_reservations.{g}.>", f"_INBOX.sched-{g}.>"]},
-        "subscribe": {"allow": [f"kvbus.sched.{g}.>", f"_INBOX.sched-{g}.>", "$KV.kvbus_agents.>",
-                                f"$KV.kvbus_sched_reservations.{g}.>"]},
+        "publish": {
+            "allow": [
+                "kvbus.agent.*.ctl",
+                "kvbus.coord.>",
+                "$JS.API.>",
+                "$KV.kvbus_agents.>",
+                "$KV.kvbus_coord.>",
+                f"$KV.kvbus_sched_reservations.{g}.>",
+                f"_INBOX.sched-{g}.>",
+            ]
+        },
+        "subscribe": {
+            "allow": [
+                f"kvbus.sched.{g}.>",
+                f"_INBOX.sched-{g}.>",
+                "$KV.kvbus_agents.>",
+                f"$KV.kvbus_sched_reservations.{g}.>",
+            ]
+        },
         "allow_responses": True,
     }
 

@@ -58,7 +58,9 @@ class ModelSignature:
     """RoPE base; caches from another base would attend at the wrong positions."""
 
     @classmethod
-    def from_hf_config(cls, config: Any, *, model: str | None = None, dtype: torch.dtype | None = None) -> ModelSignature:
+    def from_hf_config(
+        cls, config: Any, *, model: str | None = None, dtype: torch.dtype | None = None
+    ) -> ModelSignature:
         """Build the signature of a Hugging Face `transformers` model config."""
         n_heads = int(config.num_attention_heads)
         n_kv_heads = int(getattr(config, "num_key_value_heads", None) or n_heads)

@@ -43,7 +43,8 @@ MESSAGE_BODY_SIZE = "messaging.message.body.size"
 def tracing_configured(environ: Mapping[str, str] | None = None) -> bool:
     env = os.environ if environ is None else environ
     return bool(env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")) and (
-        env.get("OTEL_SDK_DISABLED", "").lower() != "true")
+        env.get("OTEL_SDK_DISABLED", "").lower() != "true"
+    )
 
 
 def setup(service_name: str | None = None, *, environ: Mapping[str, str] | None = None) -> bool:
@@ -109,8 +110,9 @@ def _setup_metrics(name: str, port: int) -> int:
     served = start_http_server(port)
     if port == 0 and isinstance(served, tuple):
         port = served[0].server_port  # an ephemeral port: say which
-    metrics.set_meter_provider(MeterProvider(resource=Resource.create({"service.name": name}),
-                                             metric_readers=[PrometheusMetricReader()]))
+    metrics.set_meter_provider(
+        MeterProvider(resource=Resource.create({"service.name": name}), metric_readers=[PrometheusMetricReader()])
+    )
     logger.info("Prometheus metrics on :%d", port)
     return port
 
@@ -155,9 +157,14 @@ def is_recording() -> bool:
     return trace.get_current_span().is_recording()
 
 
-def start(name: str, *, parent: str | otel_context.Context | Span | None = None,
-          kind: trace.SpanKind = trace.SpanKind.INTERNAL, attributes: Mapping[str, Any] | None = None,
-          start_time: int | None = None) -> Span:
+def start(
+    name: str,
+    *,
+    parent: str | otel_context.Context | Span | None = None,
+    kind: trace.SpanKind = trace.SpanKind.INTERNAL,
+    attributes: Mapping[str, Any] | None = None,
+    start_time: int | None = None,
+) -> Span:
     """A span that is not made current (for work that ends in another callback); call ``end()``.
 
     ``parent`` may be a ``traceparent`` string from the wire, a context or a span.
@@ -192,15 +199,26 @@ def extract(traceparent_value: str | None) -> otel_context.Context | None:
 
 
 @contextmanager
-def span(name: str, *, parent: str | otel_context.Context | None = None, kind: trace.SpanKind = trace.SpanKind.INTERNAL,
-         attributes: Mapping[str, Any] | None = None) -> Iterator[Span]:
+def span(
+    name: str,
+    *,
+    parent: str | otel_context.Context | None = None,
+    kind: trace.SpanKind = trace.SpanKind.INTERNAL,
+    attributes: Mapping[str, Any] | None = None,
+) -> Iterator[Span]:
     """A span as a context manager; ``parent`` may be a ``traceparent`` string from the wire.
 
     Exceptions are recorded on the span and re-raised.
     """
     ctx = extract(parent) if isinstance(parent, str) else parent
-    with tracer().start_as_current_span(name, context=ctx, kind=kind, attributes=dict(attributes or {}),
-                                        record_exception=True, set_status_on_exception=True) as s:
+    with tracer().start_as_current_span(
+        name,
+        context=ctx,
+        kind=kind,
+        attributes=dict(attributes or {}),
+        record_exception=True,
+        set_status_on_exception=True,
+    ) as s:
         yield s
 
 
@@ -213,15 +231,17 @@ class Metrics:
 
     def __init__(self, meter: metrics.Meter | None = None) -> None:
         m = meter or metrics.get_meter("kvbus")
-        self.transfer_latency = m.create_histogram("kvbus.transfer.duration", unit="s",
-                                                   description="Send to verified delivery, by medium")
+        self.transfer_latency = m.create_histogram(
+            "kvbus.transfer.duration", unit="s", description="Send to verified delivery, by medium"
+        )
         self.transfer_bytes = m.create_counter("kvbus.transfer.bytes", unit="By", description="Payload bytes by medium")
         self.transfers = m.create_counter("kvbus.transfers", description="Transfers by medium and outcome")
         self.queue_delay = m.create_histogram("kvbus.queue.delay", unit="s", description="Request to grant, per agent")
         self.preemptions = m.create_counter("kvbus.preemptions", description="Transfers paused for a more urgent one")
         self.reservation_misses = m.create_counter("kvbus.reservation.misses", description="Reserved slots missed")
-        self.link_bandwidth = m.create_histogram("kvbus.link.bandwidth", unit="By/s",
-                                                 description="Observed bandwidth per link")
+        self.link_bandwidth = m.create_histogram(
+            "kvbus.link.bandwidth", unit="By/s", description="Observed bandwidth per link"
+        )
         self.cache_events = m.create_counter("kvbus.cache.events", description="Cache tier hits, misses, prefetch hits")
         self.memory_peak = m.create_histogram("kvbus.agent.memory", unit="By", description="Agent KV bytes (probe)")
         self.retransmits = m.create_counter("kvbus.chunks.retransmitted", description="Chunks sent again")

@@ -58,17 +58,24 @@ CHECK_TIMEOUT = 5.0
 
 #: `nats.connect` options that carry a client identity. Per-role options that set any of them
 #: (`kvbus.security.Credentials`) replace the identity from the environment as a whole.
-IDENTITY_OPTIONS = frozenset({"user", "password", "token", "nkeys_seed", "nkeys_seed_str",
-                              "user_credentials", "signature_cb", "user_jwt_cb"})
+IDENTITY_OPTIONS = frozenset(
+    {"user", "password", "token", "nkeys_seed", "nkeys_seed_str", "user_credentials", "signature_cb", "user_jwt_cb"}
+)
 #: Fields never shown by `repr`.
 SECRET_FIELDS = frozenset({"password", "token"})
 
-_AUTH_HINT = ("check KVBUS_NATS_USER/KVBUS_NATS_PASSWORD, KVBUS_NATS_TOKEN, KVBUS_NATS_NKEYS_SEED or "
-              "KVBUS_NATS_CREDS (or the credentials in the URL) against the server's authorization block")
-_VERIFY_HINT = ("set KVBUS_NATS_TLS_CA to the CA that signed the server's certificate "
-                "(and KVBUS_NATS_TLS_HOSTNAME if the certificate names another host than the URL)")
-_HANDSHAKE_HINT = ("if the server verifies clients (mutual TLS), set KVBUS_NATS_TLS_CERT and KVBUS_NATS_TLS_KEY "
-                   "to a certificate signed by a CA it trusts")
+_AUTH_HINT = (
+    "check KVBUS_NATS_USER/KVBUS_NATS_PASSWORD, KVBUS_NATS_TOKEN, KVBUS_NATS_NKEYS_SEED or "
+    "KVBUS_NATS_CREDS (or the credentials in the URL) against the server's authorization block"
+)
+_VERIFY_HINT = (
+    "set KVBUS_NATS_TLS_CA to the CA that signed the server's certificate "
+    "(and KVBUS_NATS_TLS_HOSTNAME if the certificate names another host than the URL)"
+)
+_HANDSHAKE_HINT = (
+    "if the server verifies clients (mutual TLS), set KVBUS_NATS_TLS_CERT and KVBUS_NATS_TLS_KEY "
+    "to a certificate signed by a CA it trusts"
+)
 
 
 def _var(name: str) -> str:
@@ -113,16 +120,28 @@ class NatsAuth:
             raise ConfigError(f"{_var('password')} is set but {_var('user')} is not: a password needs its user")
         if self.user and not self.password:
             raise ConfigError(f"{_var('user')} is set but {_var('password')} is not: a user needs its password")
-        chosen = [name for name, on in (("user", self.user), ("token", self.token),
-                                         ("nkeys_seed", self.nkeys_seed), ("creds", self.creds)) if on]
+        chosen = [
+            name
+            for name, on in (
+                ("user", self.user),
+                ("token", self.token),
+                ("nkeys_seed", self.nkeys_seed),
+                ("creds", self.creds),
+            )
+            if on
+        ]
         if len(chosen) > 1:
             raise ConfigError("set one NATS identity, not several: got " + " and ".join(_var(n) for n in chosen))
         if self.tls_cert and not self.tls_key:
-            raise ConfigError(f"{_var('tls_cert')} is set but {_var('tls_key')} is not: mutual TLS needs the "
-                              "client certificate and its private key")
+            raise ConfigError(
+                f"{_var('tls_cert')} is set but {_var('tls_key')} is not: mutual TLS needs the "
+                "client certificate and its private key"
+            )
         if self.tls_key and not self.tls_cert:
-            raise ConfigError(f"{_var('tls_key')} is set but {_var('tls_cert')} is not: mutual TLS needs the "
-                              "client certificate and its private key")
+            raise ConfigError(
+                f"{_var('tls_key')} is set but {_var('tls_cert')} is not: mutual TLS needs the "
+                "client certificate and its private key"
+            )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> NatsAuth:
@@ -166,16 +185,19 @@ class NatsAuth:
         try:
             ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
         except (ssl.SSLError, OSError) as exc:
-            raise ConfigError(f"{_var('tls_ca')}={self.tls_ca!r} is not a PEM file of CA certificates "
-                              f"({_ssl_reason(exc)})") from None
+            raise ConfigError(
+                f"{_var('tls_ca')}={self.tls_ca!r} is not a PEM file of CA certificates ({_ssl_reason(exc)})"
+            ) from None
         if self.tls_cert:
             cert = _readable_file(self.tls_cert, "tls_cert")
             key = _readable_file(self.tls_key, "tls_key")
             try:
                 ctx.load_cert_chain(cert, key)
             except (ssl.SSLError, OSError) as exc:
-                raise ConfigError(f"{_var('tls_cert')}={self.tls_cert!r} and {_var('tls_key')}={self.tls_key!r} "
-                                  f"are not a PEM certificate and its private key ({_ssl_reason(exc)})") from None
+                raise ConfigError(
+                    f"{_var('tls_cert')}={self.tls_cert!r} and {_var('tls_key')}={self.tls_key!r} "
+                    f"are not a PEM certificate and its private key ({_ssl_reason(exc)})"
+                ) from None
         return ctx
 
     def connect_options(self, role_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -228,8 +250,9 @@ class NatsAuth:
         return f"NatsAuth({', '.join(shown)})"
 
 
-async def check_connection(url: str, options: Mapping[str, Any] | None = None, *,
-                           timeout: float = CHECK_TIMEOUT) -> None:
+async def check_connection(
+    url: str, options: Mapping[str, Any] | None = None, *, timeout: float = CHECK_TIMEOUT
+) -> None:
     """Connect to ``url`` with ``options`` and disconnect, without the long-lived clients' retries.
 
     Long-lived kvbus clients reconnect for ever, so a refused credential would make them retry
@@ -247,8 +270,14 @@ async def check_connection(url: str, options: Mapping[str, Any] | None = None, *
 
     # max_reconnect_attempts=0 would mean "retry for ever" to nats.py's server selection; 1 with a
     # short wait tries each server twice, then gives up with NoServersError.
-    opts = {**(options or {}), "allow_reconnect": False, "max_reconnect_attempts": 1, "reconnect_time_wait": 0.05,
-            "connect_timeout": timeout, "error_cb": record}
+    opts = {
+        **(options or {}),
+        "allow_reconnect": False,
+        "max_reconnect_attempts": 1,
+        "reconnect_time_wait": 0.05,
+        "connect_timeout": timeout,
+        "error_cb": record,
+    }
     try:
         nc = await asyncio.wait_for(nats.connect(url, **opts), 3 * timeout)
     except Exception as exc:  # noqa: BLE001 - every failure is explained below
@@ -257,8 +286,12 @@ async def check_connection(url: str, options: Mapping[str, Any] | None = None, *
         if error.retryable and (await server_info(url, timeout)).get("tls_verify"):
             # A server that verifies client certificates drops the connection in the handshake,
             # which the client sees as a plain "connection lost".
-            error = NatsConnectError(error.url, "the server closed the connection in the TLS handshake and it "
-                                     "verifies client certificates", _HANDSHAKE_HINT, retryable=False)
+            error = NatsConnectError(
+                error.url,
+                "the server closed the connection in the TLS handshake and it verifies client certificates",
+                _HANDSHAKE_HINT,
+                retryable=False,
+            )
         raise error from None
     await nc.close()
 
@@ -295,8 +328,9 @@ def explain_connect_error(url: str, exc: BaseException) -> NatsConnectError:
         reason = f"the server's TLS certificate is not trusted ({exc.verify_message or _ssl_reason(exc)})"
         return NatsConnectError(where, reason, _VERIFY_HINT, retryable=False)
     if isinstance(exc, ssl.SSLError):
-        return NatsConnectError(where, f"the TLS handshake failed ({_ssl_reason(exc)})", _HANDSHAKE_HINT,
-                                retryable=False)
+        return NatsConnectError(
+            where, f"the TLS handshake failed ({_ssl_reason(exc)})", _HANDSHAKE_HINT, retryable=False
+        )
     reason = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
     return NatsConnectError(where, reason, "is a NATS server running at this address, and reachable?", retryable=True)
 
@@ -327,13 +361,16 @@ def _check_seed_file(path: str) -> str:
     seed = bytearray(Path(p).read_bytes().strip())
     try:
         if not seed.startswith(b"SU"):
-            raise ConfigError(f"{_var('nkeys_seed')}={path!r} does not hold an nkey user seed "
-                              "(one line starting with 'SU', as `nk -gen user` writes)")
+            raise ConfigError(
+                f"{_var('nkeys_seed')}={path!r} does not hold an nkey user seed "
+                "(one line starting with 'SU', as `nk -gen user` writes)"
+            )
         try:
             nkeys.from_seed(seed).wipe()
         except (nkeys.NkeysError, ValueError):
-            raise ConfigError(f"{_var('nkeys_seed')}={path!r} holds a malformed nkey seed "
-                              "(bad encoding or length)") from None
+            raise ConfigError(
+                f"{_var('nkeys_seed')}={path!r} holds a malformed nkey seed (bad encoding or length)"
+            ) from None
     finally:
         seed[:] = bytes(len(seed))
     return p
@@ -348,6 +385,8 @@ def _check_creds_file(path: str) -> str:
         raise ConfigError(f"{_var('creds')} needs the nkeys package: pip install nkeys") from None
     text = Path(p).read_text(errors="replace")
     if "BEGIN NATS USER JWT" not in text or "BEGIN USER NKEY SEED" not in text:
-        raise ConfigError(f"{_var('creds')}={path!r} is not a NATS .creds file "
-                          "(expected a 'BEGIN NATS USER JWT' and a 'BEGIN USER NKEY SEED' block)")
+        raise ConfigError(
+            f"{_var('creds')}={path!r} is not a NATS .creds file "
+            "(expected a 'BEGIN NATS USER JWT' and a 'BEGIN USER NKEY SEED' block)"
+        )
     return p

@@ -51,15 +51,25 @@ class CoordinatorClient:
         except (NoResponders, TimeoutError):
             raise CoordinatorUnavailable(what) from None
 
-    async def lease(self, group: str, scheduler: str, demand_bps: float, priority: float = 1.0, *,
-                    traceparent: str | None = None) -> LeaseGrant:
+    async def lease(
+        self, group: str, scheduler: str, demand_bps: float, priority: float = 1.0, *, traceparent: str | None = None
+    ) -> LeaseGrant:
         """Ask for the group's share of the inter-group capacity for ``demand_bps`` (0 releases it)."""
         req = LeaseRequest(group, scheduler, demand_bps, priority, traceparent=traceparent)
         data = await self._request(COORD_LEASE, req.encode(), "lease", group)
         return LeaseGrant.decode(data)
 
-    async def reserve(self, group: str, who: str, *, period_s: float, size_bytes: int, deadline_s: float,
-                      reservation_id: str | None = None, traceparent: str | None = None) -> ReservationReply:
+    async def reserve(
+        self,
+        group: str,
+        who: str,
+        *,
+        period_s: float,
+        size_bytes: int,
+        deadline_s: float,
+        reservation_id: str | None = None,
+        traceparent: str | None = None,
+    ) -> ReservationReply:
         """Admit a periodic flow; raises `ReservationRefused` with the reason when it does not fit."""
         rid = reservation_id or uuid.uuid4().hex[:16]
         req = ReservationRequest(rid, group, who, period_s, size_bytes, deadline_s, traceparent=traceparent)
@@ -74,8 +84,7 @@ class CoordinatorClient:
 
     async def place(self, agent: str, talks_to: list[str] | None = None) -> PlacementReply:
         """Which group ``agent`` should join (the one of the agents it talks to most, else the least loaded)."""
-        data = await self._request(COORD_PLACE, PlacementRequest(agent, list(talks_to or [])).encode(), "place",
-                                   agent)
+        data = await self._request(COORD_PLACE, PlacementRequest(agent, list(talks_to or [])).encode(), "place", agent)
         return PlacementReply.decode(data)
 
     async def groups(self) -> dict[str, Any]:

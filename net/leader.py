@@ -21,9 +21,16 @@ logger = logging.getLogger(__name__)
 class LeaderLease:
     """Holds or waits for the lease ``key`` in ``bucket``; calls ``on_elected`` once when it wins."""
 
-    def __init__(self, bucket: Any, key: str, holder: str, *, ttl: float = 3.0,
-                 on_elected: Callable[[], Awaitable[None]] | None = None,
-                 on_lost: Callable[[], Awaitable[None]] | None = None) -> None:
+    def __init__(
+        self,
+        bucket: Any,
+        key: str,
+        holder: str,
+        *,
+        ttl: float = 3.0,
+        on_elected: Callable[[], Awaitable[None]] | None = None,
+        on_lost: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         self.bucket = bucket
         self.key = key
         self.holder = holder
@@ -58,7 +65,7 @@ class LeaderLease:
             return False
         except KeyWrongLastSequenceError:
             return False
-        except Exception:  # noqa: BLE001 - lost contact: not leader until proven again
+        except Exception:
             logger.warning("lease %s: could not reach the bucket", self.key, exc_info=True)
             return False
 
@@ -99,6 +106,6 @@ class LeaderLease:
         if self.is_leader:
             try:
                 await asyncio.wait_for(self.bucket.delete(self.key), timeout)
-            except (Exception, TimeoutError):  # noqa: BLE001 - the lease expires by itself anyway
+            except (Exception, TimeoutError):
                 logger.debug("could not delete lease %s", self.key, exc_info=True)
         self.is_leader = False

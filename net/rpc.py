@@ -66,8 +66,16 @@ class RpcClient:
         self.timeout = timeout
         self.retry = retry
 
-    async def request(self, subject: str, payload: bytes, *, key: str = "", timeout: float | None = None,
-                      retry: Retry | None = None, total_s: float | None = None) -> bytes:
+    async def request(
+        self,
+        subject: str,
+        payload: bytes,
+        *,
+        key: str = "",
+        timeout: float | None = None,
+        retry: Retry | None = None,
+        total_s: float | None = None,
+    ) -> bytes:
         """Send ``payload`` to ``subject`` and return the reply, trying again as ``retry`` says.
 
         Args:
@@ -106,8 +114,15 @@ class RpcClient:
             delay = retry.delay(attempt)
             if give_up is not None:
                 delay = min(delay, max(0.0, give_up - time.monotonic()))
-            logger.debug("request %s on %s: %s (try %d of %d); again in %.2f s", key, subject, why, attempt,
-                         retry.attempts, delay)
+            logger.debug(
+                "request %s on %s: %s (try %d of %d); again in %.2f s",
+                key,
+                subject,
+                why,
+                attempt,
+                retry.attempts,
+                delay,
+            )
             await asyncio.sleep(delay)
             attempt += 1
 

@@ -48,7 +48,7 @@ async def bounded(aw: Awaitable[Any], what: str, timeout: float = CLOSE_STEP_S) 
         await asyncio.wait_for(aw, timeout)
     except asyncio.CancelledError:
         pass
-    except (Exception, TimeoutError):  # noqa: BLE001 - closing anyway
+    except (Exception, TimeoutError):
         logger.debug("closing: could not %s", what, exc_info=True)
 
 
@@ -112,8 +112,7 @@ class ReplicatedService:
         if bucket is None:
             await self._serve()
             return
-        self._leader = LeaderLease(bucket, key, self.name, ttl=ttl, on_elected=self._serve,
-                                   on_lost=self._stop_serving)
+        self._leader = LeaderLease(bucket, key, self.name, ttl=ttl, on_elected=self._serve, on_lost=self._stop_serving)
         if try_now:
             if await self._leader.try_acquire():
                 self._leader.is_leader = True

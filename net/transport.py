@@ -31,7 +31,9 @@ class Transport(Protocol):
 
     max_payload: int
 
-    async def publish(self, subject: str, payload: bytes | memoryview, headers: dict[str, str] | None = None) -> None: ...
+    async def publish(
+        self, subject: str, payload: bytes | memoryview, headers: dict[str, str] | None = None
+    ) -> None: ...
 
     async def request(self, subject: str, payload: bytes, timeout: float) -> bytes:
         """Send a request and return the reply's payload.
@@ -83,9 +85,13 @@ class NatsTransport:
         return msg.data
 
     async def subscribe(self, subject: str, handler: Handler, *, queue: str = "") -> Subscription:
-        return await self.nc.subscribe(subject, queue=queue, cb=handler,
-                                       pending_msgs_limit=PENDING_MSGS_LIMIT,
-                                       pending_bytes_limit=PENDING_BYTES_LIMIT)
+        return await self.nc.subscribe(
+            subject,
+            queue=queue,
+            cb=handler,
+            pending_msgs_limit=PENDING_MSGS_LIMIT,
+            pending_bytes_limit=PENDING_BYTES_LIMIT,
+        )
 
     async def reply(self, msg: Msg, payload: bytes) -> None:
         if msg.reply:
@@ -100,10 +106,10 @@ class NatsTransport:
             return
         try:
             await asyncio.wait_for(self.nc.drain(), timeout)
-        except (Exception, TimeoutError):  # noqa: BLE001 - closing anyway
+        except (Exception, TimeoutError):
             logger.debug("drain failed or took too long, closing", exc_info=True)
         if not self.nc.is_closed:
             try:
                 await asyncio.wait_for(self.nc.close(), timeout)
-            except (Exception, TimeoutError):  # noqa: BLE001
+            except (Exception, TimeoutError):
                 logger.debug("close failed", exc_info=True)

@@ -69,11 +69,13 @@ def main(argv: list[str]) -> int:
     if {"imports", "mypy"} & set(wanted):
         stage()
         env = {**os.environ, "PYTHONPATH": str(STAGE)}
-        if "imports" in wanted and run([str(Path(py).parent / "lint-imports"), "--config", str(ROOT / "pyproject.toml")], cwd=STAGE,
-                                       env=env):
+        if "imports" in wanted and run(
+            [str(Path(py).parent / "lint-imports"), "--config", str(ROOT / "pyproject.toml")], cwd=STAGE, env=env
+        ):
             failed.append("imports")
-        if "mypy" in wanted and run([py, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), "kvbus"],
-                                    cwd=STAGE.parent, env=env):
+        if "mypy" in wanted and run(
+            [py, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), "kvbus"], cwd=STAGE.parent, env=env
+        ):
             failed.append("mypy")
     print("checks failed: " + ", ".join(failed) if failed else "checks passed")
     return 1 if failed else 0

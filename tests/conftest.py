@@ -7,9 +7,9 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
+from kvbus.app.local import NatsServer, RedisServer
 from kvbus.bus import Bus, BusConfig
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
-from kvbus.app.local import NatsServer, RedisServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -70,4 +70,3 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
-

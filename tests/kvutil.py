@@ -16,7 +16,7 @@ def random_kv(signature: ModelSignature, n_tokens: int, *, seed: int = 0, batch:
 
     def one() -> torch.Tensor:
         # Finite values with a realistic spread, made without a slow per-element float path.
-        return (torch.randint(-1000, 1000, shape, generator=g, dtype=torch.int16).to(dtype) / 256)
+        return torch.randint(-1000, 1000, shape, generator=g, dtype=torch.int16).to(dtype) / 256
 
     keys = [one() for _ in range(signature.n_layers)]
     values = [one() for _ in range(signature.n_layers)]

@@ -42,7 +42,7 @@ async def main() -> None:
 
         original = IncomingTransfer._on_chunk
 
-        async def dying(self, msg):  # noqa: ANN001
+        async def dying(self, msg):
             if self.count + 1 >= args.die_at_chunk:
                 os._exit(17)
             await original(self, msg)
@@ -52,8 +52,13 @@ async def main() -> None:
     agent = await bus.agent(args.name, signature=SIG)
     print("ready", flush=True)
     async for d in agent.inbox():
-        line = {"transfer_id": d.transfer_id, "sender": d.sender, "medium": d.medium, "digest": kv_digest(d.kv),
-                "nbytes": d.nbytes}
+        line = {
+            "transfer_id": d.transfer_id,
+            "sender": d.sender,
+            "medium": d.medium,
+            "digest": kv_digest(d.kv),
+            "nbytes": d.nbytes,
+        }
         print(json.dumps(line), flush=True)
         del d
 

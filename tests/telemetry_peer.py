@@ -17,11 +17,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from kvutil import kv_of_bytes  # noqa: E402
-from peer import SIG  # noqa: E402
+from kvutil import kv_of_bytes
+from peer import SIG
 
-from kvbus import telemetry  # noqa: E402
-from kvbus.bus import Bus  # noqa: E402
+from kvbus import telemetry
+from kvbus.bus import Bus
 
 
 async def main(argv: list[str]) -> None:

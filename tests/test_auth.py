@@ -29,11 +29,11 @@ from typing import Any
 import nkeys
 import pytest
 
+from kvbus.app.local import NatsServer
 from kvbus.bus import Bus
 from kvbus.config import redact_url
 from kvbus.errors import ConfigError, NatsConnectError
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
-from kvbus.app.local import NatsServer
 from kvbus.net.auth import IDENTITY_OPTIONS, NatsAuth, check_connection, server_info
 from tests.conftest import FAST
 from tests.kvutil import kv_of_bytes
@@ -46,6 +46,7 @@ BOUND = 15.0
 # ---------------------------------------------------------------------------------------------
 # Throwaway PKI: a CA, a server certificate for 127.0.0.1, a client certificate, a foreign CA
 # ---------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Pki:
@@ -80,23 +81,37 @@ def _pki_cryptography(d: Path) -> None:
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
 
     def usage(ca: bool) -> x509.KeyUsage:
-        return x509.KeyUsage(digital_signature=not ca, content_commitment=False, key_encipherment=False,
-                             data_encipherment=False, key_agreement=False, key_cert_sign=ca, crl_sign=ca,
-                             encipher_only=False, decipher_only=False)
+        return x509.KeyUsage(
+            digital_signature=not ca,
+            content_commitment=False,
+            key_encipherment=False,
+            data_encipherment=False,
+            key_agreement=False,
+            key_cert_sign=ca,
+            crl_sign=ca,
+            encipher_only=False,
+            decipher_only=False,
+        )
 
     def issue(name: str, key: Any, issuer: tuple[Any, x509.Name] | None, extra: list[x509.ExtensionType]) -> Any:
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
         signer, issuer_name = issuer if issuer else (key, subject)
-        b = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer_name).public_key(key.public_key())
-             .serial_number(x509.random_serial_number())
-             .not_valid_before(now - datetime.timedelta(hours=1)).not_valid_after(now + datetime.timedelta(days=1))
-             .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None), critical=True)
-             .add_extension(usage(issuer is None), critical=True)
-             .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(signer.public_key()), critical=False))
+        b = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(issuer_name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None), critical=True)
+            .add_extension(usage(issuer is None), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(signer.public_key()), critical=False)
+        )
         for ext in extra:
             b = b.add_extension(ext, critical=False)
         return b.sign(signer, hashes.SHA256())
@@ -104,8 +119,11 @@ def _pki_cryptography(d: Path) -> None:
     def write(name: str, cert: Any, key: Any | None = None) -> None:
         (d / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         if key is not None:
-            (d / f"{name}.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                              serialization.NoEncryption()))
+            (d / f"{name}.key").write_bytes(
+                key.private_bytes(
+                    serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+                )
+            )
 
     import ipaddress
 
@@ -114,10 +132,26 @@ def _pki_cryptography(d: Path) -> None:
     write("ca", ca)
     write("other", issue("kvbus-other-ca", other_key, None, []))
     san = x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")])
-    write("server", issue("127.0.0.1", server_key, (ca_key, ca.subject),
-                          [san, x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH])]), server_key)
-    write("client", issue("kvbus-test-client", client_key, (ca_key, ca.subject),
-                          [x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH])]), client_key)
+    write(
+        "server",
+        issue(
+            "127.0.0.1",
+            server_key,
+            (ca_key, ca.subject),
+            [san, x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH])],
+        ),
+        server_key,
+    )
+    write(
+        "client",
+        issue(
+            "kvbus-test-client",
+            client_key,
+            (ca_key, ca.subject),
+            [x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH])],
+        ),
+        client_key,
+    )
 
 
 def _pki_openssl(d: Path) -> None:
@@ -126,22 +160,57 @@ def _pki_openssl(d: Path) -> None:
 
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
     for name, cn in (("ca", "kvbus-test-ca"), ("other", "kvbus-other-ca")):
-        run("req", "-x509", *ec, "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "1", "-subj", f"/CN={cn}",
-            "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign")
-    common = ("subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid\nbasicConstraints=critical,CA:FALSE\n"
-              "keyUsage=critical,digitalSignature\n")
+        run(
+            "req",
+            "-x509",
+            *ec,
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            "1",
+            "-subj",
+            f"/CN={cn}",
+            "-addext",
+            "basicConstraints=critical,CA:TRUE",
+            "-addext",
+            "keyUsage=critical,keyCertSign,cRLSign",
+        )
+    common = (
+        "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid\nbasicConstraints=critical,CA:FALSE\n"
+        "keyUsage=critical,digitalSignature\n"
+    )
     (d / "server.ext").write_text(common + "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n")
     (d / "client.ext").write_text(common + "extendedKeyUsage=clientAuth\n")
     for serial, (name, cn) in enumerate((("server", "127.0.0.1"), ("client", "kvbus-test-client")), start=2):
         run("req", "-new", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={cn}")
-        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-set_serial", str(serial),
-            "-out", f"{name}.pem", "-days", "1", "-extfile", f"{name}.ext")
+        run(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-set_serial",
+            str(serial),
+            "-out",
+            f"{name}.pem",
+            "-days",
+            "1",
+            "-extfile",
+            f"{name}.ext",
+        )
 
 
 def tls_block(pki: Pki, *, verify: bool) -> str:
     """nats-server ``tls`` block: its certificate, and with ``verify`` it requires client certificates from ``pki.ca``."""
-    return (f'tls {{\n  cert_file: "{pki.server_cert}"\n  key_file: "{pki.server_key}"\n'
-            f'  ca_file: "{pki.ca}"\n  verify: {"true" if verify else "false"}\n  timeout: 2\n}}\n')
+    return (
+        f'tls {{\n  cert_file: "{pki.server_cert}"\n  key_file: "{pki.server_key}"\n'
+        f'  ca_file: "{pki.ca}"\n  verify: {"true" if verify else "false"}\n  timeout: 2\n}}\n'
+    )
 
 
 def new_seed() -> bytes:
@@ -159,11 +228,21 @@ def _b64url(data: bytes) -> str:
 
 def issue_jwt(signer: Any, subject: str, name: str, claims: dict[str, Any]) -> str:
     """A NATS JWT (v2) for ``subject`` signed by the nkey pair ``signer`` (operator or account)."""
-    body = {"jti": "", "iat": int(time.time()), "iss": signer.public_key.decode(), "name": name, "sub": subject,
-            "nats": {**claims, "version": 2}}
+    body = {
+        "jti": "",
+        "iat": int(time.time()),
+        "iss": signer.public_key.decode(),
+        "name": name,
+        "sub": subject,
+        "nats": {**claims, "version": 2},
+    }
     # A unique claim id (nats-server does not recompute it).
-    body["jti"] = base64.b32encode(hashlib.sha256(json.dumps(body, sort_keys=True).encode()).digest()).decode().rstrip("=")
-    signed = f"{_b64url(json.dumps({'typ': 'JWT', 'alg': 'ed25519-nkey'}).encode())}.{_b64url(json.dumps(body).encode())}"
+    body["jti"] = (
+        base64.b32encode(hashlib.sha256(json.dumps(body, sort_keys=True).encode()).digest()).decode().rstrip("=")
+    )
+    signed = (
+        f"{_b64url(json.dumps({'typ': 'JWT', 'alg': 'ed25519-nkey'}).encode())}.{_b64url(json.dumps(body).encode())}"
+    )
     return f"{signed}.{_b64url(signer.sign(signed.encode()))}"
 
 
@@ -177,23 +256,51 @@ def operator_mode(folder: Path) -> tuple[str, Path, Path]:
     ``.creds`` file for a user of that account, and one for a user of an account the server does not know."""
     _, operator = new_pair(nkeys.PREFIX_BYTE_OPERATOR)
     (_, account), (_, system), (_, stranger) = (new_pair(nkeys.PREFIX_BYTE_ACCOUNT) for _ in range(3))
-    unlimited = {k: -1 for k in ("subs", "data", "payload", "imports", "exports", "conn", "leaf",
-                                 "mem_storage", "disk_storage", "streams", "consumer")}
-    accounts = {account.public_key.decode(): issue_jwt(operator, account.public_key.decode(), "kvbus",
-                                                       {"type": "account", "limits": {**unlimited, "wildcards": True}}),
-                system.public_key.decode(): issue_jwt(operator, system.public_key.decode(), "SYS", {"type": "account"})}
+    unlimited = {
+        k: -1
+        for k in (
+            "subs",
+            "data",
+            "payload",
+            "imports",
+            "exports",
+            "conn",
+            "leaf",
+            "mem_storage",
+            "disk_storage",
+            "streams",
+            "consumer",
+        )
+    }
+    accounts = {
+        account.public_key.decode(): issue_jwt(
+            operator,
+            account.public_key.decode(),
+            "kvbus",
+            {"type": "account", "limits": {**unlimited, "wildcards": True}},
+        ),
+        system.public_key.decode(): issue_jwt(operator, system.public_key.decode(), "SYS", {"type": "account"}),
+    }
 
     def creds(name: str, issuer: Any) -> Path:
         seed, user = new_pair(nkeys.PREFIX_BYTE_USER)
-        token = issue_jwt(issuer, user.public_key.decode(), name,
-                          {"type": "user", "pub": {}, "sub": {}, "subs": -1, "data": -1, "payload": -1})
-        text = (f"-----BEGIN NATS USER JWT-----\n{token}\n------END NATS USER JWT------\n\n"
-                f"-----BEGIN USER NKEY SEED-----\n{seed.decode()}\n------END USER NKEY SEED------\n")
+        token = issue_jwt(
+            issuer,
+            user.public_key.decode(),
+            name,
+            {"type": "user", "pub": {}, "sub": {}, "subs": -1, "data": -1, "payload": -1},
+        )
+        text = (
+            f"-----BEGIN NATS USER JWT-----\n{token}\n------END NATS USER JWT------\n\n"
+            f"-----BEGIN USER NKEY SEED-----\n{seed.decode()}\n------END USER NKEY SEED------\n"
+        )
         return write_secret(folder / f"{name}.creds", text.encode())
 
     preload = "".join(f'  {pub}: "{jwt}"\n' for pub, jwt in accounts.items())
-    conf = (f'operator: "{issue_jwt(operator, operator.public_key.decode(), "kvbus-test-op", {"type": "operator"})}"\n'
-            f"system_account: {system.public_key.decode()}\nresolver: MEMORY\nresolver_preload: {{\n{preload}}}\n")
+    conf = (
+        f'operator: "{issue_jwt(operator, operator.public_key.decode(), "kvbus-test-op", {"type": "operator"})}"\n'
+        f"system_account: {system.public_key.decode()}\nresolver: MEMORY\nresolver_preload: {{\n{preload}}}\n"
+    )
     return conf, creds("member", account), creds("stranger", stranger)
 
 
@@ -296,31 +403,52 @@ async def refused(url: str, options: dict[str, Any]) -> NatsConnectError:
 # Configuration (no server)
 # ---------------------------------------------------------------------------------------------
 
+
 def test_from_env_reads_the_kvbus_nats_variables(tmp_path: Path) -> None:
-    env = {"KVBUS_NATS_TOKEN": "t0k", "KVBUS_NATS_TLS_CA": "/etc/ca.pem", "KVBUS_NATS_TLS_HOSTNAME": "nats.example",
-           "KVBUS_NATS_TLS_HANDSHAKE_FIRST": "yes", "KVBUS_NATS_INBOX_PREFIX": "_INBOX.sched-g0",
-           "KVBUS_NATS_URL": "nats://elsewhere:4222"}
+    env = {
+        "KVBUS_NATS_TOKEN": "t0k",
+        "KVBUS_NATS_TLS_CA": "/etc/ca.pem",
+        "KVBUS_NATS_TLS_HOSTNAME": "nats.example",
+        "KVBUS_NATS_TLS_HANDSHAKE_FIRST": "yes",
+        "KVBUS_NATS_INBOX_PREFIX": "_INBOX.sched-g0",
+        "KVBUS_NATS_URL": "nats://elsewhere:4222",
+    }
     auth = NatsAuth.from_env(env)
-    assert (auth.token, auth.tls_ca, auth.tls_hostname, auth.tls_handshake_first, auth.inbox_prefix) == \
-        ("t0k", "/etc/ca.pem", "nats.example", True, "_INBOX.sched-g0")
+    assert (auth.token, auth.tls_ca, auth.tls_hostname, auth.tls_handshake_first, auth.inbox_prefix) == (
+        "t0k",
+        "/etc/ca.pem",
+        "nats.example",
+        True,
+        "_INBOX.sched-g0",
+    )
     assert auth.method == "token" and auth.tls
-    assert NatsAuth(token="t0k", inbox_prefix="_INBOX.me").connect_options() == \
-        {"token": "t0k", "inbox_prefix": "_INBOX.me"}
+    assert NatsAuth(token="t0k", inbox_prefix="_INBOX.me").connect_options() == {
+        "token": "t0k",
+        "inbox_prefix": "_INBOX.me",
+    }
     assert NatsAuth.from_env({}) == NatsAuth() and NatsAuth().connect_options() == {}
-    assert NatsAuth.from_env({"KVBUS_NATS_USER": "u", "KVBUS_NATS_PASSWORD": "p"}).connect_options() == \
-        {"user": "u", "password": "p"}
+    assert NatsAuth.from_env({"KVBUS_NATS_USER": "u", "KVBUS_NATS_PASSWORD": "p"}).connect_options() == {
+        "user": "u",
+        "password": "p",
+    }
     with pytest.raises(ConfigError, match="KVBUS_NATS_TLS_HANDSHAKE_FIRST='maybe' is not a valid bool"):
         NatsAuth.from_env({"KVBUS_NATS_TLS_HANDSHAKE_FIRST": "maybe"})
 
 
-@pytest.mark.parametrize(("fields", "message"), [
-    ({"password": TOKEN}, "KVBUS_NATS_PASSWORD is set but KVBUS_NATS_USER is not"),
-    ({"user": "u"}, "KVBUS_NATS_USER is set but KVBUS_NATS_PASSWORD is not"),
-    ({"token": TOKEN, "nkeys_seed": "/x"}, "one NATS identity, not several: got KVBUS_NATS_TOKEN and KVBUS_NATS_NKEYS_SEED"),
-    ({"user": "u", "password": TOKEN, "creds": "/x"}, "got KVBUS_NATS_USER and KVBUS_NATS_CREDS"),
-    ({"tls_cert": "/c.pem"}, "KVBUS_NATS_TLS_CERT is set but KVBUS_NATS_TLS_KEY is not"),
-    ({"tls_key": "/c.key"}, "KVBUS_NATS_TLS_KEY is set but KVBUS_NATS_TLS_CERT is not"),
-])
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"password": TOKEN}, "KVBUS_NATS_PASSWORD is set but KVBUS_NATS_USER is not"),
+        ({"user": "u"}, "KVBUS_NATS_USER is set but KVBUS_NATS_PASSWORD is not"),
+        (
+            {"token": TOKEN, "nkeys_seed": "/x"},
+            "one NATS identity, not several: got KVBUS_NATS_TOKEN and KVBUS_NATS_NKEYS_SEED",
+        ),
+        ({"user": "u", "password": TOKEN, "creds": "/x"}, "got KVBUS_NATS_USER and KVBUS_NATS_CREDS"),
+        ({"tls_cert": "/c.pem"}, "KVBUS_NATS_TLS_CERT is set but KVBUS_NATS_TLS_KEY is not"),
+        ({"tls_key": "/c.key"}, "KVBUS_NATS_TLS_KEY is set but KVBUS_NATS_TLS_CERT is not"),
+    ],
+)
 def test_inconsistent_settings_are_refused(fields: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError, match=message) as info:
         NatsAuth(**fields)
@@ -336,8 +464,10 @@ def test_missing_and_malformed_files_are_refused(tmp_path: Path, pki: Pki) -> No
         (NatsAuth(tls_ca=str(not_pem)), "KVBUS_NATS_TLS_CA=.*is not a PEM file of CA certificates"),
         (NatsAuth(tls_cert=str(pki.client_cert), tls_key=missing), "KVBUS_NATS_TLS_KEY=.*no such file"),
         # The client certificate with the server's key: not a pair.
-        (NatsAuth(tls_cert=str(pki.client_cert), tls_key=str(pki.server_key)),
-         "are not a PEM certificate and its private key"),
+        (
+            NatsAuth(tls_cert=str(pki.client_cert), tls_key=str(pki.server_key)),
+            "are not a PEM certificate and its private key",
+        ),
         (NatsAuth(nkeys_seed=missing), "KVBUS_NATS_NKEYS_SEED=.*no such file"),
         (NatsAuth(nkeys_seed=str(write_secret(tmp_path / "a.nk", b"hello\n"))), "does not hold an nkey user seed"),
         (NatsAuth(creds=str(not_pem)), "is not a NATS .creds file"),
@@ -353,8 +483,10 @@ def test_missing_and_malformed_files_are_refused(tmp_path: Path, pki: Pki) -> No
 def test_repr_and_errors_never_show_secrets() -> None:
     for auth in (NatsAuth(user="kv", password="pw-" + TOKEN), NatsAuth(token=TOKEN)):
         assert TOKEN not in repr(auth) and TOKEN not in str(auth) and "***" in repr(auth)
-    assert repr(NatsAuth(user="kv", password="x", tls_ca="/ca.pem")) == \
-        "NatsAuth(user='kv', password=***, tls_ca='/ca.pem')"
+    assert (
+        repr(NatsAuth(user="kv", password="x", tls_ca="/ca.pem"))
+        == "NatsAuth(user='kv', password=***, tls_ca='/ca.pem')"
+    )
     assert redact_url(f"nats://{TOKEN}@127.0.0.1:4222") == "nats://***@127.0.0.1:4222"
     assert redact_url(f"nats://kv:{TOKEN}@127.0.0.1:4222") == "nats://kv:***@127.0.0.1:4222"
 
@@ -375,8 +507,10 @@ def test_explicit_role_options_take_precedence(pki: Pki) -> None:
 # Token
 # ---------------------------------------------------------------------------------------------
 
-async def test_token_transfer_completes_and_logs_no_token(token_server: NatsServer,
-                                                          caplog: pytest.LogCaptureFixture) -> None:
+
+async def test_token_transfer_completes_and_logs_no_token(
+    token_server: NatsServer, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.DEBUG)
     auth = NatsAuth.from_env({"KVBUS_NATS_TOKEN": TOKEN})
     await transfer(token_server.url, auth.connect_options())
@@ -418,8 +552,10 @@ async def test_user_password_and_inbox_prefix_run_a_scheduler_under_per_user_per
         sched = await GroupScheduler.connect(server.url, "default", nats_options=options)
         buses: list[Bus] = []
         try:
-            buses = [await Bus.connect(server.url, config=FAST, secure=True, **creds.agent_options(a))
-                     for a in ("alice", "bob")]
+            buses = [
+                await Bus.connect(server.url, config=FAST, secure=True, **creds.agent_options(a))
+                for a in ("alice", "bob")
+            ]
             tx = await buses[0].agent("alice", signature=SIG)
             rx = await buses[1].agent("bob", signature=SIG)
             kv = kv_of_bytes(SIG, 2 << 20, seed=5)
@@ -434,6 +570,7 @@ async def test_user_password_and_inbox_prefix_run_a_scheduler_under_per_user_per
 # ---------------------------------------------------------------------------------------------
 # nkeys: a seed file, and a .creds file (user JWT and seed) for operator mode
 # ---------------------------------------------------------------------------------------------
+
 
 async def test_nkey_seed_file_transfer_completes(nkey_server: tuple[NatsServer, Path]) -> None:
     server, seed_file = nkey_server
@@ -467,14 +604,18 @@ async def test_creds_of_an_unknown_account_are_refused(creds_server: tuple[NatsS
 # TLS and mutual TLS
 # ---------------------------------------------------------------------------------------------
 
+
 async def test_tls_with_the_servers_ca_completes_a_transfer(tls_server: NatsServer, pki: Pki) -> None:
     await transfer(tls_server.url, NatsAuth.from_env({"KVBUS_NATS_TLS_CA": str(pki.ca)}).connect_options())
 
 
 @pytest.mark.parametrize("which", ["other_ca", "system_cas", "wrong_hostname"])
 async def test_untrusted_server_certificate_is_a_clear_error(tls_server: NatsServer, pki: Pki, which: str) -> None:
-    auth = {"other_ca": NatsAuth(tls_ca=str(pki.other_ca)), "system_cas": NatsAuth(),
-            "wrong_hostname": NatsAuth(tls_ca=str(pki.ca), tls_hostname="nats.example")}[which]
+    auth = {
+        "other_ca": NatsAuth(tls_ca=str(pki.other_ca)),
+        "system_cas": NatsAuth(),
+        "wrong_hostname": NatsAuth(tls_ca=str(pki.ca), tls_hostname="nats.example"),
+    }[which]
     err = await refused(tls_server.url, auth.connect_options())
     assert not err.retryable
     assert "TLS certificate is not trusted" in str(err) and "KVBUS_NATS_TLS_CA" in str(err)
@@ -483,8 +624,11 @@ async def test_untrusted_server_certificate_is_a_clear_error(tls_server: NatsSer
 
 
 async def test_mutual_tls_with_a_client_certificate_completes_a_transfer(mtls_server: NatsServer, pki: Pki) -> None:
-    env = {"KVBUS_NATS_TLS_CA": str(pki.ca), "KVBUS_NATS_TLS_CERT": str(pki.client_cert),
-           "KVBUS_NATS_TLS_KEY": str(pki.client_key)}
+    env = {
+        "KVBUS_NATS_TLS_CA": str(pki.ca),
+        "KVBUS_NATS_TLS_CERT": str(pki.client_cert),
+        "KVBUS_NATS_TLS_KEY": str(pki.client_key),
+    }
     await transfer(mtls_server.url, NatsAuth.from_env(env).connect_options())
 
 
@@ -511,14 +655,16 @@ async def test_either_certificate_generator_makes_a_working_pki(tmp_path: Path, 
 # The command line: KVBUS_NATS_* reaches group-scheduler, coordinator, selftest and top
 # ---------------------------------------------------------------------------------------------
 
+
 def _cli_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVBUS_NATS_") or k == "KVBUS_NATS_SERVER"}
     return {**env, **extra}
 
 
 def _cli(*argv: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvbus.app.cli", *argv], capture_output=True, text=True, env=env,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "kvbus.app.cli", *argv], capture_output=True, text=True, env=env, timeout=timeout
+    )
 
 
 def test_cli_commands_use_token_and_tls_from_the_environment(pki: Pki) -> None:
@@ -528,8 +674,12 @@ def test_cli_commands_use_token_and_tls_from_the_environment(pki: Pki) -> None:
     with server:
         url = server.url
         good = _cli_env(KVBUS_NATS_TOKEN=TOKEN, KVBUS_NATS_TLS_CA=str(pki.ca))
-        sched = subprocess.Popen([sys.executable, "-m", "kvbus.app.cli", "-vv", "group-scheduler", "--group", "cli",
-                                  "--nats-url", url], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=good)
+        sched = subprocess.Popen(
+            [sys.executable, "-m", "kvbus.app.cli", "-vv", "group-scheduler", "--group", "cli", "--nats-url", url],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=good,
+        )
         try:
             assert sched.stdout is not None
             deadline = time.monotonic() + 60
@@ -543,7 +693,9 @@ def test_cli_commands_use_token_and_tls_from_the_environment(pki: Pki) -> None:
 
             tp = _cli("top", "--nats-url", url, "--group", "cli", "--once", env=good)
             outputs += [tp.stdout, tp.stderr]
-            assert tp.returncode == 0 and "group cli" in tp.stdout and "no state" not in tp.stdout, tp.stdout + tp.stderr
+            assert tp.returncode == 0 and "group cli" in tp.stdout and "no state" not in tp.stdout, (
+                tp.stdout + tp.stderr
+            )
 
             # A wrong token: the command stops at once with one clear line, instead of retrying for ever.
             bad = _cli("coordinator", "--nats-url", url, env={**good, "KVBUS_NATS_TOKEN": "wrong-token"}, timeout=30)
@@ -557,8 +709,14 @@ def test_cli_commands_use_token_and_tls_from_the_environment(pki: Pki) -> None:
             assert no_ca.returncode == 2 and "TLS certificate is not trusted" in no_ca.stderr, no_ca.stderr
 
             # An inconsistent setting: named, before any connection.
-            half = _cli("top", "--nats-url", url, "--once", env={**good, "KVBUS_NATS_TLS_CERT": str(pki.client_cert)},
-                        timeout=30)
+            half = _cli(
+                "top",
+                "--nats-url",
+                url,
+                "--once",
+                env={**good, "KVBUS_NATS_TLS_CERT": str(pki.client_cert)},
+                timeout=30,
+            )
             outputs += [half.stdout, half.stderr]
             assert half.returncode == 2 and "KVBUS_NATS_TLS_KEY is not" in half.stderr, half.stderr
         finally:
@@ -581,8 +739,12 @@ def test_refused_login_is_retried_for_kvbus_nats_connect_wait() -> None:
     server = NatsServer(extra_config='authorization {\n  token: "old-token"\n}\n')
     with server:
         env = _cli_env(KVBUS_NATS_TOKEN="new-token", KVBUS_NATS_CONNECT_WAIT="60")
-        sched = subprocess.Popen([sys.executable, "-m", "kvbus.app.cli", "group-scheduler", "--group", "late",
-                                  "--nats-url", server.url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        sched = subprocess.Popen(
+            [sys.executable, "-m", "kvbus.app.cli", "group-scheduler", "--group", "late", "--nats-url", server.url],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
         try:
             time.sleep(2.0)
             assert sched.poll() is None, "gave up before the wait was over"
@@ -597,6 +759,13 @@ def test_refused_login_is_retried_for_kvbus_nats_connect_wait() -> None:
             sched.wait()
     # Without the wait it stops at once.
     with NatsServer(extra_config='authorization {\n  token: "old-token"\n}\n') as server:
-        bad = _cli("group-scheduler", "--group", "late", "--nats-url", server.url,
-                   env=_cli_env(KVBUS_NATS_TOKEN="new-token"), timeout=30)
+        bad = _cli(
+            "group-scheduler",
+            "--group",
+            "late",
+            "--nats-url",
+            server.url,
+            env=_cli_env(KVBUS_NATS_TOKEN="new-token"),
+            timeout=30,
+        )
         assert bad.returncode == 2 and "refused the credentials" in bad.stderr

@@ -43,8 +43,9 @@ class Peer:
 
     def __init__(self, url: str, name: str, *extra: str) -> None:
         self.name = name
-        self.proc = subprocess.Popen([sys.executable, str(PEER), url, name, *extra], stdout=subprocess.PIPE,
-                                     cwd=PEER.parent.parent)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PEER), url, name, *extra], stdout=subprocess.PIPE, cwd=PEER.parent.parent
+        )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if b"ready" not in line:
@@ -139,8 +140,14 @@ async def test_incompatible_receiver_gets_tokens(bus: Bus, nats_url: str) -> Non
 class FaultyTransport:
     """Wraps the real transport and damages chosen chunk messages once each."""
 
-    def __init__(self, inner: Any, *, drop: set[int] = frozenset(), corrupt: set[int] = frozenset(),
-                 forge: set[int] = frozenset()) -> None:
+    def __init__(
+        self,
+        inner: Any,
+        *,
+        drop: set[int] = frozenset(),
+        corrupt: set[int] = frozenset(),
+        forge: set[int] = frozenset(),
+    ) -> None:
         self.inner = inner
         self.drop, self.corrupt, self.forge = set(drop), set(corrupt), set(forge)
         self.hits: list[tuple[str, int]] = []
@@ -215,8 +222,21 @@ async def test_unknown_codec_is_a_value_error_naming_the_known_ones(pair: tuple[
 
 async def test_receiver_rejects_unknown_codec_and_keeps_working(pair: tuple[Any, Any, Bus], bus: Bus) -> None:
     tx, rx, _ = pair
-    bad = Open(transfer_id="t1", src=tx.name, codec="no-such-codec", meta={}, sizes=[4], total=4, chunk_size=1024,
-               n_chunks=1, digest="0" * 32, window=4, data_subject="kvbus.data.x.t1", ack_subject="x", inline=True)
+    bad = Open(
+        transfer_id="t1",
+        src=tx.name,
+        codec="no-such-codec",
+        meta={},
+        sizes=[4],
+        total=4,
+        chunk_size=1024,
+        n_chunks=1,
+        digest="0" * 32,
+        window=4,
+        data_subject="kvbus.data.x.t1",
+        ack_subject="x",
+        inline=True,
+    )
     data = await bus.transport.request(inbox_subject(rx.name, tx.name), bad.frame(b"abcd"), timeout=2)
     reply = OpenReply.decode(data)
     assert not reply.ok and "unknown codec 'no-such-codec'" in reply.reason
@@ -226,8 +246,9 @@ async def test_receiver_rejects_unknown_codec_and_keeps_working(pair: tuple[Any,
 
 
 @pytest.mark.parametrize("raw", [b"", b"\x00\x00", b"\xff\xff\xff\xff" + b"x" * 10, b"\x00\x00\x00\x05junk!"])
-async def test_malformed_and_oversized_open_headers_are_rejected(pair: tuple[Any, Any, Bus], bus: Bus,
-                                                                 raw: bytes) -> None:
+async def test_malformed_and_oversized_open_headers_are_rejected(
+    pair: tuple[Any, Any, Bus], bus: Bus, raw: bytes
+) -> None:
     tx, rx, _ = pair
     data = await bus.transport.request(inbox_subject(rx.name, tx.name), raw, timeout=2)
     reply = OpenReply.decode(data)
@@ -270,7 +291,7 @@ async def test_codec_metadata_over_the_limit(pair: tuple[Any, Any, Bus], monkeyp
 
     original = FullCodec.encode
 
-    def bloated(self, kv, **kw):  # noqa: ANN001, ANN003, ANN202
+    def bloated(self, kv, **kw):
         enc = original(self, kv, **kw)
         enc.meta["padding"] = "x" * (300 * 1024)
         return enc

@@ -57,9 +57,21 @@ class RefuseFirstOpen:
 
 
 def _open(src: str, **fields: Any) -> Open:
-    base: dict[str, Any] = dict(transfer_id="t1", src=src, codec="tokens", meta={}, sizes=[4], total=4, chunk_size=1024,
-                                n_chunks=1, digest="0" * 32, window=4, data_subject="kvbus.data.x.t1", ack_subject="x",
-                                inline=True)
+    base: dict[str, Any] = dict(
+        transfer_id="t1",
+        src=src,
+        codec="tokens",
+        meta={},
+        sizes=[4],
+        total=4,
+        chunk_size=1024,
+        n_chunks=1,
+        digest="0" * 32,
+        window=4,
+        data_subject="kvbus.data.x.t1",
+        ack_subject="x",
+        inline=True,
+    )
     base.update(fields)
     return Open(**base)
 
@@ -68,8 +80,7 @@ async def _ask(bus: Bus, rx: str, src: str, frame: bytes) -> OpenReply:
     return OpenReply.decode(await bus.transport.request(inbox_subject(rx, src), frame, timeout=2))
 
 
-async def test_an_open_from_the_wrong_sender_is_refused_with_wrong_sender(pair: tuple[Any, Any, Bus],
-                                                                       bus: Bus) -> None:
+async def test_an_open_from_the_wrong_sender_is_refused_with_wrong_sender(pair: tuple[Any, Any, Bus], bus: Bus) -> None:
     tx, rx, _ = pair
     reply = await _ask(bus, rx.name, "mallory", _open(tx.name).frame(b"abcd"))
     assert not reply.ok and reply.code is Reason.WRONG_SENDER
@@ -77,20 +88,36 @@ async def test_an_open_from_the_wrong_sender_is_refused_with_wrong_sender(pair: 
         await rx.receive(timeout=0.3)
 
 
-@pytest.mark.parametrize(("fields", "payload", "code"), [
-    ({"codec": "no-such-codec"}, b"abcd", Reason.UNKNOWN_CODEC),
-    ({}, b"abcd", Reason.DIGEST_MISMATCH),
-    ({}, b"abc", Reason.MALFORMED),
-    ({"n_chunks": 2}, b"abcd", Reason.MALFORMED),
-    ({"inline": False, "digest": "", "data_subject": "kvbus.elsewhere"}, b"", Reason.MALFORMED),
-    ({"codec": "full"}, b"abcd", Reason.MALFORMED),
-    ({"codec": "full", "meta": {"signature": OTHER.to_dict()}}, b"abcd", Reason.INCOMPATIBLE),
-    ({"total": 8 << 30, "sizes": [8 << 30], "n_chunks": 8 << 20, "inline": False, "digest": ""}, b"",
-     Reason.TOO_LARGE),
-], ids=["unknown-codec", "inline-digest", "inline-size", "chunk-plan", "hostile-subject", "no-signature",
-        "incompatible-model", "too-large"])
-async def test_every_open_refusal_carries_its_code(pair: tuple[Any, Any, Bus], bus: Bus, fields: dict[str, Any],
-                                                   payload: bytes, code: Reason) -> None:
+@pytest.mark.parametrize(
+    ("fields", "payload", "code"),
+    [
+        ({"codec": "no-such-codec"}, b"abcd", Reason.UNKNOWN_CODEC),
+        ({}, b"abcd", Reason.DIGEST_MISMATCH),
+        ({}, b"abc", Reason.MALFORMED),
+        ({"n_chunks": 2}, b"abcd", Reason.MALFORMED),
+        ({"inline": False, "digest": "", "data_subject": "kvbus.elsewhere"}, b"", Reason.MALFORMED),
+        ({"codec": "full"}, b"abcd", Reason.MALFORMED),
+        ({"codec": "full", "meta": {"signature": OTHER.to_dict()}}, b"abcd", Reason.INCOMPATIBLE),
+        (
+            {"total": 8 << 30, "sizes": [8 << 30], "n_chunks": 8 << 20, "inline": False, "digest": ""},
+            b"",
+            Reason.TOO_LARGE,
+        ),
+    ],
+    ids=[
+        "unknown-codec",
+        "inline-digest",
+        "inline-size",
+        "chunk-plan",
+        "hostile-subject",
+        "no-signature",
+        "incompatible-model",
+        "too-large",
+    ],
+)
+async def test_every_open_refusal_carries_its_code(
+    pair: tuple[Any, Any, Bus], bus: Bus, fields: dict[str, Any], payload: bytes, code: Reason
+) -> None:
     tx, rx, _ = pair
     reply = await _ask(bus, rx.name, tx.name, _open(tx.name, **fields).frame(payload))
     assert not reply.ok and reply.code is code, reply.reason
@@ -147,8 +174,9 @@ async def test_a_refusal_that_only_mentions_a_delta_base_is_not_resent(pair: tup
         await rx.receive(timeout=0.3)
 
 
-async def test_a_streamed_delta_without_its_base_gets_the_code_in_the_final_ack(pair: tuple[Any, Any, Bus],
-                                                                                bus: Bus) -> None:
+async def test_a_streamed_delta_without_its_base_gets_the_code_in_the_final_ack(
+    pair: tuple[Any, Any, Bus], bus: Bus
+) -> None:
     tx, rx, other = pair
     whole = random_kv(SIG, 1000, seed=33)
     base = whole.slice(0, 100)

@@ -21,6 +21,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvbus.app.local import RedisServer
+from kvbus.app.models import random_model
 from kvbus.bus import Bus
 from kvbus.cachetier import (
     BlockInfo,
@@ -40,11 +42,9 @@ from kvbus.cachetier import (
 from kvbus.cachetier.record import META_FIELD, build_record, checksum, open_record
 from kvbus.cachetier.remote import RemoteStore, redact
 from kvbus.codecs import available_codecs, get_codec
+from kvbus.codecs.runner import HFRunner
 from kvbus.errors import KVBusError
 from kvbus.kvcache import KVCache
-from kvbus.app.local import RedisServer
-from kvbus.app.models import random_model
-from kvbus.codecs.runner import HFRunner
 from kvbus.signature import ModelSignature
 from tests.kvutil import random_kv
 
@@ -85,8 +85,9 @@ async def make_tier(redis_server: RedisServer, runner: HFRunner) -> AsyncIterato
         signature = options.pop("signature", runner.signature)
         config = CacheTierConfig(**{"block_tokens": BLOCK, "key_prefix": prefix, "remote_ttl": 0, **options})
         extra: dict[str, Any] = {"clock": clock} if clock is not None else {}
-        tier = await CacheTier.connect(url, signature=signature, runner=runner if with_runner else None,
-                                       config=config, policy=policy, **extra)
+        tier = await CacheTier.connect(
+            url, signature=signature, runner=runner if with_runner else None, config=config, policy=policy, **extra
+        )
         tiers.append(tier)
         return tier
 
@@ -103,8 +104,11 @@ def context(n: int, seed: int) -> torch.Tensor:
 
 
 def close_to(a: KVCache, b: KVCache, atol: float = 1e-4) -> bool:
-    return (torch.equal(a.tokens, b.tokens) and a.n_layers == b.n_layers
-            and all(torch.allclose(x, y, atol=atol, rtol=0) for x, y in zip(a.keys + a.values, b.keys + b.values)))
+    return (
+        torch.equal(a.tokens, b.tokens)
+        and a.n_layers == b.n_layers
+        and all(torch.allclose(x, y, atol=atol, rtol=0) for x, y in zip(a.keys + a.values, b.keys + b.values))
+    )
 
 
 async def record_keys(client: aioredis.Redis, prefix: str) -> list[bytes]:
@@ -127,7 +131,7 @@ def test_block_keys_chain_the_prefix_and_bind_the_model() -> None:
     ka = block_spans(a, sig, torch.float32, BLOCK)
     kb = block_spans(b, sig, torch.float32, BLOCK)
     assert [s.stop for s in ka] == [32, 64, 96, 100]
-    assert ka[0].key == kb[0].key                        # same first block: shared
+    assert ka[0].key == kb[0].key  # same first block: shared
     assert all(x.key != y.key for x, y in zip(ka[1:], kb[1:]))  # every later block depends on the change
     assert block_spans(a[:, :64], sig, torch.float32, BLOCK) == ka[:2]
     assert block_spans(a.to(torch.int32)[0], sig, torch.float32, BLOCK) == ka
@@ -138,9 +142,11 @@ def test_block_keys_chain_the_prefix_and_bind_the_model() -> None:
 
 
 def test_block_keys_agree_across_processes() -> None:
-    code = ("import torch; from kvbus.signature import ModelSignature; from kvbus.cachetier import block_spans; "
-            "sig = ModelSignature('m', n_layers=2, n_kv_heads=2, head_dim=16, vocab_size=256); "
-            "print(','.join(s.key for s in block_spans(torch.arange(100) % 256, sig, torch.float32, 32)))")
+    code = (
+        "import torch; from kvbus.signature import ModelSignature; from kvbus.cachetier import block_spans; "
+        "sig = ModelSignature('m', n_layers=2, n_kv_heads=2, head_dim=16, vocab_size=256); "
+        "print(','.join(s.key for s in block_spans(torch.arange(100) % 256, sig, torch.float32, 32)))"
+    )
     sig = ModelSignature("m", n_layers=2, n_kv_heads=2, head_dim=16, vocab_size=VOCAB)
     here = ",".join(s.key for s in block_spans(torch.arange(100) % 256, sig, torch.float32, BLOCK))
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
@@ -153,8 +159,9 @@ def test_block_keys_agree_across_processes() -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-async def test_offload_then_fetch_is_bit_exact_with_full(make_tier: TierFactory, redis_client: aioredis.Redis,
-                                                         dtype: str) -> None:
+async def test_offload_then_fetch_is_bit_exact_with_full(
+    make_tier: TierFactory, redis_client: aioredis.Redis, dtype: str
+) -> None:
     sig = ModelSignature("rand", n_layers=3, n_kv_heads=2, head_dim=16, dtype=dtype, vocab_size=VOCAB)
     kv = random_kv(sig, 150, seed=3)
     tier = await make_tier(codec="full", drop_below=0.0, signature=sig, with_runner=False)
@@ -178,8 +185,12 @@ async def test_offload_then_fetch_with_int8_is_within_the_quantisation_bound(mak
     sig = ModelSignature("rand", n_layers=2, n_kv_heads=2, head_dim=16, dtype="float32", vocab_size=VOCAB)
     g = torch.Generator().manual_seed(5)
     shape = (1, 2, 100, 16)
-    kv = KVCache(context(100, 5), sig, [torch.randn(shape, generator=g) * 3 for _ in range(2)],
-                 [torch.randn(shape, generator=g) for _ in range(2)])
+    kv = KVCache(
+        context(100, 5),
+        sig,
+        [torch.randn(shape, generator=g) * 3 for _ in range(2)],
+        [torch.randn(shape, generator=g) for _ in range(2)],
+    )
     tier = await make_tier(codec="int8", drop_below=0.0, signature=sig, with_runner=False)
     await tier.put(kv)
     report = await tier.shed(target_bytes=0)
@@ -208,14 +219,16 @@ async def test_a_fetched_block_is_shed_again_without_a_write(make_tier: TierFact
 # -- shedding -----------------------------------------------------------------------------------
 
 
-async def test_shedding_keeps_memory_under_budget_in_a_multi_turn_workload(make_tier: TierFactory,
-                                                                           runner: HFRunner) -> None:
+async def test_shedding_keeps_memory_under_budget_in_a_multi_turn_workload(
+    make_tier: TierFactory, runner: HFRunner
+) -> None:
     """Three conversations grow turn by turn and are revisited; old ones go cold on a fake clock."""
     now = [0.0]
     per_token = runner.signature.kv_bytes_per_token() + 8
     budget = 600 * per_token  # room for about two of the longer conversations
-    tier = await make_tier(budget_bytes=budget, high_watermark=0.9, low_watermark=0.7, half_life=10.0,
-                           drop_below=0.3, clock=lambda: now[0])
+    tier = await make_tier(
+        budget_bytes=budget, high_watermark=0.9, low_watermark=0.7, half_life=10.0, drop_below=0.3, clock=lambda: now[0]
+    )
     convs = {name: context(96, seed) for seed, name in enumerate(["plan", "code", "review"])}
     reference: dict[str, KVCache] = {}
     g = torch.Generator().manual_seed(11)
@@ -323,17 +336,18 @@ async def test_put_refuses_another_model_or_dtype(make_tier: TierFactory, runner
 
 
 async def test_record_deleted_or_damaged_behind_the_tiers_back_is_recomputed(
-        make_tier: TierFactory, runner: HFRunner, redis_client: aioredis.Redis) -> None:
+    make_tier: TierFactory, runner: HFRunner, redis_client: aioredis.Redis
+) -> None:
     tier = await make_tier(codec="full", drop_below=0.0)
     kv = runner.prefill(context(128, 21))
     keys = await tier.put(kv)
     await tier.shed(target_bytes=0)
     rk = [tier.remote.record_key("full", k) for k in keys]  # type: ignore[union-attr]
-    await redis_client.delete(rk[1])                                     # deleted (TTL, eviction)
-    await redis_client.hset(rk[2], b"1", b"\x00" * 4)                    # a buffer cut short
+    await redis_client.delete(rk[1])  # deleted (TTL, eviction)
+    await redis_client.hset(rk[2], b"1", b"\x00" * 4)  # a buffer cut short
     fields = await redis_client.hgetall(rk[3])
     key_bytes = bytearray(fields[b"1"])
-    key_bytes[0] ^= 0xFF                                                  # one byte flipped
+    key_bytes[0] ^= 0xFF  # one byte flipped
     await redis_client.hset(rk[3], b"1", bytes(key_bytes))
     got = await tier.get(kv)
     assert close_to(got, kv)
@@ -349,7 +363,7 @@ async def test_flushed_server_is_a_clean_miss(make_tier: TierFactory, runner: HF
         await tier.put(kv)
         await tier.shed(target_bytes=0)
         assert len(tier.stubs()) == 3
-        server.kill()        # no persistence: a restart comes back empty
+        server.kill()  # no persistence: a restart comes back empty
         server.start()
         assert close_to(await tier.get(kv), kv)
         assert tier.stats.misses == 3 and tier.stats.recomputed == 3
@@ -378,8 +392,15 @@ class _KillAfterFirstBatch(TierListener):
 async def test_redis_restart_mid_offload_leaves_no_dangling_stub(runner: HFRunner) -> None:
     server = _AofRedis().start()
     listener = _KillAfterFirstBatch(server)
-    config = CacheTierConfig(block_tokens=BLOCK, codec="full", drop_below=0.0, write_batch_bytes=1, retries=1,
-                             connect_timeout=1.0, remote_ttl=0)
+    config = CacheTierConfig(
+        block_tokens=BLOCK,
+        codec="full",
+        drop_below=0.0,
+        write_batch_bytes=1,
+        retries=1,
+        connect_timeout=1.0,
+        remote_ttl=0,
+    )
     tier = await CacheTier.connect(server.url, runner=runner, config=config)
     tier.listener = listener
     try:
@@ -411,8 +432,9 @@ async def test_redis_restart_mid_offload_leaves_no_dangling_stub(runner: HFRunne
 async def test_remote_gone_for_good_still_keeps_the_budget(runner: HFRunner) -> None:
     server = RedisServer().start()
     per_block = BLOCK * (runner.signature.kv_bytes_per_token() + 8)
-    config = CacheTierConfig(block_tokens=BLOCK, budget_bytes=4 * per_block, drop_below=0.0, retries=0,
-                             connect_timeout=0.5, remote_ttl=0)
+    config = CacheTierConfig(
+        block_tokens=BLOCK, budget_bytes=4 * per_block, drop_below=0.0, retries=0, connect_timeout=0.5, remote_ttl=0
+    )
     tier = await CacheTier.connect(server.url, runner=runner, config=config)
     try:
         server.stop()
@@ -433,8 +455,9 @@ async def test_a_full_server_never_leaves_half_a_record(runner: HFRunner, evicti
     """
     server = RedisServer(maxmemory="3mb").start()
     client = aioredis.Redis.from_url(server.url)
-    config = CacheTierConfig(block_tokens=BLOCK, codec="full", drop_below=0.0, remote_ttl=0, retries=0,
-                             write_batch_bytes=64 * 1024)
+    config = CacheTierConfig(
+        block_tokens=BLOCK, codec="full", drop_below=0.0, remote_ttl=0, retries=0, write_batch_bytes=64 * 1024
+    )
     tier = await CacheTier.connect(server.url, runner=runner, config=config)
     try:
         await client.config_set("maxmemory-policy", eviction)
@@ -464,8 +487,9 @@ async def test_a_full_server_never_leaves_half_a_record(runner: HFRunner, evicti
 # -- sharing ------------------------------------------------------------------------------------
 
 
-async def test_two_agents_with_the_same_prefix_store_it_once(make_tier: TierFactory, runner: HFRunner,
-                                                             redis_client: aioredis.Redis) -> None:
+async def test_two_agents_with_the_same_prefix_store_it_once(
+    make_tier: TierFactory, runner: HFRunner, redis_client: aioredis.Redis
+) -> None:
     shared = context(96, 40)
     a_ctx = torch.cat([shared, context(32, 41)], dim=1)
     b_ctx = torch.cat([shared, context(32, 42)], dim=1)
@@ -477,7 +501,7 @@ async def test_two_agents_with_the_same_prefix_store_it_once(make_tier: TierFact
     ra = await a.shed(target_bytes=0)
     rb = await b.shed(target_bytes=0)
     assert ra.offloaded == 4
-    assert rb.adopted == 3 and rb.offloaded == 1           # only b's own last block is written
+    assert rb.adopted == 3 and rb.offloaded == 1  # only b's own last block is written
     assert len(await record_keys(redis_client, make_tier.prefix)) == 5  # type: ignore[attr-defined]
     # A third agent that never computed anything reads the shared prefix without recomputing.
     c = await make_tier(with_runner=False)
@@ -486,8 +510,9 @@ async def test_two_agents_with_the_same_prefix_store_it_once(make_tier: TierFact
     assert close_to(got, kv_a.slice(0, 96), atol=0.05)
 
 
-async def test_concurrent_fetches_of_the_same_blocks_read_each_once(make_tier: TierFactory, runner: HFRunner,
-                                                                    redis_client: aioredis.Redis) -> None:
+async def test_concurrent_fetches_of_the_same_blocks_read_each_once(
+    make_tier: TierFactory, runner: HFRunner, redis_client: aioredis.Redis
+) -> None:
     tier = await make_tier(codec="full", drop_below=0.0)
     kv = runner.prefill(context(128, 50))
     await tier.put(kv)
@@ -587,8 +612,9 @@ async def test_acl_user_limited_to_the_key_prefix(runner: HFRunner) -> None:
     try:
         await admin.execute_command("ACL", "SETUSER", "agent", "on", ">agent-pw", "~kvbus:acl:*", "+@all")
         url = f"redis://agent:agent-pw@127.0.0.1:{server.port}/0"
-        config = CacheTierConfig(block_tokens=BLOCK, codec="full", drop_below=0.0, key_prefix="kvbus:acl:",
-                                 remote_ttl=30)
+        config = CacheTierConfig(
+            block_tokens=BLOCK, codec="full", drop_below=0.0, key_prefix="kvbus:acl:", remote_ttl=30
+        )
         async with await CacheTier.connect(url, runner=runner, config=config) as tier:
             kv = runner.prefill(context(64, 71))
             await tier.put(kv)
@@ -596,8 +622,7 @@ async def test_acl_user_limited_to_the_key_prefix(runner: HFRunner) -> None:
             assert (await tier.get(kv)).equal(kv)
             assert tier.stats.fetched == 2
         # The same user outside its prefix: the server refuses every write, the tier drops instead.
-        outside = CacheTierConfig(block_tokens=BLOCK, codec="full", drop_below=0.0, key_prefix="other:",
-                                  remote_ttl=0)
+        outside = CacheTierConfig(block_tokens=BLOCK, codec="full", drop_below=0.0, key_prefix="other:", remote_ttl=0)
         async with await CacheTier.connect(url, runner=runner, config=outside) as tier:
             await tier.put(kv)
             report = await tier.shed(target_bytes=0)
@@ -614,9 +639,29 @@ def tls_cert(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
         pytest.skip("the openssl command is not installed")
     folder = tmp_path_factory.mktemp("tls")
     cert, key = str(folder / "cert.pem"), str(folder / "key.pem")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
-                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            key,
+            "-out",
+            cert,
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     return cert, key
 
 
@@ -649,11 +694,18 @@ async def tls_terminator(target_port: int, cert: str, key: str) -> AsyncIterator
         server.close()
 
 
-async def test_rediss_url_goes_over_verified_tls(runner: HFRunner, redis_server: RedisServer,
-                                                 tls_cert: tuple[str, str]) -> None:
+async def test_rediss_url_goes_over_verified_tls(
+    runner: HFRunner, redis_server: RedisServer, tls_cert: tuple[str, str]
+) -> None:
     cert, key = tls_cert
-    config = CacheTierConfig(block_tokens=BLOCK, codec="int8", drop_below=0.0, remote_ttl=30, retries=0,
-                             key_prefix=f"kvbus:tls:{uuid.uuid4().hex[:8]}:")
+    config = CacheTierConfig(
+        block_tokens=BLOCK,
+        codec="int8",
+        drop_below=0.0,
+        remote_ttl=30,
+        retries=0,
+        key_prefix=f"kvbus:tls:{uuid.uuid4().hex[:8]}:",
+    )
     async with tls_terminator(redis_server.port, cert, key) as (port, handshakes):
         url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={cert}"
         async with await CacheTier.connect(url, runner=runner, config=config) as tier:
@@ -691,10 +743,15 @@ _STUB8, _FIELDS8, _ = build_record("cd" * 16, _KV, "int8")
 _FIELDS8 = {k: bytes(v) for k, v in _FIELDS8.items()}
 
 msgpack_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=20)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=20)
     | st.binary(max_size=20),
     lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=10), inner, max_size=6),
-    max_leaves=20)
+    max_leaves=20,
+)
 
 
 @FUZZ
@@ -730,7 +787,7 @@ def test_hostile_records_never_decode_to_wrong_data(record: tuple[Stub, dict[byt
         raw[data.draw(st.integers(0, len(raw) - 1))] ^= data.draw(st.integers(1, 255))
         fields[target] = bytes(raw)
     elif kind == "truncate":
-        fields[target] = fields[target][:data.draw(st.integers(0, max(0, len(fields[target]) - 1)))]
+        fields[target] = fields[target][: data.draw(st.integers(0, max(0, len(fields[target]) - 1)))]
     elif kind == "drop":
         del fields[target]
     elif kind == "extra":

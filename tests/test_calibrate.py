@@ -18,11 +18,26 @@ from kvbus.errors import KVBusError
 
 @pytest.fixture
 def profile() -> CalibrationProfile:
-    figs = CodecFigures(encode_gbps=2.0, decode_gbps=5.0, ratio=3.9, rel_error=0.005, kl=2e-4, top1=0.99,
-                        nll_delta=0.001, fidelity=fidelity_from(0.99, 2e-4))
-    return CalibrationProfile(version=cal.PROFILE_VERSION, model={"model": "m"}, machine={"cpus": 2},
-                              created="2026-01-01T00:00:00+00:00", codecs={"int8": figs, "topk+int8": figs},
-                              prefill_tokens_per_s=800.0, decode_token_s=0.03, context_tokens=512)
+    figs = CodecFigures(
+        encode_gbps=2.0,
+        decode_gbps=5.0,
+        ratio=3.9,
+        rel_error=0.005,
+        kl=2e-4,
+        top1=0.99,
+        nll_delta=0.001,
+        fidelity=fidelity_from(0.99, 2e-4),
+    )
+    return CalibrationProfile(
+        version=cal.PROFILE_VERSION,
+        model={"model": "m"},
+        machine={"cpus": 2},
+        created="2026-01-01T00:00:00+00:00",
+        codecs={"int8": figs, "topk+int8": figs},
+        prefill_tokens_per_s=800.0,
+        decode_token_s=0.03,
+        context_tokens=512,
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -40,20 +55,23 @@ def test_save_and_load_round_trip(tmp_path: Path, profile: CalibrationProfile) -
     assert back.figures("int4") is None and back.figures("no such medium") is None
 
 
-@pytest.mark.parametrize("mutate,match", [
-    (lambda d: d.update(version=99), "version"),
-    (lambda d: d.pop("codecs"), "missing"),
-    (lambda d: d.update(codecs=[]), "type"),
-    (lambda d: d["codecs"]["int8"].update(fidelity=0.0), "fidelity"),
-    (lambda d: d["codecs"]["int8"].update(fidelity=1.5), "fidelity"),
-    (lambda d: d["codecs"]["int8"].update(ratio=-1), "ratio"),
-    (lambda d: d["codecs"]["int8"].pop("kl"), "kl"),
-    (lambda d: d["codecs"]["int8"].update(top1="high"), "top1"),
-    (lambda d: d["codecs"].update(int8=3), "not an object"),
-    (lambda d: d.update(prefill_tokens_per_s=0), "positive"),
-    (lambda d: d.update(decode_token_s=True), "type"),
-    (lambda d: d.update(created=5), "type"),
-])
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (lambda d: d.update(version=99), "version"),
+        (lambda d: d.pop("codecs"), "missing"),
+        (lambda d: d.update(codecs=[]), "type"),
+        (lambda d: d["codecs"]["int8"].update(fidelity=0.0), "fidelity"),
+        (lambda d: d["codecs"]["int8"].update(fidelity=1.5), "fidelity"),
+        (lambda d: d["codecs"]["int8"].update(ratio=-1), "ratio"),
+        (lambda d: d["codecs"]["int8"].pop("kl"), "kl"),
+        (lambda d: d["codecs"]["int8"].update(top1="high"), "top1"),
+        (lambda d: d["codecs"].update(int8=3), "not an object"),
+        (lambda d: d.update(prefill_tokens_per_s=0), "positive"),
+        (lambda d: d.update(decode_token_s=True), "type"),
+        (lambda d: d.update(created=5), "type"),
+    ],
+)
 def test_malformed_profiles_are_rejected_clearly(tmp_path: Path, profile: CalibrationProfile, mutate, match) -> None:
     data = json.loads(json.dumps(profile.to_dict()))
     mutate(data)
@@ -96,9 +114,14 @@ def test_fidelity_from_top1_and_kl() -> None:
 
 
 def test_codecs_take_their_fidelity_from_the_active_profile(profile: CalibrationProfile) -> None:
-    custom = replace(profile, codecs={**profile.codecs,
-                                      "int8": replace(profile.codecs["int8"], fidelity=0.5),
-                                      "full": replace(profile.codecs["int8"], fidelity=0.5)})
+    custom = replace(
+        profile,
+        codecs={
+            **profile.codecs,
+            "int8": replace(profile.codecs["int8"], fidelity=0.5),
+            "full": replace(profile.codecs["int8"], fidelity=0.5),
+        },
+    )
     cal.set_active_profile(custom)
     assert get_codec("int8").fidelity == 0.5
     assert get_codec("full").fidelity == 1.0, "lossless media are 1.0 whatever a profile says"

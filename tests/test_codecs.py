@@ -39,8 +39,14 @@ def kv_caches(draw: st.DrawFn, *, with_kv: bool = True) -> KVCache:
     kind = draw(st.sampled_from(["randn", "zeros", "outliers", "tiny", "wide"]))
     seed = draw(st.integers(0, 2**31 - 1))
     g = torch.Generator().manual_seed(seed)
-    sig = ModelSignature(model="test-model", n_layers=layers, n_kv_heads=heads, head_dim=head_dim,
-                         dtype=dtype_name(dtype), vocab_size=VOCAB)
+    sig = ModelSignature(
+        model="test-model",
+        n_layers=layers,
+        n_kv_heads=heads,
+        head_dim=head_dim,
+        dtype=dtype_name(dtype),
+        vocab_size=VOCAB,
+    )
     tokens = torch.randint(0, VOCAB, (batch, n_tokens), generator=g)
 
     def layer() -> torch.Tensor:
@@ -127,9 +133,12 @@ def test_full_encode_and_decode_are_zero_copy(kv: KVCache) -> None:
 def test_full_encodes_non_contiguous_slices() -> None:
     g = torch.Generator().manual_seed(1)
     sig = ModelSignature(model="m", n_layers=2, n_kv_heads=3, head_dim=8, vocab_size=VOCAB)
-    kv = KVCache(tokens=torch.randint(0, VOCAB, (2, 20), generator=g), signature=sig,
-                 keys=[torch.randn(2, 3, 20, 8, generator=g) for _ in range(2)],
-                 values=[torch.randn(2, 3, 20, 8, generator=g) for _ in range(2)])
+    kv = KVCache(
+        tokens=torch.randint(0, VOCAB, (2, 20), generator=g),
+        signature=sig,
+        keys=[torch.randn(2, 3, 20, 8, generator=g) for _ in range(2)],
+        values=[torch.randn(2, 3, 20, 8, generator=g) for _ in range(2)],
+    )
     part = kv.slice(5, 12)
     assert not part.keys[0].is_contiguous()
     out = get_codec("full").decode(wire(get_codec("full").encode(part)))
@@ -168,8 +177,10 @@ def test_int8_error_is_within_half_a_step(kv: KVCache) -> None:
     assert_unchanged(kv, before)
     assert torch.equal(out.tokens, kv.tokens) and out.signature == kv.signature
     assert out.dtype == kv.dtype and out.fidelity == pytest.approx(kv.fidelity * codec.fidelity)
-    for x, y, axis in [*((k, o, 2) for k, o in zip(kv.keys, out.keys)),
-                       *((v, o, 3) for v, o in zip(kv.values, out.values))]:
+    for x, y, axis in [
+        *((k, o, 2) for k, o in zip(kv.keys, out.keys)),
+        *((v, o, 3) for v, o in zip(kv.values, out.values)),
+    ]:
         assert y.shape == x.shape and y.dtype == x.dtype
         err = (x.double() - y.double()).abs()
         assert bool((err <= _int8_bound(x, axis)).all()), float((err - _int8_bound(x, axis)).max())
@@ -184,9 +195,12 @@ def test_int8_error_is_within_half_a_step(kv: KVCache) -> None:
 def test_int8_handles_tiny_and_subnormal_magnitudes(dtype: torch.dtype, magnitude: float) -> None:
     g = torch.Generator().manual_seed(4)
     sig = ModelSignature(model="m", n_layers=1, n_kv_heads=2, head_dim=16, dtype=dtype_name(dtype), vocab_size=VOCAB)
-    kv = KVCache(tokens=torch.zeros(1, 9, dtype=torch.int64), signature=sig,
-                 keys=[(torch.randn(1, 2, 9, 16, generator=g) * magnitude).to(dtype)],
-                 values=[(torch.randn(1, 2, 9, 16, generator=g) * magnitude).to(dtype)])
+    kv = KVCache(
+        tokens=torch.zeros(1, 9, dtype=torch.int64),
+        signature=sig,
+        keys=[(torch.randn(1, 2, 9, 16, generator=g) * magnitude).to(dtype)],
+        values=[(torch.randn(1, 2, 9, 16, generator=g) * magnitude).to(dtype)],
+    )
     out = get_codec("int8").decode(wire(get_codec("int8").encode(kv)))
     for x, y, axis in [(kv.keys[0], out.keys[0], 2), (kv.values[0], out.values[0], 3)]:
         assert bool(torch.isfinite(y).all())
@@ -196,9 +210,12 @@ def test_int8_handles_tiny_and_subnormal_magnitudes(dtype: torch.dtype, magnitud
 def test_int8_is_smaller_and_accurate_on_gaussian_kv() -> None:
     g = torch.Generator().manual_seed(2)
     sig = ModelSignature(model="m", n_layers=2, n_kv_heads=4, head_dim=64, vocab_size=VOCAB)
-    kv = KVCache(tokens=torch.randint(0, VOCAB, (1, 128), generator=g), signature=sig,
-                 keys=[torch.randn(1, 4, 128, 64, generator=g) for _ in range(2)],
-                 values=[torch.randn(1, 4, 128, 64, generator=g) for _ in range(2)])
+    kv = KVCache(
+        tokens=torch.randint(0, VOCAB, (1, 128), generator=g),
+        signature=sig,
+        keys=[torch.randn(1, 4, 128, 64, generator=g) for _ in range(2)],
+        values=[torch.randn(1, 4, 128, 64, generator=g) for _ in range(2)],
+    )
     full, int8 = get_codec("full").encode(kv), get_codec("int8").encode(kv)
     assert int8.nbytes < full.nbytes / 3
     out = get_codec("int8").decode(wire(int8))
@@ -261,10 +278,20 @@ def test_tensor_from_rejects_bad_shapes(shape: Any) -> None:
 # -- hostile input --------------------------------------------------------------------------------
 
 MSGPACK_INTS = st.integers(-(2**63), 2**64 - 1)
-SCALARS = (st.none() | st.booleans() | MSGPACK_INTS | st.integers(-3, 70)
-           | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=8) | st.binary(max_size=8))
-VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4)
-                      | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=8)
+SCALARS = (
+    st.none()
+    | st.booleans()
+    | MSGPACK_INTS
+    | st.integers(-3, 70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=8)
+    | st.binary(max_size=8)
+)
+VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=8,
+)
 CODECS = st.sampled_from(["full", "int8", "tokens"])
 
 
@@ -298,17 +325,37 @@ def _mutate(meta: dict[str, Any], path: tuple[str, ...], value: Any, delete: boo
     return meta
 
 
-FIELDS = [("batch",), ("n_tokens",), ("seq_len",), ("layers",), ("dtype",), ("fidelity",), ("positions",),
-          ("signature",), ("signature", "n_layers"), ("signature", "n_kv_heads"), ("signature", "head_dim"),
-          ("signature", "dtype"), ("signature", "vocab_size"), ("signature", "model"), ("signature", "rope_theta")]
+FIELDS = [
+    ("batch",),
+    ("n_tokens",),
+    ("seq_len",),
+    ("layers",),
+    ("dtype",),
+    ("fidelity",),
+    ("positions",),
+    ("signature",),
+    ("signature", "n_layers"),
+    ("signature", "n_kv_heads"),
+    ("signature", "head_dim"),
+    ("signature", "dtype"),
+    ("signature", "vocab_size"),
+    ("signature", "model"),
+    ("signature", "rope_theta"),
+]
 
 
 @FUZZ
-@given(kv=kv_caches(), codec=CODECS, path=st.sampled_from(FIELDS), delete=st.booleans(),
-       value=VALUES | st.integers(-2, 100) | st.sampled_from([2**15, 2**16, 2**24, 2**31, 2**40, 2**63]),
-       data=st.data())
-def test_mutated_metadata_is_rejected_or_consistent(kv: KVCache, codec: str, path: tuple[str, ...], delete: bool,
-                                                    value: Any, data: st.DataObject) -> None:
+@given(
+    kv=kv_caches(),
+    codec=CODECS,
+    path=st.sampled_from(FIELDS),
+    delete=st.booleans(),
+    value=VALUES | st.integers(-2, 100) | st.sampled_from([2**15, 2**16, 2**24, 2**31, 2**40, 2**63]),
+    data=st.data(),
+)
+def test_mutated_metadata_is_rejected_or_consistent(
+    kv: KVCache, codec: str, path: tuple[str, ...], delete: bool, value: Any, data: st.DataObject
+) -> None:
     encoded = get_codec(codec).encode(kv)
     meta = _mutate(encoded.meta, path, value, delete)
     payload = b"".join(encoded.buffers)
@@ -347,17 +394,32 @@ def test_truncated_payloads_are_rejected(kv: KVCache, codec: str, data: st.DataO
 
 
 @pytest.mark.parametrize("codec", ["full", "int8", "tokens"])
-@pytest.mark.parametrize("field,value", [
-    ("batch", 2**16), ("n_tokens", 2**24), ("batch", -1), ("n_tokens", -5), ("seq_len", 2**24),
-    ("layers", 2**16), ("fidelity", math.nan), ("fidelity", 2.0), ("dtype", "float64"), ("positions", 1),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("batch", 2**16),
+        ("n_tokens", 2**24),
+        ("batch", -1),
+        ("n_tokens", -5),
+        ("seq_len", 2**24),
+        ("layers", 2**16),
+        ("fidelity", math.nan),
+        ("fidelity", 2.0),
+        ("dtype", "float64"),
+        ("positions", 1),
+    ],
+)
 def test_huge_or_negative_claims_are_rejected_without_allocating(codec: str, field: str, value: Any) -> None:
     sig = ModelSignature(model="m", n_layers=2, n_kv_heads=2, head_dim=4, vocab_size=VOCAB)
-    kv = KVCache(tokens=torch.arange(6).reshape(1, 6), signature=sig,
-                 keys=[torch.randn(1, 2, 6, 4) for _ in range(2)], values=[torch.randn(1, 2, 6, 4) for _ in range(2)])
+    kv = KVCache(
+        tokens=torch.arange(6).reshape(1, 6),
+        signature=sig,
+        keys=[torch.randn(1, 2, 6, 4) for _ in range(2)],
+        values=[torch.randn(1, 2, 6, 4) for _ in range(2)],
+    )
     encoded = get_codec(codec).encode(kv)
     meta = dict(encoded.meta, **{field: value})
-    if field == "seq_len" or field == "batch" and value > 0:
+    if field == "seq_len" or (field == "batch" and value > 0):
         meta["n_tokens"] = 2**24  # every count as large as allowed: 2**16 * 2**24 int64 tokens is 8 TiB
     with pytest.raises(DecodeError):
         get_codec(codec).decode(wire(Encoded(codec, meta, encoded.buffers)))
@@ -365,11 +427,23 @@ def test_huge_or_negative_claims_are_rejected_without_allocating(codec: str, fie
 
 def test_huge_signature_claims_are_rejected() -> None:
     sig = ModelSignature(model="m", n_layers=1, n_kv_heads=1, head_dim=1, vocab_size=VOCAB)
-    kv = KVCache(tokens=torch.zeros(1, 1, dtype=torch.int64), signature=sig,
-                 keys=[torch.ones(1, 1, 1, 1)], values=[torch.ones(1, 1, 1, 1)])
+    kv = KVCache(
+        tokens=torch.zeros(1, 1, dtype=torch.int64),
+        signature=sig,
+        keys=[torch.ones(1, 1, 1, 1)],
+        values=[torch.ones(1, 1, 1, 1)],
+    )
     encoded = get_codec("full").encode(kv)
-    for field, value in [("n_layers", 2**16), ("n_kv_heads", 2**16), ("head_dim", 2**16), ("n_layers", 0),
-                         ("head_dim", -1), ("vocab_size", 2**40), ("model", 7), ("dtype", "int8")]:
+    for field, value in [
+        ("n_layers", 2**16),
+        ("n_kv_heads", 2**16),
+        ("head_dim", 2**16),
+        ("n_layers", 0),
+        ("head_dim", -1),
+        ("vocab_size", 2**40),
+        ("model", 7),
+        ("dtype", "int8"),
+    ]:
         meta = dict(encoded.meta, signature=dict(encoded.meta["signature"], **{field: value}))
         if field == "n_layers" and value > 0:
             meta["layers"] = value

@@ -6,12 +6,12 @@ import msgpack
 import pytest
 import torch
 
+from kvbus.app.models import random_model
 from kvbus.codecs import Encoded, ModelSummarizer, SummaryCodec, get_codec
+from kvbus.codecs.runner import HFRunner
 from kvbus.codecs.topk import attention_scores
 from kvbus.errors import GenerationError
 from kvbus.kvcache import KVCache
-from kvbus.app.models import random_model
-from kvbus.codecs.runner import HFRunner
 
 NEW = 10
 
@@ -26,8 +26,14 @@ def prompts() -> torch.Tensor:
     return torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(5))
 
 
-def transfer(kv: KVCache, spec: str, *, base: KVCache | None = None, runner: HFRunner | None = None,
-             sender: HFRunner | None = None) -> KVCache:
+def transfer(
+    kv: KVCache,
+    spec: str,
+    *,
+    base: KVCache | None = None,
+    runner: HFRunner | None = None,
+    sender: HFRunner | None = None,
+) -> KVCache:
     codec = get_codec(spec)
     encoded = codec.encode(kv, base=None if base is None else base.token_only(), runner=sender)
     meta = msgpack.unpackb(msgpack.packb(encoded.meta))
@@ -47,8 +53,9 @@ def test_lossless_media_continue_with_identical_tokens(runner: HFRunner, prompts
 
 def test_sparse_positions_continue_at_the_true_positions(runner: HFRunner, prompts: torch.Tensor) -> None:
     kv = runner.prefill(prompts)
-    explicit = KVCache(tokens=kv.tokens, signature=kv.signature, keys=kv.keys, values=kv.values,
-                       positions=torch.arange(kv.seq_len))
+    explicit = KVCache(
+        tokens=kv.tokens, signature=kv.signature, keys=kv.keys, values=kv.values, positions=torch.arange(kv.seq_len)
+    )
     assert torch.equal(runner.generate(explicit, NEW), runner.generate(kv, NEW))
     # dropping entries changes the context the model sees, but never the positions of what is left
     sparse = transfer(kv, "topk(0.5)", sender=runner)
@@ -66,8 +73,9 @@ def test_generation_refuses_bad_positions(runner: HFRunner, prompts: torch.Tenso
     kv = runner.prefill(prompts)
     for bad in (torch.arange(40).flip(0), torch.arange(40) + 5):
         with pytest.raises(GenerationError, match="positions"):
-            runner.generate(KVCache(tokens=kv.tokens, signature=kv.signature, keys=kv.keys, values=kv.values,
-                                    positions=bad), 2)
+            runner.generate(
+                KVCache(tokens=kv.tokens, signature=kv.signature, keys=kv.keys, values=kv.values, positions=bad), 2
+            )
 
 
 def test_score_agrees_with_greedy_generation(runner: HFRunner, prompts: torch.Tensor) -> None:
@@ -77,8 +85,7 @@ def test_score_agrees_with_greedy_generation(runner: HFRunner, prompts: torch.Te
     assert torch.equal(runner.score(kv.token_only(), new).argmax(-1), new)
 
 
-def test_topk_scores_with_real_queries_when_the_sender_runner_is_given(runner: HFRunner,
-                                                                        prompts: torch.Tensor) -> None:
+def test_topk_scores_with_real_queries_when_the_sender_runner_is_given(runner: HFRunner, prompts: torch.Tensor) -> None:
     kv = runner.prefill(prompts)
     mass = runner.attention_mass(kv, 8)
     assert mass is not None and mass.shape == (40,)
@@ -92,14 +99,22 @@ def test_topk_scores_with_real_queries_when_the_sender_runner_is_given(runner: H
 
 def test_summary_by_the_senders_model_is_prefilled_by_the_receiver(runner: HFRunner, prompts: torch.Tensor) -> None:
     kv = runner.prefill(prompts[:1])
-    codec = SummaryCodec(summarizer=ModelSummarizer(instruction_ids=torch.tensor([1, 2, 3]),
-                                                    prefix_ids=torch.tensor([4, 5])), tokens=12)
+    codec = SummaryCodec(
+        summarizer=ModelSummarizer(instruction_ids=torch.tensor([1, 2, 3]), prefix_ids=torch.tensor([4, 5])), tokens=12
+    )
     enc = codec.encode(kv, runner=runner)
     assert enc.codec == "summary(12)"
     out = get_codec(enc.codec).decode(enc, runner=runner)
     assert out.has_kv and out.n_tokens <= 12 and out.tokens[0, :2].tolist() == [4, 5]
-    expected = runner.generate(KVCache(tokens=torch.cat([kv.tokens, torch.tensor([[1, 2, 3]])], 1),
-                                       signature=kv.signature, keys=kv.keys, values=kv.values), 10)
+    expected = runner.generate(
+        KVCache(
+            tokens=torch.cat([kv.tokens, torch.tensor([[1, 2, 3]])], 1),
+            signature=kv.signature,
+            keys=kv.keys,
+            values=kv.values,
+        ),
+        10,
+    )
     assert torch.equal(out.tokens[:, 2:], expected)
     assert out.fidelity == pytest.approx(get_codec("summary").fidelity)
     assert runner.generate(out, 3).shape == (1, 3)

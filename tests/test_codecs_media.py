@@ -37,8 +37,20 @@ VOCAB = 1000
 PROPERTY = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 #: Every KV medium and composition the round-trip properties run over.
-KV_SPECS = ["full", "int8", "int4", "int4(4)", "topk", "topk(0.5,sink=2,window=3)+int8", "topk+int4", "lowrank",
-            "lowrank(3)", "delta+full", "delta+int8", "delta+topk+int4"]
+KV_SPECS = [
+    "full",
+    "int8",
+    "int4",
+    "int4(4)",
+    "topk",
+    "topk(0.5,sink=2,window=3)+int8",
+    "topk+int4",
+    "lowrank",
+    "lowrank(3)",
+    "delta+full",
+    "delta+int8",
+    "delta+topk+int4",
+]
 ALL_SPECS = [*KV_SPECS, "tokens", "delta+tokens", "summary"]
 
 
@@ -46,8 +58,9 @@ ALL_SPECS = [*KV_SPECS, "tokens", "delta+tokens", "summary"]
 
 
 @st.composite
-def kv_caches(draw: st.DrawFn, *, max_seq: int = 40, with_kv: bool = True, sparse: bool = True,
-              dtypes: list[torch.dtype] = DTYPES) -> KVCache:
+def kv_caches(
+    draw: st.DrawFn, *, max_seq: int = 40, with_kv: bool = True, sparse: bool = True, dtypes: list[torch.dtype] = DTYPES
+) -> KVCache:
     """Random caches: batch 1-2, layers 1-2, heads 1-3, seq 0..max_seq, head_dim 1..48, a dtype of ``dtypes``."""
     batch = draw(st.integers(1, 2))
     layers = draw(st.integers(1, 2))
@@ -58,8 +71,14 @@ def kv_caches(draw: st.DrawFn, *, max_seq: int = 40, with_kv: bool = True, spars
     dtype = draw(st.sampled_from(dtypes))
     kind = draw(st.sampled_from(["randn", "zeros", "outliers", "tiny", "const"]))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
-    sig = ModelSignature(model="test-model", n_layers=layers, n_kv_heads=heads, head_dim=head_dim,
-                         dtype=dtype_name(dtype), vocab_size=VOCAB)
+    sig = ModelSignature(
+        model="test-model",
+        n_layers=layers,
+        n_kv_heads=heads,
+        head_dim=head_dim,
+        dtype=dtype_name(dtype),
+        vocab_size=VOCAB,
+    )
     tokens = torch.randint(0, VOCAB, (batch, n_tokens), generator=g)
 
     def layer() -> torch.Tensor:
@@ -110,14 +129,29 @@ def test_every_medium_is_registered() -> None:
     assert set(available_codecs()) == {"full", "int8", "int4", "topk", "lowrank", "delta", "tokens", "summary"}
 
 
-@pytest.mark.parametrize("spec,canonical", [
-    ("int4", "int4"), ("int4(g=32)", "int4"), ("int4(64)", "int4(64)"), (" INT4 ( g = 64 ) ", "int4(64)"),
-    ("topk", "topk+full"), ("topk(0.25)+int8", "topk+int8"), ("topk(keep=0.5, sink=8)+int4", "topk(0.5,sink=8)+int4"),
-    ("topk(window=16)", "topk(window=16)+full"), ("lowrank(64)", "lowrank"), ("lowrank(rank=32)", "lowrank(32)"),
-    ("delta", "delta+full"), ("delta+full", "delta+full"), ("delta+int8", "delta+int8"),
-    ("delta+topk(0.25)+int8", "delta+topk+int8"), ("delta+tokens", "delta+tokens"), ("summary(128)", "summary(128)"),
-    ("topk(1)", "topk(1.0)+full"), ("topk(.5)", "topk(0.5)+full"),
-])
+@pytest.mark.parametrize(
+    "spec,canonical",
+    [
+        ("int4", "int4"),
+        ("int4(g=32)", "int4"),
+        ("int4(64)", "int4(64)"),
+        (" INT4 ( g = 64 ) ", "int4(64)"),
+        ("topk", "topk+full"),
+        ("topk(0.25)+int8", "topk+int8"),
+        ("topk(keep=0.5, sink=8)+int4", "topk(0.5,sink=8)+int4"),
+        ("topk(window=16)", "topk(window=16)+full"),
+        ("lowrank(64)", "lowrank"),
+        ("lowrank(rank=32)", "lowrank(32)"),
+        ("delta", "delta+full"),
+        ("delta+full", "delta+full"),
+        ("delta+int8", "delta+int8"),
+        ("delta+topk(0.25)+int8", "delta+topk+int8"),
+        ("delta+tokens", "delta+tokens"),
+        ("summary(128)", "summary(128)"),
+        ("topk(1)", "topk(1.0)+full"),
+        ("topk(.5)", "topk(0.5)+full"),
+    ],
+)
 def test_specs_canonicalise_and_round_trip(spec: str, canonical: str) -> None:
     codec = get_codec(spec)
     assert codec.name == canonical == canonical_spec(spec)
@@ -125,16 +159,37 @@ def test_specs_canonicalise_and_round_trip(spec: str, canonical: str) -> None:
     assert again.name == codec.name and again == codec and type(again) is type(codec)
 
 
-@pytest.mark.parametrize("spec,match", [
-    ("", "empty"), ("int8(", "unbalanced"), ("int8)", "unbalanced"), ("topk((1))", "nested"),
-    ("int8+full", "must come last"), ("summary+int8", "must come last"), ("delta+summary", "cannot wrap"),
-    ("topk+tokens", "cannot wrap"), ("topk+delta+int8", "cannot wrap"), ("delta+delta", "cannot wrap"),
-    ("topk+topk", "cannot wrap"), ("topk(0)", "> 0"), ("topk(1.5)", "<= 1"), ("topk(nan)", "not one of|number"),
-    ("int4(g=1)", ">= 2"), ("int4(2.5)", "integer"), ("int4(g=32,g=64)", "twice"), ("int8(1)", "no parameters"),
-    ("topk(0.2,0.3)", "one positional"), ("topk(keep=0.2,0.3)", "positional argument after"),
-    ("topk(bogus=1)", "no parameter"), ("lowrank(rank=x)", "number"), ("int4(g=)", "not a number"),
-    ("full+full+full+full+full", "stages"), ("int8" * 100, "longer"), ("full+", "empty stage"),
-])
+@pytest.mark.parametrize(
+    "spec,match",
+    [
+        ("", "empty"),
+        ("int8(", "unbalanced"),
+        ("int8)", "unbalanced"),
+        ("topk((1))", "nested"),
+        ("int8+full", "must come last"),
+        ("summary+int8", "must come last"),
+        ("delta+summary", "cannot wrap"),
+        ("topk+tokens", "cannot wrap"),
+        ("topk+delta+int8", "cannot wrap"),
+        ("delta+delta", "cannot wrap"),
+        ("topk+topk", "cannot wrap"),
+        ("topk(0)", "> 0"),
+        ("topk(1.5)", "<= 1"),
+        ("topk(nan)", "not one of|number"),
+        ("int4(g=1)", ">= 2"),
+        ("int4(2.5)", "integer"),
+        ("int4(g=32,g=64)", "twice"),
+        ("int8(1)", "no parameters"),
+        ("topk(0.2,0.3)", "one positional"),
+        ("topk(keep=0.2,0.3)", "positional argument after"),
+        ("topk(bogus=1)", "no parameter"),
+        ("lowrank(rank=x)", "number"),
+        ("int4(g=)", "not a number"),
+        ("full+full+full+full+full", "stages"),
+        ("int8" * 100, "longer"),
+        ("full+", "empty stage"),
+    ],
+)
 def test_bad_specs_raise_clear_value_errors(spec: str, match: str) -> None:
     with pytest.raises(ValueError, match=match) as info:
         get_codec(spec)
@@ -244,8 +299,12 @@ def test_int4_beats_per_token_on_outlier_channels_and_packs_two_per_byte() -> No
     sig = ModelSignature(model="m", n_layers=1, n_kv_heads=2, head_dim=64, vocab_size=VOCAB)
     k = torch.randn(1, 2, 128, 64, generator=g)
     k[..., :3] *= 40.0  # outlier key channels
-    kv = KVCache(tokens=torch.randint(0, VOCAB, (1, 128), generator=g), signature=sig, keys=[k],
-                 values=[torch.randn(1, 2, 128, 64, generator=g)])
+    kv = KVCache(
+        tokens=torch.randint(0, VOCAB, (1, 128), generator=g),
+        signature=sig,
+        keys=[k],
+        values=[torch.randn(1, 2, 128, 64, generator=g)],
+    )
     enc = get_codec("int4").encode(kv)
     codes = 2 * 128 * 64 // 2
     assert enc.sizes[-2:] == [codes, codes]
@@ -253,6 +312,7 @@ def test_int4_beats_per_token_on_outlier_channels_and_packs_two_per_byte() -> No
     out = get_codec("int4").decode(wire(enc))
     err_kivi = float((out.keys[0] - k).norm() / k.norm())
     from kvbus.codecs._kernels import int4_decode, int4_encode
+
     p, s, lo = int4_encode(k.transpose(2, 3).contiguous(), 3, 64)  # per-token-style groups over the channels
     per_token = int4_decode(p, s, lo, (1, 2, 64, 128), 3, 64).transpose(2, 3)
     assert err_kivi < float((per_token - k).norm() / k.norm())
@@ -283,8 +343,12 @@ def test_topk_keeps_the_attended_entries_and_positions_travel() -> None:
     keys = [torch.randn(1, 2, n, 16, generator=g) * 0.1 for _ in range(2)]
     for k in keys:
         k[:, :, 20] = k[:, :, -8:].mean(dim=2) * 40  # entry 20 aligns with the recent keys: it gets the attention
-    kv = KVCache(tokens=torch.randint(0, VOCAB, (1, n), generator=g), signature=sig, keys=keys,
-                 values=[torch.randn(1, 2, n, 16, generator=g) for _ in range(2)])
+    kv = KVCache(
+        tokens=torch.randint(0, VOCAB, (1, n), generator=g),
+        signature=sig,
+        keys=keys,
+        values=[torch.randn(1, 2, n, 16, generator=g) for _ in range(2)],
+    )
     codec = get_codec("topk(0.25,sink=2,window=8)")
     out = codec.decode(wire(codec.encode(kv)))
     pos = out.positions.tolist()
@@ -296,8 +360,12 @@ def test_topk_keeps_the_attended_entries_and_positions_travel() -> None:
 
 def test_topk_positions_must_increase_and_stay_in_range() -> None:
     sig = ModelSignature(model="m", n_layers=1, n_kv_heads=1, head_dim=2, vocab_size=VOCAB)
-    kv = KVCache(tokens=torch.arange(10).view(1, -1), signature=sig, keys=[torch.randn(1, 1, 10, 2)],
-                 values=[torch.randn(1, 1, 10, 2)])
+    kv = KVCache(
+        tokens=torch.arange(10).view(1, -1),
+        signature=sig,
+        keys=[torch.randn(1, 1, 10, 2)],
+        values=[torch.randn(1, 1, 10, 2)],
+    )
     enc = get_codec("topk(0.5,window=2)").encode(kv)
     payload = bytearray(b"".join(enc.buffers))
     for bad in ([7, 7, 8, 9, 9], [1, 2, 3, 4, 12], [5, 4, 3, 2, 1]):
@@ -313,15 +381,25 @@ def _kv(n: int, *, seed: int = 0, batch: int = 1, tokens: torch.Tensor | None = 
     g = torch.Generator().manual_seed(seed)
     sig = ModelSignature(model="m", n_layers=2, n_kv_heads=2, head_dim=8, vocab_size=VOCAB)
     t = tokens if tokens is not None else torch.randint(0, VOCAB, (batch, n), generator=g)
-    return KVCache(tokens=t, signature=sig, keys=[torch.randn(t.shape[0], 2, n, 8, generator=g) for _ in range(2)],
-                   values=[torch.randn(t.shape[0], 2, n, 8, generator=g) for _ in range(2)])
+    return KVCache(
+        tokens=t,
+        signature=sig,
+        keys=[torch.randn(t.shape[0], 2, n, 8, generator=g) for _ in range(2)],
+        values=[torch.randn(t.shape[0], 2, n, 8, generator=g) for _ in range(2)],
+    )
 
 
 @PROPERTY
-@given(n=st.integers(1, 60), shared=st.integers(0, 60), extra=st.integers(0, 5), batch=st.integers(1, 2),
-       inner=st.sampled_from(["full", "int8", "topk(0.5)+full"]))
-def test_delta_sends_only_the_new_part_and_rebuilds_the_whole_context(n: int, shared: int, extra: int, batch: int,
-                                                                      inner: str) -> None:
+@given(
+    n=st.integers(1, 60),
+    shared=st.integers(0, 60),
+    extra=st.integers(0, 5),
+    batch=st.integers(1, 2),
+    inner=st.sampled_from(["full", "int8", "topk(0.5)+full"]),
+)
+def test_delta_sends_only_the_new_part_and_rebuilds_the_whole_context(
+    n: int, shared: int, extra: int, batch: int, inner: str
+) -> None:
     shared = min(shared, n)
     kv = _kv(n, batch=batch)
     base_tokens = torch.cat([kv.tokens[:, :shared], torch.randint(0, VOCAB, (batch, extra)) + VOCAB], dim=1) % VOCAB
@@ -329,10 +407,13 @@ def test_delta_sends_only_the_new_part_and_rebuilds_the_whole_context(n: int, sh
         base_tokens[:, shared] = (kv.tokens[:, shared] + 1) % VOCAB  # diverge right after the shared prefix
     held = kv.slice(0, shared)
     tail = base_tokens.shape[1] - shared
-    receiver = KVCache(tokens=base_tokens, signature=kv.signature,
-                       keys=[torch.cat([k, torch.randn(batch, 2, tail, 8)], 2) for k in held.keys],
-                       values=[torch.cat([v, torch.randn(batch, 2, tail, 8)], 2) for v in held.values],
-                       fidelity=0.9)
+    receiver = KVCache(
+        tokens=base_tokens,
+        signature=kv.signature,
+        keys=[torch.cat([k, torch.randn(batch, 2, tail, 8)], 2) for k in held.keys],
+        values=[torch.cat([v, torch.randn(batch, 2, tail, 8)], 2) for v in held.values],
+        fidelity=0.9,
+    )
     codec = get_codec(f"delta+{inner}")
     enc = codec.encode(kv, base=receiver.token_only())
     p = enc.meta["delta"]["prefix"]
@@ -370,12 +451,22 @@ def test_delta_against_a_wrong_or_stale_base_fails_loudly() -> None:
     changed = held.clone()
     changed.tokens[0, 5] = (changed.tokens[0, 5] + 1) % VOCAB
     no_kv = held.token_only()
-    other_model = KVCache(tokens=held.tokens, signature=ModelSignature(model="x", n_layers=2, n_kv_heads=2, head_dim=8,
-                                                                       vocab_size=VOCAB),
-                          keys=held.keys, values=held.values)
+    other_model = KVCache(
+        tokens=held.tokens,
+        signature=ModelSignature(model="x", n_layers=2, n_kv_heads=2, head_dim=8, vocab_size=VOCAB),
+        keys=held.keys,
+        values=held.values,
+    )
     batch2 = _kv(20, batch=2)
-    for base, match in [(None, "no base"), (other, "differ"), (stale, "stale"), (changed, "differ"),
-                        (no_kv, "KV for 0"), (other_model, "context"), (batch2, "batch")]:
+    for base, match in [
+        (None, "no base"),
+        (other, "differ"),
+        (stale, "stale"),
+        (changed, "differ"),
+        (no_kv, "KV for 0"),
+        (other_model, "context"),
+        (batch2, "batch"),
+    ]:
         with pytest.raises(DeltaBaseMismatch, match=match) as info:
             codec.decode(enc, base=base)
         assert isinstance(info.value, KVBusError)
@@ -429,10 +520,20 @@ def test_summary_needs_a_sender_model_and_carries_only_the_summary() -> None:
 # -- hostile input ----------------------------------------------------------------------------------
 
 MSGPACK_INTS = st.integers(-(2**63), 2**64 - 1)
-SCALARS = (st.none() | st.booleans() | MSGPACK_INTS | st.integers(-3, 70)
-           | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=8) | st.binary(max_size=8))
-VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4)
-                      | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=8)
+SCALARS = (
+    st.none()
+    | st.booleans()
+    | MSGPACK_INTS
+    | st.integers(-3, 70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=8)
+    | st.binary(max_size=8)
+)
+VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=8,
+)
 
 
 def _codec_for(spec: str) -> Codec:
@@ -452,24 +553,50 @@ def _decode_or_reject(spec: str, meta: Any, payload: bytes, sizes: Any, base: KV
 
 
 @FUZZ
-@given(spec=st.sampled_from(ALL_SPECS), meta=VALUES, payload=st.binary(max_size=256),
-       sizes=st.lists(st.integers(0, 64), max_size=8))
+@given(
+    spec=st.sampled_from(ALL_SPECS),
+    meta=VALUES,
+    payload=st.binary(max_size=256),
+    sizes=st.lists(st.integers(0, 64), max_size=8),
+)
 def test_random_metadata_is_rejected(spec: str, meta: Any, payload: bytes, sizes: list[int]) -> None:
     _decode_or_reject(spec, meta, payload, sizes)
 
 
-FIELDS = [("batch",), ("n_tokens",), ("seq_len",), ("layers",), ("dtype",), ("fidelity",), ("positions",),
-          ("signature", "n_layers"), ("signature", "n_kv_heads"), ("signature", "head_dim"), ("signature", "dtype"),
-          ("delta",), ("delta", "prefix"), ("delta", "version"), ("topk",), ("topk", "of"), ("summary",),
-          ("summary", "source_tokens")]
+FIELDS = [
+    ("batch",),
+    ("n_tokens",),
+    ("seq_len",),
+    ("layers",),
+    ("dtype",),
+    ("fidelity",),
+    ("positions",),
+    ("signature", "n_layers"),
+    ("signature", "n_kv_heads"),
+    ("signature", "head_dim"),
+    ("signature", "dtype"),
+    ("delta",),
+    ("delta", "prefix"),
+    ("delta", "version"),
+    ("topk",),
+    ("topk", "of"),
+    ("summary",),
+    ("summary", "source_tokens"),
+]
 
 
 @FUZZ
-@given(kv=kv_caches(max_seq=12), spec=st.sampled_from(ALL_SPECS), path=st.sampled_from(FIELDS),
-       delete=st.booleans(), value=VALUES | st.integers(-2, 100) | st.sampled_from([2**16, 2**24, 2**40, 2**63]),
-       data=st.data())
-def test_mutated_metadata_is_rejected_or_consistent(kv: KVCache, spec: str, path: tuple[str, ...], delete: bool,
-                                                    value: Any, data: st.DataObject) -> None:
+@given(
+    kv=kv_caches(max_seq=12),
+    spec=st.sampled_from(ALL_SPECS),
+    path=st.sampled_from(FIELDS),
+    delete=st.booleans(),
+    value=VALUES | st.integers(-2, 100) | st.sampled_from([2**16, 2**24, 2**40, 2**63]),
+    data=st.data(),
+)
+def test_mutated_metadata_is_rejected_or_consistent(
+    kv: KVCache, spec: str, path: tuple[str, ...], delete: bool, value: Any, data: st.DataObject
+) -> None:
     encoded = _codec_for(spec).encode(kv)
     meta = msgpack.unpackb(msgpack.packb(encoded.meta))
     target = meta
@@ -516,12 +643,25 @@ def test_truncated_and_corrupted_payloads_are_rejected_or_valid(kv: KVCache, spe
 
 
 @pytest.mark.parametrize("spec", ["int4", "int4(4096)", "lowrank", "lowrank(1)", "topk+int8", "delta+int8", "summary"])
-@pytest.mark.parametrize("field,value", [("batch", 2**16), ("n_tokens", 2**24), ("seq_len", 2**24), ("layers", 2**16),
-                                         ("batch", -1), ("fidelity", math.nan)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("batch", 2**16),
+        ("n_tokens", 2**24),
+        ("seq_len", 2**24),
+        ("layers", 2**16),
+        ("batch", -1),
+        ("fidelity", math.nan),
+    ],
+)
 def test_huge_claims_are_rejected_without_allocating(spec: str, field: str, value: Any) -> None:
     sig = ModelSignature(model="m", n_layers=2, n_kv_heads=2, head_dim=4, vocab_size=VOCAB)
-    kv = KVCache(tokens=torch.arange(6).reshape(1, 6), signature=sig,
-                 keys=[torch.randn(1, 2, 6, 4) for _ in range(2)], values=[torch.randn(1, 2, 6, 4) for _ in range(2)])
+    kv = KVCache(
+        tokens=torch.arange(6).reshape(1, 6),
+        signature=sig,
+        keys=[torch.randn(1, 2, 6, 4) for _ in range(2)],
+        values=[torch.randn(1, 2, 6, 4) for _ in range(2)],
+    )
     encoded = _codec_for(spec).encode(kv)
     meta = dict(encoded.meta, **{field: value})
     if field in ("seq_len", "batch") and value > 0:
@@ -532,8 +672,12 @@ def test_huge_claims_are_rejected_without_allocating(spec: str, field: str, valu
 
 def test_lowrank_refuses_to_expand_a_tiny_payload_into_a_huge_cache() -> None:
     sig = ModelSignature(model="m", n_layers=1, n_kv_heads=64, head_dim=64, vocab_size=VOCAB)
-    kv = KVCache(tokens=torch.zeros(1, 4096, dtype=torch.int64), signature=sig,
-                 keys=[torch.zeros(1, 64, 4096, 64)], values=[torch.zeros(1, 64, 4096, 64)])
+    kv = KVCache(
+        tokens=torch.zeros(1, 4096, dtype=torch.int64),
+        signature=sig,
+        keys=[torch.zeros(1, 64, 4096, 64)],
+        values=[torch.zeros(1, 64, 4096, 64)],
+    )
     enc = get_codec("lowrank(1)").encode(kv)
     assert enc.nbytes < kv.nbytes / 500
     with pytest.raises(DecodeError, match="more than"):

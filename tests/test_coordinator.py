@@ -10,16 +10,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvbus.app.local import NatsServer
 from kvbus.bus import Bus
-from kvbus.net.transport import NatsTransport
 from kvbus.coordinator import Coordinator, CoordinatorClient, CoordinatorConfig, weighted_max_min
 from kvbus.errors import ReservationRefused
-from kvbus.app.local import NatsServer
+from kvbus.net.transport import NatsTransport
 from kvbus.protocol import COORD_REGISTER, GroupHeartbeat
 from tests.peer import SIG
 
-CFG = CoordinatorConfig(capacity_bps=1000.0, epoch_s=0.05, lease_grace_epochs=3, reservable_fraction=0.5,
-                        leader_ttl_s=0.6)
+CFG = CoordinatorConfig(
+    capacity_bps=1000.0, epoch_s=0.05, lease_grace_epochs=3, reservable_fraction=0.5, leader_ttl_s=0.6
+)
 
 
 @pytest.fixture
@@ -47,7 +48,8 @@ async def coord(nats: NatsServer) -> AsyncIterator[Coordinator]:
 def test_max_min_on_constructed_demands() -> None:
     assert weighted_max_min(10, {"a": 2, "b": 8, "c": 8}) == pytest.approx({"a": 2, "b": 4, "c": 4})
     assert weighted_max_min(10, {"a": 2, "b": 8, "c": 8}, {"a": 1, "b": 1, "c": 2}) == pytest.approx(
-        {"a": 2, "b": 8 / 3, "c": 16 / 3})
+        {"a": 2, "b": 8 / 3, "c": 16 / 3}
+    )
     assert weighted_max_min(100, {"a": 2, "b": 8}) == pytest.approx({"a": 2, "b": 8})
     assert weighted_max_min(0, {"a": 2}) == {"a": 0.0}
     with pytest.raises(ValueError, match="weight"):
@@ -55,8 +57,11 @@ def test_max_min_on_constructed_demands() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(cap=st.floats(0, 1e6), demands=st.dictionaries(st.sampled_from("abcdefg"), st.floats(0, 1e6), min_size=1),
-       weights=st.dictionaries(st.sampled_from("abcdefg"), st.floats(0.1, 10)))
+@given(
+    cap=st.floats(0, 1e6),
+    demands=st.dictionaries(st.sampled_from("abcdefg"), st.floats(0, 1e6), min_size=1),
+    weights=st.dictionaries(st.sampled_from("abcdefg"), st.floats(0.1, 10)),
+)
 def test_max_min_properties(cap: float, demands: dict[str, float], weights: dict[str, float]) -> None:
     shares = weighted_max_min(cap, demands, weights)
     total = sum(shares.values())

@@ -14,8 +14,15 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 async def test_quickstart_sends_a_real_kv_and_continues_from_it(nats_url: str, scheduler: GroupScheduler) -> None:
     # The scheduler runs in this process's event loop: wait for the script without blocking it.
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(EXAMPLES / "quickstart.py"), "--nats-url", nats_url, "--tokens", "8",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        sys.executable,
+        str(EXAMPLES / "quickstart.py"),
+        "--nats-url",
+        nats_url,
+        "--tokens",
+        "8",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     out, err = await asyncio.wait_for(proc.communicate(), 150)
     assert proc.returncode == 0, err.decode()[-2000:]
     lines = out.decode().strip().splitlines()

@@ -20,8 +20,9 @@ from kvbus.group_scheduler import weighted_max_min as scheduler_max_min
 CI = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def water_filling(capacity: float, demands: Mapping[str, float], weights: Mapping[str, float] | None = None
-                  ) -> dict[str, float]:
+def water_filling(
+    capacity: float, demands: Mapping[str, float], weights: Mapping[str, float] | None = None
+) -> dict[str, float]:
     """The coordinator's own split before there was one weighted max-min (kept here as the oracle)."""
     w = {k: float((weights or {}).get(k, 1.0)) for k in demands}
     shares = {k: 0.0 for k in demands}
@@ -53,16 +54,18 @@ def test_the_old_names_are_the_one_implementation() -> None:
 
 
 @CI
-@given(cap=st.floats(0, 1e6),
-       demands=st.dictionaries(st.sampled_from("abcdefgh"), st.one_of(st.just(0.0), st.floats(0, 1e6)),
-                               min_size=1),
-       weights=st.dictionaries(st.sampled_from("abcdefgh"), st.floats(0.01, 100)))
+@given(
+    cap=st.floats(0, 1e6),
+    demands=st.dictionaries(st.sampled_from("abcdefgh"), st.one_of(st.just(0.0), st.floats(0, 1e6)), min_size=1),
+    weights=st.dictionaries(st.sampled_from("abcdefgh"), st.floats(0.01, 100)),
+)
 @example(cap=10.0, demands={"a": 2.0, "b": 8.0, "c": 8.0}, weights={"c": 2.0})
 @example(cap=0.0, demands={"a": 2.0}, weights={})
 @example(cap=5.0, demands={"a": 0.0, "b": 0.0}, weights={})
 @example(cap=1e6, demands={"a": 1.0, "b": 2.0}, weights={"a": 0.01, "b": 100.0})
-def test_the_coordinator_split_equals_water_filling(cap: float, demands: dict[str, float],
-                                                     weights: dict[str, float]) -> None:
+def test_the_coordinator_split_equals_water_filling(
+    cap: float, demands: dict[str, float], weights: dict[str, float]
+) -> None:
     new = coordinator_split(cap, demands, weights)
     old = water_filling(cap, demands, weights)
     assert new.keys() == old.keys()

@@ -34,8 +34,8 @@ from kvbus.protocol import (
     ROOT_SUM_HEADER,
     Open,
     agent_subject,
-    inbox_subject,
     decode_message,
+    inbox_subject,
     message_types,
     sched_subject,
 )
@@ -53,10 +53,19 @@ RSS_BOUND = 256 << 20
 BATCH = 5_000
 
 MESSAGES = message_types()
-SCALARS = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=16)
-           | st.binary(max_size=32))
-VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=5)
-                      | st.dictionaries(st.text(max_size=10), inner, max_size=4), max_leaves=8)
+SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=16)
+    | st.binary(max_size=32)
+)
+VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=8,
+)
 
 
 def _run(cases: int, strategy: st.SearchStrategy[Any], check: Callable[[Any], None]) -> None:
@@ -73,8 +82,12 @@ def _run(cases: int, strategy: st.SearchStrategy[Any], check: Callable[[Any], No
     try:
         for n in batches:
 
-            @settings(max_examples=n, deadline=None, database=None,
-                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+            @settings(
+                max_examples=n,
+                deadline=None,
+                database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+            )
             @given(strategy)
             def prop(value: Any) -> None:
                 check(value)
@@ -101,8 +114,9 @@ def _only_kvbus_errors(fn: Callable[[], Any]) -> None:
 
 
 def _message_bytes() -> st.SearchStrategy[tuple[type, bytes]]:
-    tagged = st.tuples(st.sampled_from(MESSAGES), st.dictionaries(st.text(max_size=12), VALUES, max_size=6),
-                       st.booleans())
+    tagged = st.tuples(
+        st.sampled_from(MESSAGES), st.dictionaries(st.text(max_size=12), VALUES, max_size=6), st.booleans()
+    )
 
     def pack(item: tuple[type, dict, bool]) -> tuple[type, bytes]:
         cls, body, versioned = item
@@ -150,18 +164,23 @@ class _Msg:
 
 _PAYLOAD = bytes(range(256)) * 40  # 10,240 bytes
 _SIZES = [3000, 7000, 240]
-_SOURCE = ChunkSource([memoryview(_PAYLOAD[:3000]), memoryview(_PAYLOAD[3000:10000]), memoryview(_PAYLOAD[10000:])],
-                      2048)
+_SOURCE = ChunkSource(
+    [memoryview(_PAYLOAD[:3000]), memoryview(_PAYLOAD[3000:10000]), memoryview(_PAYLOAD[10000:])], 2048
+)
 _GENUINE = [bytes(_SOURCE.chunk(i)) for i in range(_SOURCE.n_chunks)]
 _DIGESTS = [chunk_digest(c) for c in _GENUINE]
 
 
 def _frames() -> st.SearchStrategy[list[tuple[bytes, dict[str, str] | None]]]:
     n = len(_GENUINE)
-    genuine = st.integers(0, n - 1).map(lambda i: (_GENUINE[i], {CHUNK_INDEX_HEADER: str(i), CHUNK_SUM_HEADER: _DIGESTS[i]}))
+    genuine = st.integers(0, n - 1).map(
+        lambda i: (_GENUINE[i], {CHUNK_INDEX_HEADER: str(i), CHUNK_SUM_HEADER: _DIGESTS[i]})
+    )
     hostile_headers = st.none() | st.dictionaries(
         st.sampled_from([CHUNK_INDEX_HEADER, CHUNK_SUM_HEADER, ROOT_SUM_HEADER]) | st.text(max_size=8),
-        st.text(max_size=40) | st.integers(-(2**70), 2**70).map(str), max_size=4)
+        st.text(max_size=40) | st.integers(-(2**70), 2**70).map(str),
+        max_size=4,
+    )
     hostile = st.tuples(st.binary(max_size=4096), hostile_headers)
 
     def forged(item: tuple[int, bytes]) -> tuple[bytes, dict[str, str]]:
@@ -177,9 +196,20 @@ def _frames() -> st.SearchStrategy[list[tuple[bytes, dict[str, str] | None]]]:
 def test_chunk_frames(cases: int) -> None:
     loop = asyncio.new_event_loop()
     config = BusConfig(chunk_size=2048)
-    open_msg = Open(transfer_id="f" * 32, src="tx", codec="full", meta={}, sizes=_SIZES, total=sum(_SIZES),
-                    chunk_size=2048, n_chunks=len(_GENUINE), digest="", window=16,
-                    data_subject="kvbus.agent.rx.data." + "f" * 32, ack_subject=agent_subject("tx", "ack"))
+    open_msg = Open(
+        transfer_id="f" * 32,
+        src="tx",
+        codec="full",
+        meta={},
+        sizes=_SIZES,
+        total=sum(_SIZES),
+        chunk_size=2048,
+        n_chunks=len(_GENUINE),
+        digest="",
+        window=16,
+        data_subject="kvbus.agent.rx.data." + "f" * 32,
+        ack_subject=agent_subject("tx", "ack"),
+    )
     root = tree_digest(_DIGESTS, sum(_SIZES))
 
     def check(frames: list[tuple[bytes, dict[str, str] | None]]) -> None:
@@ -191,8 +221,11 @@ def test_chunk_frames(cases: int) -> None:
         async def feed() -> IncomingTransfer:
             incoming = IncomingTransfer(_Recorder(), open_msg, "rx", config, finish)  # type: ignore[arg-type]
             for data, headers in frames:
-                if headers and headers.get(CHUNK_INDEX_HEADER) == str(len(_GENUINE) - 1) and \
-                        headers.get(CHUNK_SUM_HEADER) == _DIGESTS[-1]:
+                if (
+                    headers
+                    and headers.get(CHUNK_INDEX_HEADER) == str(len(_GENUINE) - 1)
+                    and headers.get(CHUNK_SUM_HEADER) == _DIGESTS[-1]
+                ):
                     headers = {**headers, ROOT_SUM_HEADER: root}
                 await incoming._on_chunk(_Msg(data, headers))  # must never raise
             if incoming._done_task is not None:
@@ -239,8 +272,12 @@ def test_cachetier_stub_and_record_decoders(cases: int) -> None:
 @pytest.mark.parametrize("cases", BUDGETS)
 def test_codec_metadata(cases: int) -> None:
     codecs = [c for c in available_codecs() if c not in ("summary",)]  # summary needs a generating model
-    strategy = st.tuples(st.sampled_from(codecs), st.dictionaries(st.text(max_size=10), VALUES, max_size=6),
-                         st.binary(max_size=256), st.lists(st.integers(0, 64), max_size=6))
+    strategy = st.tuples(
+        st.sampled_from(codecs),
+        st.dictionaries(st.text(max_size=10), VALUES, max_size=6),
+        st.binary(max_size=256),
+        st.lists(st.integers(0, 64), max_size=6),
+    )
 
     def check(item: tuple[str, dict, bytes, list[int]]) -> None:
         codec, meta, payload, sizes = item
@@ -268,9 +305,15 @@ async def test_misbehaving_client_does_not_disturb_other_agents(bus: Bus, nats_u
         kvs = [kv_of_bytes(SIG, 6 << 20, seed=s) for s in range(3)]
         sends = asyncio.gather(*(tx.send(rx.name, kv, medium="full") for kv in kvs))
         big = os.urandom(rogue.transport.max_payload - 8192)
-        junk = [b"", b"\xc1", b"\x92\x01", msgpack.packb({"t": "grant", "v": 1, "transfer_id": 7}), big,
-                msgpack.packb({"t": "open", "v": 1, "sizes": [1 << 62], "total": 1 << 62}),
-                (0xFFFFFFFF).to_bytes(4, "big") + b"x"]
+        junk = [
+            b"",
+            b"\xc1",
+            b"\x92\x01",
+            msgpack.packb({"t": "grant", "v": 1, "transfer_id": 7}),
+            big,
+            msgpack.packb({"t": "open", "v": 1, "sizes": [1 << 62], "total": 1 << 62}),
+            (0xFFFFFFFF).to_bytes(4, "big") + b"x",
+        ]
         # The victim's own subjects take the storm; tx and rx only get chunks for a transfer that
         # does not exist and acks they do not expect (what any agent may publish to them).
         subjects = [agent_subject(victim.name, k) for k in ("ack", "ctl")] + [inbox_subject(victim.name, "rogue")]
@@ -286,7 +329,7 @@ async def test_misbehaving_client_does_not_disturb_other_agents(bus: Bus, nats_u
         for subject in subjects[:4]:
             try:
                 await rogue.transport.request(subject, big, timeout=1.0)
-            except Exception:  # noqa: BLE001 - a refusal or no answer, both fine
+            except Exception:
                 pass
         reports = await asyncio.wait_for(sends, 60)
         # The victim still works once the storm is over.

@@ -47,8 +47,10 @@ def _find_helm() -> str | None:
 
 HELM = _find_helm()
 pytestmark = pytest.mark.skipif(
-    HELM is None, reason="helm binary not found: set KVBUS_HELM, put helm on PATH, or run "
-                         "`scripts/install-helm.sh` (installs ./.tools/helm)")
+    HELM is None,
+    reason="helm binary not found: set KVBUS_HELM, put helm on PATH, or run "
+    "`scripts/install-helm.sh` (installs ./.tools/helm)",
+)
 
 
 # -- rendering ---------------------------------------------------------------------------------
@@ -63,8 +65,9 @@ class HelmError(Exception):
 def helm(*args: str) -> str:
     assert HELM is not None
     # No cluster is used: an empty kubeconfig keeps a developer's real one out of the way.
-    proc = subprocess.run([HELM, *args], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "KUBECONFIG": os.devnull})
+    proc = subprocess.run(
+        [HELM, *args], capture_output=True, text=True, timeout=60, env={**os.environ, "KUBECONFIG": os.devnull}
+    )
     if proc.returncode != 0:
         raise HelmError(list(args), proc.stderr)
     return proc.stdout
@@ -79,7 +82,7 @@ def _value_args(sets: tuple[str, ...], files: tuple[str, ...]) -> list[str]:
     return args
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def render_text(sets: tuple[str, ...] = (), files: tuple[str, ...] = ()) -> str:
     """`helm template` output (cached: the chart does not change during the run)."""
     return helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, *_value_args(sets, files))
@@ -116,8 +119,9 @@ def one(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
 
 
 def component(docs: list[dict[str, Any]], kind: str, name: str) -> list[dict[str, Any]]:
-    return [d for d in by_kind(docs, kind)
-            if d["metadata"].get("labels", {}).get("app.kubernetes.io/component") == name]
+    return [
+        d for d in by_kind(docs, kind) if d["metadata"].get("labels", {}).get("app.kubernetes.io/component") == name
+    ]
 
 
 def pod_spec(doc: dict[str, Any]) -> dict[str, Any]:
@@ -150,11 +154,11 @@ def parse_nats_conf(text: str) -> dict[str, Any]:
     tokens: list[str] = []
     at = 0
     for m in _NATS_TOKEN.finditer(text):
-        assert m.start() == at, f"nats.conf does not parse at {text[at:at + 60]!r}"
+        assert m.start() == at, f"nats.conf does not parse at {text[at : at + 60]!r}"
         at = m.end()
         if m.group().strip() and not m.group().startswith("#"):
             tokens.append(m.group())
-    assert at == len(text), f"nats.conf does not parse at {text[at:at + 60]!r}"
+    assert at == len(text), f"nats.conf does not parse at {text[at : at + 60]!r}"
     pos = 0
 
     def value() -> Any:
@@ -220,7 +224,7 @@ def security_users(agents: list[tuple[str, str, tuple[str, ...]]], groups: list[
     from kvbus.security import AgentGrant, permissions_config
 
     block, _ = permissions_config([AgentGrant(n, g, bcast) for n, g, bcast in agents], groups)
-    users = json.loads(block[block.index("users:") + len("users:"):block.rindex("}")])
+    users = json.loads(block[block.index("users:") + len("users:") : block.rindex("}")])
     return [(u["user"], u["permissions"]) for u in users]
 
 
@@ -284,8 +288,9 @@ def test_every_manifest_is_valid_kubernetes(variant: str, kubernetes_validate: A
         try:
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
         except kubernetes_validate.ValidationError as exc:
-            pytest.fail(f"{variant}: {doc['kind']}/{doc['metadata']['name']}: {exc.message} at "
-                        f"{'/'.join(map(str, exc.path))}")
+            pytest.fail(
+                f"{variant}: {doc['kind']}/{doc['metadata']['name']}: {exc.message} at {'/'.join(map(str, exc.path))}"
+            )
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -310,8 +315,17 @@ def test_pods_are_locked_down(variant: str) -> None:
 
 def test_long_names_stay_within_kubernetes_limits(kubernetes_validate: Any) -> None:
     release = "r" * 53  # the longest release name Helm accepts
-    text = helm("template", release, str(CHART), "--set-json", 'groups.list=[{"name":"%s"}]' % ("g" * 24),
-                "--set", "jaeger.enabled=true", "--set", "metrics.serviceMonitor.enabled=true")
+    text = helm(
+        "template",
+        release,
+        str(CHART),
+        "--set-json",
+        'groups.list=[{"name":"%s"}]' % ("g" * 24),
+        "--set",
+        "jaeger.enabled=true",
+        "--set",
+        "metrics.serviceMonitor.enabled=true",
+    )
     docs = [d for d in yaml.safe_load_all(text) if d]
     for doc in docs:
         name = doc["metadata"]["name"]
@@ -392,19 +406,29 @@ def _without_random_passwords(raw: str) -> str:
 NATS_SERVER_DOCS = {("StatefulSet", f"{RELEASE}-nats"), ("ConfigMap", f"{RELEASE}-nats-config")}
 
 
-@pytest.mark.parametrize("before, after, new", [
-    (("groups.count=2",), ("groups.count=3",), {"g2"}),
-    (("groups.count=1",), ("groups.count=5",), {"g1", "g2", "g3", "g4"}),
-    # a named group inserted in the middle of the list
-    (("json:groups.list=[{\"name\":\"a\"},{\"name\":\"c\",\"replicas\":3}]",),
-     ("json:groups.list=[{\"name\":\"a\"},{\"name\":\"b\"},{\"name\":\"c\",\"replicas\":3}]",), {"b"}),
-    # one more agent: no new resource at all
-    (("json:nats.auth.agents=[{\"name\":\"alice\",\"group\":\"g0\"}]",),
-     ("json:nats.auth.agents=[{\"name\":\"alice\",\"group\":\"g0\"},{\"name\":\"bob\",\"group\":\"g0\"}]",),
-     set()),
-], ids=["2-to-3", "1-to-5", "named-in-the-middle", "one-more-agent"])
-def test_adding_a_group_or_agent_changes_only_the_auth_secret(before: tuple[str, ...], after: tuple[str, ...],
-                                                              new: set[str]) -> None:
+@pytest.mark.parametrize(
+    "before, after, new",
+    [
+        (("groups.count=2",), ("groups.count=3",), {"g2"}),
+        (("groups.count=1",), ("groups.count=5",), {"g1", "g2", "g3", "g4"}),
+        # a named group inserted in the middle of the list
+        (
+            ('json:groups.list=[{"name":"a"},{"name":"c","replicas":3}]',),
+            ('json:groups.list=[{"name":"a"},{"name":"b"},{"name":"c","replicas":3}]',),
+            {"b"},
+        ),
+        # one more agent: no new resource at all
+        (
+            ('json:nats.auth.agents=[{"name":"alice","group":"g0"}]',),
+            ('json:nats.auth.agents=[{"name":"alice","group":"g0"},{"name":"bob","group":"g0"}]',),
+            set(),
+        ),
+    ],
+    ids=["2-to-3", "1-to-5", "named-in-the-middle", "one-more-agent"],
+)
+def test_adding_a_group_or_agent_changes_only_the_auth_secret(
+    before: tuple[str, ...], after: tuple[str, ...], new: set[str]
+) -> None:
     """`helm upgrade` with one more group or agent: every resource but the auth Secret is
     byte-identical (the NATS StatefulSet and its ConfigMap too, so no NATS server restarts: the
     reloader hot-reloads the Secret's auth.conf), and the only new resources are the new group's
@@ -415,20 +439,28 @@ def test_adding_a_group_or_agent_changes_only_the_auth_secret(before: tuple[str,
     new_docs = [_without_random_passwords(d) for d in new_all if not _is_auth_secret(d)]
     missing = [d[:300] for d in old if d not in new_docs]
     assert not missing, "changed by adding a group or agent:\n" + "\n---\n".join(missing)
-    server_docs = [d for d in old if (yaml.safe_load(d)["kind"], yaml.safe_load(d)["metadata"]["name"])
-                   in NATS_SERVER_DOCS]
+    server_docs = [
+        d for d in old if (yaml.safe_load(d)["kind"], yaml.safe_load(d)["metadata"]["name"]) in NATS_SERVER_DOCS
+    ]
     assert len(server_docs) == 2 and all(d in new_docs for d in server_docs)
     added = [d for d in new_docs if d not in old]
     assert {_group_of(d) for d in added} == new, [d[:200] for d in added]
     assert sorted(yaml.safe_load(d)["kind"] for d in added) == sorted(
-        ["PodDisruptionBudget", "Service", "StatefulSet"] * len(new))
+        ["PodDisruptionBudget", "Service", "StatefulSet"] * len(new)
+    )
 
 
 def test_existing_groups_statefulsets_identical_when_adding() -> None:
-    two = {(_group_of(d), yaml.safe_load(d)["kind"]): d for d in raw_documents(render_text(("groups.count=2",)))
-           if _group_of(d)}
-    three = {(_group_of(d), yaml.safe_load(d)["kind"]): d for d in raw_documents(render_text(("groups.count=3",)))
-             if _group_of(d)}
+    two = {
+        (_group_of(d), yaml.safe_load(d)["kind"]): d
+        for d in raw_documents(render_text(("groups.count=2",)))
+        if _group_of(d)
+    }
+    three = {
+        (_group_of(d), yaml.safe_load(d)["kind"]): d
+        for d in raw_documents(render_text(("groups.count=3",)))
+        if _group_of(d)
+    }
     for key in (("g0", "StatefulSet"), ("g1", "StatefulSet"), ("g0", "Service"), ("g1", "PodDisruptionBudget")):
         assert two[key] == three[key], key
     assert ("g2", "StatefulSet") in three and ("g2", "StatefulSet") not in two
@@ -437,54 +469,69 @@ def test_existing_groups_statefulsets_identical_when_adding() -> None:
 # -- the values schema rejects bad values ------------------------------------------------------
 
 
-@pytest.mark.parametrize("args, expected", [
-    (("groups.count=-1",), ["/groups/count", "minimum"]),
-    (("groups.count=0",), ["/groups/count", "minimum"]),
-    (("groups.count=two",), ["/groups/count", "want integer"]),
-    (("json:groups.count=1.5",), ["/groups/count"]),
-    (("group.count=3",), ["additional properties 'group'"]),
-    (("groups.list[0].name=Bad_Name",), ["/groups/list/0/name", "pattern"]),
-    (("json:groups.list=[{\"replicas\":2}]",), ["/groups/list/0", "name"]),
-    (("scheduler.replicas=0",), ["/scheduler/replicas", "minimum"]),
-    (("coordinator.replicas=yes",), ["/coordinator/replicas"]),
-    (("nats.maxPayload=huge",), ["/nats/maxPayload"]),
-    (("otel.protocol=udp",), ["/otel/protocol"]),
-    (("metrics.port=80",), ["/metrics/port", "minimum"]),
-    (("image.pullPolicy=Sometimes",), ["/image/pullPolicy"]),
-    (("json:scheduler.config={\"Max-Active\":3}",), ["/scheduler/config"]),
-    (("json:nats.statefulSet.patch=[{\"op\":\"frobnicate\",\"path\":\"/spec\"}]",), ["/nats/statefulSet/patch/0/op"]),
-    (("nats.enabled=false",), ["nats.external.url must name the NATS to use"]),
-    (("nats.enabled=false", "nats.external.url=nats://u:pw@nats:4222"), ["must not carry credentials"]),
-    (("nats.replicas=2",), ["JetStream quorum"]),
-    (("nats.tls.enabled=true",), ["nats.tls.secretName is empty"]),
-    (("test.group=nope",), ['test.group "nope" is not one of the groups (g0)']),
-    (("json:groups.list=[{\"name\":\"a\"},{\"name\":\"a\"}]",), ['the group name "a" appears twice']),
-    (("jaeger.enabled=true", "otel.endpoint=http://collector:4318"), ["jaeger.enabled and otel.endpoint"]),
-    (("json:scheduler.statefulSet.patch=[{\"op\":\"replace\",\"path\":\"/spec/nothere\",\"value\":1}]",),
-     ['key "nothere" does not exist']),
-    (("json:nats.auth.agents=[{\"name\":\"bad.name\",\"group\":\"g0\"}]",),
-     ["at '/nats/auth/agents/0/name': 'bad.name' does not match pattern"]),
-    (("json:nats.auth.agents=[{\"name\":\"a\"}]",), ["at '/nats/auth/agents/0': missing property 'group'"]),
-    (("json:nats.auth.agents=[{\"name\":\"a\",\"group\":\"g0\",\"groups\":[\"g1\"]}]",),
-     ["additional properties 'groups'"]),
-    (("json:nats.auth.agents=[{\"name\":\"a\",\"group\":\"g0\",\"broadcastsFrom\":[\"b c\"]}]",),
-     ["/nats/auth/agents/0/broadcastsFrom/0", "pattern"]),
-    (("json:nats.auth.agents=[{\"name\":\"a\",\"group\":\"g9\"}]",),
-     ['nats.auth.agents[0] (a): group "g9" is not one of the groups (g0)']),
-    (("json:nats.auth.agents=[{\"name\":\"a\",\"group\":\"g0\"},{\"name\":\"a\",\"group\":\"g0\"}]",),
-     ['the agent name "a" appears twice']),
-    (("json:nats.auth.agents=[{\"name\":\"selftest-tx\",\"group\":\"g0\"}]",),
-     ['the name "selftest-tx" is used by `helm test`']),
-    (("nats.auth.agentPermissions.publish=x",), ["additional properties 'agentPermissions'"]),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (("groups.count=-1",), ["/groups/count", "minimum"]),
+        (("groups.count=0",), ["/groups/count", "minimum"]),
+        (("groups.count=two",), ["/groups/count", "want integer"]),
+        (("json:groups.count=1.5",), ["/groups/count"]),
+        (("group.count=3",), ["additional properties 'group'"]),
+        (("groups.list[0].name=Bad_Name",), ["/groups/list/0/name", "pattern"]),
+        (('json:groups.list=[{"replicas":2}]',), ["/groups/list/0", "name"]),
+        (("scheduler.replicas=0",), ["/scheduler/replicas", "minimum"]),
+        (("coordinator.replicas=yes",), ["/coordinator/replicas"]),
+        (("nats.maxPayload=huge",), ["/nats/maxPayload"]),
+        (("otel.protocol=udp",), ["/otel/protocol"]),
+        (("metrics.port=80",), ["/metrics/port", "minimum"]),
+        (("image.pullPolicy=Sometimes",), ["/image/pullPolicy"]),
+        (('json:scheduler.config={"Max-Active":3}',), ["/scheduler/config"]),
+        (('json:nats.statefulSet.patch=[{"op":"frobnicate","path":"/spec"}]',), ["/nats/statefulSet/patch/0/op"]),
+        (("nats.enabled=false",), ["nats.external.url must name the NATS to use"]),
+        (("nats.enabled=false", "nats.external.url=nats://u:pw@nats:4222"), ["must not carry credentials"]),
+        (("nats.replicas=2",), ["JetStream quorum"]),
+        (("nats.tls.enabled=true",), ["nats.tls.secretName is empty"]),
+        (("test.group=nope",), ['test.group "nope" is not one of the groups (g0)']),
+        (('json:groups.list=[{"name":"a"},{"name":"a"}]',), ['the group name "a" appears twice']),
+        (("jaeger.enabled=true", "otel.endpoint=http://collector:4318"), ["jaeger.enabled and otel.endpoint"]),
+        (
+            ('json:scheduler.statefulSet.patch=[{"op":"replace","path":"/spec/nothere","value":1}]',),
+            ['key "nothere" does not exist'],
+        ),
+        (
+            ('json:nats.auth.agents=[{"name":"bad.name","group":"g0"}]',),
+            ["at '/nats/auth/agents/0/name': 'bad.name' does not match pattern"],
+        ),
+        (('json:nats.auth.agents=[{"name":"a"}]',), ["at '/nats/auth/agents/0': missing property 'group'"]),
+        (('json:nats.auth.agents=[{"name":"a","group":"g0","groups":["g1"]}]',), ["additional properties 'groups'"]),
+        (
+            ('json:nats.auth.agents=[{"name":"a","group":"g0","broadcastsFrom":["b c"]}]',),
+            ["/nats/auth/agents/0/broadcastsFrom/0", "pattern"],
+        ),
+        (
+            ('json:nats.auth.agents=[{"name":"a","group":"g9"}]',),
+            ['nats.auth.agents[0] (a): group "g9" is not one of the groups (g0)'],
+        ),
+        (
+            ('json:nats.auth.agents=[{"name":"a","group":"g0"},{"name":"a","group":"g0"}]',),
+            ['the agent name "a" appears twice'],
+        ),
+        (
+            ('json:nats.auth.agents=[{"name":"selftest-tx","group":"g0"}]',),
+            ['the name "selftest-tx" is used by `helm test`'],
+        ),
+        (("nats.auth.agentPermissions.publish=x",), ["additional properties 'agentPermissions'"]),
+    ],
+)
 def test_bad_values_are_rejected_with_a_clear_message(args: tuple[str, ...], expected: list[str]) -> None:
     err = render_error(*args)
     for fragment in expected:
         assert fragment in err, f"{fragment!r} not in:\n{err}"
 
 
-@pytest.mark.parametrize("name", ["a", "Planner-2_b", "x" * 64, "", "x" * 65, "bad.name", "sp ace", "wild*",
-                                  "gt>", "ünï"])
+@pytest.mark.parametrize(
+    "name", ["a", "Planner-2_b", "x" * 64, "", "x" * 65, "bad.name", "sp ace", "wild*", "gt>", "ünï"]
+)
 def test_agent_names_follow_check_name(name: str) -> None:
     """The schema accepts exactly the agent names kvbus.protocol.check_name accepts."""
     from kvbus.protocol import check_name
@@ -534,31 +581,40 @@ def test_kvbus_pods_log_in_as_their_own_user() -> None:
     its reply inbox; the Secret holds one 32-character password per user."""
     docs = render("groups.count=2")
     secret = one(docs, "Secret", f"{RELEASE}-nats-auth")
-    expected = {f"Deployment/{RELEASE}-coordinator": ("coordinator", "_INBOX.coord"),
-                f"StatefulSet/{RELEASE}-sched-g0": ("sched-g0", "_INBOX.sched-g0"),
-                f"StatefulSet/{RELEASE}-sched-g1": ("sched-g1", "_INBOX.sched-g1")}
+    expected = {
+        f"Deployment/{RELEASE}-coordinator": ("coordinator", "_INBOX.coord"),
+        f"StatefulSet/{RELEASE}-sched-g0": ("sched-g0", "_INBOX.sched-g0"),
+        f"StatefulSet/{RELEASE}-sched-g1": ("sched-g1", "_INBOX.sched-g1"),
+    }
     seen = {}
     for what, c in kvbus_containers(docs):
         if what.startswith("Pod/"):
             continue
         env = env_of(c)
         seen[what] = (env["KVBUS_NATS_USER"], env["KVBUS_NATS_INBOX_PREFIX"])
-        assert env["KVBUS_NATS_PASSWORD"]["secretKeyRef"] == {"name": secret["metadata"]["name"],
-                                                              "key": env["KVBUS_NATS_USER"]}, what
-        assert env["KVBUS_NATS_URL"] == (f"nats://$(KVBUS_NATS_USER):$(KVBUS_NATS_PASSWORD)@"
-                                         f"{RELEASE}-nats.{NAMESPACE}.svc.cluster.local:4222")
+        assert env["KVBUS_NATS_PASSWORD"]["secretKeyRef"] == {
+            "name": secret["metadata"]["name"],
+            "key": env["KVBUS_NATS_USER"],
+        }, what
+        assert env["KVBUS_NATS_URL"] == (
+            f"nats://$(KVBUS_NATS_USER):$(KVBUS_NATS_PASSWORD)@{RELEASE}-nats.{NAMESPACE}.svc.cluster.local:4222"
+        )
     assert seen == expected
-    assert sorted(secret["data"]) == sorted(["agent-selftest-tx", "agent-selftest-rx", "sched-g0", "sched-g1",
-                                             "coordinator", "auth.conf"])
+    assert sorted(secret["data"]) == sorted(
+        ["agent-selftest-tx", "agent-selftest-rx", "sched-g0", "sched-g1", "coordinator", "auth.conf"]
+    )
     passwords = [base64.b64decode(v) for k, v in secret["data"].items() if k != "auth.conf"]
     assert all(len(p) == 32 for p in passwords) and len(set(passwords)) == len(passwords)
 
 
-@pytest.mark.parametrize("variant, endpoint, protocol", [
-    ("jaeger-on", f"http://{RELEASE}-jaeger.{NAMESPACE}.svc.cluster.local:4318", "http/protobuf"),
-    ("jaeger", f"http://{RELEASE}-jaeger.{NAMESPACE}.svc.cluster.local:4317", "grpc"),
-    ("external", "http://otel-collector.observability.svc.cluster.local:4318", "http/protobuf"),
-])
+@pytest.mark.parametrize(
+    "variant, endpoint, protocol",
+    [
+        ("jaeger-on", f"http://{RELEASE}-jaeger.{NAMESPACE}.svc.cluster.local:4318", "http/protobuf"),
+        ("jaeger", f"http://{RELEASE}-jaeger.{NAMESPACE}.svc.cluster.local:4317", "grpc"),
+        ("external", "http://otel-collector.observability.svc.cluster.local:4318", "http/protobuf"),
+    ],
+)
 def test_otlp_endpoint_in_every_kvbus_pod(variant: str, endpoint: str, protocol: str) -> None:
     sets, files = VARIANTS[variant]
     docs = render(*sets, files=files)
@@ -588,7 +644,10 @@ def test_metrics_ports_annotations_and_service_monitor() -> None:
         assert env_of(c)["KVBUS_METRICS_PORT"] == "9464", what
         assert {"name": "metrics", "containerPort": 9464, "protocol": "TCP"} in c["ports"], what
     metric_services = [s for s in by_kind(docs, "Service") if s["metadata"]["labels"].get("kvbus.io/metrics") == "true"]
-    assert {s["metadata"]["labels"]["app.kubernetes.io/component"] for s in metric_services} == {"coordinator", "scheduler"}
+    assert {s["metadata"]["labels"]["app.kubernetes.io/component"] for s in metric_services} == {
+        "coordinator",
+        "scheduler",
+    }
     for s in metric_services:
         assert s["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
         assert s["metadata"]["annotations"]["prometheus.io/port"] == "9464"
@@ -622,14 +681,17 @@ def test_nats_config() -> None:
     config = next(v for v in spec["volumes"] if v["name"] == "config")
     assert config["projected"]["sources"] == [
         {"configMap": {"name": f"{RELEASE}-nats-config"}},
-        {"secret": {"name": f"{RELEASE}-nats-auth", "items": [{"key": "auth.conf", "path": "auth.conf"}]}}]
+        {"secret": {"name": f"{RELEASE}-nats-auth", "items": [{"key": "auth.conf", "path": "auth.conf"}]}},
+    ]
     assert {"name": "config", "mountPath": "/etc/nats-config", "readOnly": True} in nats["volumeMounts"]
     assert nats["args"] == ["--config", "/etc/nats-config/nats.conf"]
     # The reloader sidecar sees the same files and signals the server through the pid file.
     assert spec["shareProcessNamespace"] is True
     assert reloader["name"] == "reloader" and reloader["command"][:2] == ["sh", "-c"]
     assert {(m["name"], m["mountPath"]) for m in reloader["volumeMounts"]} == {
-        ("config", "/etc/nats-config"), ("pid", "/var/run/nats")}
+        ("config", "/etc/nats-config"),
+        ("pid", "/var/run/nats"),
+    }
     script = reloader["command"][2]
     assert 'files="/etc/nats-config/*.conf"' in script and "pid_file=/var/run/nats/nats.pid" in script
     assert 'nats-server --signal "reload=$pid_file"' in script and "while sleep 5; do" in script
@@ -642,32 +704,53 @@ def test_nats_config() -> None:
 
 
 #: Agents (name, group, broadcastsFrom) and groups of the permission renders below.
-AGENTS = [("planner", "g0", ("coder", "Reviewer_2")), ("coder", "g1", ()), ("Reviewer_2", "g2", ("coder",)),
-          ("x" * 64, "g0", ())]
+AGENTS = [
+    ("planner", "g0", ("coder", "Reviewer_2")),
+    ("coder", "g1", ()),
+    ("Reviewer_2", "g2", ("coder",)),
+    ("x" * 64, "g0", ()),
+]
 GROUPS = ["g0", "g1", "g2"]
 TEST_AGENTS = [("selftest-tx", "g0", ()), ("selftest-rx", "g0", ())]
 
 
 def _agents_value(agents: list[tuple[str, str, tuple[str, ...]]]) -> str:
     return "json:nats.auth.agents=" + json.dumps(
-        [{"name": n, "group": g, **({"broadcastsFrom": list(b)} if b else {})} for n, g, b in agents])
+        [{"name": n, "group": g, **({"broadcastsFrom": list(b)} if b else {})} for n, g, b in agents]
+    )
 
 
-@pytest.mark.parametrize("sets, files, agents, groups", [
-    ((_agents_value(AGENTS), "groups.count=3"), (), AGENTS + TEST_AGENTS, GROUPS),
-    ((_agents_value(AGENTS), "groups.count=3", "test.enabled=false"), (), AGENTS, GROUPS),
-    ((_agents_value(AGENTS[:1]), "groups.count=3", "test.group=g2"), (),
-     AGENTS[:1] + [(n, "g2", b) for n, _, b in TEST_AGENTS], GROUPS),
-    (("groups.count=1",), (), TEST_AGENTS, ["g0"]),
-    ((), (str(CHART / "ci" / "groups-list-values.yaml"),),
-     [("planner", "planners", ()), ("coder_1", "coders", ()), ("Reviewer-A", "reviewers", ("coder_1",)),
-      ("reviewer-b", "reviewers", ("coder_1", "planner")),
-      ("selftest-tx", "coders", ()), ("selftest-rx", "coders", ())],
-     ["planners", "coders", "reviewers"]),
-], ids=["3-groups", "no-test-pod", "test-in-g2", "defaults", "ci-groups-list"])
-def test_nats_permissions_are_kvbus_security_ones(sets: tuple[str, ...], files: tuple[str, ...],
-                                                  agents: list[tuple[str, str, tuple[str, ...]]],
-                                                  groups: list[str]) -> None:
+@pytest.mark.parametrize(
+    "sets, files, agents, groups",
+    [
+        ((_agents_value(AGENTS), "groups.count=3"), (), AGENTS + TEST_AGENTS, GROUPS),
+        ((_agents_value(AGENTS), "groups.count=3", "test.enabled=false"), (), AGENTS, GROUPS),
+        (
+            (_agents_value(AGENTS[:1]), "groups.count=3", "test.group=g2"),
+            (),
+            AGENTS[:1] + [(n, "g2", b) for n, _, b in TEST_AGENTS],
+            GROUPS,
+        ),
+        (("groups.count=1",), (), TEST_AGENTS, ["g0"]),
+        (
+            (),
+            (str(CHART / "ci" / "groups-list-values.yaml"),),
+            [
+                ("planner", "planners", ()),
+                ("coder_1", "coders", ()),
+                ("Reviewer-A", "reviewers", ("coder_1",)),
+                ("reviewer-b", "reviewers", ("coder_1", "planner")),
+                ("selftest-tx", "coders", ()),
+                ("selftest-rx", "coders", ()),
+            ],
+            ["planners", "coders", "reviewers"],
+        ),
+    ],
+    ids=["3-groups", "no-test-pod", "test-in-g2", "defaults", "ci-groups-list"],
+)
+def test_nats_permissions_are_kvbus_security_ones(
+    sets: tuple[str, ...], files: tuple[str, ...], agents: list[tuple[str, str, tuple[str, ...]]], groups: list[str]
+) -> None:
     """Every user of the rendered nats.conf, in order, has exactly the permissions
     kvbus.security gives it (agent_permissions, scheduler_permissions, coordinator_permissions)."""
     docs = render(*sets, files=files)
@@ -688,11 +771,15 @@ def test_nats_users_from_an_existing_secret() -> None:
     docs = render(files=(str(CHART / "ci" / "secure-values.yaml"),))
     assert not [d for d in by_kind(docs, "Secret") if d["metadata"]["name"].startswith(f"{RELEASE}-nats")]
     sts = one(docs, "StatefulSet", f"{RELEASE}-nats")
-    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in pod_spec(sts)["containers"][0]["env"]
-           if e["name"].startswith("KVBUS_PW_")}
+    env = {
+        e["name"]: e["valueFrom"]["secretKeyRef"]
+        for e in pod_spec(sts)["containers"][0]["env"]
+        if e["name"].startswith("KVBUS_PW_")
+    }
     refs = list(env.values())
-    assert sorted(r["key"] for r in refs) == sorted(["agent-planner", "agent-writer", "agent-selftest-tx",
-                                                     "agent-selftest-rx", "sched-g0", "coordinator"])
+    assert sorted(r["key"] for r in refs) == sorted(
+        ["agent-planner", "agent-writer", "agent-selftest-tx", "agent-selftest-rx", "sched-g0", "coordinator"]
+    )
     assert {r["name"] for r in refs} == {"kvbus-nats-users"}
     users = parse_nats_conf(nats_conf(docs))["authorization"]["users"]
     assert {u["password"][1:]: {"name": "kvbus-nats-users", "key": u["user"]} for u in users} == env
@@ -717,16 +804,26 @@ def _nats_env(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return pod_spec(one(docs, "StatefulSet", f"{RELEASE}-nats"))["containers"][0]["env"]
 
 
-@pytest.mark.parametrize("before, after, added", [
-    (("groups.count=2",), ("groups.count=3",), {"sched-g2"}),
-    (("json:groups.list=[{\"name\":\"a\"},{\"name\":\"c\"}]",),
-     ("json:groups.list=[{\"name\":\"a\"},{\"name\":\"b\"},{\"name\":\"c\"}]",), {"sched-b"}),
-    ((_agents_value(AGENTS), "groups.count=3"), (_agents_value(AGENTS), "groups.count=4"), {"sched-g3"}),
-    ((_agents_value(AGENTS[:2]), "groups.count=3"), (_agents_value(AGENTS[:3]), "groups.count=3"),
-     {"agent-Reviewer_2"}),
-])
-def test_adding_a_group_or_agent_adds_its_user_only(before: tuple[str, ...], after: tuple[str, ...],
-                                                    added: set[str]) -> None:
+@pytest.mark.parametrize(
+    "before, after, added",
+    [
+        (("groups.count=2",), ("groups.count=3",), {"sched-g2"}),
+        (
+            ('json:groups.list=[{"name":"a"},{"name":"c"}]',),
+            ('json:groups.list=[{"name":"a"},{"name":"b"},{"name":"c"}]',),
+            {"sched-b"},
+        ),
+        ((_agents_value(AGENTS), "groups.count=3"), (_agents_value(AGENTS), "groups.count=4"), {"sched-g3"}),
+        (
+            (_agents_value(AGENTS[:2]), "groups.count=3"),
+            (_agents_value(AGENTS[:3]), "groups.count=3"),
+            {"agent-Reviewer_2"},
+        ),
+    ],
+)
+def test_adding_a_group_or_agent_adds_its_user_only(
+    before: tuple[str, ...], after: tuple[str, ...], added: set[str]
+) -> None:
     """`helm upgrade` with one more group (or agent): one more user in auth.conf and one more
     Secret key, every other user's permissions unchanged (their passwords too on a real upgrade:
     the Secret keeps the installed ones by `lookup`, which `helm template` cannot run), and no
@@ -741,8 +838,10 @@ def test_adding_a_group_or_agent_adds_its_user_only(before: tuple[str, ...], aft
     assert _nats_env(old_docs) == _nats_env(new_docs)
     old_keys = set(auth_secret(old_docs))
     assert set(auth_secret(new_docs)) - old_keys == added
-    old_raw, new_raw = ([_without_random_passwords(d) for d in raw_documents(render_text(tuple(sets)))
-                         if not _is_auth_secret(d)] for sets in (before, after))
+    old_raw, new_raw = (
+        [_without_random_passwords(d) for d in raw_documents(render_text(tuple(sets))) if not _is_auth_secret(d)]
+        for sets in (before, after)
+    )
     assert all(d in new_raw for d in old_raw)  # NATS, the coordinator, the other groups, the client ConfigMap
     if any(u.startswith("agent-") for u in added):
         assert new_raw == old_raw  # a new agent restarts no pod at all
@@ -782,7 +881,13 @@ def test_nats_cluster_and_tls() -> None:
     parsed = parse_nats_conf(conf)
     assert len(parsed["cluster"]["routes"]) == 3 and parsed["tls"]["cert_file"] == "/etc/nats/tls/tls.crt"
     assert [u["user"] for u in parsed["authorization"]["users"]] == [
-        "agent-planner", "agent-writer", "agent-selftest-tx", "agent-selftest-rx", "sched-g0", "coordinator"]
+        "agent-planner",
+        "agent-writer",
+        "agent-selftest-tx",
+        "agent-selftest-rx",
+        "sched-g0",
+        "coordinator",
+    ]
     assert 'cert_file: "/etc/nats/tls/tls.crt"' in conf
     sts = one(docs, "StatefulSet", f"{RELEASE}-nats")
     assert sts["spec"]["replicas"] == 3
@@ -803,14 +908,18 @@ def test_external_nats_and_redis() -> None:
     for what, c in kvbus_containers(docs):
         env = env_of(c)
         if what.startswith("Pod/"):
-            assert env["KVBUS_SELFTEST_SENDER_URL"] == ("tls://agent-selftest-tx:$(KVBUS_SELFTEST_SENDER_PASSWORD)@"
-                                                        "nats.messaging.svc.cluster.local:4222")
+            assert env["KVBUS_SELFTEST_SENDER_URL"] == (
+                "tls://agent-selftest-tx:$(KVBUS_SELFTEST_SENDER_PASSWORD)@nats.messaging.svc.cluster.local:4222"
+            )
             continue
-        assert env["KVBUS_NATS_URL"] == ("tls://$(KVBUS_NATS_USER):$(KVBUS_NATS_PASSWORD)@"
-                                         "nats.messaging.svc.cluster.local:4222"), what
+        assert env["KVBUS_NATS_URL"] == (
+            "tls://$(KVBUS_NATS_USER):$(KVBUS_NATS_PASSWORD)@nats.messaging.svc.cluster.local:4222"
+        ), what
         # The same per-user scheme: the external Secret holds a key per user (sched-g0, coordinator).
-        assert env["KVBUS_NATS_PASSWORD"]["secretKeyRef"] == {"name": "kvbus-nats-credentials",
-                                                              "key": env["KVBUS_NATS_USER"]}, what
+        assert env["KVBUS_NATS_PASSWORD"]["secretKeyRef"] == {
+            "name": "kvbus-nats-credentials",
+            "key": env["KVBUS_NATS_USER"],
+        }, what
     test_env = env_of(by_kind(docs, "Pod")[0]["spec"]["containers"][0])
     assert test_env["KVBUS_REDIS_URL"] == "rediss://:$(KVBUS_REDIS_PASSWORD)@redis.cache.svc.cluster.local:6380/2"
     client = one(docs, "ConfigMap", f"{RELEASE}-client")["data"]
@@ -842,28 +951,31 @@ def test_escape_hatches() -> None:
 @pytest.mark.parametrize("variant", ["default", "jaeger", "external", "groups-list", "no-auth-no-metrics"])
 def test_notes_tell_how_to_connect_an_agent_and_open_jaeger(variant: str) -> None:
     sets, files = VARIANTS[variant]
-    out = helm("install", RELEASE, str(CHART), "--dry-run=client", "--namespace", NAMESPACE,
-               *_value_args(sets, files))
-    notes = out[out.index("NOTES:"):]
+    out = helm("install", RELEASE, str(CHART), "--dry-run=client", "--namespace", NAMESPACE, *_value_args(sets, files))
+    notes = out[out.index("NOTES:") :]
     assert f"helm test {RELEASE}" in notes
     if variant == "no-auth-no-metrics":
         assert "Bus.connect(url)" in notes
     else:  # each agent logs in as its own user, with its own reply inbox
-        assert ('Bus.connect(url, secure=True, user=f"agent-{agent}", password=os.environ["NATS_PASSWORD"],'
-                in notes and 'inbox_prefix=f"_INBOX.{agent}"' in notes)
+        assert (
+            'Bus.connect(url, secure=True, user=f"agent-{agent}", password=os.environ["NATS_PASSWORD"],' in notes
+            and 'inbox_prefix=f"_INBOX.{agent}"' in notes
+        )
     if variant == "jaeger":
         assert f"port-forward svc/{RELEASE}-jaeger 16686:16686" in notes
     elif variant == "default":
         assert "Tracing is off" in notes and "--set groups.count=2" in notes
-        assert (f"NATS_PASSWORD=$(kubectl -n {NAMESPACE} get secret {RELEASE}-nats-auth "
-                "-o jsonpath=\"{.data.agent-$AGENT}\" | base64 -d)") in notes
+        assert (
+            f"NATS_PASSWORD=$(kubectl -n {NAMESPACE} get secret {RELEASE}-nats-auth "
+            '-o jsonpath="{.data.agent-$AGENT}" | base64 -d)'
+        ) in notes
         assert "No agent has a user yet: list them in nats.auth.agents" in notes
     elif variant == "no-auth-no-metrics":
         assert "WARNING: nats.auth.enabled is false" in notes
     elif variant == "groups-list":
         assert "append an item to groups.list" in notes
         assert "Agents with a user (nats.auth.agents): planner (planners), coder_1 (coders)," in notes
-        assert 'export AGENT=planner' in notes and 'group="planners"' in notes
+        assert "export AGENT=planner" in notes and 'group="planners"' in notes
 
 
 # -- values.yaml documents every key -----------------------------------------------------------
@@ -913,8 +1025,9 @@ def test_schema_knows_every_default_key() -> None:
 # -- the rendered NATS config on a real server ------------------------------------------------
 
 
-def _chart_nats(docs: list[dict[str, Any]], tmp_path: Path, port: int, monitor: int,
-                existing_secret: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
+def _chart_nats(
+    docs: list[dict[str, Any]], tmp_path: Path, port: int, monitor: int, existing_secret: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
     """A real nats-server running the rendered nats.conf as the NATS pod does: in one directory
     (``tmp_path``, the pod's /etc/nats-config) with the auth Secret's auth.conf, which it
     includes; or, with nats.auth.existingSecret, its environment set as the StatefulSet sets it
@@ -939,12 +1052,18 @@ def _chart_nats(docs: list[dict[str, Any]], tmp_path: Path, port: int, monitor: 
         if "secretKeyRef" in e.get("valueFrom", {}):
             env[e["name"]] = secret[e["valueFrom"]["secretKeyRef"]["key"]]
     binary = find_nats_server()
-    check = subprocess.run([binary, "-t", "-c", str(tmp_path / "nats.conf")], capture_output=True, text=True,
-                           env={**os.environ, **env})
+    check = subprocess.run(
+        [binary, "-t", "-c", str(tmp_path / "nats.conf")], capture_output=True, text=True, env={**os.environ, **env}
+    )
     assert check.returncode == 0, check.stdout + check.stderr
     with open(tmp_path / "nats.log", "wb") as log:
-        proc = subprocess.Popen([binary, "-c", str(tmp_path / "nats.conf")], stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, **env}, start_new_session=True)
+        proc = subprocess.Popen(
+            [binary, "-c", str(tmp_path / "nats.conf")],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **env},
+            start_new_session=True,
+        )
     deadline = time.monotonic() + 15
     while "Server is ready" not in (tmp_path / "nats.log").read_text():
         assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "nats.log").read_text()
@@ -969,8 +1088,9 @@ def _container(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, An
     return pod_spec(one(docs, kind, name))["containers"][0]
 
 
-def _wait_for_subscriptions(monitor: int, subjects: set[str], logs: Path, timeout: float = 90.0,
-                            procs: tuple[subprocess.Popen[bytes], ...] = ()) -> None:
+def _wait_for_subscriptions(
+    monitor: int, subjects: set[str], logs: Path, timeout: float = 90.0, procs: tuple[subprocess.Popen[bytes], ...] = ()
+) -> None:
     """Until the server's monitoring endpoint lists a subscription on each subject (fails at
     once when one of ``procs`` exits or the server refuses something)."""
     import urllib.request
@@ -983,8 +1103,10 @@ def _wait_for_subscriptions(monitor: int, subjects: set[str], logs: Path, timeou
             return
         refused = "Violation" in (logs / "nats.log").read_text()
         if time.monotonic() > deadline or refused or any(p.poll() is not None for p in procs):
-            pytest.fail(f"no subscription on {subjects - seen} ({'refused' if refused else 'timeout or exit'}); "
-                        "logs:\n" + "".join(p.read_text() for p in logs.glob("*.log")))
+            pytest.fail(
+                f"no subscription on {subjects - seen} ({'refused' if refused else 'timeout or exit'}); "
+                "logs:\n" + "".join(p.read_text() for p in logs.glob("*.log"))
+            )
         time.sleep(0.2)
 
 
@@ -1013,10 +1135,10 @@ async def test_chart_users_on_a_real_server(tmp_path: Path) -> None:
     password is refused."""
     import nats
 
+    from kvbus.app.local import free_port
     from kvbus.bus import Bus
     from kvbus.coordinator import Coordinator
     from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
-    from kvbus.app.local import free_port
     from kvbus.protocol import Grant, agent_subject
     from tests.conftest import FAST
     from tests.kvutil import kv_of_bytes, random_kv
@@ -1028,15 +1150,23 @@ async def test_chart_users_on_a_real_server(tmp_path: Path) -> None:
     url = f"nats://127.0.0.1:{port}"
     closers: list[Any] = []
     try:
+
         def pod_options(kind: str, name: str) -> dict[str, Any]:
             env = _pod_env(_container(docs, kind, name), secret, port)
-            return {"user": env["KVBUS_NATS_USER"], "password": env["KVBUS_NATS_PASSWORD"],
-                    "inbox_prefix": env["KVBUS_NATS_INBOX_PREFIX"]}
+            return {
+                "user": env["KVBUS_NATS_USER"],
+                "password": env["KVBUS_NATS_PASSWORD"],
+                "inbox_prefix": env["KVBUS_NATS_INBOX_PREFIX"],
+            }
 
         coord = await Coordinator.connect(url, nats_options=pod_options("Deployment", f"{RELEASE}-coordinator"))
         closers.append(coord)
-        sched = await GroupScheduler.connect(url, "g0", config=SchedulerConfig(max_active=8),
-                                             nats_options=pod_options("StatefulSet", f"{RELEASE}-sched-g0"))
+        sched = await GroupScheduler.connect(
+            url,
+            "g0",
+            config=SchedulerConfig(max_active=8),
+            nats_options=pod_options("StatefulSet", f"{RELEASE}-sched-g0"),
+        )
         closers.append(sched)
         errors: dict[str, list[str]] = {}
         buses: dict[str, Bus] = {}
@@ -1047,9 +1177,15 @@ async def test_chart_users_on_a_real_server(tmp_path: Path) -> None:
             async def on_error(exc: Exception, name: str = name) -> None:
                 errors[name].append(str(exc))
 
-            bus = await Bus.connect(url, config=FAST, secure=True, user=f"agent-{name}",
-                                    password=secret[f"agent-{name}"], inbox_prefix=f"_INBOX.{name}",
-                                    error_cb=on_error)
+            bus = await Bus.connect(
+                url,
+                config=FAST,
+                secure=True,
+                user=f"agent-{name}",
+                password=secret[f"agent-{name}"],
+                inbox_prefix=f"_INBOX.{name}",
+                error_cb=on_error,
+            )
             closers.append(bus)
             buses[name] = bus
             agents[name] = await bus.agent(name, group="g0", signature=SIG)
@@ -1062,11 +1198,18 @@ async def test_chart_users_on_a_real_server(tmp_path: Path) -> None:
         alice = buses["alice"].transport
         await alice.subscribe(agent_subject("bob", "inbox"), steal)
         await alice.subscribe("kvbus.agent.bob.data.>", steal)
-        await alice.publish(agent_subject("bob", "ctl"), Grant(transfer_id="x" * 32, medium="full",
-                                                               chunk_size=1 << 20, window=16, rate_bps=0.0).encode())
-        await _wait_for_errors(errors["alice"], ['subscription to "kvbus.agent.bob.inbox"',
-                                                 'subscription to "kvbus.agent.bob.data.>"',
-                                                 'publish to "kvbus.agent.bob.ctl"'])
+        await alice.publish(
+            agent_subject("bob", "ctl"),
+            Grant(transfer_id="x" * 32, medium="full", chunk_size=1 << 20, window=16, rate_bps=0.0).encode(),
+        )
+        await _wait_for_errors(
+            errors["alice"],
+            [
+                'subscription to "kvbus.agent.bob.inbox"',
+                'subscription to "kvbus.agent.bob.data.>"',
+                'publish to "kvbus.agent.bob.ctl"',
+            ],
+        )
 
         big = kv_of_bytes(SIG, 4 << 20, seed=3)
         report = await agents["alice"].send("bob", big, medium="full")
@@ -1083,8 +1226,9 @@ async def test_chart_users_on_a_real_server(tmp_path: Path) -> None:
         env = _pod_env(_container(docs, "Pod", f"{RELEASE}-selftest"), secret, port)
         test_agents = {}
         for var in ("KVBUS_SELFTEST_SENDER", "KVBUS_SELFTEST_RECEIVER"):
-            bus = await Bus.connect(env[f"{var}_URL"], config=FAST, secure=True,
-                                    inbox_prefix=env[f"{var}_INBOX_PREFIX"])
+            bus = await Bus.connect(
+                env[f"{var}_URL"], config=FAST, secure=True, inbox_prefix=env[f"{var}_INBOX_PREFIX"]
+            )
             closers.append(bus)
             test_agents[var] = await bus.agent(env[var], group="g0", signature=SIG)
         small = random_kv(SIG, 4)
@@ -1092,10 +1236,15 @@ async def test_chart_users_on_a_real_server(tmp_path: Path) -> None:
         assert (await test_agents["KVBUS_SELFTEST_RECEIVER"].receive(timeout=20)).kv.equal(small)
 
         assert "Violation" not in "".join(
-            line for line in (tmp_path / "nats.log").read_text().splitlines() if "agent-alice" not in line)
+            line for line in (tmp_path / "nats.log").read_text().splitlines() if "agent-alice" not in line
+        )
         with pytest.raises(nats.errors.Error, match="Authorization Violation"):
-            await nats.connect(f"nats://agent-alice:wrong@127.0.0.1:{port}", allow_reconnect=False,
-                               max_reconnect_attempts=0, connect_timeout=2)
+            await nats.connect(
+                f"nats://agent-alice:wrong@127.0.0.1:{port}",
+                allow_reconnect=False,
+                max_reconnect_attempts=0,
+                connect_timeout=2,
+            )
     finally:
         for c in reversed(closers):
             await c.close()
@@ -1113,15 +1262,24 @@ def _chart_services(docs: list[dict[str, Any]], tmp_path: Path) -> Iterator[tupl
     server, secret = _chart_nats(docs, tmp_path, port, monitor)
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        for kind, name, args in (("Deployment", f"{RELEASE}-coordinator", ["coordinator"]),
-                                 ("StatefulSet", f"{RELEASE}-sched-g0", ["group-scheduler", "--group", "g0"])):
+        for kind, name, args in (
+            ("Deployment", f"{RELEASE}-coordinator", ["coordinator"]),
+            ("StatefulSet", f"{RELEASE}-sched-g0", ["group-scheduler", "--group", "g0"]),
+        ):
             env = {**os.environ, **_pod_env(_container(docs, kind, name), secret, port), "HF_HUB_OFFLINE": "1"}
             env.pop("KVBUS_METRICS_PORT", None)  # both would serve the same port here
             with open(tmp_path / f"{args[0]}.log", "wb") as log:
-                procs.append(subprocess.Popen([sys.executable, "-m", "kvbus.app.cli", "-v", *args], env=env,
-                                              stdout=log, stderr=subprocess.STDOUT))
-        _wait_for_subscriptions(monitor, {"kvbus.sched.g0.request.*", "kvbus.coord.register"}, tmp_path,
-                                procs=tuple(procs))
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "kvbus.app.cli", "-v", *args],
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
+        _wait_for_subscriptions(
+            monitor, {"kvbus.sched.g0.request.*", "kvbus.coord.register"}, tmp_path, procs=tuple(procs)
+        )
         yield port, secret
         logs = "".join((tmp_path / f).read_text() for f in ("coordinator.log", "group-scheduler.log", "nats.log"))
         assert "Violation" not in (tmp_path / "nats.log").read_text(), logs  # nothing kvbus does was refused
@@ -1143,8 +1301,17 @@ async def test_chart_service_pods_on_a_real_server(tmp_path: Path) -> None:
 
     docs = render(_agents_value([("alice", "g0", ()), ("bob", "g0", ())]))
     with _chart_services(docs, tmp_path) as (port, secret):
-        buses = [await Bus.connect(f"nats://127.0.0.1:{port}", config=FAST, secure=True, user=f"agent-{n}",
-                                   password=secret[f"agent-{n}"], inbox_prefix=f"_INBOX.{n}") for n in ("alice", "bob")]
+        buses = [
+            await Bus.connect(
+                f"nats://127.0.0.1:{port}",
+                config=FAST,
+                secure=True,
+                user=f"agent-{n}",
+                password=secret[f"agent-{n}"],
+                inbox_prefix=f"_INBOX.{n}",
+            )
+            for n in ("alice", "bob")
+        ]
         try:
             alice, bob = [await b.agent(n, group="g0", signature=SIG) for b, n in zip(buses, ("alice", "bob"))]
             kv = kv_of_bytes(SIG, 2 << 20, seed=7)
@@ -1163,8 +1330,13 @@ def test_helm_test_pod_on_a_real_server(tmp_path: Path) -> None:
     with _chart_services(docs, tmp_path) as (port, secret):
         env = _pod_env(_container(docs, "Pod", f"{RELEASE}-selftest"), secret, port)
         env.pop("KVBUS_REDIS_URL", None)
-        selftest = subprocess.run([sys.executable, "-m", "kvbus.app.cli", "selftest", "--group", "g0"],
-                                  env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
+        selftest = subprocess.run(
+            [sys.executable, "-m", "kvbus.app.cli", "selftest", "--group", "g0"],
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert selftest.returncode == 0, selftest.stdout + selftest.stderr
         assert "selftest OK" in selftest.stdout
 
@@ -1174,16 +1346,22 @@ def _start_reloader(docs: list[dict[str, Any]], tmp_path: Path) -> subprocess.Po
     watching tmp_path (the server's /etc/nats-config) and signalling through tmp_path/nats.pid."""
     from kvbus.app.local import find_nats_server
 
-    reloader = next(c for c in pod_spec(one(docs, "StatefulSet", f"{RELEASE}-nats"))["containers"]
-                    if c["name"] == "reloader")
+    reloader = next(
+        c for c in pod_spec(one(docs, "StatefulSet", f"{RELEASE}-nats"))["containers"] if c["name"] == "reloader"
+    )
     script = reloader["command"][2]
     assert reloader["command"][:2] == ["sh", "-c"] and script.count("/etc/nats-config/") == 1
     script = script.replace("/etc/nats-config/", f"{tmp_path}/")
     script = script.replace("/var/run/nats/nats.pid", f"{tmp_path}/nats.pid")
     path = f"{os.path.dirname(find_nats_server())}{os.pathsep}{os.environ.get('PATH', '')}"
     with open(tmp_path / "reloader.log", "wb") as log:
-        proc = subprocess.Popen(["sh", "-c", script], stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PATH": path}, start_new_session=True)
+        proc = subprocess.Popen(
+            ["sh", "-c", script],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PATH": path},
+            start_new_session=True,
+        )
     deadline = time.monotonic() + 10
     while "reloader: watching" not in (tmp_path / "reloader.log").read_text():
         assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "reloader.log").read_text()
@@ -1232,13 +1410,19 @@ async def test_adding_an_agent_is_a_hot_reload_on_a_real_server(tmp_path: Path) 
         async def on_reconnect() -> None:
             events.append("reconnected")
 
-        alice = await nats.connect(url, user="agent-alice", password=secret["agent-alice"],
-                                   disconnected_cb=on_disconnect, reconnected_cb=on_reconnect)
+        alice = await nats.connect(
+            url,
+            user="agent-alice",
+            password=secret["agent-alice"],
+            disconnected_cb=on_disconnect,
+            reconnected_cb=on_reconnect,
+        )
         connections.append(alice)
         inbox = await alice.subscribe("kvbus.agent.alice.inbox.*")
         with pytest.raises(nats.errors.Error, match="Authorization Violation"):
-            await nats.connect(url, user="agent-bob", password="x", allow_reconnect=False,
-                               max_reconnect_attempts=0, connect_timeout=2)
+            await nats.connect(
+                url, user="agent-bob", password="x", allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2
+            )
 
         await asyncio.sleep(2.5)  # a few rounds of the loop: unchanged files, no reload
         assert "Reloaded server configuration" not in (tmp_path / "nats.log").read_text()
@@ -1250,8 +1434,14 @@ async def test_adding_an_agent_is_a_hot_reload_on_a_real_server(tmp_path: Path) 
         deadline = time.monotonic() + 20
         while True:
             try:
-                bob = await nats.connect(url, user="agent-bob", password=bob_password, allow_reconnect=False,
-                                         max_reconnect_attempts=0, connect_timeout=2)
+                bob = await nats.connect(
+                    url,
+                    user="agent-bob",
+                    password=bob_password,
+                    allow_reconnect=False,
+                    max_reconnect_attempts=0,
+                    connect_timeout=2,
+                )
                 break
             except nats.errors.Error:
                 assert time.monotonic() < deadline, (tmp_path / "reloader.log").read_text()
@@ -1290,8 +1480,14 @@ async def test_existing_secret_users_on_a_real_server(tmp_path: Path) -> None:
             nc = await nats.connect(f"nats://127.0.0.1:{port}", user=user, password=secret[user])
             await nc.close()
         with pytest.raises(nats.errors.Error, match="Authorization Violation"):
-            await nats.connect(f"nats://127.0.0.1:{port}", user="agent-alice", password=existing["coordinator"],
-                               allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2)
+            await nats.connect(
+                f"nats://127.0.0.1:{port}",
+                user="agent-alice",
+                password=existing["coordinator"],
+                allow_reconnect=False,
+                max_reconnect_attempts=0,
+                connect_timeout=2,
+            )
     finally:
         _stop(server)
 

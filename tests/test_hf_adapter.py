@@ -8,11 +8,11 @@ import msgpack
 import pytest
 import torch
 
+from kvbus.app.models import SMOLLM2_NAME, load_smollm2, random_model, smollm2_path
 from kvbus.codecs import Encoded, get_codec
+from kvbus.codecs.runner import HFRunner
 from kvbus.errors import GenerationError, SignatureMismatch
 from kvbus.kvcache import KVCache
-from kvbus.app.models import SMOLLM2_NAME, load_smollm2, random_model, smollm2_path
-from kvbus.codecs.runner import HFRunner
 
 NEW_TOKENS = 12
 
@@ -38,9 +38,10 @@ def transfer(kv: KVCache, codec: str, runner: HFRunner | None = None) -> KVCache
 def plain_greedy(runner: HFRunner, ids: torch.Tensor, n: int) -> torch.Tensor:
     """Uninterrupted greedy generation by `transformers` itself (the new tokens only)."""
     with torch.inference_mode():
-        out = runner.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                    do_sample=False, pad_token_id=0)
-    return out[:, ids.shape[1]:]
+        out = runner.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0
+        )
+    return out[:, ids.shape[1] :]
 
 
 def test_signature_of_random_model(runner: HFRunner) -> None:
@@ -77,16 +78,19 @@ def test_prefill_gives_the_models_cache(runner: HFRunner, prompts: torch.Tensor)
 def test_generation_reuses_any_part_of_the_kv(runner: HFRunner, prompts: torch.Tensor, covered: str) -> None:
     kv = runner.prefill(prompts)
     if covered == "prefix":
-        kv = KVCache(tokens=kv.tokens, signature=kv.signature, keys=[k[:, :, :9] for k in kv.keys],
-                     values=[v[:, :, :9] for v in kv.values])
+        kv = KVCache(
+            tokens=kv.tokens,
+            signature=kv.signature,
+            keys=[k[:, :, :9] for k in kv.keys],
+            values=[v[:, :, :9] for v in kv.values],
+        )
     elif covered == "none":
         kv = kv.token_only()
     assert torch.equal(runner.generate(kv, NEW_TOKENS), plain_greedy(runner, prompts, NEW_TOKENS))
 
 
 @pytest.mark.parametrize("codec", ["full", "tokens"])
-def test_generation_after_transfer_equals_plain_generation(runner: HFRunner, prompts: torch.Tensor,
-                                                           codec: str) -> None:
+def test_generation_after_transfer_equals_plain_generation(runner: HFRunner, prompts: torch.Tensor, codec: str) -> None:
     kv = runner.prefill(prompts)
     received = transfer(kv, codec, runner=runner)
     assert received.has_kv and received.equal(kv)
@@ -119,8 +123,9 @@ def test_smollm2_continues_from_a_full_transfer() -> None:
     runner, tokenizer = load_smollm2()
     print(f"load_smollm2: {time.perf_counter() - start:.1f} s")
     assert runner.signature.model == SMOLLM2_NAME and runner.signature.n_layers == 30
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                         tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], tokenize=False, add_generation_prompt=True
+    )
     ids = tokenizer(text, return_tensors="pt").input_ids
     kv = runner.prefill(ids)
     received = transfer(kv, "full")
@@ -130,7 +135,8 @@ def test_smollm2_continues_from_a_full_transfer() -> None:
     remote = runner.generate(received, NEW_TOKENS, eos_token_id=eos)
     assert torch.equal(remote, local)
     with torch.inference_mode():
-        reference = runner.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                          do_sample=False)[:, ids.shape[1]:]
-    assert torch.equal(remote, reference[:, :remote.shape[1]])
+        reference = runner.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False
+        )[:, ids.shape[1] :]
+    assert torch.equal(remote, reference[:, : remote.shape[1]])
     assert "Paris" in tokenizer.decode(remote[0])

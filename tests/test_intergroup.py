@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
-from kvbus.bus import Bus, BusConfig
-from kvbus.errors import KVBusError
-from kvbus.coordinator import Coordinator, CoordinatorConfig
-from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
 from kvbus.app.local import NatsServer
+from kvbus.bus import Bus, BusConfig
+from kvbus.coordinator import Coordinator, CoordinatorConfig
+from kvbus.errors import KVBusError
+from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
 from kvbus.protocol import COORD_BUCKET
 from tests.kvutil import kv_of_bytes
 from tests.peer import SIG
@@ -28,8 +28,14 @@ from tests.peer import SIG
 CAP = 400_000.0
 """Inter-group capacity in these tests, bytes/s: a 100 kB transfer takes a visible fraction of a second."""
 CFG = CoordinatorConfig(capacity_bps=CAP, epoch_s=0.05, lease_grace_epochs=3, leader_ttl_s=0.6)
-BUS = BusConfig(ack_timeout=0.5, peer_timeout=5.0, request_timeout=1.0, grant_timeout=20.0, partial_timeout=5.0,
-                regrant_interval=0.3)
+BUS = BusConfig(
+    ack_timeout=0.5,
+    peer_timeout=5.0,
+    request_timeout=1.0,
+    grant_timeout=20.0,
+    partial_timeout=5.0,
+    regrant_interval=0.3,
+)
 SCHED = SchedulerConfig(max_active=2, leader_ttl_s=0.6, heartbeat_s=0.2)
 
 
@@ -53,8 +59,12 @@ async def bus(url: str) -> AsyncIterator[Bus]:
 
 
 def spawn(*args: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "kvbus.app.cli", *args], env={**os.environ, **env},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvbus.app.cli", *args],
+        env={**os.environ, **env},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 async def until(predicate: Any, timeout: float, what: str) -> None:
@@ -74,17 +84,18 @@ async def holder(url: str, key: str) -> str | None:
         kv = await nc.jetstream().key_value(COORD_BUCKET)
         try:
             entry = await kv.get(key)
-        except Exception:  # noqa: BLE001 - not there (yet)
+        except Exception:
             return None
         return json.loads(entry.value)["holder"] if entry.value else None
-    except Exception:  # noqa: BLE001 - no bucket yet
+    except Exception:
         return None
     finally:
         await nc.close()
 
 
-async def exchange(senders: list[Any], receivers: list[Any], kv: Any, per_sender: int,
-                   during: Any = None) -> tuple[dict[str, int], list[BaseException], int]:
+async def exchange(
+    senders: list[Any], receivers: list[Any], kv: Any, per_sender: int, during: Any = None
+) -> tuple[dict[str, int], list[BaseException], int]:
     """Every sender sends ``per_sender`` contexts to its receiver (in another group); returns the
     deliveries per transfer id, the senders' errors and how many sends completed."""
     delivered: dict[str, int] = {}
@@ -105,7 +116,9 @@ async def exchange(senders: list[Any], receivers: list[Any], kv: Any, per_sender
     errors = [r for r in results if isinstance(r, BaseException)]
     ok = [r for r in results if not isinstance(r, BaseException)]
     for r in ok:
-        assert delivered.get(r.transfer_id) == 1, f"completed transfer {r.transfer_id} delivered {delivered.get(r.transfer_id)} times"
+        assert delivered.get(r.transfer_id) == 1, (
+            f"completed transfer {r.transfer_id} delivered {delivered.get(r.transfer_id)} times"
+        )
     return delivered, errors, len(ok)
 
 
@@ -158,8 +171,9 @@ async def _true(x: bool) -> bool:
 
 async def test_without_a_coordinator_the_group_falls_back_to_its_budget(nats: NatsServer) -> None:
     coord = await Coordinator.connect(nats.url, config=CFG)
-    sched = await GroupScheduler.connect(nats.url, "ga", config=SchedulerConfig(bandwidth_bps=2e6,
-                                                                                coordinator_timeout_s=0.1))
+    sched = await GroupScheduler.connect(
+        nats.url, "ga", config=SchedulerConfig(bandwidth_bps=2e6, coordinator_timeout_s=0.1)
+    )
     try:
         async with bus(nats.url) as b:
             s = await b.agent("s", group="ga", signature=SIG)
@@ -187,7 +201,11 @@ async def test_without_a_coordinator_the_group_falls_back_to_its_budget(nats: Na
 
 
 async def test_kill_9_of_the_leading_scheduler_mid_inter_group_transfers(nats: NatsServer) -> None:
-    env = {"KVBUS_SCHEDULER_LEADER_TTL_S": "0.6", "KVBUS_SCHEDULER_MAX_ACTIVE": "2", "KVBUS_SCHEDULER_HEARTBEAT_S": "0.2"}
+    env = {
+        "KVBUS_SCHEDULER_LEADER_TTL_S": "0.6",
+        "KVBUS_SCHEDULER_MAX_ACTIVE": "2",
+        "KVBUS_SCHEDULER_HEARTBEAT_S": "0.2",
+    }
     coord = await Coordinator.connect(nats.url, config=CFG)
     replicas = [spawn("group-scheduler", "--group", "ga", "--nats-url", nats.url, env=env) for _ in range(2)]
     try:
@@ -229,12 +247,16 @@ async def _true_async(x: Any) -> bool:
 
 
 async def test_kill_9_of_the_coordinator_mid_inter_group_transfers(nats: NatsServer) -> None:
-    env = {"KVBUS_COORDINATOR_CAPACITY_BPS": str(CAP), "KVBUS_COORDINATOR_EPOCH_S": "0.05",
-           "KVBUS_COORDINATOR_LEADER_TTL_S": "0.6"}
+    env = {
+        "KVBUS_COORDINATOR_CAPACITY_BPS": str(CAP),
+        "KVBUS_COORDINATOR_EPOCH_S": "0.05",
+        "KVBUS_COORDINATOR_LEADER_TTL_S": "0.6",
+    }
     first = spawn("coordinator", "--nats-url", nats.url, env=env)
     standby: subprocess.Popen[bytes] | None = None
-    sched = await GroupScheduler.connect(nats.url, "ga", config=SchedulerConfig(max_active=4,
-                                                                                coordinator_timeout_s=0.1))
+    sched = await GroupScheduler.connect(
+        nats.url, "ga", config=SchedulerConfig(max_active=4, coordinator_timeout_s=0.1)
+    )
     try:
         await until(lambda: _true_async(holder(nats.url, "leader")), 30, "a coordinator")
         standby = spawn("coordinator", "--nats-url", nats.url, env=env)
@@ -276,8 +298,11 @@ async def test_placement_puts_new_agents_in_a_group_added_at_run_time(nats: Nats
             await until(lambda: _true("g0" in coord.groups), 5, "g0 to join")
             a = await b.agent("a", group=None, signature=SIG)
             assert a.group == "g0"
-            await until(lambda: _true(coord.groups.get("g0") is not None and coord.groups["g0"].agents >= 1), 5,
-                        "g0 to report its agent")
+            await until(
+                lambda: _true(coord.groups.get("g0") is not None and coord.groups["g0"].agents >= 1),
+                5,
+                "g0 to report its agent",
+            )
             g1 = await GroupScheduler.connect(nats.url, "g1", config=SchedulerConfig(heartbeat_s=0.1))
             try:
                 await until(lambda: _true("g1" in coord.groups), 5, "g1 to join")

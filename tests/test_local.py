@@ -11,8 +11,8 @@ import nats
 import pytest
 import redis
 
-from kvbus.errors import MissingBinaryError
 from kvbus.app.local import NATS_MAX_PAYLOAD, NatsServer, RedisServer
+from kvbus.errors import MissingBinaryError
 
 
 async def test_nats_server_has_jetstream_and_a_raised_max_payload(nats_server: NatsServer) -> None:
@@ -55,15 +55,20 @@ def test_missing_binaries_name_the_package(monkeypatch: pytest.MonkeyPatch) -> N
 
 @pytest.mark.parametrize("argv", [[], ["up"], ["demo"], ["bench"], ["group-scheduler"], ["coordinator"]])
 def test_cli_help(argv: list[str]) -> None:
-    out = subprocess.run([sys.executable, "-m", "kvbus.app.cli", *argv, "--help"], capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvbus.app.cli", *argv, "--help"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     assert "usage: kvbus" in out.stdout
 
 
 def test_kvbus_up_starts_the_stack_and_ctrl_c_stops_it() -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "kvbus.app.cli", "up", "--groups", "2"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvbus.app.cli", "up", "--groups", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         assert proc.stdout is not None
         lines = []

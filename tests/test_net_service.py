@@ -74,7 +74,9 @@ async def test_no_responders_is_retried_then_raised(nats_url: str) -> None:
             await rpc.request(f"test.nobody.{next(_ids)}", b"x", key="x")
         assert client.requests == 3
         with pytest.raises(NoResponders):
-            await rpc.request(f"test.nobody.{next(_ids)}", b"x", key="x", retry=Retry(attempts=3, on_no_responders=False))
+            await rpc.request(
+                f"test.nobody.{next(_ids)}", b"x", key="x", retry=Retry(attempts=3, on_no_responders=False)
+            )
         assert client.requests == 4
     finally:
         await client.close()
@@ -144,8 +146,12 @@ async def test_one_replica_serves_and_a_standby_takes_over_on_close(own_nats: Na
         await first.close()
         assert not first.serving and first.leader is not None and not first.leader.is_leader
         # It stopped serving before it gave the lease up, and the hooks ran in order.
-        assert log[:4] == [f"prepare {first.name}", f"serving {first.name}", f"closing {first.name} serving=True",
-                           f"closed {first.name} serving=False"]
+        assert log[:4] == [
+            f"prepare {first.name}",
+            f"serving {first.name}",
+            f"closing {first.name} serving=True",
+            f"closed {first.name} serving=False",
+        ]
         deadline = time.monotonic() + 10
         while not second.serving and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

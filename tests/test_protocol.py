@@ -26,12 +26,28 @@ from kvbus.protocol import (
 )
 from kvbus.signature import ModelSignature
 
-MESSAGES = [TransferRequest, RequestAck, Grant, Control, TransferDone, Probe, AgentRecord, GroupHeartbeat, Open,
-            OpenReply, Ack, Ping]
+MESSAGES = [
+    TransferRequest,
+    RequestAck,
+    Grant,
+    Control,
+    TransferDone,
+    Probe,
+    AgentRecord,
+    GroupHeartbeat,
+    Open,
+    OpenReply,
+    Ack,
+    Ping,
+]
 CI = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 msgpack_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=20)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=20)
     | st.binary(max_size=20),
     lambda children: st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=10), children, max_size=5),
     max_leaves=20,
@@ -57,8 +73,11 @@ def test_random_bytes_never_crash_any_decoder(data: bytes) -> None:
 
 
 @CI
-@given(cls=st.sampled_from(MESSAGES), body=st.dictionaries(st.text(max_size=12), msgpack_values, max_size=12),
-       keep=st.booleans())
+@given(
+    cls=st.sampled_from(MESSAGES),
+    body=st.dictionaries(st.text(max_size=12), msgpack_values, max_size=12),
+    keep=st.booleans(),
+)
 def test_random_maps_with_the_right_tag_give_wire_errors(cls: type, body: dict, keep: bool) -> None:
     body["t"] = cls.TYPE
     if keep:
@@ -71,8 +90,9 @@ def test_random_maps_with_the_right_tag_give_wire_errors(cls: type, body: dict, 
 
 @CI
 @given(cls=st.sampled_from(MESSAGES), field=st.integers(0, 30), value=msgpack_values)
-def test_a_valid_message_with_one_field_replaced_is_accepted_or_rejected_cleanly(cls: type, field: int,
-                                                                               value: object) -> None:
+def test_a_valid_message_with_one_field_replaced_is_accepted_or_rejected_cleanly(
+    cls: type, field: int, value: object
+) -> None:
     body = msgpack.unpackb(_example(cls).encode())
     keys = sorted(k for k in body if k not in ("t", "v"))
     body[keys[field % len(keys)]] = value
@@ -146,16 +166,21 @@ def test_chunk_source_reassembles_the_buffers(sizes: list[int], chunk: int) -> N
         digests.append(chunk_digest(src.chunk(i)))
     assert [bytes(b) for b in re.result()] == [bytes(b) for b in buffers]
     flat = memoryview(b"".join(bytes(b) for b in buffers))
-    opened = Open("t", "a", "full", {}, sizes, sum(sizes), chunk, src.n_chunks, tree_digest(digests, sum(sizes)), 4,
-                  "d", "a")
+    opened = Open(
+        "t", "a", "full", {}, sizes, sum(sizes), chunk, src.n_chunks, tree_digest(digests, sum(sizes)), 4, "d", "a"
+    )
     got, digest = split_inline(opened, flat)
     assert digest == opened.digest
     assert [bytes(b) for b in got] == [bytes(b) for b in buffers]
 
 
 @CI
-@given(body=st.dictionaries(st.sampled_from(["model", "n_layers", "n_kv_heads", "head_dim", "dtype", "vocab_size",
-                                             "rope_theta", "x"]), msgpack_values))
+@given(
+    body=st.dictionaries(
+        st.sampled_from(["model", "n_layers", "n_kv_heads", "head_dim", "dtype", "vocab_size", "rope_theta", "x"]),
+        msgpack_values,
+    )
+)
 def test_model_signature_decoder_rejects_garbage(body: dict) -> None:
     try:
         ModelSignature.from_dict(body)

@@ -68,11 +68,20 @@ async def probe(raw: NatsTransport, name: str, group: str) -> None:
     await raw.flush()
 
 
-async def ask(raw: NatsTransport, group: str, src: str, dst: list[str], *, on: str | None = None,
-              medium: str | None = None) -> RequestAck | Grant:
+async def ask(
+    raw: NatsTransport, group: str, src: str, dst: list[str], *, on: str | None = None, medium: str | None = None
+) -> RequestAck | Grant:
     """Send a transfer request as ``on`` (default ``src``) and decode the scheduler's reply."""
-    req = TransferRequest(transfer_id=f"t{next(_ids)}", src=src, dst=dst, group=group, n_tokens=16,
-                          nbytes=16 * SIG.kv_bytes_per_token(), signature=SIG.to_dict(), medium=medium)
+    req = TransferRequest(
+        transfer_id=f"t{next(_ids)}",
+        src=src,
+        dst=dst,
+        group=group,
+        n_tokens=16,
+        nbytes=16 * SIG.kv_bytes_per_token(),
+        signature=SIG.to_dict(),
+        medium=medium,
+    )
     data = await raw.request(sched_subject(group, "request", on or src), req.encode(), timeout=5.0)
     return decode_message(data, RequestAck, Grant)
 
@@ -133,9 +142,21 @@ async def test_incompatible_receiver_and_unknown_codec(nats_url: str, selector: 
         assert isinstance(granted, Grant) and granted.medium == "full" and granted.code == Reason.NONE
 
 
-async def reserve(raw: NatsTransport, group: str, src: str, *, on: str | None = None, **fields: Any) -> ReservationReply:
-    msg = FlowReservation(**{"reservation_id": f"r{next(_ids)}", "src": src, "dst": ["rx"], "group": group,
-                             "period_s": 1.0, "size_bytes": 1000, "deadline_s": 0.5, **fields})
+async def reserve(
+    raw: NatsTransport, group: str, src: str, *, on: str | None = None, **fields: Any
+) -> ReservationReply:
+    msg = FlowReservation(
+        **{
+            "reservation_id": f"r{next(_ids)}",
+            "src": src,
+            "dst": ["rx"],
+            "group": group,
+            "period_s": 1.0,
+            "size_bytes": 1000,
+            "deadline_s": 0.5,
+            **fields,
+        }
+    )
     data = await raw.request(sched_subject(group, "reserve", on or src), msg.encode(), timeout=5.0)
     return ReservationReply.decode(data)
 
@@ -171,6 +192,7 @@ async def test_coordinator_refusals(own_nats: NatsServer) -> None:
         assert not verdict.ok and verdict.code == Reason.UNAVAILABLE
         coord = await Coordinator.connect(url, config=CoordinatorConfig(capacity_bps=1000.0, leader_ttl_s=0.6))
         try:
+
             async def coordinate(payload: bytes) -> ReservationReply:
                 return ReservationReply.decode(await raw.request(COORD_RESERVE, payload, timeout=5.0))
 

@@ -33,8 +33,15 @@ async def group(nats_url: str, name: str, **config: Any) -> AsyncIterator[GroupS
 
 @contextlib.asynccontextmanager
 async def buses(nats_url: str, n: int, **config: Any) -> AsyncIterator[list[Bus]]:
-    cfg = BusConfig(**{**{f: getattr(FAST, f) for f in ("ack_timeout", "peer_timeout", "request_timeout",
-                                                         "grant_timeout", "partial_timeout")}, **config})
+    cfg = BusConfig(
+        **{
+            **{
+                f: getattr(FAST, f)
+                for f in ("ack_timeout", "peer_timeout", "request_timeout", "grant_timeout", "partial_timeout")
+            },
+            **config,
+        }
+    )
     opened = [await Bus.connect(nats_url, config=cfg) for _ in range(n)]
     try:
         yield opened
@@ -68,10 +75,11 @@ async def test_weighted_shares_end_to_end(nats_url: str) -> None:
     """Three senders saturate one receiver's 24 MB/s link; bytes follow W = 2 : 4 : 6 (within 5 %;
     runs on this machine land within 1.5 %)."""
     async with group(nats_url, "g-share"), buses(nats_url, 2) as (tx_bus, rx_bus):
-        rx = await rx_bus.agent("share-rx", group="g-share", priority=0.0, signature=SIG,
-                                link=EmulatedLink(24 * MB))
-        senders = [await tx_bus.agent(f"share-s{i}", group="g-share", priority=p, signature=SIG)
-                   for i, p in enumerate((0.0, 2.0, 4.0))]
+        rx = await rx_bus.agent("share-rx", group="g-share", priority=0.0, signature=SIG, link=EmulatedLink(24 * MB))
+        senders = [
+            await tx_bus.agent(f"share-s{i}", group="g-share", priority=p, signature=SIG)
+            for i, p in enumerate((0.0, 2.0, 4.0))
+        ]
         kv = kv_of_bytes(SIG, 6 * MB)
         spans: dict[str, list[tuple[float, float, int]]] = {s.name: [] for s in senders}
         stop = time.monotonic() + 4.5
@@ -179,8 +187,10 @@ async def test_scheduler_restart_mid_transfer_loses_none_and_delivers_none_twice
 
 
 async def test_a_silent_agent_is_marked_down_and_its_queued_transfers_fail(nats_url: str) -> None:
-    async with group(nats_url, "g-down", max_active=1, probe_ttl_s=0.5) as sched, \
-            buses(nats_url, 2, probe_interval=0.05) as (tx_bus, rx_bus):
+    async with (
+        group(nats_url, "g-down", max_active=1, probe_ttl_s=0.5) as sched,
+        buses(nats_url, 2, probe_interval=0.05) as (tx_bus, rx_bus),
+    ):
         rx = await rx_bus.agent("down-rx", group="g-down", signature=SIG, link=EmulatedLink(8 * MB))
         ghost = await rx_bus.agent("down-ghost", group="g-down", signature=SIG)
         tx = await tx_bus.agent("down-tx", group="g-down", signature=SIG)
@@ -227,8 +237,10 @@ class FakeTier:
 
 
 async def test_an_agent_over_its_watermark_is_told_to_shed(nats_url: str) -> None:
-    async with group(nats_url, "g-mem", memory_watermarks="fat=10000", shed_interval_s=0.1) as sched, \
-            buses(nats_url, 1, probe_interval=0.05) as (bus,):
+    async with (
+        group(nats_url, "g-mem", memory_watermarks="fat=10000", shed_interval_s=0.1) as sched,
+        buses(nats_url, 1, probe_interval=0.05) as (bus,),
+    ):
         tier = FakeTier(50_000)
         await bus.agent("fat", group="g-mem", signature=SIG, cache=tier)
         thin = FakeTier(50_000)
@@ -268,8 +280,9 @@ async def test_coordinator_admission_checks_the_deployment_table(nats_url: str) 
         b = await bus.agent("cres-b", group="g-coordres", signature=SIG)
         with pytest.raises(ReservationRefused, match="no coordinator answers"):
             await a.reserve(b.name, period=1.0, size=100_000, deadline=0.5)
-        coord = await Coordinator.connect(nats_url, config=CoordinatorConfig(capacity_bps=2 * MB,
-                                                                            reservable_fraction=0.5))
+        coord = await Coordinator.connect(
+            nats_url, config=CoordinatorConfig(capacity_bps=2 * MB, reservable_fraction=0.5)
+        )
         try:
             rid = await a.reserve(b.name, period=1.0, size=400_000, deadline=0.5)  # 0.8 of its 1 MB/s
             assert rid in coord.reservations

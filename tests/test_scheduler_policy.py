@@ -71,9 +71,12 @@ def test_max_min_gives_what_one_bottleneck_leaves_to_the_others() -> None:
 
 
 @CI
-@given(st.lists(st.tuples(st.floats(0.1, 10), st.sets(st.integers(0, 5), min_size=1, max_size=3)), min_size=1,
-                max_size=12),
-       st.lists(st.floats(1.0, 1000.0), min_size=6, max_size=6))
+@given(
+    st.lists(
+        st.tuples(st.floats(0.1, 10), st.sets(st.integers(0, 5), min_size=1, max_size=3)), min_size=1, max_size=12
+    ),
+    st.lists(st.floats(1.0, 1000.0), min_size=6, max_size=6),
+)
 def test_max_min_is_feasible_and_every_flow_has_a_bottleneck(flows: list, caps: list) -> None:
     fl = [Flow(i, w, tuple(sorted(res))) for i, (w, res) in enumerate(flows)]
     cap = dict(enumerate(caps))
@@ -222,8 +225,9 @@ def test_admission_refuses_what_does_not_fit_and_says_why() -> None:
     assert "needs 10.0 Mbit/s" in refused.reason and "only 0.0 Mbit/s of the 40.0 Mbit/s" in refused.reason
     late = admit.check(Reservation("r4", "a", ("b",), period_s=0.1, size_bytes=10, deadline_s=0.5), table, state)
     assert not late.ok and "longer than the period" in late.reason
-    nan = admit.check(Reservation("r5", "a", ("b",), period_s=float("nan"), size_bytes=10, deadline_s=0.5), table,
-                      state)
+    nan = admit.check(
+        Reservation("r5", "a", ("b",), period_s=float("nan"), size_bytes=10, deadline_s=0.5), table, state
+    )
     assert not nan.ok
 
 
@@ -235,8 +239,16 @@ def test_admission_checks_each_agents_link() -> None:
 
 
 def pending(src: str, dst: str, *, arrived: float, critical: bool = False, deadline_at: float | None = None) -> Pending:
-    req = TransferRequest(transfer_id=f"{src}-{dst}", src=src, dst=[dst], group="g", n_tokens=1, nbytes=MB,
-                          signature=SIM_SIGNATURE.to_dict(), critical=critical)
+    req = TransferRequest(
+        transfer_id=f"{src}-{dst}",
+        src=src,
+        dst=[dst],
+        group="g",
+        n_tokens=1,
+        nbytes=MB,
+        signature=SIM_SIGNATURE.to_dict(),
+        critical=critical,
+    )
     return Pending(req, {dst: SIM_SIGNATURE}, arrived=arrived, deadline_at=deadline_at)
 
 
@@ -271,12 +283,41 @@ def test_policies_by_name_and_config_checks() -> None:
 
 
 @CI
-@given(body=st.dictionaries(st.sampled_from(["t", "v", "transfer_id", "action", "ok", "fraction", "reason",
-                                             "rate_bps", "max_fraction", "nbytes", "reservation_id", "src", "dst",
-                                             "group", "period_s", "size_bytes", "deadline_s", "cancel", "ts"]),
-                            st.none() | st.booleans() | st.integers(-5, 2**40) | st.floats() | st.text(max_size=8)
-                            | st.lists(st.text(max_size=4), max_size=3), max_size=19),
-       tag=st.sampled_from(["control", "control_reply", "flow_reserve"]))
+@given(
+    body=st.dictionaries(
+        st.sampled_from(
+            [
+                "t",
+                "v",
+                "transfer_id",
+                "action",
+                "ok",
+                "fraction",
+                "reason",
+                "rate_bps",
+                "max_fraction",
+                "nbytes",
+                "reservation_id",
+                "src",
+                "dst",
+                "group",
+                "period_s",
+                "size_bytes",
+                "deadline_s",
+                "cancel",
+                "ts",
+            ]
+        ),
+        st.none()
+        | st.booleans()
+        | st.integers(-5, 2**40)
+        | st.floats()
+        | st.text(max_size=8)
+        | st.lists(st.text(max_size=4), max_size=3),
+        max_size=19,
+    ),
+    tag=st.sampled_from(["control", "control_reply", "flow_reserve"]),
+)
 def test_new_control_messages_reject_garbage_cleanly(body: dict, tag: str) -> None:
     body = {**body, "t": tag, "v": 1}
     data = msgpack.packb(body, use_bin_type=True)
@@ -287,13 +328,17 @@ def test_new_control_messages_reject_garbage_cleanly(body: dict, tag: str) -> No
 
 
 def test_new_control_messages_round_trip() -> None:
-    for msg in (Control("t1", "rate", rate_bps=5e6), Control("t1", "pause", max_fraction=0.3),
-                Control("", "shed", nbytes=123, reason="over"), ControlReply("t1", "pause", False, 0.42, "past"),
-                FlowReservation("r1", "a", ["b"], "g", 0.1, 1000, 0.02)):
+    for msg in (
+        Control("t1", "rate", rate_bps=5e6),
+        Control("t1", "pause", max_fraction=0.3),
+        Control("", "shed", nbytes=123, reason="over"),
+        ControlReply("t1", "pause", False, 0.42, "past"),
+        FlowReservation("r1", "a", ["b"], "g", 0.1, 1000, 0.02),
+    ):
         assert decode_message(msg.encode(), Control, ControlReply, FlowReservation) == msg
 
 
-def _probe(name: str) -> "Probe":
+def _probe(name: str) -> Probe:
     from kvbus.protocol import Probe
 
     return Probe(agent=name, group="g", queue_size=0, cache_bytes=0, compute_load=0.0, role_priority=1.0)

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
+from kvbus.app.local import NatsServer
 from kvbus.bus import Bus
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
-from kvbus.app.local import NatsServer
 from kvbus.protocol import AgentRecord, Grant, RequestAck, TransferRequest, agent_subject, inbox_subject, sched_subject
 from kvbus.security import AgentGrant, Credentials, load_credentials, permissions_config
 from tests.conftest import FAST
@@ -42,17 +42,20 @@ def secure_server() -> Iterator[tuple[NatsServer, Credentials]]:
 async def stack(secure_server: tuple[NatsServer, Credentials]) -> AsyncIterator[dict[str, Any]]:
     """A scheduler running as its scheduler user and one secure bus per agent, with their async errors."""
     server, creds = secure_server
-    sched = await GroupScheduler.connect(server.url, "default", config=SchedulerConfig(max_active=8),
-                                         nats_options=creds.scheduler_options("default"))
+    sched = await GroupScheduler.connect(
+        server.url, "default", config=SchedulerConfig(max_active=8), nats_options=creds.scheduler_options("default")
+    )
     errors: dict[str, list[str]] = {a: [] for a in AGENTS}
     buses: dict[str, Bus] = {}
     try:
         for a in AGENTS:
+
             async def on_error(exc: Exception, name: str = a) -> None:
                 errors[name].append(str(exc))
 
-            buses[a] = await Bus.connect(server.url, config=FAST, secure=True, error_cb=on_error,
-                                         **creds.agent_options(a))
+            buses[a] = await Bus.connect(
+                server.url, config=FAST, secure=True, error_cb=on_error, **creds.agent_options(a)
+            )
         agents = {a: await buses[a].agent(a, signature=SIG) for a in AGENTS}
         yield {"agents": agents, "buses": buses, "errors": errors, "sched": sched, "url": server.url}
     finally:
@@ -142,10 +145,18 @@ async def test_agent_cannot_speak_for_another_agent_to_the_scheduler(stack: dict
     after = await sched.lookup("bob")
     assert after is not None and before is not None and after.signature == before.signature
     assert after.priority == before.priority
-    request = TransferRequest(transfer_id="f" * 32, src="bob", dst=["alice"], group="default", n_tokens=4,
-                              nbytes=1024, signature=SIG.to_dict())
-    ack = RequestAck.decode(await mallory.request(sched_subject("default", "request", "mallory"),
-                                                  request.encode(), timeout=3.0))
+    request = TransferRequest(
+        transfer_id="f" * 32,
+        src="bob",
+        dst=["alice"],
+        group="default",
+        n_tokens=4,
+        nbytes=1024,
+        signature=SIG.to_dict(),
+    )
+    ack = RequestAck.decode(
+        await mallory.request(sched_subject("default", "request", "mallory"), request.encode(), timeout=3.0)
+    )
     assert not ack.ok and "came on the subject of 'mallory'" in ack.reason
     # Bob is unaffected.
     kv = random_kv(SIG, 4)
@@ -161,9 +172,20 @@ async def test_agent_cannot_pose_as_another_sender(stack: dict[str, Any]) -> Non
     agents, buses, errors = stack["agents"], stack["buses"], stack["errors"]
     mallory = buses["mallory"].transport
     kv = random_kv(SIG, 4)
-    forged = Open(transfer_id="a" * 32, src="alice", codec="full", meta={"signature": SIG.to_dict()}, sizes=[16],
-                  total=16, chunk_size=1 << 20, n_chunks=1, digest="", window=4,
-                  data_subject="kvbus.agent.bob.data." + "a" * 32, ack_subject=agent_subject("alice", "ack"))
+    forged = Open(
+        transfer_id="a" * 32,
+        src="alice",
+        codec="full",
+        meta={"signature": SIG.to_dict()},
+        sizes=[16],
+        total=16,
+        chunk_size=1 << 20,
+        n_chunks=1,
+        digest="",
+        window=4,
+        data_subject="kvbus.agent.bob.data." + "a" * 32,
+        ack_subject=agent_subject("alice", "ack"),
+    )
     await mallory.publish(inbox_subject("bob", "alice"), forged.frame())
     await _wait_for(errors["mallory"], "kvbus.agent.bob.inbox.alice")
     reply = OpenReply.decode(await mallory.request(inbox_subject("bob", "mallory"), forged.frame(), timeout=3))
@@ -183,19 +205,37 @@ async def test_receiver_refuses_an_open_pointing_at_foreign_subjects(stack: dict
     from kvbus.protocol import Open, OpenReply
 
     mallory = stack["buses"]["mallory"].transport
-    bad = Open(transfer_id="t" * 32, src="mallory", codec="full", meta={"signature": SIG.to_dict()}, sizes=[4 << 20], total=4 << 20,
-               chunk_size=1 << 20, n_chunks=4, digest="", window=4, data_subject="kvbus.agent.alice.data.x",
-               ack_subject=agent_subject("mallory", "ack"))
+    bad = Open(
+        transfer_id="t" * 32,
+        src="mallory",
+        codec="full",
+        meta={"signature": SIG.to_dict()},
+        sizes=[4 << 20],
+        total=4 << 20,
+        chunk_size=1 << 20,
+        n_chunks=4,
+        digest="",
+        window=4,
+        data_subject="kvbus.agent.alice.data.x",
+        ack_subject=agent_subject("mallory", "ack"),
+    )
     reply = OpenReply.decode(await mallory.request(inbox_subject("bob", "mallory"), bad.frame(), timeout=3))
     assert not reply.ok and "data subject" in reply.reason
     assert stack["agents"]["bob"].partial_transfers == 0
 
 
 def test_kvbus_up_secure_writes_private_credentials_and_logs_no_secret(tmp_path: Path) -> None:
-    env = {**os.environ, "KVBUS_CREDENTIALS_FILE": str(tmp_path / "credentials.json"),
-           "KVBUS_STACK_FILE": str(tmp_path / "stack.json")}
-    proc = subprocess.Popen([sys.executable, "-m", "kvbus.app.cli", "-vv", "up", "--secure", "--agents", "a1,a2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    env = {
+        **os.environ,
+        "KVBUS_CREDENTIALS_FILE": str(tmp_path / "credentials.json"),
+        "KVBUS_STACK_FILE": str(tmp_path / "stack.json"),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvbus.app.cli", "-vv", "up", "--secure", "--agents", "a1,a2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     out = b""
     try:
         deadline = time.monotonic() + 30

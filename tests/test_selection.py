@@ -40,8 +40,15 @@ def ends(rx: ModelSignature = SMOL) -> tuple[Endpoint, Endpoint]:
 
 def choose(m: CostModel, n_tokens: int, bw_bps: float, rx: ModelSignature = SMOL, **kw: object) -> str:
     a, b = ends(rx)
-    return m.choose(MEDIA, n_tokens=n_tokens, kv_bytes=n_tokens * SMOL.kv_bytes_per_token(), link=Link(bw_bps),
-                    sender=a, receiver=b, **kw).medium
+    return m.choose(
+        MEDIA,
+        n_tokens=n_tokens,
+        kv_bytes=n_tokens * SMOL.kv_bytes_per_token(),
+        link=Link(bw_bps),
+        sender=a,
+        receiver=b,
+        **kw,
+    ).medium
 
 
 def test_fast_link_and_long_context_send_kv() -> None:
@@ -56,8 +63,9 @@ def test_incompatible_models_get_tokens_or_summary() -> None:
     assert choose(model(), 4096, 1.25e9, rx=OTHER) in ("tokens", "summary")
     with pytest.raises(ValueError, match="no usable medium"):
         a, b = ends(OTHER)
-        model().choose(["full", "int8"], n_tokens=10, kv_bytes=10 * SIG.kv_bytes_per_token(), link=Link(1e9),
-                       sender=a, receiver=b)
+        model().choose(
+            ["full", "int8"], n_tokens=10, kv_bytes=10 * SIG.kv_bytes_per_token(), link=Link(1e9), sender=a, receiver=b
+        )
 
 
 def test_hysteresis_ignores_a_small_drop_and_follows_a_big_one() -> None:
@@ -85,8 +93,15 @@ def test_hysteresis_threshold_is_respected() -> None:
 def test_precision_refresh_triggers_exactly_at_the_threshold(lineage: float) -> None:
     m = model(refresh_threshold=0.9)
     a, b = ends()
-    choice = m.choose(["int4", "full", "tokens"], n_tokens=4096, kv_bytes=4096 * SMOL.kv_bytes_per_token(),
-                      link=Link(1.25e8), sender=a, receiver=b, lineage=lineage)
+    choice = m.choose(
+        ["int4", "full", "tokens"],
+        n_tokens=4096,
+        kv_bytes=4096 * SMOL.kv_bytes_per_token(),
+        link=Link(1.25e8),
+        sender=a,
+        receiver=b,
+        lineage=lineage,
+    )
     int4_allowed = lineage * FIGS["int4"].fidelity >= 0.9
     assert (choice.medium == "int4") == int4_allowed
     assert choice.forced_lossless == (not int4_allowed)
@@ -97,7 +112,8 @@ def test_loss_weight_and_memory_pressure_steer_the_choice() -> None:
     kw = dict(n_tokens=4096, kv_bytes=4096 * SMOL.kv_bytes_per_token(), link=Link(1.25e9), sender=a)
     calm = model().choose(MEDIA, receiver=b, **kw)
     pressed = model(memory_penalty_s_per_gb=100.0).choose(
-        MEDIA, receiver=Endpoint(SMOL, memory_pressure=1.0, model=COSTS), **kw)
+        MEDIA, receiver=Endpoint(SMOL, memory_pressure=1.0, model=COSTS), **kw
+    )
     assert calm.medium in ("full", "int8")
     full_bytes = next(e.nbytes for e in pressed.candidates if e.medium == "full")
     assert pressed.estimate.nbytes < full_bytes

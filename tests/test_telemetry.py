@@ -63,7 +63,7 @@ class OtlpReceiver:
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 if self.path.endswith("/v1/traces"):
                     receiver.add(ExportTraceServiceRequest.FromString(body))
@@ -88,9 +88,18 @@ class OtlpReceiver:
                 for s in ss.spans:
                     attrs = {a.key: _value(a.value) for a in s.attributes}
                     with self.lock:
-                        self.spans.append(SpanRecord(service, s.name, s.trace_id.hex(), s.span_id.hex(),
-                                                     s.parent_span_id.hex(), s.kind, attrs,
-                                                     [e.name for e in s.events]))
+                        self.spans.append(
+                            SpanRecord(
+                                service,
+                                s.name,
+                                s.trace_id.hex(),
+                                s.span_id.hex(),
+                                s.parent_span_id.hex(),
+                                s.kind,
+                                attrs,
+                                [e.name for e in s.events],
+                            )
+                        )
 
     def wait_for(self, names: set[str], trace_id: str | None = None, timeout: float = 15.0) -> list[SpanRecord]:
         end = time.monotonic() + timeout
@@ -117,8 +126,13 @@ def _value(v: Any) -> Any:
 
 def _env(otlp: str, service: str, metrics_port: int | None = None) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(OTEL_EXPORTER_OTLP_ENDPOINT=otlp, OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
-               OTEL_SERVICE_NAME=service, OTEL_BSP_SCHEDULE_DELAY="50", PYTHONUNBUFFERED="1")
+    env.update(
+        OTEL_EXPORTER_OTLP_ENDPOINT=otlp,
+        OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
+        OTEL_SERVICE_NAME=service,
+        OTEL_BSP_SCHEDULE_DELAY="50",
+        PYTHONUNBUFFERED="1",
+    )
     env.pop("OTEL_SDK_DISABLED", None)
     if metrics_port is not None:
         env["KVBUS_METRICS_PORT"] = str(metrics_port)
@@ -165,26 +179,52 @@ def transfer(nats_url: str) -> Iterator[dict[str, Any]]:
         sched_port, tx_port = free_port(), free_port()
         procs: list[subprocess.Popen[str]] = []
         try:
-            sched = subprocess.Popen([sys.executable, "-m", "kvbus.app.cli", "group-scheduler", "--group", GROUP,
-                                      "--nats-url", nats_url], env=_env(otlp.url, "test-scheduler", sched_port),
-                                     stdout=subprocess.PIPE, text=True)
+            sched = subprocess.Popen(
+                [sys.executable, "-m", "kvbus.app.cli", "group-scheduler", "--group", GROUP, "--nats-url", nats_url],
+                env=_env(otlp.url, "test-scheduler", sched_port),
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             procs.append(sched)
             _readline(sched, "group scheduler for")
-            rx = subprocess.Popen([sys.executable, PEER, "rx", nats_url, "otel-rx", GROUP],
-                                  env=_env(otlp.url, "test-receiver"), stdout=subprocess.PIPE, text=True)
+            rx = subprocess.Popen(
+                [sys.executable, PEER, "rx", nats_url, "otel-rx", GROUP],
+                env=_env(otlp.url, "test-receiver"),
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             procs.append(rx)
             _readline(rx, "ready")
-            tx = subprocess.Popen([sys.executable, PEER, "tx", nats_url, "otel-tx", GROUP, "otel-rx", str(3 << 20)],
-                                  env=_env(otlp.url, "test-sender", tx_port), stdout=subprocess.PIPE,
-                                  stdin=subprocess.PIPE, text=True)
+            tx = subprocess.Popen(
+                [sys.executable, PEER, "tx", nats_url, "otel-tx", GROUP, "otel-rx", str(3 << 20)],
+                env=_env(otlp.url, "test-sender", tx_port),
+                stdout=subprocess.PIPE,
+                stdin=subprocess.PIPE,
+                text=True,
+            )
             procs.append(tx)
             lines = _readline(tx, "sent", timeout=30)
             report = json.loads(lines[-2])
             delivered = json.loads(_readline(rx, "transfer_id")[-1])
-            spans = otlp.wait_for({"kvbus.send", "kvbus.grant.wait", "kvbus.encode", "kvbus.stream", "kvbus.schedule",
-                                   "kvbus.receive", "kvbus.reassemble", "kvbus.decode"})
-            yield {"report": report, "delivered": delivered, "spans": spans, "otlp": otlp,
-                   "metrics": {"sender": _scrape(tx_port), "scheduler": _scrape(sched_port)}}
+            spans = otlp.wait_for(
+                {
+                    "kvbus.send",
+                    "kvbus.grant.wait",
+                    "kvbus.encode",
+                    "kvbus.stream",
+                    "kvbus.schedule",
+                    "kvbus.receive",
+                    "kvbus.reassemble",
+                    "kvbus.decode",
+                }
+            )
+            yield {
+                "report": report,
+                "delivered": delivered,
+                "spans": spans,
+                "otlp": otlp,
+                "metrics": {"sender": _scrape(tx_port), "scheduler": _scrape(sched_port)},
+            }
         finally:
             _stop(procs)
 
@@ -192,8 +232,11 @@ def transfer(nats_url: str) -> Iterator[dict[str, Any]]:
 def test_one_trace_across_sender_scheduler_and_receiver(transfer: dict[str, Any]) -> None:
     report = transfer["report"]
     assert transfer["delivered"]["transfer_id"] == report["transfer_id"]
-    sends = [s for s in transfer["spans"] if s.name == "kvbus.send"
-             and s.attributes.get("kvbus.transfer_id") == report["transfer_id"]]
+    sends = [
+        s
+        for s in transfer["spans"]
+        if s.name == "kvbus.send" and s.attributes.get("kvbus.transfer_id") == report["transfer_id"]
+    ]
     assert len(sends) == 1
     root = sends[0]
     spans = {s.name: s for s in transfer["spans"] if s.trace_id == root.trace_id}
@@ -232,28 +275,46 @@ def test_inter_group_trace_includes_the_coordinators_lease() -> None:
     try:
         with OtlpReceiver() as otlp:
             url = server.url
-            coord = subprocess.Popen([sys.executable, "-m", "kvbus.app.cli", "coordinator", "--nats-url", url],
-                                     env=_env(otlp.url, "test-coordinator"), stdout=subprocess.PIPE, text=True)
+            coord = subprocess.Popen(
+                [sys.executable, "-m", "kvbus.app.cli", "coordinator", "--nats-url", url],
+                env=_env(otlp.url, "test-coordinator"),
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             procs.append(coord)
             _readline(coord, "coordinator on")
             for g in ("otel-a", "otel-b"):
-                p = subprocess.Popen([sys.executable, "-m", "kvbus.app.cli", "group-scheduler", "--group", g,
-                                      "--nats-url", url], env=_env(otlp.url, f"test-scheduler-{g}"),
-                                     stdout=subprocess.PIPE, text=True)
+                p = subprocess.Popen(
+                    [sys.executable, "-m", "kvbus.app.cli", "group-scheduler", "--group", g, "--nats-url", url],
+                    env=_env(otlp.url, f"test-scheduler-{g}"),
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
                 procs.append(p)
                 _readline(p, "group scheduler for")
-            rx = subprocess.Popen([sys.executable, PEER, "rx", url, "otel-far", "otel-b"],
-                                  env=_env(otlp.url, "test-receiver"), stdout=subprocess.PIPE, text=True)
+            rx = subprocess.Popen(
+                [sys.executable, PEER, "rx", url, "otel-far", "otel-b"],
+                env=_env(otlp.url, "test-receiver"),
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             procs.append(rx)
             _readline(rx, "ready")
-            tx = subprocess.Popen([sys.executable, PEER, "tx", url, "otel-near", "otel-a", "otel-far", str(1 << 20)],
-                                  env=_env(otlp.url, "test-sender"), stdout=subprocess.PIPE, stdin=subprocess.PIPE,
-                                  text=True)
+            tx = subprocess.Popen(
+                [sys.executable, PEER, "tx", url, "otel-near", "otel-a", "otel-far", str(1 << 20)],
+                env=_env(otlp.url, "test-sender"),
+                stdout=subprocess.PIPE,
+                stdin=subprocess.PIPE,
+                text=True,
+            )
             procs.append(tx)
             report = json.loads(_readline(tx, "sent", timeout=30)[-2])
             spans = otlp.wait_for({"kvbus.send", "kvbus.grant.wait", "kvbus.schedule", "kvbus.coord.lease"})
-            root = next(s for s in spans if s.name == "kvbus.send"
-                        and s.attributes.get("kvbus.transfer_id") == report["transfer_id"])
+            root = next(
+                s
+                for s in spans
+                if s.name == "kvbus.send" and s.attributes.get("kvbus.transfer_id") == report["transfer_id"]
+            )
             trace = {s.name: s for s in spans if s.trace_id == root.trace_id}
             lease = trace["kvbus.coord.lease"]
             assert lease.service == "test-coordinator"
@@ -296,9 +357,21 @@ def test_redact_url_hides_credentials() -> None:
 
 def test_group_scheduler_does_not_print_credentials(nats_server: Any) -> None:
     host_port = nats_server.url.split("://", 1)[1]
-    p = subprocess.Popen([sys.executable, "-m", "kvbus.app.cli", "group-scheduler", "--group", "redact",
-                          "--nats-url", f"nats://someone:hunter2@{host_port}"], stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvbus.app.cli",
+            "group-scheduler",
+            "--group",
+            "redact",
+            "--nats-url",
+            f"nats://someone:hunter2@{host_port}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         out = "\n".join(_readline(p, "group scheduler for", timeout=15))
     except RuntimeError as exc:  # the server may refuse the credentials: what it printed still counts
@@ -323,8 +396,14 @@ async def test_top_renders_a_frame_of_a_running_stack(tmp_path: Path) -> None:
             while True:
                 # `top` with no --nats-url finds the stack through its stack file.
                 # (In a thread: the agent's probes need this event loop.)
-                done = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "kvbus.app.cli", "top", "--once"],
-                                               env=env, capture_output=True, text=True, timeout=30)
+                done = await asyncio.to_thread(
+                    subprocess.run,
+                    [sys.executable, "-m", "kvbus.app.cli", "top", "--once"],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                )
                 out = done.stdout
                 if "top-watcher" in out or time.monotonic() > deadline:
                     break

@@ -28,8 +28,12 @@ def machine_info() -> dict[str, Any]:
 
     import torch
 
-    return {"python": sys.version.split()[0], "torch": torch.__version__, "platform": platform.platform(),
-            "cpus": os.cpu_count()}
+    return {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+    }
 
 
 def run_suite(name: str, *, json_path: str | None = None, quick: bool = False, **options: Any) -> int:

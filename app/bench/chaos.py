@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
+from kvbus.app.local import NatsServer
 from kvbus.bus import Bus, BusConfig, TransferError
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
 from kvbus.kvcache import KVCache
-from kvbus.app.local import NatsServer
 from kvbus.protocol import CHUNK_INDEX_HEADER, CHUNK_SUM_HEADER
 from kvbus.signature import ModelSignature
 
@@ -41,8 +41,16 @@ logger = logging.getLogger(__name__)
 
 SIG = ModelSignature("chaos-model", n_layers=4, n_kv_heads=4, head_dim=64, dtype="bfloat16", vocab_size=32000)
 GROUP = "chaos"
-CONFIG = BusConfig(chunk_size=256 * 1024, ack_timeout=0.3, peer_timeout=3.0, request_timeout=1.0,
-                   grant_timeout=15.0, partial_timeout=3.0, regrant_interval=0.3, inline_limit=64 * 1024)
+CONFIG = BusConfig(
+    chunk_size=256 * 1024,
+    ack_timeout=0.3,
+    peer_timeout=3.0,
+    request_timeout=1.0,
+    grant_timeout=15.0,
+    partial_timeout=3.0,
+    regrant_interval=0.3,
+    inline_limit=64 * 1024,
+)
 
 
 def make_kv(nbytes: int, seed: int) -> KVCache:
@@ -230,11 +238,18 @@ async def _chaos(transfers: int, seed: int, concurrency: int = 16) -> dict[str, 
         for w in chaos:
             injected.update(w.counts)
         return {
-            "transfers": transfers, "delivered": delivered, "failed_with_error": failed, "lost": lost,
-            "duplicated": duplicated, "corrupted": corrupted, "crashed": len(crashed),
+            "transfers": transfers,
+            "delivered": delivered,
+            "failed_with_error": failed,
+            "lost": lost,
+            "duplicated": duplicated,
+            "corrupted": corrupted,
+            "crashed": len(crashed),
             "delivered_after_sender_error": sum(1 for tid in seen if tid in sent and tid not in ok_ids),
-            "errors_by_type": dict(errors), "crash_samples": crashed[:5],
-            "faults": {**faults, **dict(injected)}, "seconds": round(elapsed, 2),
+            "errors_by_type": dict(errors),
+            "crash_samples": crashed[:5],
+            "faults": {**faults, **dict(injected)},
+            "seconds": round(elapsed, 2),
         }
     finally:
         for b in buses:
@@ -246,8 +261,17 @@ def run(*, quick: bool = False, transfers: int | None = None, seed: int = 1, **_
     """Run the chaos suite (``transfers`` defaults to 1000, 200 with ``quick``)."""
     n = transfers or (200 if quick else 1000)
     results = asyncio.run(_chaos(n, seed))
-    print(f"chaos: {results['delivered']} delivered, {results['failed_with_error']} failed with an error, "
-          f"{results['lost']} lost, {results['duplicated']} duplicated, {results['corrupted']} corrupted, "
-          f"{results['crashed']} crashed; faults {results['faults']}")
-    return {"suite": "chaos", "config": {"transfers": n, "seed": seed, "bus": {
-        "ack_timeout": CONFIG.ack_timeout, "peer_timeout": CONFIG.peer_timeout}}, "results": results}
+    print(
+        f"chaos: {results['delivered']} delivered, {results['failed_with_error']} failed with an error, "
+        f"{results['lost']} lost, {results['duplicated']} duplicated, {results['corrupted']} corrupted, "
+        f"{results['crashed']} crashed; faults {results['faults']}"
+    )
+    return {
+        "suite": "chaos",
+        "config": {
+            "transfers": n,
+            "seed": seed,
+            "bus": {"ack_timeout": CONFIG.ack_timeout, "peer_timeout": CONFIG.peer_timeout},
+        },
+        "results": results,
+    }

@@ -32,16 +32,23 @@ from typing import Any
 
 import torch
 
-from kvbus.codecs import Encoded, get_codec
-from kvbus.codecs import _kernels
+from kvbus.codecs import Encoded, _kernels, get_codec
 from kvbus.codecs._select import kv_positions
 from kvbus.kvcache import KVCache
 from kvbus.signature import ModelSignature
 
-LLAMA3_8B = ModelSignature("llama-3-8b-shape", n_layers=32, n_kv_heads=8, head_dim=128, dtype="bfloat16",
-                           vocab_size=128256, rope_theta=500000.0)
-SMOLLM2 = ModelSignature("smollm2-135m-shape", n_layers=30, n_kv_heads=3, head_dim=64, dtype="float32",
-                         vocab_size=49152, rope_theta=100000.0)
+LLAMA3_8B = ModelSignature(
+    "llama-3-8b-shape",
+    n_layers=32,
+    n_kv_heads=8,
+    head_dim=128,
+    dtype="bfloat16",
+    vocab_size=128256,
+    rope_theta=500000.0,
+)
+SMOLLM2 = ModelSignature(
+    "smollm2-135m-shape", n_layers=30, n_kv_heads=3, head_dim=64, dtype="float32", vocab_size=49152, rope_theta=100000.0
+)
 #: Media benchmarked (``delta+int8`` against a base holding 7/8 of the context).
 SPECS = ("full", "int8", "int4", "topk", "topk+int8", "lowrank", "delta+int8", "tokens")
 #: Reported when a medium's time is too small to measure against the copy (no pass over the data).
@@ -94,8 +101,9 @@ def _aliases_payload(decoded: KVCache, wire: Encoded) -> bool:
 
     payload = memoryview(wire.keepalive[0])
     start = buffer_address(payload)
-    return bool(decoded.keys) and all(start <= t.data_ptr() < start + payload.nbytes
-                                      for t in decoded.keys + decoded.values)
+    return bool(decoded.keys) and all(
+        start <= t.data_ptr() < start + payload.nbytes for t in decoded.keys + decoded.values
+    )
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
@@ -153,9 +161,12 @@ def bench_cache(kv: KVCache, specs: tuple[str, ...], runs: int) -> dict[str, dic
             "bytes": encoded.nbytes,
             "runs": runs,
         }
-        print(f"  {codec.name:>12}: enc {out[codec.name]['encode_gbps']:7.2f} GB/s ({out[codec.name]['encode_vs_copy']}"
-              f" x copy)  dec {out[codec.name]['decode_gbps']:7.2f} GB/s ({out[codec.name]['decode_vs_copy']} x copy)"
-              f"  ratio {out[codec.name]['ratio']:7.2f}  copy {out[codec.name]['copy_gbps']:.1f} GB/s", flush=True)
+        print(
+            f"  {codec.name:>12}: enc {out[codec.name]['encode_gbps']:7.2f} GB/s ({out[codec.name]['encode_vs_copy']}"
+            f" x copy)  dec {out[codec.name]['decode_gbps']:7.2f} GB/s ({out[codec.name]['decode_vs_copy']} x copy)"
+            f"  ratio {out[codec.name]['ratio']:7.2f}  copy {out[codec.name]['copy_gbps']:.1f} GB/s",
+            flush=True,
+        )
     return out
 
 
@@ -171,8 +182,9 @@ def run(*, quick: bool = False, **options: Any) -> dict[str, Any]:
     try:
         for label, (sig, n) in caches.items():
             kv = make_kv(sig, n)
-            print(f"{label} ({kv.nbytes / 1e6:.0f} MB), kernels {'compiled' if default_compile else 'eager'}:",
-                  flush=True)
+            print(
+                f"{label} ({kv.nbytes / 1e6:.0f} MB), kernels {'compiled' if default_compile else 'eager'}:", flush=True
+            )
             by_cache[label] = bench_cache(kv, SPECS, runs if n <= 512 else max(2, runs // 2))
         # the quantisers with the other kernel mode, on the Llama 512 cache
         _kernels.set_compile(not default_compile)
@@ -183,18 +195,28 @@ def run(*, quick: bool = False, **options: Any) -> dict[str, Any]:
         warm = time.perf_counter() - t0
         other = "compiled" if not default_compile else "eager"
         print(f"llama3-8b-512, kernels {other} (first calls took {warm:.1f} s):", flush=True)
-        compiled = {"mode": other, "first_call_s": round(warm, 1),
-                    "llama3-8b-512": bench_cache(kv, ("int8",), runs)}
+        compiled = {"mode": other, "first_call_s": round(warm, 1), "llama3-8b-512": bench_cache(kv, ("int8",), runs)}
     finally:
         _kernels.set_compile(None)
     top = by_cache["llama3-8b-512"]
     return {
         "suite": "codecs",
-        "config": {"caches": {k: {"model": s.model, "layers": s.n_layers, "kv_heads": s.n_kv_heads,
-                                  "head_dim": s.head_dim, "dtype": s.dtype, "tokens": n}
-                              for k, (s, n) in caches.items()},
-                   "runs": runs, "kernels": "compiled" if default_compile else "eager",
-                   "timing": "median of alternating runs; *_vs_copy = copy_ time / medium time, same run",
-                   "specs": list(SPECS)},
+        "config": {
+            "caches": {
+                k: {
+                    "model": s.model,
+                    "layers": s.n_layers,
+                    "kv_heads": s.n_kv_heads,
+                    "head_dim": s.head_dim,
+                    "dtype": s.dtype,
+                    "tokens": n,
+                }
+                for k, (s, n) in caches.items()
+            },
+            "runs": runs,
+            "kernels": "compiled" if default_compile else "eager",
+            "timing": "median of alternating runs; *_vs_copy = copy_ time / medium time, same run",
+            "specs": list(SPECS),
+        },
         "results": {**top, "by_cache": by_cache, "other_kernels": compiled},
     }

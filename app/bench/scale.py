@@ -79,14 +79,13 @@ async def _client(url: str, agents: list[tuple[str, str, str]], proc: int, rate:
     from kvbus.bus import Bus, BusConfig
 
     kv = _tiny_kv()
-    cfg = BusConfig(request_timeout=20.0, grant_timeout=60.0, peer_timeout=30.0, ack_timeout=5.0,
-                    partial_timeout=30.0)
+    cfg = BusConfig(request_timeout=20.0, grant_timeout=60.0, peer_timeout=30.0, ack_timeout=5.0, partial_timeout=30.0)
     buses = []
     handles = []
     for i in range(0, len(agents), AGENTS_PER_CONNECTION):
         bus = await Bus.connect(url, config=cfg)
         buses.append(bus)
-        for name, group, to in agents[i:i + AGENTS_PER_CONNECTION]:
+        for name, group, to in agents[i : i + AGENTS_PER_CONNECTION]:
             handles.append((await bus.agent(name, group=group, signature=kv.signature), to))
     nc = buses[0].transport.nc  # type: ignore[attr-defined]
     go: asyncio.Queue[tuple[float, float, float]] = asyncio.Queue()
@@ -136,9 +135,14 @@ async def _client(url: str, agents: list[tuple[str, str, str]], proc: int, rate:
             due += rng.expovariate(rate)
 
     await asyncio.gather(*(one_agent(a, to) for a, to in handles))
-    payload = {"proc": proc, "overhead_us": [round(x * 1e6) for x in overhead],
-               "at_scheduler_us": [round(x * 1e6) for x in at_scheduler], "errors": errors,
-               "n_errors": n_errors, "lag_p99_ms": 1000 * _percentile(lag, 0.99)}
+    payload = {
+        "proc": proc,
+        "overhead_us": [round(x * 1e6) for x in overhead],
+        "at_scheduler_us": [round(x * 1e6) for x in at_scheduler],
+        "errors": errors,
+        "n_errors": n_errors,
+        "lag_p99_ms": 1000 * _percentile(lag, 0.99),
+    }
     await nc.publish(RESULT, json.dumps(payload).encode())
     await nc.flush()
     # Stay registered until the parent kills this process (other processes' agents may still
@@ -178,23 +182,34 @@ async def _run_config(mode: str, n: int, *, seconds: float, rate: float) -> dict
     by_group: dict[str, list[str]] = {}
     for i in range(n):
         by_group.setdefault(groups[i % n_groups], []).append(f"a{i}")
-    triples = [(name, g, members[(k + 1) % len(members)])
-               for g, members in by_group.items() for k, name in enumerate(members)]
-    env = {**os.environ, "KVBUS_SCHEDULER_MAX_ACTIVE": "1000000", "KVBUS_SCHEDULER_PER_PAIR": "1000",
-           "KVBUS_SCHEDULER_BANDWIDTH_BPS": "0", "KVBUS_SCHEDULER_PREEMPT": "false",
-           "KVBUS_SCHEDULER_LEADER_TTL_S": "0"}
+    triples = [
+        (name, g, members[(k + 1) % len(members)]) for g, members in by_group.items() for k, name in enumerate(members)
+    ]
+    env = {
+        **os.environ,
+        "KVBUS_SCHEDULER_MAX_ACTIVE": "1000000",
+        "KVBUS_SCHEDULER_PER_PAIR": "1000",
+        "KVBUS_SCHEDULER_BANDWIDTH_BPS": "0",
+        "KVBUS_SCHEDULER_PREEMPT": "false",
+        "KVBUS_SCHEDULER_LEADER_TTL_S": "0",
+    }
     server = NatsServer().start()
     procs: list[subprocess.Popen[str]] = []
     try:
-        scheds = [_spawn(["-m", "kvbus.app.cli", "group-scheduler", "--group", g, "--nats-url", server.url], env)
-                  for g in groups]
+        scheds = [
+            _spawn(["-m", "kvbus.app.cli", "group-scheduler", "--group", g, "--nats-url", server.url], env)
+            for g in groups
+        ]
         procs += scheds
         for p in scheds:
             await _wait_line(p, "group scheduler", 120)
         # Whole groups per client process where they fit, so a process's agents share connections.
         chunks = [triples[i::CLIENT_PROCESSES] for i in range(CLIENT_PROCESSES)]
-        cl = [_spawn(["-m", "kvbus.app.bench.scale", "--client", server.url, str(i), str(rate), json.dumps(c)], env)
-              for i, c in enumerate(chunks) if c]
+        cl = [
+            _spawn(["-m", "kvbus.app.bench.scale", "--client", server.url, str(i), str(rate), json.dumps(c)], env)
+            for i, c in enumerate(chunks)
+            if c
+        ]
         procs += cl
         for p in cl:
             await _wait_line(p, "ready", 300)
@@ -221,18 +236,25 @@ async def _run_config(mode: str, n: int, *, seconds: float, rate: float) -> dict
         overhead = [x / 1e6 for g in got for x in g["at_scheduler_us"]]
         sched_cpu = [(cpu1[p.pid] - cpu0[p.pid]) / seconds for p in scheds]
         client_cpu = sum(cpu1[p.pid] - cpu0[p.pid] for p in cl) / seconds
-        return {"agents": n, "groups": n_groups, "client_processes": len(cl),
-                "offered_per_s": n * rate, "transfers": len(overhead), "achieved_per_s": len(overhead) / seconds,
-                "errors": sum(g["n_errors"] for g in got),
-                "error_samples": [e for g in got for e in g["errors"]][:3],
-                "sched_overhead_p50_ms": 1000 * _percentile(overhead, 0.5),
-                "sched_overhead_p99_ms": 1000 * _percentile(overhead, 0.99),
-                "sched_overhead_max_ms": 1000 * max(overhead, default=float("nan")),
-                "client_seen_p50_ms": 1000 * _percentile(client_seen, 0.5),
-                "client_seen_p99_ms": 1000 * _percentile(client_seen, 0.99),
-                "client_start_lag_p99_ms": max(g["lag_p99_ms"] for g in got),
-                "scheduler_cpu_busiest": max(sched_cpu), "scheduler_cpu_total": sum(sched_cpu),
-                "client_cpu_total": client_cpu}
+        return {
+            "agents": n,
+            "groups": n_groups,
+            "client_processes": len(cl),
+            "offered_per_s": n * rate,
+            "transfers": len(overhead),
+            "achieved_per_s": len(overhead) / seconds,
+            "errors": sum(g["n_errors"] for g in got),
+            "error_samples": [e for g in got for e in g["errors"]][:3],
+            "sched_overhead_p50_ms": 1000 * _percentile(overhead, 0.5),
+            "sched_overhead_p99_ms": 1000 * _percentile(overhead, 0.99),
+            "sched_overhead_max_ms": 1000 * max(overhead, default=float("nan")),
+            "client_seen_p50_ms": 1000 * _percentile(client_seen, 0.5),
+            "client_seen_p99_ms": 1000 * _percentile(client_seen, 0.99),
+            "client_start_lag_p99_ms": max(g["lag_p99_ms"] for g in got),
+            "scheduler_cpu_busiest": max(sched_cpu),
+            "scheduler_cpu_total": sum(sched_cpu),
+            "client_cpu_total": client_cpu,
+        }
     finally:
         for p in procs:
             p.kill()
@@ -241,8 +263,7 @@ async def _run_config(mode: str, n: int, *, seconds: float, rate: float) -> dict
         server.stop()
 
 
-def run(*, quick: bool = False, nats_url: str | None = None, seconds: float | None = None,
-        **_: Any) -> dict[str, Any]:
+def run(*, quick: bool = False, nats_url: str | None = None, seconds: float | None = None, **_: Any) -> dict[str, Any]:
     """Flat and hierarchical at each size; the growth and flat/hier ratios the issue asks for."""
     sizes = [64, 256] if quick else [64, 256, 1024]
     window = seconds or (5.0 if quick else SECONDS)
@@ -251,32 +272,46 @@ def run(*, quick: bool = False, nats_url: str | None = None, seconds: float | No
         for mode in ("flat", "hier"):
             res = asyncio.run(_run_config(mode, n, seconds=window, rate=RATE_PER_AGENT))
             results[mode][str(n)] = res
-            print(f"{mode:5s} {n:5d} agents, {res['groups']:3d} groups, {res['achieved_per_s']:6.0f} transfers/s: "
-                  f"request->grant p50 {res['sched_overhead_p50_ms']:7.2f} ms  p99 "
-                  f"{res['sched_overhead_p99_ms']:8.2f} ms  busiest scheduler {res['scheduler_cpu_busiest']:.2f} "
-                  f"CPU  errors {res['errors']}", flush=True)
+            print(
+                f"{mode:5s} {n:5d} agents, {res['groups']:3d} groups, {res['achieved_per_s']:6.0f} transfers/s: "
+                f"request->grant p50 {res['sched_overhead_p50_ms']:7.2f} ms  p99 "
+                f"{res['sched_overhead_p99_ms']:8.2f} ms  busiest scheduler {res['scheduler_cpu_busiest']:.2f} "
+                f"CPU  errors {res['errors']}",
+                flush=True,
+            )
     top = str(sizes[-1])
-    results["hier_growth_64_to_" + top] = (results["hier"][top]["sched_overhead_p99_ms"]
-                                           / results["hier"]["64"]["sched_overhead_p99_ms"])
-    results["flat_over_hier_at_" + top] = (results["flat"][top]["sched_overhead_p99_ms"]
-                                           / results["hier"][top]["sched_overhead_p99_ms"])
+    results["hier_growth_64_to_" + top] = (
+        results["hier"][top]["sched_overhead_p99_ms"] / results["hier"]["64"]["sched_overhead_p99_ms"]
+    )
+    results["flat_over_hier_at_" + top] = (
+        results["flat"][top]["sched_overhead_p99_ms"] / results["hier"][top]["sched_overhead_p99_ms"]
+    )
     # Capacity: the share of one core the busiest scheduler needs. With one core per scheduler
     # (the deployment) this is what decides whether a loop keeps up; on a small machine the
     # latency above also carries every other process's CPU.
     results["busiest_scheduler_cpu_growth_hier_64_to_" + top] = (
-        results["hier"][top]["scheduler_cpu_busiest"] / results["hier"]["64"]["scheduler_cpu_busiest"])
+        results["hier"][top]["scheduler_cpu_busiest"] / results["hier"]["64"]["scheduler_cpu_busiest"]
+    )
     results["busiest_scheduler_cpu_flat_over_hier_at_" + top] = (
-        results["flat"][top]["scheduler_cpu_busiest"] / results["hier"][top]["scheduler_cpu_busiest"])
-    config = {"sizes": sizes, "group_size": GROUP_SIZE, "seconds": window, "warmup_s": WARMUP_S,
-              "rate_per_agent": RATE_PER_AGENT, "client_processes": CLIENT_PROCESSES,
-              "agents_per_connection": AGENTS_PER_CONNECTION, "cpus": os.cpu_count(),
-              "how": "one nats-server per configuration; each group scheduler its own process "
-                     "(python -m kvbus.app.cli group-scheduler, max_active 1e6, no bandwidth budget); agents are "
-                     f"real bus Agents (registered, probing every second), {CLIENT_PROCESSES} client processes; "
-                     f"each agent asks for a transfer to its group neighbour at Poisson times, {RATE_PER_AGENT}/s "
-                     "on average, running the bus client's request -> grant -> done exchange without the data "
-                     "stream; figure = p99 of request sent -> grant sent by the scheduler over the measured "
-                     "window (client_seen_*: as the client saw it)"}
+        results["flat"][top]["scheduler_cpu_busiest"] / results["hier"][top]["scheduler_cpu_busiest"]
+    )
+    config = {
+        "sizes": sizes,
+        "group_size": GROUP_SIZE,
+        "seconds": window,
+        "warmup_s": WARMUP_S,
+        "rate_per_agent": RATE_PER_AGENT,
+        "client_processes": CLIENT_PROCESSES,
+        "agents_per_connection": AGENTS_PER_CONNECTION,
+        "cpus": os.cpu_count(),
+        "how": "one nats-server per configuration; each group scheduler its own process "
+        "(python -m kvbus.app.cli group-scheduler, max_active 1e6, no bandwidth budget); agents are "
+        f"real bus Agents (registered, probing every second), {CLIENT_PROCESSES} client processes; "
+        f"each agent asks for a transfer to its group neighbour at Poisson times, {RATE_PER_AGENT}/s "
+        "on average, running the bus client's request -> grant -> done exchange without the data "
+        "stream; figure = p99 of request sent -> grant sent by the scheduler over the measured "
+        "window (client_seen_*: as the client saw it)",
+    }
     return {"config": config, "results": results}
 
 

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from kvbus.app.local import NatsServer
 from kvbus.bus import Bus, BusConfig, EmulatedLink
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig, WeightedPolicy
 from kvbus.group_scheduler.policy import Decision
@@ -48,7 +49,6 @@ from kvbus.group_scheduler.scheduler import default_selector
 from kvbus.group_scheduler.simulate import SIM_SIGNATURE, FixedSelector
 from kvbus.group_scheduler.state import AgentState, GroupState, Pending
 from kvbus.kvcache import KVCache
-from kvbus.app.local import NatsServer
 from kvbus.protocol import TransferRequest
 from kvbus.signature import ModelSignature
 
@@ -104,8 +104,9 @@ class Spans:
         self.items: dict[str, list[tuple[float, float, int]]] = {}
 
     def add(self, who: str, t0: float, report: Any) -> None:
-        self.items.setdefault(who, []).append((t0 + report.queued_s + report.encode_s, t0 + report.total_s,
-                                               report.nbytes))
+        self.items.setdefault(who, []).append(
+            (t0 + report.queued_s + report.encode_s, t0 + report.total_s, report.nbytes)
+        )
 
     def rate(self, who: str, a: float, b: float) -> float:
         total = 0.0
@@ -123,8 +124,17 @@ async def bulk_loop(agent: Any, to: str, kv: KVCache, stop: float, spans: Spans,
         lat.append(report.total_s)
 
 
-async def periodic(agent: Any, to: str, kv: KVCache, stop: float, every: float, lat: list[float], *,
-                   critical: bool = True, phase: float = 0.0) -> None:
+async def periodic(
+    agent: Any,
+    to: str,
+    kv: KVCache,
+    stop: float,
+    every: float,
+    lat: list[float],
+    *,
+    critical: bool = True,
+    phase: float = 0.0,
+) -> None:
     """Open loop: one send every ``every`` seconds, each in its own task; latencies into ``lat``."""
     tasks = []
 
@@ -157,15 +167,23 @@ async def critical_run(url: str, policy: str, seconds: float) -> dict[str, Any]:
         stop = t_start + seconds
         bulk_tasks = [asyncio.create_task(bulk_loop(b, rx.name, bulk_kv, stop, spans, bulk_lat)) for b in bulk]
         await asyncio.sleep(0.5)  # bulk saturates first
-        await asyncio.gather(*(periodic(c, rx.name, small_kv, stop, 0.2, crit_lat, phase=0.1 * i)
-                               for i, c in enumerate(crit)))
+        await asyncio.gather(
+            *(periodic(c, rx.name, small_kv, stop, 0.2, crit_lat, phase=0.1 * i) for i, c in enumerate(crit))
+        )
         await asyncio.gather(*bulk_tasks)
         drainer.cancel()
         bulk_rate = sum(spans.rate(b.name, t_start + 1.0, stop - 0.2) for b in bulk)
-        return {"critical_p50_ms": 1e3 * pct(crit_lat, 0.5), "critical_p99_ms": 1e3 * pct(crit_lat, 0.99),
-                "critical_n": len(crit_lat), "bulk_p50_s": pct(bulk_lat, 0.5), "bulk_p99_s": pct(bulk_lat, 0.99),
-                "bulk_mb_s": bulk_rate / MB, "crit_lat": crit_lat, "bulk_lat": bulk_lat,
-                "preemptions": sched.state.preemptions}
+        return {
+            "critical_p50_ms": 1e3 * pct(crit_lat, 0.5),
+            "critical_p99_ms": 1e3 * pct(crit_lat, 0.99),
+            "critical_n": len(crit_lat),
+            "bulk_p50_s": pct(bulk_lat, 0.5),
+            "bulk_p99_s": pct(bulk_lat, 0.99),
+            "bulk_mb_s": bulk_rate / MB,
+            "crit_lat": crit_lat,
+            "bulk_lat": bulk_lat,
+            "preemptions": sched.state.preemptions,
+        }
 
 
 # -- fairness --------------------------------------------------------------------------------------------
@@ -176,8 +194,9 @@ async def fairness_run(url: str, policy: str, seconds: float) -> dict[str, Any]:
     priorities = (0.0, 1.0, 2.0, 4.0)
     async with group(url, name, policy=policy, max_active=8) as (sched, tx, rxb):
         rx = await rxb.agent(f"{name}-rx", group=name, priority=0.0, signature=SIG, link=EmulatedLink(30 * MB))
-        senders = [await tx.agent(f"{name}-s{i}", group=name, priority=p, signature=SIG)
-                   for i, p in enumerate(priorities)]
+        senders = [
+            await tx.agent(f"{name}-s{i}", group=name, priority=p, signature=SIG) for i, p in enumerate(priorities)
+        ]
         kv = make_kv(6 * MB, 3)
         drainer = asyncio.create_task(drain(rx))
         spans, lat = Spans(), []
@@ -191,9 +210,13 @@ async def fairness_run(url: str, policy: str, seconds: float) -> dict[str, Any]:
         a, b = t0 + 1.0, stop - 0.3
         rates = [spans.rate(s.name, a, b) for s in senders]
         total = sum(rates)
-        return {"jain": jain([r / w for r, w in zip(rates, weights)]),
-                "weights": weights, "shares": [r / total for r in rates],
-                "weight_shares": [w / sum(weights) for w in weights], "total_mb_s": total / MB}
+        return {
+            "jain": jain([r / w for r, w in zip(rates, weights)]),
+            "weights": weights,
+            "shares": [r / total for r in rates],
+            "weight_shares": [w / sum(weights) for w in weights],
+            "total_mb_s": total / MB,
+        }
 
 
 # -- preemption threshold sweep -----------------------------------------------------------------------
@@ -229,10 +252,16 @@ async def sweep_run(url: str, threshold: float, seconds: float) -> dict[str, Any
         drainer.cancel()
         a, b = t0 + 0.5, stop - 0.2
         total = sum(spans.rate(s, a, b) for s in spans.items)
-        return {"threshold": threshold, "throughput_mb_s": total / MB,
-                "urgent_p50_ms": 1e3 * pct(urgent_lat, 0.5), "urgent_p99_ms": 1e3 * pct(urgent_lat, 0.99),
-                "bulk_p99_s": pct(bulk_lat, 0.99), "urgent_n": len(urgent_lat),
-                "pauses_asked": sched.state.preemptions, "pauses_declined": sched.state.declined_pauses}
+        return {
+            "threshold": threshold,
+            "throughput_mb_s": total / MB,
+            "urgent_p50_ms": 1e3 * pct(urgent_lat, 0.5),
+            "urgent_p99_ms": 1e3 * pct(urgent_lat, 0.99),
+            "bulk_p99_s": pct(bulk_lat, 0.99),
+            "urgent_n": len(urgent_lat),
+            "pauses_asked": sched.state.preemptions,
+            "pauses_declined": sched.state.declined_pauses,
+        }
 
 
 # -- decision cost ----------------------------------------------------------------------------------------
@@ -251,8 +280,15 @@ def decision_cost(n: int, steps: int, selector: Any, seed: int = 1) -> dict[str,
 
     def arrival(src: str, dst: str) -> None:
         nonlocal k
-        req = TransferRequest(transfer_id=f"t{k}", src=src, dst=[dst], group="bench", n_tokens=512,
-                              nbytes=rnd.choice([1, 4, 16]) * MB, signature=sig)
+        req = TransferRequest(
+            transfer_id=f"t{k}",
+            src=src,
+            dst=[dst],
+            group="bench",
+            n_tokens=512,
+            nbytes=rnd.choice([1, 4, 16]) * MB,
+            signature=sig,
+        )
         k += 1
         pending = Pending(req, {dst: SIM_SIGNATURE}, arrived=now)
         state.queue.append(pending)
@@ -297,8 +333,13 @@ def decision_cost(n: int, steps: int, selector: Any, seed: int = 1) -> dict[str,
                 adjust.append((t3 - t2) / 1e3)
     finally:
         gc.unfreeze()
-    return {"p50": pct(per_grant, 0.5), "p99": pct(per_grant, 0.99), "adjust_p50": pct(adjust, 0.5),
-            "adjust_p99": pct(adjust, 0.99), "grants": len(per_grant)}
+    return {
+        "p50": pct(per_grant, 0.5),
+        "p99": pct(per_grant, 0.99),
+        "adjust_p50": pct(adjust, 0.5),
+        "adjust_p99": pct(adjust, 0.99),
+        "grants": len(per_grant),
+    }
 
 
 # -- the suite ----------------------------------------------------------------------------------------------
@@ -345,9 +386,11 @@ def run(*, quick: bool = False, nats_url: str | None = None, **_: Any) -> dict[s
     t0 = time.perf_counter()
     results = asyncio.run(_run(quick, nats_url))
     config = {
-        "signature": SIG.to_dict(), "critical": "4 bulk x 8 MB + 2 x 64 KB critical every 200 ms, 40 MB/s, max_active 4",
+        "signature": SIG.to_dict(),
+        "critical": "4 bulk x 8 MB + 2 x 64 KB critical every 200 ms, 40 MB/s, max_active 4",
         "fairness": "priorities 0/1/2/4 -> W 2/3/4/6, 6 MB transfers, 30 MB/s receiver link",
-        "sweep": "3 bulk x 8 MB + critical 4 MB every 0.2-0.6 s (critical_boost 7), 40 MB/s", "decision": "n/2 running, n/2 waiting; "
+        "sweep": "3 bulk x 8 MB + critical 4 MB every 0.2-0.6 s (critical_boost 7), 40 MB/s",
+        "decision": "n/2 running, n/2 waiting; "
         "one done + one arrival per step; thread CPU time of decide() per grant (gc frozen)",
         "seconds": round(time.perf_counter() - t0, 1),
     }
@@ -356,14 +399,19 @@ def run(*, quick: bool = False, nats_url: str | None = None, **_: Any) -> dict[s
 
 
 def _print(r: dict[str, Any]) -> None:
-    print(f"critical p99: FIFO {r['critical']['fifo']['critical_p99_ms']:.1f} ms, "
-          f"WRR {r['critical']['wrr']['critical_p99_ms']:.1f} ms -> ratio {r['critical_p99_ratio_fifo_vs_wrr']:.1f}")
+    print(
+        f"critical p99: FIFO {r['critical']['fifo']['critical_p99_ms']:.1f} ms, "
+        f"WRR {r['critical']['wrr']['critical_p99_ms']:.1f} ms -> ratio {r['critical_p99_ratio_fifo_vs_wrr']:.1f}"
+    )
     print(f"jain fairness: WRR {r['jain_fairness']:.3f}, FIFO {r['fairness']['fifo']['jain']:.3f}")
     for s in r["preempt_threshold_sweep"]:
-        print(f"  threshold {s['threshold']:.0%}: {s['throughput_mb_s']:.1f} MB/s, urgent p50 {s['urgent_p50_ms']:.0f} "
-              f"p99 {s['urgent_p99_ms']:.0f} ms, bulk p99 {s['bulk_p99_s']:.2f} s, pauses {s['pauses_asked']} "
-              f"({s['pauses_declined']} declined)")
-    print(f"decision us p99 per grant: {r['decision_us_p99']} (with the cost model: "
-          f"{r['decision_us_p99_with_selection']}); adjust us p99: {r['adjust_us_p99']}")
+        print(
+            f"  threshold {s['threshold']:.0%}: {s['throughput_mb_s']:.1f} MB/s, urgent p50 {s['urgent_p50_ms']:.0f} "
+            f"p99 {s['urgent_p99_ms']:.0f} ms, bulk p99 {s['bulk_p99_s']:.2f} s, pauses {s['pauses_asked']} "
+            f"({s['pauses_declined']} declined)"
+        )
+    print(
+        f"decision us p99 per grant: {r['decision_us_p99']} (with the cost model: "
+        f"{r['decision_us_p99_with_selection']}); adjust us p99: {r['adjust_us_p99']}"
+    )
     print(f"jitter p99/p50: {r['jitter_p99_over_p50']:.2f}")
-

@@ -32,21 +32,35 @@ from typing import Any
 
 import torch
 
+from kvbus.app.local import NatsServer
 from kvbus.bus import Bus, BusConfig, EmulatedLink
 from kvbus.codecs import get_codec
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
 from kvbus.group_scheduler.cost_model import CostModel, Endpoint, Link
 from kvbus.group_scheduler.selection import AdaptiveSelector
 from kvbus.kvcache import KVCache
-from kvbus.app.local import NatsServer
 from kvbus.signature import ModelSignature
 
 logger = logging.getLogger(__name__)
 
-SMOLLM2 = ModelSignature("SmolLM2-135M-Instruct", n_layers=30, n_kv_heads=3, head_dim=64, dtype="float32",
-                         vocab_size=49152, rope_theta=100000.0)
-LLAMA3_8B = ModelSignature("llama-3-8b-shape", n_layers=32, n_kv_heads=8, head_dim=128, dtype="bfloat16",
-                           vocab_size=128256, rope_theta=500000.0)
+SMOLLM2 = ModelSignature(
+    "SmolLM2-135M-Instruct",
+    n_layers=30,
+    n_kv_heads=3,
+    head_dim=64,
+    dtype="float32",
+    vocab_size=49152,
+    rope_theta=100000.0,
+)
+LLAMA3_8B = ModelSignature(
+    "llama-3-8b-shape",
+    n_layers=32,
+    n_kv_heads=8,
+    head_dim=128,
+    dtype="bfloat16",
+    vocab_size=128256,
+    rope_theta=500000.0,
+)
 SHAPES = {"smollm2": SMOLLM2, "llama3-8b": LLAMA3_8B}
 PARAMS = {"smollm2": 135e6, "llama3-8b": 8.03e9}
 LINKS_MBIT = (10, 100, 1000, 10000)
@@ -130,8 +144,14 @@ class Harness:
     def predict(self, shape: str, n: int, mbit: float, medium: str) -> float:
         sig = SHAPES[shape]
         end = Endpoint(sig, model=self.model.default_model_costs)
-        est = self.model.estimate(medium, n_tokens=n, kv_bytes=n * sig.kv_bytes_per_token(),
-                                  link=Link(mbit * 1e6 / 8, 0.001), sender=end, receiver=end)
+        est = self.model.estimate(
+            medium,
+            n_tokens=n,
+            kv_bytes=n * sig.kv_bytes_per_token(),
+            link=Link(mbit * 1e6 / 8, 0.001),
+            sender=end,
+            receiver=end,
+        )
         return est.total_s if est.usable else math.inf
 
 
@@ -144,10 +164,14 @@ async def _cell(h: Harness, shape: str, n: int, mbit: float) -> dict[str, Any]:
     best_pred = min(preds.values())
     await h.once(tx, rx, kv, None)  # warm-up: the scheduler sees the link once
     runs = [await h.once(tx, rx, kv, None) for _ in range(2)]
-    row["adaptive"] = {"latency_s": round(statistics.median(r[0] for r in runs), 4), "media": [r[1] for r in runs],
-                       "bytes": runs[-1][2]}
-    row["adaptive"]["objective_s"] = round(row["adaptive"]["latency_s"] + statistics.mean(h.loss_s(r[1]) for r in runs),
-                                           4)
+    row["adaptive"] = {
+        "latency_s": round(statistics.median(r[0] for r in runs), 4),
+        "media": [r[1] for r in runs],
+        "bytes": runs[-1][2],
+    }
+    row["adaptive"]["objective_s"] = round(
+        row["adaptive"]["latency_s"] + statistics.mean(h.loss_s(r[1]) for r in runs), 4
+    )
     for m in h.media:
         p = preds[m]
         if not math.isfinite(p) or (p > h.cap_s and p > 1.5 * best_pred):
@@ -156,8 +180,11 @@ async def _cell(h: Harness, shape: str, n: int, mbit: float) -> dict[str, Any]:
         if times[0][0] < 0.5:
             times.append(await h.once(tx, rx, kv, m))
         lat = statistics.median(t[0] for t in times)
-        row["static"][m] = {"latency_s": round(lat, 4), "objective_s": round(lat + h.loss_s(m), 4),
-                            "bytes": times[0][2]}
+        row["static"][m] = {
+            "latency_s": round(lat, 4),
+            "objective_s": round(lat + h.loss_s(m), 4),
+            "bytes": times[0][2],
+        }
     best = min(row["static"].items(), key=lambda kv_: kv_[1]["objective_s"])
     row["best_static"] = best[0]
     row["adaptive_vs_best_static"] = round(row["adaptive"]["objective_s"] / best[1]["objective_s"], 3)
@@ -198,9 +225,15 @@ async def _fluctuating(h: Harness, shape: str, n: int, quick: bool) -> dict[str,
         await tx.close()
         await rx.close()
     best_static = min((v, k) for k, v in totals.items() if k != "adaptive")
-    return {"shape": shape, "tokens": n, "trace_mbit": [m for _, m in trace], "totals_s": totals,
-            "best_static": best_static[1], "adaptive_media": chosen,
-            "fluctuating_adaptive_vs_best_static": round(totals["adaptive"] / best_static[0], 3)}
+    return {
+        "shape": shape,
+        "tokens": n,
+        "trace_mbit": [m for _, m in trace],
+        "totals_s": totals,
+        "best_static": best_static[1],
+        "adaptive_media": chosen,
+        "fluctuating_adaptive_vs_best_static": round(totals["adaptive"] / best_static[0], 3),
+    }
 
 
 async def _switches(url: str, h: Harness, shape: str, n: int, hysteresis: float, samples: int) -> int:
@@ -208,15 +241,21 @@ async def _switches(url: str, h: Harness, shape: str, n: int, hysteresis: float,
     the two best media. The crossover is re-solved from every decision record (the predicted
     terms of each candidate), so the link stays where the choice is closest even as the
     scheduler's estimates and the agents' load move it."""
-    sched = await GroupScheduler.connect(url, f"hyst{int(hysteresis * 100)}",
-                                         config=SchedulerConfig(hysteresis=hysteresis))
+    sched = await GroupScheduler.connect(
+        url, f"hyst{int(hysteresis * 100)}", config=SchedulerConfig(hysteresis=hysteresis)
+    )
     try:
         sig = SHAPES[shape]
         center = _crossover(h, shape, n)
         g = torch.Generator().manual_seed(3)
         runner = CalibratedRunner(sig, h.prefill_tps[shape])
-        tx = await h.tx_bus.agent(f"hyst-tx{int(hysteresis * 100)}", group=sched.group, signature=sig, runner=runner,
-                                  link=EmulatedLink.mbit(center))
+        tx = await h.tx_bus.agent(
+            f"hyst-tx{int(hysteresis * 100)}",
+            group=sched.group,
+            signature=sig,
+            runner=runner,
+            link=EmulatedLink.mbit(center),
+        )
         rx = await h.rx_bus.agent(f"hyst-rx{int(hysteresis * 100)}", group=sched.group, signature=sig, runner=runner)
         kv = make_kv(sig, n, seed=11)
         media = []
@@ -242,7 +281,7 @@ def _solve_crossover(candidates: list[dict[str, Any]], mbit: float) -> float | N
     bps = mbit * 1e6 / 8
     usable = sorted((c for c in candidates if c.get("total_s") is not None), key=lambda c: c["total_s"])
     for i, a in enumerate(usable):
-        for b in usable[i + 1:i + 3]:
+        for b in usable[i + 1 : i + 3]:
             if a["bytes"] == b["bytes"]:
                 continue
             other_a = a["total_s"] - a["bytes"] / bps
@@ -278,8 +317,11 @@ async def _relay(h: Harness, shape: str, n: int, hops: int, mbit: float) -> dict
     agents = []
     for i in range(hops + 1):
         bus = h.tx_bus if i % 2 == 0 else h.rx_bus
-        agents.append(await bus.agent(f"relay{i}", group="select", signature=sig, runner=runner,
-                                      link=EmulatedLink.mbit(mbit, 0.5)))
+        agents.append(
+            await bus.agent(
+                f"relay{i}", group="select", signature=sig, runner=runner, link=EmulatedLink.mbit(mbit, 0.5)
+            )
+        )
     kv = make_kv(sig, n, seed=5)
     threshold = h.sched.policy.selector.model.config.refresh_threshold  # type: ignore[attr-defined]
     hop_media, lineage, total_bytes = [], [], 0
@@ -294,9 +336,17 @@ async def _relay(h: Harness, shape: str, n: int, hops: int, mbit: float) -> dict
     int4_bytes = hops * get_codec("int4").encode(kv).nbytes if "int4" in h.media else 0
     for a in agents:
         await a.close()
-    return {"hops": hops, "mbit": mbit, "media": hop_media, "lineage": lineage, "min_lineage": min(lineage),
-            "threshold": threshold, "bytes": total_bytes, "all_int4_bytes": int4_bytes,
-            "bytes_vs_all_int4": round(total_bytes / int4_bytes, 3) if int4_bytes else None}
+    return {
+        "hops": hops,
+        "mbit": mbit,
+        "media": hop_media,
+        "lineage": lineage,
+        "min_lineage": min(lineage),
+        "threshold": threshold,
+        "bytes": total_bytes,
+        "all_int4_bytes": int4_bytes,
+        "bytes_vs_all_int4": round(total_bytes / int4_bytes, 3) if int4_bytes else None,
+    }
 
 
 async def _run(quick: bool, nats_url: str | None, cap_s: float) -> dict[str, Any]:
@@ -312,8 +362,16 @@ async def _run(quick: bool, nats_url: str | None, cap_s: float) -> dict[str, Any
         prefill_tps = {"smollm2": smol_tps, "llama3-8b": smol_tps * PARAMS["smollm2"] / PARAMS["llama3-8b"]}
         media = [m for m in selector.candidates if not m.startswith("delta+") and not m.startswith("summary")]
         cfg = BusConfig(peer_timeout=120.0, grant_timeout=600.0, request_timeout=30.0)
-        h = Harness(url, sched, await Bus.connect(url, config=cfg), await Bus.connect(url, config=cfg), model,
-                    prefill_tps, media, cap_s)
+        h = Harness(
+            url,
+            sched,
+            await Bus.connect(url, config=cfg),
+            await Bus.connect(url, config=cfg),
+            model,
+            prefill_tps,
+            media,
+            cap_s,
+        )
         for shape in SHAPES:
             # First calls of a codec pay one-time costs (allocator, kernels): not part of any cell.
             warm = make_kv(SHAPES[shape], 64)
@@ -331,23 +389,38 @@ async def _run(quick: bool, nats_url: str | None, cap_s: float) -> dict[str, Any
                 for mbit in links:
                     t0 = time.perf_counter()
                     row = await _cell(h, shape, n, mbit)
-                    logger.info("cell %s n=%d %s Mbit/s: adaptive %s vs best static %s (%s) in %.1f s", shape, n,
-                                mbit, row["adaptive"]["media"], row["best_static"], row["adaptive_vs_best_static"],
-                                time.perf_counter() - t0)
-                    print(f"{shape:>9} {n:>5} tok {mbit:>6} Mbit/s: adaptive {row['adaptive']['media'][-1]:<16} "
-                          f"best static {row['best_static']:<16} ratio {row['adaptive_vs_best_static']:.3f}",
-                          flush=True)
+                    logger.info(
+                        "cell %s n=%d %s Mbit/s: adaptive %s vs best static %s (%s) in %.1f s",
+                        shape,
+                        n,
+                        mbit,
+                        row["adaptive"]["media"],
+                        row["best_static"],
+                        row["adaptive_vs_best_static"],
+                        time.perf_counter() - t0,
+                    )
+                    print(
+                        f"{shape:>9} {n:>5} tok {mbit:>6} Mbit/s: adaptive {row['adaptive']['media'][-1]:<16} "
+                        f"best static {row['best_static']:<16} ratio {row['adaptive_vs_best_static']:.3f}",
+                        flush=True,
+                    )
                     cells.append(row)
         fluct = await _fluctuating(h, "smollm2", 256, quick)
-        print(f"fluctuating: adaptive / best static ({fluct['best_static']}) = "
-              f"{fluct['fluctuating_adaptive_vs_best_static']}", flush=True)
+        print(
+            f"fluctuating: adaptive / best static ({fluct['best_static']}) = "
+            f"{fluct['fluctuating_adaptive_vs_best_static']}",
+            flush=True,
+        )
         samples = 12 if quick else 30
         with_h = await _switches(url, h, "smollm2", 256, 0.15, samples)
         without_h = await _switches(url, h, "smollm2", 256, 0.0, samples)
         print(f"switches: {with_h} with hysteresis, {without_h} without", flush=True)
         relay = await _relay(h, "smollm2", 1024, 20 if not quick else 8, 100)
-        print(f"relay: min lineage {relay['min_lineage']} (threshold {relay['threshold']}), bytes / all-int4 "
-              f"{relay['bytes_vs_all_int4']}", flush=True)
+        print(
+            f"relay: min lineage {relay['min_lineage']} (threshold {relay['threshold']}), bytes / all-int4 "
+            f"{relay['bytes_vs_all_int4']}",
+            flush=True,
+        )
         await h.tx_bus.close()
         await h.rx_bus.close()
         await sched.close()
@@ -361,12 +434,21 @@ async def _run(quick: bool, nats_url: str | None, cap_s: float) -> dict[str, Any
             "fluctuating": fluct,
             "cells": cells,
         }
-        return {"suite": "select",
-                "config": {"links_mbit": list(links), "contexts": list(contexts), "shapes": list(shapes),
-                           "media": media, "cap_s": cap_s, "prefill_tokens_per_s": prefill_tps,
-                           "calibrated": model.calibrated, "hysteresis": model.config.hysteresis,
-                           "objective": "observed latency + C_loss of the medium used"},
-                "results": results}
+        return {
+            "suite": "select",
+            "config": {
+                "links_mbit": list(links),
+                "contexts": list(contexts),
+                "shapes": list(shapes),
+                "media": media,
+                "cap_s": cap_s,
+                "prefill_tokens_per_s": prefill_tps,
+                "calibrated": model.calibrated,
+                "hysteresis": model.config.hysteresis,
+                "objective": "observed latency + C_loss of the medium used",
+            },
+            "results": results,
+        }
     finally:
         if server is not None:
             server.stop()
@@ -388,8 +470,15 @@ def plot(out: dict[str, Any], path: Path) -> None:
         for m in media:
             pts = [(c["mbit"], c["static"][m]["latency_s"]) for c in rows if m in c["static"]]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", lw=1, label=m)
-        ax.plot([c["mbit"] for c in rows], [c["adaptive"]["latency_s"] for c in rows], "k--", marker="*", ms=10,
-                lw=2, label="adaptive")
+        ax.plot(
+            [c["mbit"] for c in rows],
+            [c["adaptive"]["latency_s"] for c in rows],
+            "k--",
+            marker="*",
+            ms=10,
+            lw=2,
+            label="adaptive",
+        )
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("link (Mbit/s)")
@@ -401,8 +490,9 @@ def plot(out: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def run(*, quick: bool = False, nats_url: str | None = None, cap_s: float = 3.0, plot_path: str | None = None,
-        **_: Any) -> dict[str, Any]:
+def run(
+    *, quick: bool = False, nats_url: str | None = None, cap_s: float = 3.0, plot_path: str | None = None, **_: Any
+) -> dict[str, Any]:
     out = asyncio.run(_run(quick, nats_url, cap_s))
     target = Path(plot_path or "docs/select_latency_vs_bandwidth.png")
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -21,14 +21,15 @@ from typing import Any
 import psutil
 
 from kvbus.app.bench.chaos import SIG, make_kv
+from kvbus.app.local import NatsServer
 from kvbus.bus import Bus, BusConfig, TransferError
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
-from kvbus.app.local import NatsServer
 
 GROUP = "soak"
 AGENTS = 64
-CONFIG = BusConfig(chunk_size=256 * 1024, request_timeout=5.0, partial_timeout=10.0, keep_bases=False,
-                   inline_limit=128 * 1024)
+CONFIG = BusConfig(
+    chunk_size=256 * 1024, request_timeout=5.0, partial_timeout=10.0, keep_bases=False, inline_limit=128 * 1024
+)
 
 
 async def _soak(seconds: float, agents: int) -> dict[str, Any]:
@@ -48,8 +49,12 @@ async def _soak(seconds: float, agents: int) -> dict[str, Any]:
             tb = await Bus.connect(server.url, config=CONFIG, error_cb=on_error)
             rb = await Bus.connect(server.url, config=CONFIG, error_cb=on_error)
             buses += [tb, rb]
-            pairs.append((await tb.agent(f"soak-tx{i}", group=GROUP, signature=SIG),
-                          await rb.agent(f"soak-rx{i}", group=GROUP, signature=SIG)))
+            pairs.append(
+                (
+                    await tb.agent(f"soak-tx{i}", group=GROUP, signature=SIG),
+                    await rb.agent(f"soak-rx{i}", group=GROUP, signature=SIG),
+                )
+            )
         pool = [make_kv(n, seed=s) for s, n in enumerate([64 << 10, 256 << 10, 1 << 20, 2 << 20])]
         stop = time.monotonic() + seconds
         counts = {"sent": 0, "received": 0, "failed": 0, "bytes": 0}
@@ -99,10 +104,16 @@ async def _soak(seconds: float, agents: int) -> dict[str, Any]:
         log = server._log_text()
         slow_server = log.lower().count("slow consumer")
         return {
-            "agents": agents, "seconds": round(elapsed, 1), "transfers": counts["sent"], "failed": counts["failed"],
-            "received": counts["received"], "throughput_MBps": round(counts["bytes"] / elapsed / 1e6, 1),
-            "rss_start_MB": round(samples[0][1] / 2**20, 1), "rss_after_warmup_MB": round(base / 2**20, 1),
-            "rss_end_MB": round(end / 2**20, 1), "rss_peak_MB": round(max(r for _, r in samples) / 2**20, 1),
+            "agents": agents,
+            "seconds": round(elapsed, 1),
+            "transfers": counts["sent"],
+            "failed": counts["failed"],
+            "received": counts["received"],
+            "throughput_MBps": round(counts["bytes"] / elapsed / 1e6, 1),
+            "rss_start_MB": round(samples[0][1] / 2**20, 1),
+            "rss_after_warmup_MB": round(base / 2**20, 1),
+            "rss_end_MB": round(end / 2**20, 1),
+            "rss_peak_MB": round(max(r for _, r in samples) / 2**20, 1),
             "rss_growth_fraction": round((end - base) / base, 4),
             "slow_consumer_events": slow_server + slow_client,
         }
@@ -116,6 +127,8 @@ def run(*, quick: bool = False, seconds: float | None = None, agents: int = AGEN
     """Run the soak (``seconds`` defaults to 120, 20 with ``quick``)."""
     s = seconds or (20.0 if quick else 120.0)
     results = asyncio.run(_soak(s, agents))
-    print(f"soak: {results['agents']} agents, {results['transfers']} transfers in {results['seconds']} s, "
-          f"rss growth {results['rss_growth_fraction']:.1%}, {results['slow_consumer_events']} slow-consumer events")
+    print(
+        f"soak: {results['agents']} agents, {results['transfers']} transfers in {results['seconds']} s, "
+        f"rss growth {results['rss_growth_fraction']:.1%}, {results['slow_consumer_events']} slow-consumer events"
+    )
     return {"suite": "soak", "config": {"seconds": s, "agents": agents}, "results": results}

@@ -22,10 +22,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import threading
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -34,15 +34,22 @@ import redis.asyncio as aioredis
 import torch
 
 from kvbus import telemetry
+from kvbus.app.local import NatsServer, RedisServer
 from kvbus.bus import Bus, BusConfig
 from kvbus.bus.chunking import ChunkPlan
 from kvbus.codecs import get_codec
 from kvbus.kvcache import KVCache
-from kvbus.app.local import NatsServer, RedisServer
 from kvbus.signature import ModelSignature
 
-LLAMA3_8B = ModelSignature("llama-3-8b-shape", n_layers=32, n_kv_heads=8, head_dim=128, dtype="bfloat16",
-                           vocab_size=128256, rope_theta=500000.0)
+LLAMA3_8B = ModelSignature(
+    "llama-3-8b-shape",
+    n_layers=32,
+    n_kv_heads=8,
+    head_dim=128,
+    dtype="bfloat16",
+    vocab_size=128256,
+    rope_theta=500000.0,
+)
 RAW_SUBJECT = "kvbus.app.bench.raw"
 CREDIT_SUBJECT = "kvbus.app.bench.raw.credit"
 REDIS_SUBJECT = "kvbus.app.bench.redis"
@@ -62,7 +69,7 @@ class OtlpSink:
         self.bytes = 0
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 sink.requests += 1
                 sink.bytes += len(body)
@@ -100,8 +107,9 @@ def make_kv(nbytes: int, signature: ModelSignature = LLAMA3_8B, seed: int = 0) -
 async def _peer(nats_url: str, redis_url: str, chunk_size: int, window: int, ack_every: int) -> None:
     traced = bool(os.environ.get("KVBUS_BENCH_TRACED"))
     bus = await Bus.connect(nats_url, config=BusConfig(chunk_size=chunk_size, window=window, ack_every=ack_every))
-    agent = await bus.agent(TRACED_RX if traced else "bench-rx", group=TRACED_GROUP if traced else GROUP,
-                            signature=LLAMA3_8B)
+    agent = await bus.agent(
+        TRACED_RX if traced else "bench-rx", group=TRACED_GROUP if traced else GROUP, signature=LLAMA3_8B
+    )
     nc = await nats.connect(nats_url, pending_size=64 * 1024 * 1024)
     r = aioredis.Redis.from_url(redis_url)
     state: dict[str, Any] = {"n": 0, "bytes": 0, "chunks": []}
@@ -199,14 +207,37 @@ async def _run(quick: bool, nats_url: str | None) -> dict[str, Any]:
     sink = OtlpSink()
     try:
         env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_") and k != "KVBUS_METRICS_PORT"}
-        traced_env = {**env, "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
-                      "KVBUS_METRICS_PORT": "0", "KVBUS_BENCH_TRACED": "1"}
+        traced_env = {
+            **env,
+            "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+            "KVBUS_METRICS_PORT": "0",
+            "KVBUS_BENCH_TRACED": "1",
+        }
         peers = []
         for group, penv in ((GROUP, env), (TRACED_GROUP, traced_env)):
-            procs.append(subprocess.Popen([sys.executable, "-m", "kvbus.app.cli", "group-scheduler", "--group", group,
-                                           "--nats-url", url], env=penv, stdout=subprocess.DEVNULL))
-            peer = subprocess.Popen([sys.executable, "-m", "kvbus.app.bench.transport", "--peer", url, redis_srv.url,
-                                     str(chunk_size), str(window), str(ack_every)], stdout=subprocess.PIPE, env=penv)
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "kvbus.app.cli", "group-scheduler", "--group", group, "--nats-url", url],
+                    env=penv,
+                    stdout=subprocess.DEVNULL,
+                )
+            )
+            peer = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "kvbus.app.bench.transport",
+                    "--peer",
+                    url,
+                    redis_srv.url,
+                    str(chunk_size),
+                    str(window),
+                    str(ack_every),
+                ],
+                stdout=subprocess.PIPE,
+                env=penv,
+            )
             procs.append(peer)
             peers.append(peer)
         for peer in peers:
@@ -269,9 +300,14 @@ async def _run(quick: bool, nats_url: str | None) -> dict[str, Any]:
         top = results["64MB"]
         return {
             "suite": "transport",
-            "config": {"chunk_size": chunk_size, "window": window, "ack_every": ack_every,
-                       "sizes": sizes, "kv_shape": "llama-3-8b (32 layers, 8 kv heads, head_dim 128, bf16)",
-                       "timing": "median of alternating runs, two processes, embedded nats-server and valkey"},
+            "config": {
+                "chunk_size": chunk_size,
+                "window": window,
+                "ack_every": ack_every,
+                "sizes": sizes,
+                "kv_shape": "llama-3-8b (32 layers, 8 kv heads, head_dim 128, bf16)",
+                "timing": "median of alternating runs, two processes, embedded nats-server and valkey",
+            },
             "results": {
                 "ratio_vs_nats_py": top["ratio_vs_nats_py"],
                 "ratio_vs_redis": top["ratio_vs_redis"],
@@ -311,9 +347,11 @@ async def _traced_once(agent: Any, kv: KVCache) -> float:
 def run(*, quick: bool = False, nats_url: str | None = None) -> dict[str, Any]:
     out = asyncio.run(_run(quick, nats_url))
     for label, row in out["results"]["by_size"].items():
-        print(f"{label:>5}: kvbus {row['kvbus_MBps']:8.1f} MB/s  nats-py {row['nats_py_MBps']:8.1f} MB/s  "
-              f"redis {row['redis_MBps']:8.1f} MB/s  kvbus/nats-py {row['ratio_vs_nats_py']:.2f}  "
-              f"kvbus/redis {row['ratio_vs_redis']:.2f}  traced/untraced {row['tracing_overhead']:.3f}")
+        print(
+            f"{label:>5}: kvbus {row['kvbus_MBps']:8.1f} MB/s  nats-py {row['nats_py_MBps']:8.1f} MB/s  "
+            f"redis {row['redis_MBps']:8.1f} MB/s  kvbus/nats-py {row['ratio_vs_nats_py']:.2f}  "
+            f"kvbus/redis {row['ratio_vs_redis']:.2f}  traced/untraced {row['tracing_overhead']:.3f}"
+        )
     return out
 
 

@@ -8,9 +8,41 @@
 - `Reason` (from `kvbus.reasons`): the typed reason codes of refusals and failures.
 """
 
+from kvbus.protocol.coordination import (
+    GroupHeartbeat,
+    GroupLeave,
+    LeaseGrant,
+    LeaseRequest,
+    PlacementReply,
+    PlacementRequest,
+    ReservationCancel,
+    ReservationReply,
+    ReservationRequest,
+)
+from kvbus.protocol.framing import (
+    CHUNK_INDEX_HEADER,
+    CHUNK_SUM_HEADER,
+    MAX_META_BYTES,
+    ROOT_SUM_HEADER,
+    Ack,
+    Open,
+    OpenReply,
+    Ping,
+)
+from kvbus.protocol.messages import (
+    AgentRecord,
+    Control,
+    ControlReply,
+    FlowReservation,
+    Grant,
+    Probe,
+    RequestAck,
+    TransferDone,
+    TransferRequest,
+)
 from kvbus.protocol.subjects import (
-    AGENTS_BUCKET,
     AGENT_TO_SCHED,
+    AGENTS_BUCKET,
     COORD_BUCKET,
     COORD_GROUPS,
     COORD_LEASE,
@@ -30,47 +62,15 @@ from kvbus.protocol.subjects import (
     subject_sender,
 )
 from kvbus.protocol.wire import (
-    AnyValue,
     MAX_CONTROL_BYTES,
-    Message,
     PROTOCOL_VERSION,
+    AnyValue,
+    Message,
     decode_message,
     message,
     message_types,
     packb,
     unpackb,
-)
-from kvbus.protocol.messages import (
-    AgentRecord,
-    Control,
-    ControlReply,
-    FlowReservation,
-    Grant,
-    Probe,
-    RequestAck,
-    TransferDone,
-    TransferRequest,
-)
-from kvbus.protocol.framing import (
-    Ack,
-    CHUNK_INDEX_HEADER,
-    CHUNK_SUM_HEADER,
-    MAX_META_BYTES,
-    Open,
-    OpenReply,
-    Ping,
-    ROOT_SUM_HEADER,
-)
-from kvbus.protocol.coordination import (
-    GroupHeartbeat,
-    GroupLeave,
-    LeaseGrant,
-    LeaseRequest,
-    PlacementReply,
-    PlacementRequest,
-    ReservationCancel,
-    ReservationReply,
-    ReservationRequest,
 )
 from kvbus.reasons import (
     Reason,

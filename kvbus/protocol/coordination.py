@@ -6,8 +6,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from kvbus.reasons import Reason
 from kvbus.protocol.wire import Message, OptStr, message
+from kvbus.reasons import Reason
+
 
 @message("group", {"group": str, "scheduler": str, "agents": int, "ts": float})
 @dataclass(frozen=True, slots=True)
@@ -29,8 +30,9 @@ class GroupLeave(Message):
     scheduler: str = ""
 
 
-@message("lease_request", {"group": str, "scheduler": str, "demand_bps": float, "priority": float,
-                            "traceparent": OptStr})
+@message(
+    "lease_request", {"group": str, "scheduler": str, "demand_bps": float, "priority": float, "traceparent": OptStr}
+)
 @dataclass(frozen=True, slots=True)
 class LeaseRequest(Message):
     """A group asks for its share of the shared (inter-group) capacity for the next epoch."""
@@ -57,8 +59,18 @@ class LeaseGrant(Message):
     capacity_bps: float = 0.0
 
 
-@message("reserve", {"reservation_id": str, "group": str, "who": str, "period_s": float, "size_bytes": int,
-                      "deadline_s": float, "traceparent": OptStr})
+@message(
+    "reserve",
+    {
+        "reservation_id": str,
+        "group": str,
+        "who": str,
+        "period_s": float,
+        "size_bytes": int,
+        "deadline_s": float,
+        "traceparent": OptStr,
+    },
+)
 @dataclass(frozen=True, slots=True)
 class ReservationRequest(Message):
     """A periodic critical flow asks for bandwidth set aside: ``size_bytes`` every ``period_s``,
@@ -73,8 +85,7 @@ class ReservationRequest(Message):
     traceparent: str | None = None
 
 
-@message("reserve_reply", {"reservation_id": str, "ok": bool, "reason": str, "rate_bps": float,
-                           "code": Reason})
+@message("reserve_reply", {"reservation_id": str, "ok": bool, "reason": str, "rate_bps": float, "code": Reason})
 @dataclass(frozen=True, slots=True)
 class ReservationReply(Message):
     """Admitted (with the rate set aside) or refused with the reason."""

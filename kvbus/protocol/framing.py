@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from kvbus.errors import WireFormatError
-from kvbus.reasons import Reason
 from kvbus.protocol.wire import Message, OptStr, message
+from kvbus.reasons import Reason
 
 #: Largest codec metadata map inside an `Open`.
 MAX_META_BYTES = 256 * 1024
@@ -23,9 +23,26 @@ CHUNK_SUM_HEADER = "Kvbus-Sum"
 #: On the last chunk of a streamed transfer: the whole-payload digest.
 ROOT_SUM_HEADER = "Kvbus-Root"
 
-@message("open", {"transfer_id": str, "src": str, "codec": str, "meta": dict, "sizes": list,
-                   "total": int, "chunk_size": int, "n_chunks": int, "digest": str, "window": int,
-                   "data_subject": str, "ack_subject": str, "inline": bool, "traceparent": OptStr})
+
+@message(
+    "open",
+    {
+        "transfer_id": str,
+        "src": str,
+        "codec": str,
+        "meta": dict,
+        "sizes": list,
+        "total": int,
+        "chunk_size": int,
+        "n_chunks": int,
+        "digest": str,
+        "window": int,
+        "data_subject": str,
+        "ack_subject": str,
+        "inline": bool,
+        "traceparent": OptStr,
+    },
+)
 @dataclass(frozen=True, slots=True)
 class Open(Message):
     """Sender -> receiver: a transfer is about to stream (or, ``inline``, is in this message).
@@ -67,9 +84,9 @@ class Open(Message):
             raise WireFormatError("open message", f"header of {n} bytes is over the limit of {MAX_META_BYTES + 4096}")
         if cls._PREFIX.size + n > len(view):
             raise WireFormatError("open message", f"header claims {n} bytes, only {len(view) - 4} present")
-        msg = cls.decode(view[cls._PREFIX.size:cls._PREFIX.size + n])
+        msg = cls.decode(view[cls._PREFIX.size : cls._PREFIX.size + n])
         msg.check()
-        return msg, view[cls._PREFIX.size + n:]
+        return msg, view[cls._PREFIX.size + n :]
 
     def check(self) -> None:
         """Consistency of sizes and counts (each field's type is already checked)."""
@@ -88,8 +105,10 @@ class Open(Message):
             raise WireFormatError(what, "digest must be 32 hex characters (or empty for a streamed transfer)")
 
 
-@message("open_reply", {"transfer_id": str, "ok": bool, "reason": str, "done": bool,
-                         "decode_s": float, "next": int, "code": Reason})
+@message(
+    "open_reply",
+    {"transfer_id": str, "ok": bool, "reason": str, "done": bool, "decode_s": float, "next": int, "code": Reason},
+)
 @dataclass(frozen=True, slots=True)
 class OpenReply(Message):
     """Receiver -> sender: ready to receive, done (inline), or refused and why."""
@@ -105,8 +124,21 @@ class OpenReply(Message):
     """Why it was refused, as a code to match on (`reason` is for people)."""
 
 
-@message("ack", {"transfer_id": str, "rx": str, "next": int, "received": int, "missing": list,
-                  "done": bool, "ok": bool, "reason": str, "decode_s": float, "code": Reason})
+@message(
+    "ack",
+    {
+        "transfer_id": str,
+        "rx": str,
+        "next": int,
+        "received": int,
+        "missing": list,
+        "done": bool,
+        "ok": bool,
+        "reason": str,
+        "decode_s": float,
+        "code": Reason,
+    },
+)
 @dataclass(frozen=True, slots=True)
 class Ack(Message):
     """Receiver -> sender: credit and repair requests, and the final verdict.

@@ -8,13 +8,29 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from kvbus.errors import WireFormatError
-from kvbus.reasons import Reason
 from kvbus.protocol.wire import AnyValue, Message, OptFloat, OptStr, message
+from kvbus.reasons import Reason
 
-@message("request", {"transfer_id": str, "src": str, "dst": list, "group": str, "n_tokens": int,
-                      "nbytes": int, "signature": dict, "medium": OptStr, "deadline": OptFloat,
-                      "critical": bool, "ts": float, "traceparent": OptStr, "fidelity": float,
-                      "base_tokens": int})
+
+@message(
+    "request",
+    {
+        "transfer_id": str,
+        "src": str,
+        "dst": list,
+        "group": str,
+        "n_tokens": int,
+        "nbytes": int,
+        "signature": dict,
+        "medium": OptStr,
+        "deadline": OptFloat,
+        "critical": bool,
+        "ts": float,
+        "traceparent": OptStr,
+        "fidelity": float,
+        "base_tokens": int,
+    },
+)
 @dataclass(frozen=True, slots=True)
 class TransferRequest(Message):
     """An agent asks its group scheduler for permission to send."""
@@ -51,9 +67,22 @@ class RequestAck(Message):
     """Why it was refused, as a code to match on (`reason` is for people)."""
 
 
-@message("grant", {"transfer_id": str, "medium": str, "rate_bps": float, "start_at": float,
-                    "chunk_size": int, "window": int, "reason": str, "decision": dict, "latency_s": float,
-                    "sched_s": float, "code": Reason})
+@message(
+    "grant",
+    {
+        "transfer_id": str,
+        "medium": str,
+        "rate_bps": float,
+        "start_at": float,
+        "chunk_size": int,
+        "window": int,
+        "reason": str,
+        "decision": dict,
+        "latency_s": float,
+        "sched_s": float,
+        "code": Reason,
+    },
+)
 @dataclass(frozen=True, slots=True)
 class Grant(Message):
     """The scheduler's decision: send with this medium at this rate from this time.
@@ -83,8 +112,10 @@ class Grant(Message):
     """Why it was refused, as a code to match on (`reason` is for people)."""
 
 
-@message("control", {"transfer_id": str, "action": str, "reason": str, "rate_bps": float,
-                      "max_fraction": float, "nbytes": int})
+@message(
+    "control",
+    {"transfer_id": str, "action": str, "reason": str, "rate_bps": float, "max_fraction": float, "nbytes": int},
+)
 @dataclass(frozen=True, slots=True)
 class Control(Message):
     """Scheduler -> agent: act on a running transfer, or (``shed``) on the agent's memory.
@@ -118,8 +149,9 @@ class Control(Message):
             raise WireFormatError("control message", f"max_fraction {self.max_fraction} must be within 0..1")
 
 
-@message("control_reply", {"transfer_id": str, "action": str, "ok": bool, "fraction": float, "reason": str,
-                          "code": Reason})
+@message(
+    "control_reply", {"transfer_id": str, "action": str, "ok": bool, "fraction": float, "reason": str, "code": Reason}
+)
 @dataclass(frozen=True, slots=True)
 class ControlReply(Message):
     """Agent -> scheduler: the answer to a `Control` sent as a request (a conditional ``pause``).
@@ -137,8 +169,20 @@ class ControlReply(Message):
     """Why it was refused, as a code to match on (`reason` is for people)."""
 
 
-@message("flow_reserve", {"reservation_id": str, "src": str, "dst": list, "group": str, "period_s": float,
-                           "size_bytes": int, "deadline_s": float, "cancel": bool, "ts": float})
+@message(
+    "flow_reserve",
+    {
+        "reservation_id": str,
+        "src": str,
+        "dst": list,
+        "group": str,
+        "period_s": float,
+        "size_bytes": int,
+        "deadline_s": float,
+        "cancel": bool,
+        "ts": float,
+    },
+)
 @dataclass(frozen=True, slots=True)
 class FlowReservation(Message):
     """Agent -> its group scheduler (request on ``kvbus.sched.<group>.reserve``): a periodic critical
@@ -160,8 +204,20 @@ class FlowReservation(Message):
     """When it was first admitted (wall clock); kept when the scheduler persists it."""
 
 
-@message("done", {"transfer_id": str, "src": str, "ok": bool, "medium": str, "nbytes": int,
-                   "seconds": float, "error": str, "dst": list, "wire_s": float})
+@message(
+    "done",
+    {
+        "transfer_id": str,
+        "src": str,
+        "ok": bool,
+        "medium": str,
+        "nbytes": int,
+        "seconds": float,
+        "error": str,
+        "dst": list,
+        "wire_s": float,
+    },
+)
 @dataclass(frozen=True, slots=True)
 class TransferDone(Message):
     """Sender -> scheduler: the transfer finished (or failed); observed size and time."""
@@ -179,9 +235,21 @@ class TransferDone(Message):
     """Time on the wire (transfer minus the slowest receiver's decode), for the link estimate."""
 
 
-@message("probe", {"agent": str, "group": str, "queue_size": int, "cache_bytes": int,
-                    "compute_load": float, "role_priority": float, "role": str, "ts": float,
-                    "link_bps": float, "latency_s": float})
+@message(
+    "probe",
+    {
+        "agent": str,
+        "group": str,
+        "queue_size": int,
+        "cache_bytes": int,
+        "compute_load": float,
+        "role_priority": float,
+        "role": str,
+        "ts": float,
+        "link_bps": float,
+        "latency_s": float,
+    },
+)
 @dataclass(frozen=True, slots=True)
 class Probe(Message):
     """An agent's state, reported periodically to its group scheduler."""
@@ -199,8 +267,20 @@ class Probe(Message):
     latency_s: float = 0.0
 
 
-@message("agent", {"name": str, "group": str, "role": str, "priority": float, "signature": AnyValue,
-                    "ts": float, "link_bps": float, "latency_s": float, "recompute": bool})
+@message(
+    "agent",
+    {
+        "name": str,
+        "group": str,
+        "role": str,
+        "priority": float,
+        "signature": AnyValue,
+        "ts": float,
+        "link_bps": float,
+        "latency_s": float,
+        "recompute": bool,
+    },
+)
 @dataclass(frozen=True, slots=True)
 class AgentRecord(Message):
     """An agent's entry in the directory (JetStream KV bucket `AGENTS_BUCKET`)."""

@@ -83,8 +83,11 @@ def check_data_subject(subject: str, src: str, rx: str, transfer_id: str) -> Non
         WireFormatError: ``subject`` is neither ``data_subject(rx, tid)`` nor ``bcast_subject(src, tid)``.
     """
     if subject not in (data_subject(rx, transfer_id), bcast_subject(src, transfer_id)):
-        raise WireFormatError("open message", f"data subject {subject[:200]!r} is neither "
-                                              f"{data_subject(rx, transfer_id)!r} nor {bcast_subject(src, transfer_id)!r}")
+        raise WireFormatError(
+            "open message",
+            f"data subject {subject[:200]!r} is neither "
+            f"{data_subject(rx, transfer_id)!r} nor {bcast_subject(src, transfer_id)!r}",
+        )
 
 
 COORD_REGISTER = "kvbus.coord.register"

@@ -45,7 +45,13 @@ def unpackb(data: bytes | bytearray | memoryview, what: str, limit: int = MAX_CO
         raise WireFormatError(what, f"{len(data)} bytes is over the limit of {limit}")
     try:
         return msgpack.unpackb(
-            data, raw=False, strict_map_key=True, max_str_len=limit, max_bin_len=limit, max_array_len=1 << 16, max_map_len=1 << 12,
+            data,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=limit,
+            max_bin_len=limit,
+            max_array_len=1 << 16,
+            max_map_len=1 << 12,
         )
     except Exception as exc:  # msgpack raises a zoo of types for bad input
         raise WireFormatError(what, f"not valid msgpack ({type(exc).__name__}: {exc})") from None
@@ -131,7 +137,7 @@ def _names(kinds: tuple[type, ...]) -> str:
     return " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
 
 
-def message(tag: str, types: dict[str, Any]):  # noqa: ANN202 - decorator factory
+def message(tag: str, types: dict[str, Any]):
     """Register a message class under its tag with the wire types of its fields."""
 
     def wrap(cls: type[M]) -> type[M]:
@@ -144,8 +150,6 @@ def message(tag: str, types: dict[str, Any]):  # noqa: ANN202 - decorator factor
 
 OptFloat = (float, type(None))
 OptStr = (str, type(None))
-
-
 
 
 def decode_message(data: bytes | bytearray | memoryview, *types: type[M]) -> M:
