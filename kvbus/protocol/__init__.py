@@ -30,6 +30,7 @@ from kvbus.protocol.framing import (
     Ping,
 )
 from kvbus.protocol.messages import (
+    AgentLeave,
     AgentRecord,
     Control,
     ControlReply,
@@ -77,6 +78,7 @@ from kvbus.reasons import (
 )
 
 __all__ = [
+    "AgentLeave",
     "AGENTS_BUCKET",
     "AGENT_TO_SCHED",
     "Ack",

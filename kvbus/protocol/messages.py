@@ -298,3 +298,14 @@ class AgentRecord(Message):
     """Declared (or emulated) one-way latency."""
     recompute: bool = False
     """Whether the agent has a model to rebuild KV from tokens."""
+
+
+@message("leave_agent", {"agent": str, "group": str, "reason": str, "ts": float})
+@dataclass(frozen=True, slots=True)
+class AgentLeave(Message):
+    """An agent closed: its scheduler drops it at once and refuses new transfers to it."""
+
+    agent: str
+    group: str
+    reason: str = "closed"
+    ts: float = field(default_factory=time.time)

@@ -9,6 +9,7 @@ Subjects (``<x>`` are names: letters, digits, ``-`` and ``_``):
 ``kvbus.sched.<group>.reserve.<a>``    agent -> scheduler: `FlowReservation` (reply: `ReservationReply`)
 ``kvbus.sched.<group>.register.<a>``   agent -> scheduler: `AgentRecord` (secure mode: the scheduler
                                        writes the directory, agents have no JetStream access)
+``kvbus.sched.<group>.leave.<a>``      agent -> scheduler: `AgentLeave` (the agent closed)
 ``kvbus.agent.<agent>.ctl``            scheduler -> agent: `Grant`, `Control` (pause/resume/cancel/rate/shed;
                                        a conditional pause is a request, answered with `ControlReply`)
 ``kvbus.agent.<rx>.inbox.<sender>``    sender -> receiver: `Open` (request; reply: `OpenReply`)
@@ -42,7 +43,7 @@ def check_name(kind: str, name: object) -> str:
 #: What agents send their group scheduler, each on a subject ending in the sender's name
 #: (``kvbus.sched.<group>.<kind>.<agent>``): the server's permissions let an agent publish only
 #: on its own, and the scheduler refuses a message whose claimed agent is not the subject's.
-AGENT_TO_SCHED = ("request", "done", "probe", "reserve", "register")
+AGENT_TO_SCHED = ("request", "done", "probe", "reserve", "register", "leave")
 
 
 def sched_subject(group: str, kind: str, agent: str | None = None) -> str:

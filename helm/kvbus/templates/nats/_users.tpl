@@ -41,7 +41,8 @@ Returned as JSON: {"agents": [{name, group, broadcastsFrom}]}. */}}
 {{- $publish := list
   (printf "kvbus.sched.%s.request.%s" $g $a) (printf "kvbus.sched.%s.done.%s" $g $a)
   (printf "kvbus.sched.%s.probe.%s" $g $a) (printf "kvbus.sched.%s.reserve.%s" $g $a)
-  (printf "kvbus.sched.%s.register.%s" $g $a) (printf "kvbus.agent.*.inbox.%s" $a) "kvbus.agent.*.ack"
+  (printf "kvbus.sched.%s.register.%s" $g $a) (printf "kvbus.sched.%s.leave.%s" $g $a)
+  (printf "kvbus.agent.*.inbox.%s" $a) "kvbus.agent.*.ack"
   "kvbus.agent.*.data.>" (printf "kvbus.bcast.%s.>" $a)
   "kvbus.coord.place" -}}
 {{- toJson (dict "publish" (dict "allow" $publish) "subscribe" (dict "allow" $subscribe) "allow_responses" true) -}}
