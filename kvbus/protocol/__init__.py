@@ -56,10 +56,15 @@ from kvbus.protocol.framing import (
     CHUNK_INDEX_HEADER,
     CHUNK_SUM_HEADER,
     MAX_META_BYTES,
+    MAX_TOKEN_TTL_S,
     Open,
     OpenReply,
+    PATH_NAMES,
+    PathOffer,
     Ping,
     ROOT_SUM_HEADER,
+    TOKEN_HEX,
+    check_path_names,
 )
 from kvbus.protocol.coordination import (
     GroupHeartbeat,
@@ -77,6 +82,11 @@ from kvbus.protocol.reasons import (
 )
 
 __all__ = [
+    "MAX_TOKEN_TTL_S",
+    "PATH_NAMES",
+    "PathOffer",
+    "TOKEN_HEX",
+    "check_path_names",
     "AGENTS_BUCKET",
     "AGENT_TO_SCHED",
     "Ack",
