@@ -99,6 +99,25 @@ class Expected:
             logger.exception("transfer %s: the sink failed on path_lost", self.spec.transfer_id)
 
 
+class _Detached:
+    """The sink of a withdrawn transfer: hears nothing."""
+
+    def chunk_arrived(self, index: int, data: memoryview, digest: str, root: str) -> None:
+        """Dropped."""
+
+    def chunk_corrupt(self, index: int, path: PathKind) -> None:
+        """Dropped."""
+
+    def path_opened(self, session: ReceiveSession) -> None:
+        """Dropped."""
+
+    def path_lost(self, session: ReceiveSession, error: PathError) -> None:
+        """Dropped."""
+
+
+_DETACHED = _Detached()
+
+
 class Expectations:
     """The transfers offered on direct paths, and their tokens."""
 
@@ -154,6 +173,9 @@ class Expectations:
             for session in list(expected.sessions):
                 session.close()
             expected.sessions.clear()
+            # A sink that keeps its sessions would make a reference cycle with us and keep a
+            # shared mapping alive until the next garbage collection.
+            expected.sink = _DETACHED
         return expected
 
     def __len__(self) -> int:
