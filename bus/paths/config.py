@@ -36,6 +36,8 @@ class PathsConfig:
     a same-host sender then cannot change bytes after they were verified."""
     shm_pool_bytes: int = 1 << 30
     """Bytes of released shared segments a sender keeps for reuse (0: none)."""
+    recv_pool_bytes: int = 1 << 30
+    """Bytes of receive buffers a receiver keeps for reuse once nothing refers to them (0: none)."""
     token_ttl_s: float = 30.0
     """Seconds a transfer token stays valid unused."""
     connect_timeout_s: float = 5.0
@@ -57,8 +59,8 @@ class PathsConfig:
                 raise ConfigError(f"paths.{name} must be positive and finite")
         if self.token_ttl_s > MAX_TOKEN_TTL_S:
             raise ConfigError(f"paths.token_ttl_s must be at most {MAX_TOKEN_TTL_S:g}")
-        if self.shm_pool_bytes < 0:
-            raise ConfigError("paths.shm_pool_bytes must not be negative")
+        if self.shm_pool_bytes < 0 or self.recv_pool_bytes < 0:
+            raise ConfigError("paths.shm_pool_bytes and paths.recv_pool_bytes must not be negative")
         if self.max_connections < 1:
             raise ConfigError("paths.max_connections must be at least 1")
 

@@ -50,7 +50,7 @@ class DataPlane:
         self.config = config or PathsConfig.from_env()
         allowed = self.config.allowed_paths
         self.host = host_identity()
-        self.registry = Expectations() if receive else None
+        self.registry = Expectations(pool_bytes=self.config.recv_pool_bytes) if receive else None
         self.shm = ShmPath(self.registry, config=self.config) if "shm" in allowed else None
         self.tcp = TcpPath(self.registry, config=self.config, tls=tls) if "tcp" in allowed else None
         self.nats = NatsPath(transport) if "nats" in allowed and transport is not None else None

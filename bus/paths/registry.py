@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +22,15 @@ logger = logging.getLogger(__name__)
 HUGE_FROM = 4 << 20
 
 
+def _mapping(nbytes: int) -> mmap.mmap:
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE)
+    except (OSError, AttributeError):
+        pass  # no transparent huge pages here: 4 KB pages then
+    return m
+
+
 def allocate_buffer(nbytes: int) -> memoryview:
     """A fresh, writable byte buffer of ``nbytes`` (tensors can be built over it without a copy).
 
@@ -29,12 +39,59 @@ def allocate_buffer(nbytes: int) -> memoryview:
     """
     if nbytes < HUGE_FROM:
         return memoryview(torch.empty(nbytes, dtype=torch.uint8).numpy()).cast("B")
-    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return memoryview(_mapping(nbytes))
+
+
+def _unused(m: mmap.mmap) -> bool:
+    """Whether no view of ``m`` is left (resizing to the same size is refused while one exists)."""
     try:
-        m.madvise(mmap.MADV_HUGEPAGE)
-    except (OSError, AttributeError):
-        pass  # no transparent huge pages here: 4 KB pages then
-    return memoryview(m)
+        m.resize(len(m))
+    except BufferError:
+        return False
+    except (OSError, ValueError, SystemError):
+        return False
+    return True
+
+
+class BufferPool:
+    """Receive buffers kept for reuse, up to ``max_bytes`` resident.
+
+    Memory the kernel has not handed out yet costs page faults and zeroing to write into (on
+    some VMs a quarter of memcpy speed or less); a buffer whose deliveries were all dropped is
+    handed out again instead. One is reused only when no view or tensor over it is left, so a
+    delivery that is still in use is never written over.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._maps: list[mmap.mmap] = []
+
+    @property
+    def pooled_bytes(self) -> int:
+        """Bytes of the buffers the pool keeps (in use or not)."""
+        return sum(len(m) for m in self._maps)
+
+    def get(self, nbytes: int) -> memoryview:
+        """A writable buffer of ``nbytes``."""
+        if nbytes < HUGE_FROM:
+            return allocate_buffer(nbytes)
+        for m in self._maps:
+            if nbytes <= len(m) <= 2 * nbytes and _unused(m):
+                return memoryview(m)[:nbytes]
+        m = _mapping(nbytes)
+        if nbytes <= self.max_bytes:
+            while self._maps and self.pooled_bytes + nbytes > self.max_bytes:
+                free = [x for x in self._maps if _unused(x)]
+                if not free:
+                    break
+                self._maps.remove(max(free, key=len))
+            if self.pooled_bytes + nbytes <= self.max_bytes:
+                self._maps.append(m)
+        return memoryview(m)[:nbytes]
+
+    def clear(self) -> None:
+        """Forget every pooled buffer (views in use keep theirs)."""
+        self._maps.clear()
 
 
 @dataclass(eq=False)
@@ -54,6 +111,7 @@ class Expected:
     generation: int = 0
     sessions: set[ReceiveSession] = field(default_factory=set)
     withdrawn: bool = False
+    allocate: Callable[[int], memoryview] = allocate_buffer
 
     def __post_init__(self) -> None:
         if not self.have:
@@ -62,7 +120,7 @@ class Expected:
     def receive_buffer(self) -> memoryview:
         """The final receive buffer of the ``tcp`` path (allocated on first use)."""
         if self.buffer is None:
-            self.buffer = allocate_buffer(self.spec.total)
+            self.buffer = self.allocate(self.spec.total)
         return self.buffer
 
     def notify_arrived(self, index: int, data: memoryview, digest: str, root: str) -> None:
@@ -121,8 +179,9 @@ _DETACHED = _Detached()
 class Expectations:
     """The transfers offered on direct paths, and their tokens."""
 
-    def __init__(self, tokens: TokenTable | None = None) -> None:
+    def __init__(self, tokens: TokenTable | None = None, *, pool_bytes: int = 0) -> None:
         self.tokens = tokens or TokenTable()
+        self.pool = BufferPool(pool_bytes)
         self._expected: dict[str, Expected] = {}
 
     def expect(self, spec: TransferSpec, sink: ChunkSink, *, paths: frozenset[PathKind], ttl: float,
@@ -136,7 +195,7 @@ class Expectations:
             raise ValueError(f"receive buffer of {buffer.nbytes} bytes for a payload of {spec.total}")
         old = self._expected.get(spec.transfer_id)
         if old is None:
-            self._expected[spec.transfer_id] = Expected(spec, sink, paths, buffer)
+            self._expected[spec.transfer_id] = Expected(spec, sink, paths, buffer, allocate=self.pool.get)
         return self.tokens.issue(spec.transfer_id, ttl)
 
     def reissue(self, transfer_id: str, ttl: float) -> str | None:
