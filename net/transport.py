@@ -128,7 +128,7 @@ class NatsTransport:
         _install_gather_writes(nc._transport)
         # One synchronous step, so no other publish can put a frame between our pieces.
         nc._pending.append(head)
-        nc._pending.extend(v for v in flat if v.nbytes)
+        nc._pending.extend(v for v in flat if v.nbytes)  # type: ignore[misc]  # it writes any buffer
         nc._pending.append(_CRLF)
         nc._pending_data_size += len(head) + size + len(_CRLF)
         nc.stats["out_msgs"] += 1

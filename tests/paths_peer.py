@@ -120,7 +120,7 @@ async def main() -> None:
     async def send(cmd: dict[str, Any]) -> None:
         tid = cmd["tid"]
         data = payload(cmd["total"], cmd["seed"])
-        view = memoryview(data.numpy())
+        view = data.numpy().data
         rs = ranges(cmd["total"], cmd["chunk"])
         spec = TransferSpec.of(tid, "tx", "rx", rs, data_subject=cmd.get("subject", ""))
         offer = OpenReply("x", True, **cmd["offer"]).offer if cmd.get("offer") else None

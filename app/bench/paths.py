@@ -307,7 +307,7 @@ class _Bench:
         return time.perf_counter() - t
 
     async def once(self, way: str, src: torch.Tensor, dst: torch.Tensor, seg: Segment) -> float:
-        view = memoryview(src.numpy())
+        view = src.numpy().data
         if way in ("shm", "tcp", "shm_fresh"):
             return await self.direct(way, view)
         if way == "shm_in_place":

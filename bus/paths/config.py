@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import ssl
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvbus.config import from_env
 from kvbus.errors import ConfigError
@@ -78,7 +78,7 @@ class PathsConfig:
         return tuple(p for p in PATH_NAMES if p in names)
 
     @classmethod
-    def from_env(cls, **overrides: object) -> PathsConfig:
+    def from_env(cls, **overrides: Any) -> PathsConfig:
         """Defaults, then ``KVBUS_PATHS_*``, then ``overrides``."""
         return from_env(cls, "paths", **overrides)
 

@@ -60,9 +60,14 @@ class SocketChannel(Channel):
         self._loop = asyncio.get_running_loop()
 
     async def _writable(self) -> None:
-        fut = self._loop.create_future()
+        fut: asyncio.Future[None] = self._loop.create_future()
         fd = self.sock.fileno()
-        self._loop.add_writer(fd, lambda: fut.done() or fut.set_result(None))
+
+        def ready() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        self._loop.add_writer(fd, ready)
         try:
             await fut
         finally:

@@ -38,7 +38,7 @@ def allocate_buffer(nbytes: int) -> memoryview:
     the kernel when the last view or tensor over it is gone.
     """
     if nbytes < HUGE_FROM:
-        return memoryview(torch.empty(nbytes, dtype=torch.uint8).numpy()).cast("B")
+        return torch.empty(nbytes, dtype=torch.uint8).numpy().data.cast("B")
     return memoryview(_mapping(nbytes))
 
 
