@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+import re
+import sys
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import nats
@@ -13,6 +15,17 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 logger = logging.getLogger(__name__)
+
+#: Largest chunk kvbus puts in one NATS message, whatever the server's max_payload allows
+#: (NATS recommends payloads of at most 8 MB).
+MAX_NATS_CHUNK = 8 * 1024 * 1024
+#: Bytes of headers and protocol line kept free below max_payload by `NatsTransport.max_chunk_size`.
+DEFAULT_HEADER_ROOM = 4096
+#: Most buffers one ``sendmsg`` takes (Linux IOV_MAX).
+_IOV_MAX = 1024
+_CRLF = b"\r\n"
+_HEADER_KEY_RE = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_HEADER_VALUE_NEWLINES = str.maketrans({"\r": " ", "\n": " "})
 
 Handler = Callable[[Msg], Awaitable[None]]
 
@@ -72,8 +85,61 @@ class NatsTransport:
     def max_payload(self) -> int:
         return int(self.nc.max_payload)
 
+    def max_chunk_size(self, header_room: int = DEFAULT_HEADER_ROOM) -> int:
+        """The largest chunk one message can carry: the server's max_payload less ``header_room``, at most 8 MB."""
+        return max(1024, min(MAX_NATS_CHUNK, self.max_payload - header_room))
+
     async def publish(self, subject: str, payload: bytes | memoryview, headers: dict[str, str] | None = None) -> None:
         await self.nc.publish(subject, payload, headers=headers)  # type: ignore[arg-type]
+
+    async def publish_views(
+        self, subject: str, views: Sequence[bytes | memoryview], headers: dict[str, str] | None = None
+    ) -> None:
+        """Publish one message whose payload is ``views`` back to back, without joining them.
+
+        nats-py's ``publish`` builds the whole protocol frame as one ``bytes`` (a copy of the
+        payload) and its flusher joins the pending frames again (a second copy, on Python 3.11).
+        Here the frame's head and the views go into the connection's pending list as they are,
+        and the connection writes them with one ``sendmsg`` (only what the socket does not take
+        at once is copied into asyncio's buffer). Everything else is nats-py's own: the pending
+        limit while reconnecting (the views then wait in the pending list and go out after the
+        reconnect), the flusher, ``flush()``.
+
+        The views must stay valid and unchanged until the message is flushed.
+
+        Raises:
+            nats.errors.ConnectionClosedError, ConnectionDrainingError, OutboundBufferLimitError,
+            MaxPayloadError, BadSubjectError, BadHeaderError: as ``nc.publish`` would.
+        """
+        nc = self.nc
+        flat = [memoryview(v).cast("B") if memoryview(v).format != "B" else memoryview(v) for v in views]
+        size = sum(v.nbytes for v in flat)
+        if not _zero_copy_ok(nc):
+            await nc.publish(subject, b"".join(flat), headers=headers)
+            return
+        if not subject or any(c in subject for c in " \t\r\n"):
+            raise nats.errors.BadSubjectError
+        if nc.is_closed:
+            raise nats.errors.ConnectionClosedError
+        if nc.is_draining_pubs:
+            raise nats.errors.ConnectionDrainingError
+        if not nc.is_connected and (nc._max_pending_size <= 0 or size + nc._pending_data_size > nc._max_pending_size):
+            raise nats.errors.OutboundBufferLimitError
+        if size > nc._max_payload:
+            raise nats.errors.MaxPayloadError
+        head = _publish_head(subject, headers, size)
+        _install_gather_writes(nc._transport)
+        # One synchronous step, so no other publish can put a frame between our pieces.
+        nc._pending.append(head)
+        nc._pending.extend(v for v in flat if v.nbytes)  # type: ignore[misc]  # it writes any buffer
+        nc._pending.append(_CRLF)
+        nc._pending_data_size += len(head) + size + len(_CRLF)
+        nc.stats["out_msgs"] += 1
+        nc.stats["out_bytes"] += size
+        if nc._max_pending_size > 0 and nc._pending_data_size > nc._max_pending_size:
+            await nc._flush_pending(force_flush=True)
+        elif nc._flush_queue is not None and nc._flush_queue.empty():
+            await nc._flush_pending()
 
     async def request(self, subject: str, payload: bytes, timeout: float) -> bytes:
         try:
@@ -113,3 +179,86 @@ class NatsTransport:
                 await asyncio.wait_for(self.nc.close(), timeout)
             except (Exception, TimeoutError):
                 logger.debug("close failed", exc_info=True)
+
+
+async def publish_views(
+    transport: Transport, subject: str, views: Sequence[bytes | memoryview], headers: dict[str, str] | None = None
+) -> None:
+    """Publish ``views`` as one message, zero-copy where the transport can (`NatsTransport.publish_views`)."""
+    method = getattr(transport, "publish_views", None)
+    if method is not None:
+        await method(subject, views, headers=headers)
+    elif len(views) == 1:
+        await transport.publish(subject, views[0], headers=headers)
+    else:
+        await transport.publish(subject, b"".join(views), headers=headers)
+
+
+def _zero_copy_ok(nc: Client) -> bool:
+    """Whether this nats-py client has the internals `NatsTransport.publish_views` relies on."""
+    from nats.aio.transport import TcpTransport
+
+    return (
+        isinstance(getattr(nc, "_pending", None), list)
+        and hasattr(nc, "_pending_data_size")
+        and hasattr(nc, "_flush_pending")
+        and isinstance(getattr(nc, "_transport", None), TcpTransport)
+    )
+
+
+def _publish_head(subject: str, headers: dict[str, str] | None, size: int) -> bytes:
+    """The PUB / HPUB line (and the header block) of a message of ``size`` payload bytes, as nats-py builds it."""
+    if not headers:
+        return f"PUB {subject}  {size}\r\n".encode()
+    hdr = bytearray(b"NATS/1.0\r\n")
+    for k, v in headers.items():
+        key = k.strip()
+        if not key:
+            continue
+        if not _HEADER_KEY_RE.fullmatch(key):
+            raise nats.errors.BadHeaderError(key)
+        hdr += key.encode() + b": " + v.strip().translate(_HEADER_VALUE_NEWLINES).encode() + _CRLF
+    hdr += _CRLF
+    return f"HPUB {subject}  {len(hdr)} {len(hdr) + size}\r\n".encode() + bytes(hdr)
+
+
+def _install_gather_writes(tcp: Any) -> None:
+    """Make nats-py's transport write its pending list scatter-gather instead of joining it (Python < 3.12)."""
+    if sys.version_info >= (3, 12) or getattr(tcp, "_kvbus_gather", False):
+        return  # 3.12+: asyncio's own writelines already uses sendmsg without joining
+    original = tcp.writelines
+
+    def writelines(items: Sequence[bytes | memoryview]) -> None:
+        writer = tcp._io_writer
+        transport = getattr(writer, "transport", None)
+        sock = getattr(transport, "_sock", None)
+        if transport is None or sock is None or not hasattr(sock, "sendmsg") or not hasattr(transport, "_buffer"):
+            original(items)  # TLS (encrypts each item, no join) or an asyncio we do not know
+            return
+        _gather_write(transport, sock, items)
+
+    tcp.writelines = writelines
+    tcp._kvbus_gather = True
+
+
+def _gather_write(transport: Any, sock: Any, items: Sequence[bytes | memoryview]) -> None:
+    views = [memoryview(i) for i in items if len(i)]
+    n = 0
+    if not (
+        transport._buffer
+        or transport.is_closing()
+        or getattr(transport, "_conn_lost", 0)
+        or getattr(transport, "_empty_waiter", None) is not None
+    ):
+        try:
+            n = sock.sendmsg(views[:_IOV_MAX])
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        except OSError:
+            n = 0  # transport.write below meets the same error and reports it its own way
+    for v in views:
+        if n >= v.nbytes:
+            n -= v.nbytes
+            continue
+        transport.write(v[n:] if n else v)  # asyncio keeps (copies) only what the socket did not take
+        n = 0

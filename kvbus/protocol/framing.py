@@ -7,9 +7,11 @@ Bulk data travels as chunk messages whose metadata rides in NATS headers (`CHUNK
 
 from __future__ import annotations
 
+import math
+import re
 import struct
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from kvbus.errors import WireFormatError
 from kvbus.protocol.wire import Message, OptStr, message
@@ -22,6 +24,19 @@ CHUNK_INDEX_HEADER = "Kvbus-Chunk"
 CHUNK_SUM_HEADER = "Kvbus-Sum"
 #: On the last chunk of a streamed transfer: the whole-payload digest.
 ROOT_SUM_HEADER = "Kvbus-Root"
+
+#: The data paths a transfer's bytes can take, fastest first (`PathOffer`, `Open.paths`).
+PATH_NAMES = ("shm", "tcp", "nats")
+#: Hex characters of a one-time transfer token (32 random bytes).
+TOKEN_HEX = 64
+#: Longest a transfer token may stay valid, in seconds.
+MAX_TOKEN_TTL_S = 3600.0
+_HOST_ID_RE = re.compile(r"^[0-9a-f]{32}$")
+_TOKEN_RE = re.compile(r"^[0-9a-f]{64}$")
+#: An abstract Unix socket name (Linux, no file behind it).
+_SHM_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,100}$")
+#: A host name, an IPv4 or an IPv6 address (no brackets, no port).
+_TCP_HOST_RE = re.compile(r"^[A-Za-z0-9_.:%-]{1,253}$")
 
 
 @message(
@@ -41,6 +56,8 @@ ROOT_SUM_HEADER = "Kvbus-Root"
         "ack_subject": str,
         "inline": bool,
         "traceparent": OptStr,
+        "paths": list,
+        "host": str,
     },
 )
 @dataclass(frozen=True, slots=True)
@@ -66,6 +83,12 @@ class Open(Message):
     ack_subject: str
     inline: bool = False
     traceparent: str | None = None
+    paths: list = field(default_factory=list)
+    """The data paths the sender may use (names from `PATH_NAMES`), fastest first; empty: an
+    older sender, NATS only. The receiver offers direct paths only from this list."""
+    host: str = ""
+    """The sender's host identity (32 hex characters), empty if unknown: the receiver offers
+    ``shm`` only to a sender on its own host."""
 
     _PREFIX: ClassVar[struct.Struct] = struct.Struct("!I")
 
@@ -103,11 +126,30 @@ class Open(Message):
             raise WireFormatError(what, f"window {self.window} is out of range")
         if len(self.digest) not in ((32,) if self.inline else (0, 32)):
             raise WireFormatError(what, "digest must be 32 hex characters (or empty for a streamed transfer)")
+        check_path_names(what, self.paths)
+        if self.host and not _HOST_ID_RE.match(self.host):
+            raise WireFormatError(what, "host must be 32 lowercase hex characters (or empty)")
 
 
 @message(
     "open_reply",
-    {"transfer_id": str, "ok": bool, "reason": str, "done": bool, "decode_s": float, "next": int, "code": Reason},
+    {
+        "transfer_id": str,
+        "ok": bool,
+        "reason": str,
+        "done": bool,
+        "decode_s": float,
+        "next": int,
+        "code": Reason,
+        "host": str,
+        "shm": str,
+        "tcp_host": str,
+        "tcp_port": int,
+        "tls": bool,
+        "token": str,
+        "token_ttl_s": float,
+        "paths": list,
+    },
 )
 @dataclass(frozen=True, slots=True)
 class OpenReply(Message):
@@ -122,6 +164,126 @@ class OpenReply(Message):
     """For a transfer already under way: the lowest chunk index the receiver still needs."""
     code: Reason = Reason.NONE
     """Why it was refused, as a code to match on (`reason` is for people)."""
+    host: str = ""
+    """The receiver's host identity (32 hex characters); empty: it offers no direct path."""
+    shm: str = ""
+    """Abstract Unix socket name of the receiver's shared-memory listener; empty: no ``shm``."""
+    tcp_host: str = ""
+    """Address of the receiver's data listener; empty: no ``tcp``."""
+    tcp_port: int = 0
+    """Port of the receiver's data listener (1..65535 when `tcp_host` is set)."""
+    tls: bool = False
+    """The data listener speaks TLS only (the deployment uses TLS)."""
+    token: str = ""
+    """One-time transfer token (64 hex characters) a direct connection presents for this
+    transfer; a re-sent `Open` gets a new one and the old one stops working."""
+    token_ttl_s: float = 0.0
+    """Seconds the token stays valid if unused."""
+    paths: list = field(default_factory=list)
+    """The paths the receiver takes this transfer's bytes on (names from `PATH_NAMES`); empty:
+    an older receiver, NATS only. A sender never falls back to a path not listed."""
+
+    def __post_init__(self) -> None:
+        check_path_names("open_reply message", self.paths)
+        if self.host or self.shm or self.tcp_host or self.tcp_port or self.token or self.tls or self.token_ttl_s:
+            PathOffer.from_reply(self)
+
+    @property
+    def offer(self) -> PathOffer | None:
+        """The direct paths this reply offers, or None when it offers none."""
+        return PathOffer.from_reply(self) if self.token else None
+
+
+def check_path_names(what: str, paths: object) -> list[str]:
+    """``paths`` as a list of known, distinct path names; `WireFormatError` otherwise."""
+    if not isinstance(paths, list) or len(paths) > len(PATH_NAMES):
+        raise WireFormatError(what, f"paths must be a list of at most {len(PATH_NAMES)} names")
+    for p in paths:
+        if p not in PATH_NAMES:
+            raise WireFormatError(what, f"unknown path {str(p)[:32]!r}; known: {', '.join(PATH_NAMES)}")
+    if len(set(paths)) != len(paths):
+        raise WireFormatError(what, "paths must not repeat")
+    return paths
+
+
+@dataclass(frozen=True, slots=True)
+class PathOffer:
+    """What a receiver's `OpenReply` offers for one transfer's bytes, besides NATS, and how to reach it.
+
+    ``shm`` and ``tcp_host``/``tcp_port`` are where its listeners are; ``token`` is the one-time
+    transfer token a direct connection must present (one token for both paths: the first use
+    consumes it); ``host`` lets the sender check it is on the same host before trying ``shm``.
+
+    Raises:
+        WireFormatError: a field is malformed (validated when built, also from the wire).
+    """
+
+    host: str
+    token: str
+    shm: str = ""
+    tcp_host: str = ""
+    tcp_port: int = 0
+    tls: bool = False
+    token_ttl_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        what = "path offer"
+        if not _HOST_ID_RE.match(self.host):
+            raise WireFormatError(what, "host must be 32 lowercase hex characters")
+        if not _TOKEN_RE.match(self.token):
+            raise WireFormatError(what, f"token must be {TOKEN_HEX} lowercase hex characters")
+        if self.shm and not _SHM_NAME_RE.match(self.shm):
+            raise WireFormatError(what, "shm must be 1-100 letters, digits, '_', '.' or '-'")
+        if isinstance(self.tcp_port, bool) or not isinstance(self.tcp_port, int):
+            raise WireFormatError(what, "tcp_port must be an integer")
+        if self.tcp_host:
+            if not _TCP_HOST_RE.match(self.tcp_host):
+                raise WireFormatError(what, "tcp_host must be a host name or an IP address")
+            if not 1 <= self.tcp_port <= 65535:
+                raise WireFormatError(what, f"tcp_port {self.tcp_port} must be within 1..65535")
+        elif self.tcp_port:
+            raise WireFormatError(what, "tcp_port without tcp_host")
+        if not math.isfinite(self.token_ttl_s) or not 0 < self.token_ttl_s <= MAX_TOKEN_TTL_S:
+            raise WireFormatError(what, f"token_ttl_s {self.token_ttl_s} must be within (0, {MAX_TOKEN_TTL_S:g}]")
+        if not (self.shm or self.tcp_host):
+            raise WireFormatError(what, "an offer names at least one direct path (shm or tcp)")
+
+    @classmethod
+    def from_reply(cls, reply: OpenReply) -> PathOffer:
+        """The offer carried by ``reply``'s path fields; `WireFormatError` if they are malformed."""
+        return cls(
+            host=reply.host,
+            token=reply.token,
+            shm=reply.shm,
+            tcp_host=reply.tcp_host,
+            tcp_port=reply.tcp_port,
+            tls=reply.tls,
+            token_ttl_s=reply.token_ttl_s,
+        )
+
+    def reply_fields(self) -> dict[str, Any]:
+        """Keyword arguments that put this offer into an `OpenReply`."""
+        return {
+            "host": self.host,
+            "shm": self.shm,
+            "tcp_host": self.tcp_host,
+            "tcp_port": self.tcp_port,
+            "tls": self.tls,
+            "token": self.token,
+            "token_ttl_s": self.token_ttl_s,
+        }
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """The direct paths offered, fastest first."""
+        return tuple(p for p, on in (("shm", bool(self.shm)), ("tcp", bool(self.tcp_host))) if on)
+
+    def __repr__(self) -> str:
+        # The token is a credential: never in logs or tracebacks.
+        return (
+            f"PathOffer(host={self.host!r}, shm={self.shm!r}, tcp={self.tcp_host}:{self.tcp_port}, "
+            f"tls={self.tls}, token=***, token_ttl_s={self.token_ttl_s})"
+        )
 
 
 @message(

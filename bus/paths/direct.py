@@ -1,0 +1,375 @@
+"""What the sending side of the direct paths (``tcp``, ``shm``) shares: a channel that writes
+frames scatter-gather, a long-lived connection per peer that multiplexes transfers as
+streams, and the send session of one transfer."""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import logging
+import socket
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+
+from kvbus.bus.paths.base import ControlHandler, LostHandler, PathKind, TransferSpec, digest_int
+from kvbus.bus.paths.errors import PathBroken, PathError, PathProtocolError, PathUnavailable, TokenRefused
+from kvbus.bus.paths.frames import HEADER_SIZE, MAX_CTRL, Frame, FrameType, bind_payload, pack, unpack
+
+logger = logging.getLogger(__name__)
+
+#: Most buffers one ``sendmsg`` takes (Linux IOV_MAX).
+IOV_MAX = 1024
+Buffer = bytes | bytearray | memoryview
+
+
+def byte_view(data: Buffer) -> memoryview:
+    """``data`` as a flat byte view (no copy).
+
+    Raises:
+        ValueError: the buffer is not contiguous.
+    """
+    view = memoryview(data)
+    if view.format == "B" and view.ndim == 1:
+        return view
+    if not view.c_contiguous:
+        raise ValueError("chunk pieces must be contiguous buffers")
+    return view.cast("B")
+
+
+class Channel(ABC):
+    """A bidirectional byte (or message) pipe carrying frames."""
+
+    @abstractmethod
+    async def send(self, buffers: Sequence[memoryview], fds: Sequence[int] = ()) -> None:
+        """Write ``buffers`` in order as one frame (with ``fds`` attached, where supported); raises `OSError`."""
+
+    @abstractmethod
+    async def recv_frame(self, path: str) -> tuple[Frame, bytes]:
+        """The next frame from the far end; raises `EOFError` at the end, `OSError`, `PathProtocolError`."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Close at once."""
+
+
+class SocketChannel(Channel):
+    """A non-blocking stream socket: writes with ``sendmsg`` straight from the buffers (no join, no copy)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._loop = asyncio.get_running_loop()
+
+    async def _writable(self) -> None:
+        fut: asyncio.Future[None] = self._loop.create_future()
+        fd = self.sock.fileno()
+
+        def ready() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        self._loop.add_writer(fd, ready)
+        try:
+            await fut
+        finally:
+            self._loop.remove_writer(fd)
+
+    async def send(self, buffers: Sequence[memoryview], fds: Sequence[int] = ()) -> None:  # noqa: D102
+        views = [b for b in buffers if b.nbytes]
+        i = 0
+        ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
+        while i < len(views):
+            try:
+                n = self.sock.sendmsg(views[i : i + IOV_MAX], ancillary)
+            except (BlockingIOError, InterruptedError):
+                await self._writable()
+                continue
+            ancillary = []  # fds travel with the first byte only
+            while n:
+                size = views[i].nbytes
+                if n >= size:
+                    n -= size
+                    i += 1
+                else:
+                    views[i] = views[i][n:]
+                    n = 0
+
+    async def _recv_exactly(self, n: int) -> bytes:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            k = await self._loop.sock_recv_into(self.sock, view[got:])
+            if not k:
+                raise EOFError("the connection was closed")
+            got += k
+        return bytes(buf)
+
+    async def recv_frame(self, path: str) -> tuple[Frame, bytes]:  # noqa: D102
+        frame = unpack(await self._recv_exactly(HEADER_SIZE), path)
+        return frame, (await self._recv_exactly(frame.length) if frame.length else b"")
+
+    def close(self) -> None:  # noqa: D102
+        try:
+            self._loop.remove_writer(self.sock.fileno())
+            self._loop.remove_reader(self.sock.fileno())
+        except (ValueError, OSError):
+            pass
+        self.sock.close()
+
+
+class PacketChannel(SocketChannel):
+    """A ``SOCK_SEQPACKET`` Unix socket: one frame per message, file descriptors alongside."""
+
+    async def recv_frame(self, path: str) -> tuple[Frame, bytes]:  # noqa: D102
+        data = await self._loop.sock_recv(self.sock, HEADER_SIZE + MAX_CTRL)
+        if not data:
+            raise EOFError("the connection was closed")
+        if len(data) < HEADER_SIZE:
+            raise PathProtocolError(path, f"a message of {len(data)} bytes is shorter than a frame header")
+        frame = unpack(data, path)
+        if len(data) != HEADER_SIZE + frame.length:
+            raise PathProtocolError(
+                path, f"{frame.type.name} message of {len(data)} bytes, its header says {HEADER_SIZE + frame.length}"
+            )
+        return frame, data[HEADER_SIZE:]
+
+
+class StreamChannel(Channel):
+    """asyncio streams (for TLS: encryption reads each buffer, nothing is joined first)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    async def send(self, buffers: Sequence[memoryview], fds: Sequence[int] = ()) -> None:  # noqa: D102
+        if fds:
+            raise OSError("cannot pass file descriptors over this channel")
+        if self.writer.is_closing():
+            raise ConnectionResetError("the connection is closed")
+        self.writer.writelines(buffers)
+        await self.writer.drain()
+
+    async def recv_frame(self, path: str) -> tuple[Frame, bytes]:  # noqa: D102
+        try:
+            frame = unpack(await self.reader.readexactly(HEADER_SIZE), path)
+            return frame, (await self.reader.readexactly(frame.length) if frame.length else b"")
+        except asyncio.IncompleteReadError:
+            raise EOFError("the connection was closed") from None
+
+    def close(self) -> None:  # noqa: D102
+        transport = self.writer.transport
+        transport.abort()  # type: ignore[attr-defined]
+
+
+class DirectSendSession:
+    """The sender's side of one transfer on a direct path (`SendSession`); subclasses frame the chunks."""
+
+    kind: PathKind = PathKind.TCP
+
+    def __init__(
+        self,
+        spec: TransferSpec,
+        conn: TxConnection,
+        *,
+        peer: str,
+        on_control: ControlHandler | None,
+        on_lost: LostHandler | None,
+    ) -> None:
+        self.spec = spec
+        self.conn = conn
+        self.peer = peer
+        self.stream = 0
+        self._on_control = on_control
+        self._on_lost = on_lost
+        self._broken: PathError | None = None
+        self._closed = False
+
+    @property
+    def segment(self) -> memoryview | None:
+        """No shared segment on this path."""
+        return None
+
+    @property
+    def broken(self) -> PathError | None:
+        """Why the path failed, once it has."""
+        return self._broken
+
+    def check(self, index: int, pieces: Sequence[memoryview]) -> None:
+        """Raise for a chunk that cannot be sent as given.
+
+        Raises:
+            PathBroken: the path failed or the session is closed.
+            ValueError: index out of range or pieces of the wrong total size.
+        """
+        if self._broken is not None:
+            raise self._broken
+        if self._closed:
+            raise PathBroken(self.kind.value, "the session is closed", peer=self.peer)
+        if not 0 <= index < self.spec.n_chunks:
+            raise ValueError(f"chunk {index} is out of range (0..{self.spec.n_chunks - 1})")
+        size = sum(memoryview(p).nbytes for p in pieces)
+        if size != self.spec.chunk_len(index):
+            raise ValueError(f"chunk {index} has {size} bytes, its range has {self.spec.chunk_len(index)}")
+
+    async def send_chunk(self, index: int, pieces: Sequence[memoryview], digest: str, *, root: str = "") -> None:
+        """Send chunk ``index`` (see `SendSession.send_chunk`)."""
+        self.check(index, pieces)
+        await self._send(index, [byte_view(p) for p in pieces], digest_int(digest), root)
+
+    async def _send(self, index: int, pieces: list[memoryview], digest: int, root: str) -> None:
+        raise NotImplementedError
+
+    def lost(self, error: PathError) -> None:
+        """The path failed under this session (called by the connection)."""
+        if self._closed or self._broken is not None:
+            return
+        self._broken = error
+        if self._on_lost is not None:
+            try:
+                self._on_lost(error)
+            except Exception:
+                logger.exception("transfer %s: on_lost failed", self.spec.transfer_id)
+
+    def control(self, data: bytes) -> None:
+        """A control message arrived from the receiver."""
+        if self._on_control is not None and not self._closed:
+            try:
+                self._on_control(data)
+            except Exception:
+                logger.exception("transfer %s: on_control failed", self.spec.transfer_id)
+
+    async def close(self, *, completed: bool = True) -> None:
+        """End the stream (the connection stays for other transfers)."""
+        if self._closed:
+            return
+        self._closed = True
+        await self.conn.end(self.stream, completed=completed)
+
+
+class TxConnection:
+    """A sender's long-lived connection to one receiving process, multiplexing transfers as streams."""
+
+    def __init__(self, path: str, channel: Channel, peer: str, on_closed: Callable[[TxConnection], None]) -> None:
+        self.path = path
+        self.channel = channel
+        self.peer = peer
+        self.sessions: dict[int, DirectSendSession] = {}
+        self.broken: PathError | None = None
+        self._on_closed = on_closed
+        self._binds: dict[int, asyncio.Future[tuple[bool, str]]] = {}
+        self.on_release: dict[int, Callable[[], None]] = {}
+        """Per stream: called when the receiver reports it let go of what the stream lent it (``shm``)."""
+        self._lock = asyncio.Lock()
+        self._next = 1
+        self._reader = asyncio.create_task(self._read_loop(), name=f"kvbus-{path}-reader")
+
+    async def send(self, buffers: Sequence[memoryview], fds: Sequence[int] = ()) -> None:
+        """Write one frame atomically (frames of concurrent transfers never interleave).
+
+        Raises:
+            PathBroken: the connection failed (it is closed and every session on it is told).
+        """
+        if self.broken is not None:
+            raise self.broken
+        async with self._lock:
+            try:
+                await self.channel.send(buffers, fds)
+            except (OSError, RuntimeError) as exc:
+                self.fail(PathBroken(self.path, f"write failed ({type(exc).__name__}: {exc})", peer=self.peer))
+        if self.broken is not None:
+            raise self.broken
+
+    async def bind(self, session: DirectSendSession, token: str, *, timeout: float, fds: Sequence[int] = ()) -> None:
+        """Open a stream for ``session``'s transfer with ``token``.
+
+        Raises:
+            TokenRefused: the receiver refused the token.
+            PathUnavailable: no answer within ``timeout``, or the connection failed.
+        """
+        sid = self._next
+        self._next += 1
+        fut: asyncio.Future[tuple[bool, str]] = asyncio.get_running_loop().create_future()
+        self._binds[sid] = fut
+        payload = bind_payload(token, session.spec.transfer_id)
+        try:
+            await self.send([memoryview(pack(FrameType.BIND, sid, len(payload))), memoryview(payload)], fds)
+            ok, reason = await asyncio.wait_for(fut, timeout)
+        except PathBroken as exc:
+            raise PathUnavailable(self.path, exc.detail, peer=self.peer) from None
+        except TimeoutError:
+            raise PathUnavailable(self.path, f"no answer to the bind within {timeout:.1f} s", peer=self.peer) from None
+        finally:
+            self._binds.pop(sid, None)
+        if not ok:
+            raise TokenRefused(self.path, reason, peer=self.peer)
+        session.stream = sid
+        self.sessions[sid] = session
+
+    async def end(self, stream: int, *, completed: bool) -> None:
+        """End ``stream`` (best effort: a broken connection ends it anyway)."""
+        self.sessions.pop(stream, None)
+        if self.broken is None:
+            try:
+                await self.send([memoryview(pack(FrameType.END, stream, flags=2 if completed else 0))])
+            except PathBroken:
+                pass
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                frame, payload = await self.channel.recv_frame(self.path)
+                self._dispatch(frame, payload)
+        except asyncio.CancelledError:
+            raise
+        except (EOFError, OSError) as exc:
+            self.fail(PathBroken(self.path, f"connection lost ({type(exc).__name__}: {exc})", peer=self.peer))
+        except PathProtocolError as exc:
+            logger.warning("%s connection to %s: %s", self.path, self.peer, exc.detail)
+            self.fail(PathBroken(self.path, exc.detail, peer=self.peer))
+        except Exception as exc:
+            logger.exception("%s connection to %s: reader failed", self.path, self.peer)
+            self.fail(PathBroken(self.path, f"reader failed ({exc})", peer=self.peer))
+
+    def _dispatch(self, frame: Frame, payload: bytes) -> None:
+        kind = frame.type
+        fut = self._binds.get(frame.stream)
+        if kind is FrameType.BOUND or (kind is FrameType.REFUSED and fut is not None):
+            if fut is not None and not fut.done():
+                fut.set_result((kind is FrameType.BOUND, payload.decode("utf-8", "replace")))
+            return
+        session = self.sessions.get(frame.stream)
+        if kind is FrameType.CTRL:
+            if session is not None:
+                session.control(payload)
+        elif kind is FrameType.RELEASE:
+            release = self.on_release.pop(frame.stream, None)
+            if release is not None:
+                release()
+        elif kind in (FrameType.END, FrameType.REFUSED):
+            if session is not None:
+                self.sessions.pop(frame.stream, None)
+                session.lost(PathBroken(self.path, "the receiver closed the stream", peer=self.peer))
+        else:
+            raise PathProtocolError(self.path, f"a sender does not take {kind.name} frames")
+
+    def fail(self, error: PathError) -> None:
+        """Close the connection and tell every session on it."""
+        if self.broken is not None:
+            return
+        self.broken = error
+        self.channel.close()
+        for fut in self._binds.values():
+            if not fut.done():
+                fut.set_exception(PathBroken(self.path, error.detail, peer=self.peer))
+        for session in list(self.sessions.values()):
+            session.lost(error)
+        self.sessions.clear()
+        # What the receiver never released may still be mapped there: it is not reused.
+        self.on_release.clear()
+        if asyncio.current_task() is not self._reader:
+            self._reader.cancel()
+        self._on_closed(self)
+
+    def close(self) -> None:
+        """Close the connection (sessions on it fail with `PathBroken`)."""
+        self.fail(PathBroken(self.path, "the connection was closed", peer=self.peer))

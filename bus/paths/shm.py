@@ -1,0 +1,329 @@
+"""The ``shm`` path: sender and receiver on one host share the payload's memory.
+
+The sender puts the payload in an anonymous segment (``memfd_create``: no file in ``/dev/shm``
+or anywhere, so nothing is left behind by a crash), ideally by encoding straight into it
+(`Segment.tensor`), and passes the segment's descriptor over a Unix socket (``SCM_RIGHTS``) in
+its BIND. The receiver maps it and verifies each chunk where it lies as its DATA frame
+(header only) arrives; the chunk views it hands on are views of that mapping (or, with
+`PathsConfig.shm_private`, of its own copy). The socket is in the abstract namespace (no file
+either). The memory is the kernel's to reclaim when the last descriptor and mapping are gone:
+a process that dies (kill -9 included) drops its own, and its peer, seeing the socket close,
+drops the session's.
+
+Segments are sealed against shrinking and growing before they are shared, so neither side can
+truncate the memory under the other (which would crash it with SIGBUS).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import logging
+import mmap
+import os
+import secrets
+import socket
+
+import numpy as np
+import torch
+
+from kvbus.bus.paths.base import ControlHandler, LostHandler, PathKind, TransferSpec
+from kvbus.bus.paths.config import PathsConfig
+from kvbus.bus.paths.direct import DirectSendSession, PacketChannel, TxConnection
+from kvbus.bus.paths.errors import PathUnavailable, TokenRefused
+from kvbus.bus.paths.frames import FrameType, pack
+from kvbus.bus.paths.host import host_identity
+from kvbus.bus.paths.registry import Expectations
+from kvbus.bus.paths.shm_server import ShmListener
+from kvbus.protocol import PathOffer
+
+logger = logging.getLogger(__name__)
+
+#: Seals every shared segment carries: its size is fixed for good.
+SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def address(view: memoryview) -> int:
+    """The address of a buffer's first byte."""
+    return int(np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0]) if view.nbytes else 0
+
+
+class Segment:
+    """An anonymous shared-memory segment of ``nbytes``, mapped writable by the process that made it.
+
+    Write the payload into `view` (or a codec into `tensor`); a ``shm`` session passes the
+    descriptor to the receiver. Close it when the transfer is over; the memory itself goes once
+    no mapping of it is left (views and tensors over it keep it).
+
+    Raises:
+        OSError: the kernel could not make it (no memory).
+        ValueError: ``nbytes`` is not positive.
+    """
+
+    def __init__(self, nbytes: int, *, name: str = "kvbus-segment", populate: bool = True) -> None:
+        if nbytes <= 0:
+            raise ValueError("a segment needs at least one byte")
+        self.nbytes = nbytes
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, nbytes)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SIZE_SEALS)
+            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+            self._map: mmap.mmap | None = mmap.mmap(self.fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.view = memoryview(self._map)
+        self.address = address(self.view)
+
+    def tensor(self, offset: int = 0, nbytes: int | None = None) -> torch.Tensor:
+        """A writable uint8 tensor over ``nbytes`` of the segment from ``offset`` (no copy)."""
+        end = self.nbytes if nbytes is None else offset + nbytes
+        if not 0 <= offset <= end <= self.nbytes:
+            raise ValueError(f"[{offset}, {end}) is outside the segment of {self.nbytes} bytes")
+        return torch.frombuffer(self.view, dtype=torch.uint8, count=end - offset, offset=offset)
+
+    def close_fd(self) -> None:
+        """Drop this process's descriptor (the mapping stays); idempotent."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def close(self) -> None:
+        """Drop the descriptor and this object's hold on the mapping (views and tensors still keep it)."""
+        self.close_fd()
+        try:
+            self.view.release()
+        except BufferError:
+            pass  # tensors over it are alive
+        m, self._map = self._map, None
+        if m is not None:
+            try:
+                m.close()
+            except BufferError:
+                pass  # tensors or views over it are alive: unmapped when they go
+
+    def __del__(self) -> None:
+        if getattr(self, "fd", -1) >= 0:
+            os.close(self.fd)
+
+
+class SegmentPool:
+    """Segments whose receivers let go of them, kept for reuse: a fresh segment's pages must be
+    faulted in and zeroed by the kernel, which is several times slower than copying into
+    pages already there."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._free: list[Segment] = []
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes of the segments waiting for reuse."""
+        return sum(s.nbytes for s in self._free)
+
+    def get(self, nbytes: int) -> Segment:
+        """A segment of at least ``nbytes`` (at most twice that): a free one, else a new one.
+
+        Raises:
+            OSError: no memory for a new one.
+        """
+        fits = [s for s in self._free if nbytes <= s.nbytes <= 2 * nbytes]
+        if fits:
+            seg = min(fits, key=lambda s: s.nbytes)
+            self._free.remove(seg)
+            return seg
+        return Segment(nbytes)
+
+    def put(self, seg: Segment) -> None:
+        """Keep ``seg`` for reuse (its receivers no longer map it), or close it when the pool is full."""
+        if seg.fd < 0 or seg in self._free:
+            return
+        if self.free_bytes + seg.nbytes > self.max_bytes:
+            seg.close()
+        else:
+            self._free.append(seg)
+
+    def close(self) -> None:
+        """Close every free segment."""
+        for seg in self._free:
+            seg.close()
+        self._free.clear()
+
+
+class ShmSendSession(DirectSendSession):
+    """One transfer's stream on a ``shm`` connection; its bytes are in `segment`."""
+
+    kind = PathKind.SHM
+
+    def __init__(
+        self,
+        spec: TransferSpec,
+        conn: TxConnection,
+        seg: Segment,
+        *,
+        pool: SegmentPool | None,
+        peer: str,
+        on_control: ControlHandler | None,
+        on_lost: LostHandler | None,
+    ) -> None:
+        super().__init__(spec, conn, peer=peer, on_control=on_control, on_lost=on_lost)
+        self.seg = seg
+        self._pool = pool
+        self._released = False
+
+    def released(self) -> None:
+        """The receiver no longer maps the segment (its RELEASE arrived)."""
+        self._released = True
+        self._recycle()
+
+    def _recycle(self) -> None:
+        if self._pool is not None and self._closed and self._released:
+            pool, self._pool = self._pool, None
+            pool.put(self.seg)
+
+    @property
+    def segment(self) -> memoryview | None:
+        """The shared segment: write chunk bytes at their payload offsets and `send_chunk` copies nothing."""
+        return self.seg.view
+
+    async def _send(self, index: int, pieces: list[memoryview], digest: int, root: str) -> None:
+        lo, hi = self.spec.ranges[index]
+        if not (len(pieces) == 1 and address(pieces[0]) == self.seg.address + lo):
+            dst = np.frombuffer(self.seg.view, dtype=np.uint8, count=hi - lo, offset=lo)
+            pos = 0
+            for p in pieces:
+                n = p.nbytes
+                np.copyto(dst[pos : pos + n], np.frombuffer(p, dtype=np.uint8))
+                pos += n
+        await self.conn.send(
+            [memoryview(pack(FrameType.DATA, self.stream, hi - lo, index=index, digest=digest, root=root))]
+        )
+
+    async def close(self, *, completed: bool = True) -> None:
+        """End the stream; a segment the session took from the pool goes back once the receiver let go of it."""
+        await super().close(completed=completed)
+        self._recycle()
+
+
+class ShmPath:
+    """The ``shm`` path of one process: its listener (when it receives) and its connections (`DataPath`)."""
+
+    kind = PathKind.SHM
+
+    def __init__(self, registry: Expectations | None, *, config: PathsConfig) -> None:
+        self.config = config
+        self.pool = SegmentPool(config.shm_pool_bytes)
+        self.name = f"kvbus-shm-{os.getpid()}-{secrets.token_hex(8)}"
+        self.listener = (
+            ShmListener(
+                registry,
+                self.name,
+                private=config.shm_private,
+                max_connections=config.max_connections,
+                bind_timeout=config.connect_timeout_s,
+            )
+            if registry is not None
+            else None
+        )
+        self._conns: dict[str, TxConnection] = {}
+
+    async def start(self) -> None:
+        """Start the listener, if this process receives on ``shm``."""
+        if self.listener is not None:
+            self.listener.start()
+
+    @property
+    def endpoint(self) -> str:
+        """The listener's abstract socket name ('' when not listening)."""
+        return self.name if self.listener is not None and self.listener.listening else ""
+
+    def reachable(self, offer: PathOffer | None, local_host: str) -> bool:
+        """Whether ``offer`` names a shm listener on this host."""
+        return bool(offer is not None and offer.shm and offer.host == local_host)
+
+    async def open(
+        self,
+        spec: TransferSpec,
+        offer: PathOffer | None,
+        *,
+        on_control: ControlHandler | None = None,
+        on_lost: LostHandler | None = None,
+        segment: object | None = None,
+    ) -> ShmSendSession:
+        """Pass ``segment`` (or a new one) to ``offer``'s listener and bind a stream for ``spec``.
+
+        Raises:
+            PathUnavailable: not offered, another host, unreachable, empty payload, token refused.
+        """
+        if offer is None or not self.reachable(offer, host_identity()):
+            raise PathUnavailable("shm", "not offered", peer=spec.receiver)
+        if spec.total == 0:
+            raise PathUnavailable("shm", "nothing to share in an empty payload", peer=spec.receiver)
+        if segment is not None and (not isinstance(segment, Segment) or segment.nbytes < spec.total or segment.fd < 0):
+            raise ValueError("segment must be an open Segment of at least the payload's size")
+        conn = await self._connection(offer.shm)
+        own = segment is None
+        try:
+            seg = segment if isinstance(segment, Segment) else self.pool.get(spec.total)
+        except OSError as exc:
+            raise PathUnavailable("shm", f"cannot make a segment of {spec.total} bytes ({exc})") from None
+        session = ShmSendSession(
+            spec, conn, seg, pool=self.pool if own else None, peer=offer.shm, on_control=on_control, on_lost=on_lost
+        )
+        try:
+            await conn.bind(session, offer.token, timeout=self.config.connect_timeout_s, fds=[seg.fd])
+        except TokenRefused:
+            if own:
+                self.pool.put(seg)  # refused: the receiver closed the descriptor unmapped
+            raise
+        conn.on_release[session.stream] = session.released
+        return session
+
+    def segment(self, nbytes: int) -> Segment:
+        """A segment for a payload of ``nbytes`` to encode into (pass it to `open`; close it when done).
+
+        Raises:
+            OSError: no memory.
+        """
+        return self.pool.get(nbytes)
+
+    async def _connection(self, name: str) -> TxConnection:
+        conn = self._conns.get(name)
+        if conn is not None and conn.broken is None:
+            return conn
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        sock.setblocking(False)
+        try:
+            await asyncio.wait_for(
+                asyncio.get_running_loop().sock_connect(sock, "\0" + name), self.config.connect_timeout_s
+            )
+        except (OSError, TimeoutError) as exc:
+            sock.close()
+            raise PathUnavailable("shm", f"cannot connect ({type(exc).__name__}: {exc})", peer=name) from None
+        conn = self._conns.get(name)  # another transfer may have connected meanwhile
+        if conn is not None and conn.broken is None:
+            sock.close()
+            return conn
+        conn = TxConnection("shm", PacketChannel(sock), name, self._forget)
+        self._conns[name] = conn
+        return conn
+
+    def _forget(self, conn: TxConnection) -> None:
+        for key, c in list(self._conns.items()):
+            if c is conn:
+                del self._conns[key]
+
+    @property
+    def connections(self) -> int:
+        """Open connections to peers."""
+        return len(self._conns)
+
+    async def close(self) -> None:
+        """Close the listener and every connection."""
+        for conn in list(self._conns.values()):
+            conn.close()
+        self._conns.clear()
+        self.pool.close()
+        if self.listener is not None:
+            self.listener.close()

@@ -1,0 +1,370 @@
+"""The receiving side of the ``shm`` path: an abstract-namespace ``SOCK_SEQPACKET`` listener.
+
+Each message is one frame. A BIND brings the segment's descriptor; with a valid, unused token
+the receiver checks the segment (its size is the payload's, it is sealed against resizing),
+maps it copy-on-write and closes the descriptor at once; DATA frames name chunks to verify in
+place. A connection whose first frame is not a valid BIND is closed (and any descriptor it
+passed with it).
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import collections
+import fcntl
+import logging
+import mmap
+import os
+import socket
+import weakref
+
+import xxhash
+
+from kvbus.bus.paths.base import PathKind, TransferSpec, digest_hex
+from kvbus.bus.paths.errors import PathBroken, PathProtocolError, TokenRefused
+from kvbus.bus.paths.frames import HEADER_SIZE, MAX_BIND, MAX_CTRL, Frame, FrameType, pack, parse_bind, unpack
+from kvbus.bus.paths.registry import Expectations, Expected
+
+logger = logging.getLogger(__name__)
+
+_MAX_FDS = 4
+#: Ended stream ids remembered per connection.
+MAX_ENDED = 4096
+_SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+
+
+class ShmRxSession:
+    """One transfer bound on one ``shm`` connection (`ReceiveSession`); ``view`` is its mapping."""
+
+    kind = PathKind.SHM
+
+    def __init__(
+        self, conn: ShmRxConnection, stream: int, expected: Expected, generation: int, view: memoryview
+    ) -> None:
+        self.conn = conn
+        self.stream = stream
+        self.expected = expected
+        self.generation = generation
+        self.spec: TransferSpec = expected.spec
+        self.view: memoryview | None = view
+        self.closed = False
+
+    @property
+    def current(self) -> bool:
+        """Whether chunks named on this stream are still taken."""
+        return not self.closed and not self.expected.withdrawn and self.generation == self.expected.generation
+
+    @property
+    def can_control(self) -> bool:
+        """Control messages can go back on the socket."""
+        return True
+
+    async def send_control(self, data: bytes) -> None:
+        """Send ``data`` to the sender as a CTRL frame.
+
+        Raises:
+            PathBroken: the connection is gone or the stream closed.
+            ValueError: more than 64 KB.
+        """
+        if len(data) > MAX_CTRL:
+            raise ValueError(f"control message of {len(data)} bytes is over {MAX_CTRL}")
+        if self.closed or self.conn.closed:
+            raise PathBroken("shm", "the connection is closed", peer=self.spec.sender)
+        self.conn.queue(pack(FrameType.CTRL, self.stream, len(data)) + data)
+
+    def close(self) -> None:
+        """Stop taking chunks for this transfer here, drop the mapping (views handed on keep it), tell the sender."""
+        if self.closed:
+            return
+        self.conn.end_stream(self)
+        if not self.conn.closed:
+            self.conn.queue(pack(FrameType.END, self.stream))
+
+    def drop(self) -> None:
+        """Mark closed and let go of the mapping."""
+        self.closed = True
+        self.view = None
+
+
+class ShmRxConnection:
+    """One accepted ``shm`` connection."""
+
+    def __init__(self, listener: ShmListener, sock: socket.socket) -> None:
+        self.listener = listener
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.loop = asyncio.get_running_loop()
+        self.streams: dict[int, ShmRxSession] = {}
+        self.ended: set[int] = set()
+        """Streams that ended: late frames for them are dropped."""
+        self.closed = False
+        self._out: collections.deque[bytes] = collections.deque()
+        self._writing = False
+        try:
+            pid, uid, _ = array.array("i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            self.peer = f"pid {pid} (uid {uid})"
+        except OSError:
+            self.peer = "a local process"
+        self.loop.add_reader(self.fd, self._readable)
+        self._timer: asyncio.TimerHandle | None = self.loop.call_later(listener.bind_timeout, self._bind_deadline)
+
+    def _readable(self) -> None:
+        while not self.closed:
+            try:
+                msg, anc, flags, _ = self.sock.recvmsg(HEADER_SIZE + MAX_CTRL, socket.CMSG_SPACE(4 * _MAX_FDS))
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self.close(f"read failed ({exc})")
+                return
+            fds = _fds(anc)
+            if not msg and not fds:
+                self.close("the sender closed the connection")
+                return
+            try:
+                if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
+                    raise PathProtocolError("shm", "message or descriptors truncated")
+                self._frame(msg, fds)
+            except PathProtocolError as exc:
+                logger.warning("shm data connection from %s closed: %s", self.peer, exc.detail)
+                self.close(exc.detail)
+            finally:
+                for fd in fds:  # whatever was not taken over
+                    if fd >= 0:
+                        os.close(fd)
+
+    def _frame(self, msg: bytes, fds: list[int]) -> None:
+        if len(msg) < HEADER_SIZE:
+            raise PathProtocolError("shm", f"a message of {len(msg)} bytes is shorter than a frame header")
+        frame = unpack(msg, "shm")
+        payload = msg[HEADER_SIZE:]
+        if frame.type is not FrameType.DATA and len(payload) != frame.length:
+            raise PathProtocolError("shm", f"{frame.type.name} frame says {frame.length} bytes, carries {len(payload)}")
+        if frame.type is FrameType.BIND:
+            if len(fds) != 1 or frame.length > MAX_BIND:
+                raise PathProtocolError("shm", "a BIND carries exactly one segment")
+            self._bind(frame, payload, fds)
+            return
+        if fds:
+            raise PathProtocolError("shm", f"a {frame.type.name} frame carries no descriptors")
+        if frame.type is FrameType.DATA and payload:
+            raise PathProtocolError("shm", "a shm DATA frame carries no payload")
+        session = self.streams.get(frame.stream)
+        if session is None:
+            if frame.stream in self.ended and frame.type in (FrameType.DATA, FrameType.CTRL, FrameType.END):
+                return
+            raise PathProtocolError("shm", f"{frame.type.name} frame on stream {frame.stream}, which is not bound")
+        if frame.type is FrameType.DATA:
+            self._data(session, frame)
+        elif frame.type is FrameType.END:
+            self.end_stream(session)
+        elif frame.type is not FrameType.CTRL:
+            raise PathProtocolError("shm", f"a receiver does not take {frame.type.name} frames")
+
+    def _bind(self, frame: Frame, payload: bytes, fds: list[int]) -> None:
+        token, tid = parse_bind(payload, "shm")
+        if frame.stream in self.streams or frame.stream in self.ended:
+            raise PathProtocolError("shm", f"stream {frame.stream} is already bound")
+        try:
+            expected, generation = self.listener.registry.claim(tid, token, PathKind.SHM)
+        except TokenRefused as exc:
+            if not self.streams:
+                raise PathProtocolError("shm", f"transfer {tid[:64]}: {exc.code}") from None
+            self._refuse(frame.stream, exc.code)
+            return
+        fd = fds[0]
+        total = expected.spec.total
+        try:
+            size = os.fstat(fd).st_size
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:
+            size, seals = -1, 0
+        if size < total or seals & _SIZE_SEALS != _SIZE_SEALS:
+            self._refuse(frame.stream, f"segment of {size} bytes (sealed {seals:#x}) for a payload of {total}")
+            return
+        try:
+            # Copy-on-write: the receiver may write its tensors; the sender's bytes stay as they are.
+            mapped = mmap.mmap(fd, total, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            self._refuse(frame.stream, f"cannot map the segment ({exc})")
+            return
+        os.close(fd)
+        fds[0] = -1
+        # When the last view of the mapping is gone (possibly in a worker thread), the sender may reuse the segment.
+        weakref.finalize(mapped, _call_soon, self.loop, self._released, frame.stream)
+        for old in list(expected.sessions):
+            if isinstance(old, ShmRxSession):
+                old.conn.end_stream(old)  # superseded: the sender gave up on it
+        session = ShmRxSession(self, frame.stream, expected, generation, memoryview(mapped))
+        self.streams[frame.stream] = session
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.listener.private:
+            expected.receive_buffer()
+        self.queue(pack(FrameType.BOUND, frame.stream))
+        expected.notify_opened(session)
+
+    def _data(self, session: ShmRxSession, frame: Frame) -> None:
+        spec = session.spec
+        if not 0 <= frame.index < spec.n_chunks or frame.length != spec.chunk_len(frame.index):
+            raise PathProtocolError(
+                "shm",
+                f"DATA for chunk {frame.index} of {frame.length} bytes does not fit "
+                f"the transfer's {spec.n_chunks} chunks",
+            )
+        expected = session.expected
+        if not session.current or expected.have[frame.index] or session.view is None:
+            return
+        lo, hi = spec.ranges[frame.index]
+        data = session.view[lo:hi]
+        if self.listener.private:
+            own = expected.receive_buffer()[lo:hi]
+            own[:] = data
+            data = own
+        value = xxhash.xxh3_64_intdigest(data)
+        if value == frame.digest:
+            expected.notify_arrived(frame.index, data, digest_hex(value), frame.root_hex)
+        else:
+            logger.warning("transfer %s: chunk %d failed its digest on shm", spec.transfer_id, frame.index)
+            expected.notify_corrupt(frame.index, PathKind.SHM)
+
+    def end_stream(self, session: ShmRxSession) -> None:
+        """Forget ``session`` (it ended) and let go of its mapping; later frames on its stream are dropped."""
+        session.drop()
+        session.expected.sessions.discard(session)
+        if self.streams.pop(session.stream, None) is not None:
+            self.ended.add(session.stream)
+            if len(self.ended) > MAX_ENDED:
+                self.ended.discard(min(self.ended))
+
+    def _released(self, stream: int) -> None:
+        if not self.closed:
+            self.queue(pack(FrameType.RELEASE, stream))
+
+    def _refuse(self, stream: int, reason: str) -> None:
+        data = reason.encode()[:256]
+        self.queue(pack(FrameType.REFUSED, stream, len(data)) + data)
+
+    def queue(self, data: bytes) -> None:
+        """Send ``data`` as one message, in order after what is queued."""
+        self._out.append(data)
+        if not self._writing:
+            self._flush()
+
+    def _flush(self) -> None:
+        while self._out and not self.closed:
+            try:
+                self.sock.send(self._out[0])
+            except (BlockingIOError, InterruptedError):
+                if not self._writing:
+                    self._writing = True
+                    self.loop.add_writer(self.fd, self._flush)
+                return
+            except OSError as exc:
+                self.close(f"write failed ({exc})")
+                return
+            self._out.popleft()
+        if self._writing:
+            self._writing = False
+            self.loop.remove_writer(self.fd)
+
+    def _bind_deadline(self) -> None:
+        self._timer = None
+        if not self.streams and not self.closed:
+            logger.warning(
+                "shm data connection from %s closed: no valid BIND within %.1f s", self.peer, self.listener.bind_timeout
+            )
+            self.close("no valid BIND in time")
+
+    def close(self, why: str) -> None:
+        """Close the connection; sessions still bound are reported lost."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+        self.loop.remove_reader(self.fd)
+        if self._writing:
+            self.loop.remove_writer(self.fd)
+        self.sock.close()
+        self.listener.connections.discard(self)
+        for session in self.streams.values():
+            if not session.closed:
+                session.drop()
+                session.expected.notify_lost(session, PathBroken("shm", why, peer=session.spec.sender))
+        self.streams.clear()
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: object, *args: object) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)  # type: ignore[arg-type]
+    except RuntimeError:
+        pass  # the loop is closed: no one to tell
+
+
+def _fds(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
+    fds: list[int] = []
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            arr = array.array("i")
+            arr.frombytes(data[: len(data) - len(data) % arr.itemsize])
+            fds.extend(arr)
+    return fds
+
+
+class ShmListener:
+    """The per-process ``shm`` listener, on an abstract Unix socket (nothing in the file system)."""
+
+    def __init__(
+        self, registry: Expectations, name: str, *, private: bool, max_connections: int, bind_timeout: float
+    ) -> None:
+        self.registry = registry
+        self.name = name
+        self.private = private
+        self.max_connections = max_connections
+        self.bind_timeout = bind_timeout
+        self.connections: set[ShmRxConnection] = set()
+        self._sock: socket.socket | None = None
+
+    @property
+    def listening(self) -> bool:
+        """Whether the listener is up."""
+        return self._sock is not None
+
+    def start(self) -> None:
+        """Listen on the abstract socket ``\\0<name>``."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        sock.setblocking(False)
+        sock.bind("\0" + self.name)
+        sock.listen(128)
+        self._sock = sock
+        asyncio.get_running_loop().add_reader(sock.fileno(), self._accept)
+        logger.info("shm data listener on @%s", self.name)
+
+    def _accept(self) -> None:
+        assert self._sock is not None
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                logger.warning("shm listener: accept failed", exc_info=True)
+                return
+            if len(self.connections) >= self.max_connections:
+                conn.close()
+                continue
+            conn.setblocking(False)
+            self.connections.add(ShmRxConnection(self, conn))
+
+    def close(self) -> None:
+        """Stop listening and close every connection."""
+        sock, self._sock = self._sock, None
+        if sock is None:
+            return
+        asyncio.get_running_loop().remove_reader(sock.fileno())
+        sock.close()
+        for conn in list(self.connections):
+            conn.close("the receiver closed its listener")

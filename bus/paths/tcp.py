@@ -1,0 +1,188 @@
+"""The ``tcp`` path: a direct connection between two agents' processes.
+
+One long-lived connection per pair of processes (sender to the receiver's data listener) carries
+every transfer between them as a stream, bound by the transfer's one-time token. The sender
+writes the frame header and the chunk's pieces (views of tensor storage) with one ``sendmsg``
+(plain TCP) or through TLS (each piece encrypted in place, nothing joined); the receiver reads
+each chunk straight into the transfer's final buffer (`kvbus.bus.paths.tcp_server`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+from kvbus.bus.paths.base import ControlHandler, LostHandler, PathKind, TransferSpec
+from kvbus.bus.paths.config import DataTls, PathsConfig
+from kvbus.bus.paths.direct import Channel, DirectSendSession, SocketChannel, StreamChannel, TxConnection
+from kvbus.bus.paths.errors import PathUnavailable
+from kvbus.bus.paths.frames import FrameType, pack
+from kvbus.bus.paths.registry import Expectations
+from kvbus.bus.paths.tcp_server import TcpListener
+from kvbus.errors import ConfigError
+from kvbus.protocol import PathOffer
+
+logger = logging.getLogger(__name__)
+
+_ANY = ("", "0.0.0.0", "::")
+
+
+class TcpSendSession(DirectSendSession):
+    """One transfer's stream on a ``tcp`` connection."""
+
+    kind = PathKind.TCP
+
+    async def _send(self, index: int, pieces: list[memoryview], digest: int, root: str) -> None:
+        header = pack(FrameType.DATA, self.stream, self.spec.chunk_len(index), index=index, digest=digest, root=root)
+        await self.conn.send([memoryview(header), *pieces])
+
+
+def advertised_host(config: PathsConfig) -> str:
+    """The address other agents should connect to: the configured one, else the bound one, else this host's."""
+    if config.advertise_host:
+        return config.advertise_host
+    if config.tcp_host not in _ANY:
+        return config.tcp_host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class TcpPath:
+    """The ``tcp`` path of one process: its listener (when it receives) and its connections to peers (`DataPath`)."""
+
+    kind = PathKind.TCP
+
+    def __init__(self, registry: Expectations | None, *, config: PathsConfig, tls: DataTls | None = None) -> None:
+        self.config = config
+        self.tls = tls
+        self.listener: TcpListener | None = None
+        if registry is not None and (tls is None or tls.can_serve):
+            self.listener = TcpListener(
+                registry,
+                host=config.tcp_host,
+                port=config.tcp_port,
+                ssl_context=tls.server_context() if tls else None,
+                bind_timeout=config.connect_timeout_s,
+                max_connections=config.max_connections,
+            )
+        self._client_ssl = tls.client_context() if tls else None
+        self._conns: dict[tuple[str, int], TxConnection] = {}
+        self._connecting: dict[tuple[str, int], asyncio.Task[TxConnection]] = {}
+        self.advertise = ""
+
+    async def start(self) -> None:
+        """Start the listener, if this process receives on ``tcp``."""
+        if self.listener is not None:
+            await self.listener.start()
+            self.advertise = advertised_host(self.config)
+
+    @property
+    def endpoint(self) -> tuple[str, int] | None:
+        """(advertised host, port) of the listener, or None when not listening."""
+        if self.listener is None or not self.advertise:
+            return None
+        return self.advertise, self.listener.port
+
+    def reachable(self, offer: PathOffer | None, local_host: str) -> bool:
+        """Whether ``offer`` names a TCP endpoint this process can use (TLS on both sides or neither)."""
+        return bool(offer is not None and offer.tcp_host and offer.tls == (self.tls is not None))
+
+    async def open(
+        self,
+        spec: TransferSpec,
+        offer: PathOffer | None,
+        *,
+        on_control: ControlHandler | None = None,
+        on_lost: LostHandler | None = None,
+        segment: object | None = None,
+    ) -> TcpSendSession:
+        """Bind a stream for ``spec`` on the connection to ``offer``'s endpoint (connecting if needed).
+
+        Raises:
+            PathUnavailable: not offered, TLS mismatch, connection refused, token refused.
+        """
+        if offer is None or not self.reachable(offer, ""):
+            raise PathUnavailable("tcp", "not offered (or TLS on one side only)", peer=spec.receiver)
+        conn = await self._connection(offer.tcp_host, offer.tcp_port)
+        session = TcpSendSession(spec, conn, peer=conn.peer, on_control=on_control, on_lost=on_lost)
+        await conn.bind(session, offer.token, timeout=self.config.connect_timeout_s)
+        return session
+
+    async def _connection(self, host: str, port: int) -> TxConnection:
+        key = (host, port)
+        conn = self._conns.get(key)
+        if conn is not None and conn.broken is None:
+            return conn
+        task = self._connecting.get(key)
+        if task is None:
+            task = asyncio.create_task(self._connect(host, port), name=f"kvbus-tcp-connect-{host}:{port}")
+            self._connecting[key] = task
+        try:
+            return await asyncio.shield(task)
+        finally:
+            if task.done():
+                self._connecting.pop(key, None)
+
+    async def _connect(self, host: str, port: int) -> TxConnection:
+        peer = f"{host}:{port}"
+        timeout = self.config.connect_timeout_s
+        try:
+            channel: Channel
+            if self._client_ssl is not None:
+                name = self.config.tls_server_name or host
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_connection(
+                        host, port, ssl=self._client_ssl, server_hostname=name, ssl_handshake_timeout=timeout
+                    ),
+                    timeout,
+                )
+                _nodelay(writer.get_extra_info("socket"))
+                channel = StreamChannel(reader, writer)
+            else:
+                loop = asyncio.get_running_loop()
+                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                family, kind, proto, _, addr = infos[0]
+                sock = socket.socket(family, kind, proto)
+                sock.setblocking(False)
+                try:
+                    _nodelay(sock)
+                    await asyncio.wait_for(loop.sock_connect(sock, addr), timeout)
+                except BaseException:
+                    sock.close()
+                    raise
+                channel = SocketChannel(sock)
+        except (OSError, TimeoutError, ConfigError) as exc:
+            raise PathUnavailable("tcp", f"cannot connect ({type(exc).__name__}: {exc})", peer=peer) from None
+        conn = TxConnection("tcp", channel, peer, self._forget)
+        self._conns[(host, port)] = conn
+        return conn
+
+    def _forget(self, conn: TxConnection) -> None:
+        for key, c in list(self._conns.items()):
+            if c is conn:
+                del self._conns[key]
+
+    @property
+    def connections(self) -> int:
+        """Open connections to peers (for tests and `kvbus top`)."""
+        return len(self._conns)
+
+    async def close(self) -> None:
+        """Close the listener and every connection."""
+        for task in self._connecting.values():
+            task.cancel()
+        for conn in list(self._conns.values()):
+            conn.close()
+        self._conns.clear()
+        if self.listener is not None:
+            await self.listener.close()
+
+
+def _nodelay(sock: object) -> None:
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # type: ignore[attr-defined]
+    except (OSError, AttributeError):
+        pass

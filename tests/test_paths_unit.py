@@ -1,0 +1,506 @@
+"""The data paths' pieces in one process: frame and offer decoders under hostile input, tokens,
+the receivers' rules (no byte over a verified chunk, superseded streams write nothing, bad
+frames close the connection), control messages, segment reuse, and the zero-copy NATS publish
+(reconnect buffering included) against a real nats-server."""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import fcntl
+import math
+import os
+import socket
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgpack
+import pytest
+import xxhash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvbus.app.local import NatsServer
+from kvbus.bus.paths import (
+    Claim,
+    DataPlane,
+    PathBroken,
+    PathKind,
+    PathProtocolError,
+    PathsConfig,
+    PathUnavailable,
+    Segment,
+    TokenTable,
+    TransferSpec,
+    chunk_digest,
+)
+from kvbus.bus.paths.frames import HEADER_SIZE, FrameType, bind_payload, pack, parse_bind, unpack
+from kvbus.errors import ConfigError, WireFormatError
+from kvbus.net.transport import MAX_NATS_CHUNK, NatsTransport
+from kvbus.protocol import Open, OpenReply, PathOffer
+
+CI = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+MB = 1 << 20
+HOST = "a" * 32
+TOKEN = "b" * 64
+
+
+# -- decoders of wire input -------------------------------------------------------------------------
+
+
+@CI
+@given(data=st.binary(min_size=HEADER_SIZE, max_size=HEADER_SIZE))
+def test_frame_headers_decode_or_raise_a_protocol_error(data: bytes) -> None:
+    try:
+        frame = unpack(data, "tcp")
+    except PathProtocolError:
+        return
+    assert frame.length <= 1 << 32 and frame.flags & ~3 == 0
+
+
+@CI
+@given(
+    kind=st.sampled_from(list(FrameType)),
+    stream=st.integers(0, 2**32 - 1),
+    index=st.integers(0, 2**32 - 1),
+    digest=st.integers(0, 2**64 - 1),
+    root=st.sampled_from(["", "ab" * 16]),
+)
+def test_frame_headers_round_trip(kind: FrameType, stream: int, index: int, digest: int, root: str) -> None:
+    frame = unpack(pack(kind, stream, 0, index=index, digest=digest, root=root), "shm")
+    assert (frame.type, frame.stream, frame.index, frame.digest, frame.root_hex) == (kind, stream, index, digest, root)
+
+
+@CI
+@given(data=st.binary(max_size=200))
+def test_bind_payloads_parse_or_raise_a_protocol_error(data: bytes) -> None:
+    try:
+        token, tid = parse_bind(data, "tcp")
+    except PathProtocolError:
+        return
+    assert len(token) == 32 and tid.isascii()
+
+
+_FIELD_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(),
+    st.text(max_size=80),
+    st.sampled_from(["127.0.0.1", HOST, TOKEN, "shm-x", "tcp"]),
+    st.lists(st.sampled_from(["shm", "tcp", "nats", "udp", 3]), max_size=4),
+)
+
+
+@CI
+@given(
+    fields=st.dictionaries(
+        st.sampled_from(["host", "shm", "tcp_host", "tcp_port", "tls", "token", "token_ttl_s", "paths"]),
+        _FIELD_VALUES,
+        max_size=8,
+    )
+)
+def test_open_replies_with_any_path_fields_decode_or_raise_a_wire_error(fields: dict[str, Any]) -> None:
+    body = {"t": "open_reply", "v": 1, "transfer_id": "t", "ok": True, **fields}
+    try:
+        reply = OpenReply.decode(msgpack.packb(body))
+    except WireFormatError:
+        return
+    offer = reply.offer
+    if offer is not None:
+        assert 0 < offer.token_ttl_s <= 3600 and math.isfinite(offer.token_ttl_s)
+        assert not offer.tcp_host or 1 <= offer.tcp_port <= 65535
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"tcp_host": "127.0.0.1", "tcp_port": 0},
+        {"tcp_host": "127.0.0.1", "tcp_port": 70000},
+        {"tcp_host": "127.0.0.1", "tcp_port": 5, "token_ttl_s": float("nan")},
+        {"tcp_host": "127.0.0.1", "tcp_port": 5, "token_ttl_s": float("inf")},
+        {"tcp_host": "127.0.0.1", "tcp_port": 5, "token_ttl_s": -1.0},
+        {"tcp_host": "127.0.0.1", "tcp_port": 5, "token": "xyz"},
+        {"tcp_host": "bad host", "tcp_port": 5},
+        {"shm": "no/slash"},
+        {"tcp_port": 5},
+        {},
+    ],
+)
+def test_malformed_offers_are_refused(fields: dict[str, Any]) -> None:
+    values = {"host": HOST, "token": TOKEN, "token_ttl_s": 30.0, **fields}
+    with pytest.raises(WireFormatError):
+        PathOffer(**values)
+    with pytest.raises(WireFormatError):
+        OpenReply.decode(msgpack.packb({"t": "open_reply", "v": 1, "transfer_id": "t", "ok": True, **values}))
+
+
+def test_offers_round_trip_through_the_reply_and_never_show_the_token() -> None:
+    offer = PathOffer(host=HOST, token=TOKEN, shm="kvbus-shm-1", tcp_host="10.0.0.7", tcp_port=7000, tls=True)
+    reply = OpenReply.decode(OpenReply("t", True, paths=["shm", "tcp", "nats"], **offer.reply_fields()).encode())
+    assert reply.offer == offer and offer.paths == ("shm", "tcp") and reply.paths == ["shm", "tcp", "nats"]
+    assert TOKEN not in repr(offer)
+    assert OpenReply.decode(OpenReply("t", True).encode()).offer is None  # an older receiver: no offer
+
+
+@pytest.mark.parametrize("paths, host", [(["udp"], ""), (["tcp", "tcp"], ""), (["shm"], "XYZ"), ("tcp", "")])
+def test_opens_with_bad_path_fields_are_refused(paths: Any, host: str) -> None:
+    msg = Open("t", "a", "full", {}, [1], 1, 1024, 1, "0" * 32, 4, "d", "a", paths=paths, host=host)
+    with pytest.raises(WireFormatError):
+        Open.unframe(msg.frame())
+
+
+def test_transfer_specs_need_contiguous_ranges() -> None:
+    assert TransferSpec.of("t", "a", "b", [(0, 3), (3, 5)]).total == 5
+    for bad in ([(1, 3)], [(0, 3), (4, 5)], [(0, 0)]):
+        with pytest.raises(ValueError):
+            TransferSpec.of("t", "a", "b", bad)
+
+
+def test_tokens_work_once_for_their_transfer_until_they_expire() -> None:
+    now = [0.0]
+    table = TokenTable(clock=lambda: now[0])
+    token = bytes.fromhex(table.issue("t1", ttl=5.0))
+    assert table.claim("t2", token) is Claim.UNKNOWN
+    assert table.claim("t1", bytes(32)) is Claim.WRONG
+    assert table.claim("t1", token[:5]) is Claim.WRONG
+    assert table.claim("t1", token) is Claim.OK  # a wrong try did not burn it
+    assert table.claim("t1", token) is Claim.REPLAYED
+    fresh = bytes.fromhex(table.issue("t1", ttl=5.0))
+    assert table.claim("t1", token) is Claim.WRONG  # the new token replaced the old
+    now[0] = 6.0
+    assert table.claim("t1", fresh) is Claim.EXPIRED
+    table.revoke("t1")
+    assert table.claim("t1", fresh) is Claim.UNKNOWN and len(table) == 0
+
+
+def test_the_allowed_paths_come_from_config_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVBUS_PATHS_ALLOWED", "nats")
+    assert PathsConfig.from_env().allowed_paths == ("nats",)
+    plane = DataPlane(None, config=PathsConfig.from_env(), receive=False)
+    assert plane.paths == [] and plane.open_fields()["paths"] == []
+    assert PathsConfig(allowed="nats, TCP").allowed_paths == ("tcp", "nats")
+    for bad in ("udp", "", " , "):
+        with pytest.raises(ConfigError):
+            PathsConfig(allowed=bad)
+    with pytest.raises(ConfigError):
+        PathsConfig(token_ttl_s=float("nan"))
+
+
+# -- receivers' rules, in one process --------------------------------------------------------------
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.arrived: dict[int, memoryview] = {}
+        self.corrupt: list[int] = []
+        self.opened: list[Any] = []
+        self.lost: list[Any] = []
+        self.event = asyncio.Event()
+
+    def chunk_arrived(self, index: int, data: memoryview, digest: str, root: str) -> None:
+        self.arrived.setdefault(index, data)
+        self.event.set()
+
+    def chunk_corrupt(self, index: int, path: PathKind) -> None:
+        self.corrupt.append(index)
+        self.event.set()
+
+    def path_opened(self, session: Any) -> None:
+        self.opened.append(session)
+
+    def path_lost(self, session: Any, error: Any) -> None:
+        self.lost.append(error)
+        self.event.set()
+
+    async def until(self, cond: Any, timeout: float = 10.0) -> None:
+        async def loop() -> None:
+            while not cond():
+                self.event.clear()
+                await self.event.wait()
+
+        await asyncio.wait_for(loop(), timeout)
+
+
+@pytest.fixture
+async def planes() -> AsyncIterator[tuple[DataPlane, DataPlane]]:
+    config = PathsConfig(allowed="shm,tcp", tcp_host="127.0.0.1", connect_timeout_s=2.0)
+    rx = DataPlane(None, config=config)
+    tx = DataPlane(None, config=config, receive=False)
+    await rx.start()
+    await tx.start()
+    try:
+        yield rx, tx
+    finally:
+        await tx.close()
+        await rx.close()
+
+
+def _spec(n: int = 4, size: int = 64 * 1024) -> TransferSpec:
+    return TransferSpec.of(uuid.uuid4().hex, "tx", "rx", [(i * size, (i + 1) * size) for i in range(n)])
+
+
+async def _stream(port: int, token: str, tid: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    payload = bind_payload(token, tid)
+    writer.write(pack(FrameType.BIND, 1, len(payload)) + payload)
+    header = unpack(await reader.readexactly(HEADER_SIZE), "tcp")
+    assert header.type is FrameType.BOUND
+    return reader, writer
+
+
+def _data(stream: int, index: int, data: bytes, digest: int | None = None) -> bytes:
+    value = xxhash.xxh3_64_intdigest(data) if digest is None else digest
+    return pack(FrameType.DATA, stream, len(data), index=index, digest=value) + data
+
+
+async def test_a_corrupt_chunk_is_reported_and_a_repair_is_taken(planes: tuple[DataPlane, DataPlane]) -> None:
+    rx, _ = planes
+    spec, sink = _spec(), Sink()
+    offer = await rx.accept(spec, sink, peer_paths=["tcp"], peer_host=rx.host)
+    assert offer is not None
+    reader, writer = await _stream(offer.tcp_port, offer.token, spec.transfer_id)
+    good = os.urandom(spec.chunk_len(0))
+    writer.write(_data(1, 0, good, digest=xxhash.xxh3_64_intdigest(good) ^ 1))
+    await sink.until(lambda: sink.corrupt)
+    assert sink.corrupt == [0] and not sink.arrived
+    writer.write(_data(1, 0, good))
+    await sink.until(lambda: 0 in sink.arrived)
+    assert bytes(sink.arrived[0]) == good
+    writer.close()
+
+
+async def test_a_chunk_already_verified_is_never_written_over(planes: tuple[DataPlane, DataPlane]) -> None:
+    rx, _ = planes
+    spec, sink = _spec(), Sink()
+    offer = await rx.accept(spec, sink, peer_paths=["tcp"], peer_host=rx.host)
+    assert offer is not None
+    reader, writer = await _stream(offer.tcp_port, offer.token, spec.transfer_id)
+    first, other = os.urandom(spec.chunk_len(1)), os.urandom(spec.chunk_len(1))
+    writer.write(_data(1, 1, first) + _data(1, 1, other) + _data(1, 2, first))
+    await sink.until(lambda: 2 in sink.arrived)
+    # The second copy of chunk 1 (valid digest of other bytes) was read and dropped.
+    assert bytes(sink.arrived[1]) == first and not sink.corrupt
+    writer.close()
+
+
+async def test_a_superseded_stream_writes_nothing_more(planes: tuple[DataPlane, DataPlane]) -> None:
+    rx, _ = planes
+    spec, sink = _spec(), Sink()
+    offer = await rx.accept(spec, sink, peer_paths=["tcp"], peer_host=rx.host)
+    assert offer is not None
+    _, old = await _stream(offer.tcp_port, offer.token, spec.transfer_id)
+    again = rx.reoffer(spec.transfer_id)  # the sender re-sent its Open: a new token
+    assert again is not None and again.token != offer.token
+    _, new = await _stream(again.tcp_port, again.token, spec.transfer_id)
+    stale = os.urandom(spec.chunk_len(0))
+    old.write(_data(1, 0, stale))
+    fresh = os.urandom(spec.chunk_len(3))
+    new.write(_data(1, 3, fresh))
+    await sink.until(lambda: 3 in sink.arrived)
+    await asyncio.sleep(0.1)
+    assert list(sink.arrived) == [3]  # nothing from the old stream
+    old.close()
+    new.close()
+
+
+@pytest.mark.parametrize("bad", ["unbound", "length", "index", "bind-twice"])
+async def test_bad_frames_close_the_connection(planes: tuple[DataPlane, DataPlane], bad: str) -> None:
+    rx, _ = planes
+    spec, sink = _spec(), Sink()
+    offer = await rx.accept(spec, sink, peer_paths=["tcp"], peer_host=rx.host)
+    assert offer is not None
+    reader, writer = await _stream(offer.tcp_port, offer.token, spec.transfer_id)
+    frame = {
+        "unbound": _data(9, 0, b"x" * spec.chunk_len(0)),
+        "length": _data(1, 0, b"x" * 10),
+        "index": _data(1, 99, b"x" * spec.chunk_len(0)),
+        "bind-twice": pack(FrameType.BIND, 1, 40) + bind_payload(TOKEN, "t-xxxxxx"),
+    }[bad]
+    writer.write(frame)
+    try:
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed
+    except ConnectionResetError:
+        pass  # closed (aborted: a reset)
+    await sink.until(lambda: sink.lost)
+    assert isinstance(sink.lost[0], PathBroken) and not sink.arrived
+    writer.close()
+
+
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+async def test_control_messages_flow_back_to_the_sender(planes: tuple[DataPlane, DataPlane], kind: str) -> None:
+    rx, tx = planes
+    spec, sink = _spec(), Sink()
+    offer = await rx.accept(spec, sink, peer_paths=[kind], peer_host=tx.host)
+    got: list[bytes] = []
+    session = await tx.connect(spec, [kind], offer, on_control=got.append)
+    assert session.kind.value == kind
+    data = os.urandom(spec.chunk_len(0))
+    await session.send_chunk(0, [memoryview(data)], chunk_digest(data))
+    await sink.until(lambda: 0 in sink.arrived)
+    await sink.opened[0].send_control(b"ack 1")
+    for _ in range(100):
+        if got:
+            break
+        await asyncio.sleep(0.02)
+    assert got == [b"ack 1"] and bytes(sink.arrived[0]) == data
+    await session.close()
+
+
+async def test_shm_segments_are_reused_once_the_receiver_lets_go(planes: tuple[DataPlane, DataPlane]) -> None:
+    rx, tx = planes
+    assert tx.shm is not None
+    for round_ in range(2):
+        spec, sink = _spec(n=2, size=MB), Sink()
+        offer = await rx.accept(spec, sink, peer_paths=["shm"], peer_host=tx.host)
+        seg = tx.segment(spec.total)
+        assert seg is not None
+        seg.view[:] = os.urandom(spec.total)  # "encode" straight into the shared segment
+        session = await tx.connect(spec, ["shm"], offer, segment=seg)
+        assert session.segment is not None
+        for i, (lo, hi) in enumerate(spec.ranges):
+            await session.send_chunk(i, [seg.view[lo:hi]], chunk_digest(seg.view[lo:hi]))
+        await sink.until(lambda: len(sink.arrived) == 2)
+        assert bytes(sink.arrived[1]) == bytes(seg.view[MB:])
+        await session.close()
+        await rx.withdraw(spec.transfer_id)
+        del sink  # the receiver drops its views: the mapping goes and it tells the sender
+        if round_ == 0:
+            # A segment the caller passed stays the caller's; one the session took goes to the pool.
+            spec2, sink2 = _spec(n=1, size=MB), Sink()
+            offer2 = await rx.accept(spec2, sink2, peer_paths=["shm"], peer_host=tx.host)
+            s2 = await tx.connect(spec2, ["shm"], offer2)
+            data = os.urandom(MB)
+            await s2.send_chunk(0, [memoryview(data)], chunk_digest(data))
+            await sink2.until(lambda: 0 in sink2.arrived)
+            await s2.close()
+            await rx.withdraw(spec2.transfer_id)
+            del sink2
+            for _ in range(100):
+                if tx.shm.pool.free_bytes:
+                    break
+                await asyncio.sleep(0.02)
+            assert tx.shm.pool.free_bytes == MB
+            assert tx.segment(MB) is not None and tx.shm.pool.free_bytes == 0  # taken again
+
+
+async def test_shm_refuses_a_segment_that_is_not_sealed_or_too_small(planes: tuple[DataPlane, DataPlane]) -> None:
+    rx, _ = planes
+    assert rx.shm is not None
+    for size, seal in ((MB, False), (MB // 2, True)):
+        spec, sink = _spec(n=1, size=MB), Sink()
+        offer = await rx.accept(spec, sink, peer_paths=["shm"], peer_host=rx.host)
+        assert offer is not None
+        fd = os.memfd_create("probe", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, size)
+        if seal:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.setblocking(False)
+        loop = asyncio.get_running_loop()
+        await loop.sock_connect(s, "\0" + offer.shm)
+        payload = bind_payload(offer.token, spec.transfer_id)
+        s.sendmsg(
+            [pack(FrameType.BIND, 1, len(payload)) + payload],
+            [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]).tobytes())],
+        )
+        os.close(fd)
+        reply = await asyncio.wait_for(loop.sock_recv(s, 1024), 5)
+        assert unpack(reply, "shm").type is FrameType.REFUSED and not sink.opened
+        s.close()
+
+
+async def test_connect_falls_back_when_a_direct_path_is_refused(planes: tuple[DataPlane, DataPlane]) -> None:
+    rx, tx = planes
+    spec, sink = _spec(), Sink()
+    offer = await rx.accept(spec, sink, peer_paths=["shm", "tcp"], peer_host=tx.host)
+    assert offer is not None
+    await rx.withdraw(spec.transfer_id)  # the token stops working on both paths
+    with pytest.raises(PathUnavailable, match="no data path could be opened"):  # closed: strangers learn nothing
+        await tx.connect(spec, ["shm", "tcp"], offer)
+    spec2, sink2 = _spec(), Sink()
+    offer2 = await rx.accept(spec2, sink2, peer_paths=["shm", "tcp"], peer_host=tx.host)
+    session = await tx.connect(spec2, ["shm", "tcp"], offer2, exclude=[PathKind.SHM])
+    assert session.kind is PathKind.TCP
+    await session.close()
+
+
+def test_segments_are_anonymous_and_sealed() -> None:
+    seg = Segment(MB)
+    try:
+        assert os.readlink(f"/proc/self/fd/{seg.fd}").startswith("/memfd:")
+        seals = fcntl.fcntl(seg.fd, fcntl.F_GET_SEALS)
+        assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW
+        with pytest.raises(OSError):
+            os.ftruncate(seg.fd, 10)
+        t = seg.tensor(16, 8)
+        t.fill_(7)
+        assert bytes(seg.view[16:24]) == b"\x07" * 8
+    finally:
+        seg.close()
+
+
+# -- zero-copy publish on NATS ------------------------------------------------------------------------
+
+
+async def test_publish_views_delivers_pieces_and_headers_and_checks_limits(nats_url: str) -> None:
+    tx, rx = await NatsTransport.connect(nats_url), await NatsTransport.connect(nats_url)
+    try:
+        assert tx.max_chunk_size() == min(MAX_NATS_CHUNK, tx.max_payload - 4096)
+        got: list[Any] = []
+        await rx.subscribe("kvbus.test.views", _appender(got))
+        await rx.flush()
+        a, b = os.urandom(3 * MB), os.urandom(2 * MB + 5)
+        await tx.publish_views("kvbus.test.views", [memoryview(a), memoryview(b)], headers={"Kvbus-Chunk": "3"})
+        await tx.publish_views("kvbus.test.views", [b"", memoryview(a)[:7]])
+        await tx.flush()
+        for _ in range(200):
+            if len(got) == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert got[0].data == a + b and got[0].headers == {"Kvbus-Chunk": "3"}
+        assert got[1].data == a[:7] and not got[1].headers
+        import nats.errors
+
+        with pytest.raises(nats.errors.MaxPayloadError):
+            await tx.publish_views("kvbus.test.views", [memoryview(bytes(tx.max_payload + 1))])
+    finally:
+        await tx.close()
+        await rx.close()
+
+
+def _appender(out: list[Any]) -> Any:
+    async def append(msg: Any) -> None:
+        out.append(msg)
+
+    return append
+
+
+async def test_publish_views_while_the_server_is_down_goes_out_after_the_reconnect() -> None:
+    server = NatsServer().start()
+    try:
+        tx, rx = await NatsTransport.connect(server.url), await NatsTransport.connect(server.url)
+        got: list[Any] = []
+        await rx.subscribe("kvbus.test.reconnect", _appender(got))
+        await rx.flush()
+        payload = os.urandom(4 * MB)
+        server.kill()
+        for _ in range(100):
+            if not tx.nc.is_connected:
+                break
+            await asyncio.sleep(0.02)
+        assert not tx.nc.is_connected  # what follows waits in nats-py's pending buffer
+        await tx.publish_views(
+            "kvbus.test.reconnect", [memoryview(payload)[:MB], memoryview(payload)[MB:]], headers={"Kvbus-Chunk": "0"}
+        )
+        server.start()
+        for _ in range(500):
+            if got:
+                break
+            await asyncio.sleep(0.02)
+        assert len(got) == 1 and got[0].data == payload
+        await tx.close()
+        await rx.close()
+    finally:
+        server.stop()
