@@ -299,8 +299,13 @@ class KVBusClient(ServingMixin):
                 if self.agent.closed:
                     return
                 continue
+            # Counted as a save in progress: a lookup or push that comes right after the sender's
+            # transfer returned waits for this context to be stored.
+            task = asyncio.get_running_loop().create_task(self._on_delivery(delivery), name="kvbus-vllm-delivery")
+            self._saves.add(task)
+            task.add_done_callback(self._saves.discard)
             try:
-                await self._on_delivery(delivery)
+                await task
             except asyncio.CancelledError:
                 raise
             except Exception:
