@@ -20,6 +20,7 @@ SUITES: dict[str, str] = {
     "scale": "kvbus.app.bench.scale",
     "chaos": "kvbus.app.bench.chaos",
     "soak": "kvbus.app.bench.soak",
+    "vllm": "kvbus.app.bench.vllm",
 }
 
 

@@ -241,7 +241,8 @@ class KVBusClient(ServingMixin):
 
     # -- pulls (this engine asks a holder) --------------------------------------------------------
 
-    async def pull(self, holder: str, ids: torch.Tensor, n: int, *, timeout: float) -> KVCache:
+    async def pull(self, holder: str, ids: torch.Tensor, n: int, *, timeout: float,
+                   medium: str | None = None) -> KVCache:
         """Ask ``holder`` to send the KV of ``ids[:, :n]`` and wait for the transfer.
 
         Raises:
@@ -256,7 +257,8 @@ class KVBusClient(ServingMixin):
         self._pulls[pull_id] = pending
         deadline = loop.time() + timeout
         try:
-            msg = PullRequest(pull_id=pull_id, requester=self.name, tokens=want[0].tolist(), medium=self.config.medium)
+            msg = PullRequest(pull_id=pull_id, requester=self.name, tokens=want[0].tolist(),
+                              medium=medium or self.config.medium)
             try:
                 data = await self.bus.transport.request(subject(holder, "pull"), msg.encode(), min(timeout, 5.0))
             except NoResponders:

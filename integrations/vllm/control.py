@@ -76,12 +76,12 @@ class AsyncControl:
         self._subs.append(await self.transport.subscribe(events_subject(agent), on_event))
         await self.transport.flush()
 
-    async def wait_event(self, predicate: Any, *, timeout: float = 30.0) -> Event:
-        """The first collected event for which ``predicate(event)`` is true (waits for it)."""
+    async def wait_event(self, predicate: Any, *, timeout: float = 30.0, since: int = 0) -> Event:
+        """The first event collected (after the first ``since``) for which ``predicate(event)`` is true."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
-            for ev in list(self.events):
+            for ev in list(self.events)[since:]:
                 if predicate(ev):
                     return ev
             if loop.time() > deadline:
@@ -121,9 +121,9 @@ class KVBusControl:
         """See `AsyncControl.watch`."""
         self._loop.run(self._control.watch(agent), 10.0)
 
-    def wait_event(self, predicate: Any, *, timeout: float = 30.0) -> Event:
+    def wait_event(self, predicate: Any, *, timeout: float = 30.0, since: int = 0) -> Event:
         """See `AsyncControl.wait_event`."""
-        return self._loop.run(self._control.wait_event(predicate, timeout=timeout), timeout + 5)
+        return self._loop.run(self._control.wait_event(predicate, timeout=timeout, since=since), timeout + 5)
 
     def close(self) -> None:
         try:

@@ -27,6 +27,8 @@ class LoadSpec:
     block_ids: list[int]
     source: str
     holder: str = ""
+    medium: str | None = None
+    """The medium to ask the holder for (None: its config's, else the cost model's choice)."""
 
 
 @dataclass

@@ -58,7 +58,8 @@ def _child(conn: Any, env: dict[str, str], log_path: str | None, llm_kwargs: dic
                 seconds = time.perf_counter() - t0
                 conn.send(("ok", [{"token_ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text,
                                    "num_cached_tokens": int(o.num_cached_tokens or 0),
-                                   "kv_transfer_params": o.kv_transfer_params, "seconds": seconds} for o in outs]))
+                                   "kv_transfer_params": o.kv_transfer_params, "seconds": seconds,
+                                   "ttft": getattr(o.metrics, "first_token_latency", None)} for o in outs]))
             else:
                 conn.send(("error", f"unknown command {cmd!r}"))
         except BaseException as exc:  # noqa: BLE001 - reported to the parent
@@ -124,7 +125,8 @@ class EngineProcess:
     def generate(self, prompts: list[list[int]], *, max_tokens: int = 16, kv_transfer_params: dict | None = None,
                  timeout: float = 600.0) -> list[dict[str, Any]]:
         """Greedy completions of token-id prompts: per prompt ``token_ids``, ``text``,
-        ``num_cached_tokens``, ``kv_transfer_params`` and the call's ``seconds``."""
+        ``num_cached_tokens``, ``kv_transfer_params``, the call's ``seconds`` and ``ttft`` (time to
+        first token, when the engine keeps request stats: ``disable_log_stats=False``)."""
         self._conn.send(("generate", {"prompts": prompts, "max_tokens": max_tokens,
                                       "kv_transfer_params": kv_transfer_params}))
         status, detail = self._recv(timeout)

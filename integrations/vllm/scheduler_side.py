@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 PUSH_PARAM = "kvbus_push_to"
 #: ``kv_transfer_params`` key that keeps a request away from kvbus (no lookup).
 SKIP_PARAM = "kvbus_skip"
+#: ``kv_transfer_params`` key naming the medium for this request's pull or push (e.g. ``"int8"``).
+MEDIUM_PARAM = "kvbus_medium"
 
 
 @dataclass
@@ -48,6 +50,7 @@ class _Req:
     loaded: int = 0
     source: str = ""
     holder: str = ""
+    medium: str | None = None
 
 
 class SchedulerSide:
@@ -98,7 +101,9 @@ class SchedulerSide:
             extra = [extra]
         if isinstance(extra, list):
             targets += [t for t in extra if isinstance(t, str) and t not in targets and t != self.config.agent]
-        self._reqs[request.request_id] = _Req(prompt=list(request.prompt_token_ids or []), push_to=targets)
+        medium = params.get(MEDIUM_PARAM) if isinstance(params, dict) else None
+        self._reqs[request.request_id] = _Req(prompt=list(request.prompt_token_ids or []), push_to=targets,
+                                              medium=_medium(medium) or self.config.medium)
 
     def _lookup(self, tokens: list[int], limit: int) -> LookupReply:
         transport = self._transport()
@@ -153,10 +158,10 @@ class SchedulerSide:
         block_ids = list(blocks.get_block_ids()[0])
         targets = block_ids[start // self.block_size: stop // self.block_size]
         prompt = list(request.prompt_token_ids or [])
+        state = self._reqs.setdefault(rid, _Req(prompt=prompt, medium=self.config.medium))
         self._loads[rid] = LoadSpec(request_id=rid, tokens=prompt[:stop], start=start, stop=stop, block_ids=targets,
-                                    source=source, holder=holder)
+                                    source=source, holder=holder, medium=state.medium)
         self._inflight_blocks[rid] = targets
-        state = self._reqs.setdefault(rid, _Req(prompt=prompt))
         state.loaded, state.source, state.holder = num_external_tokens, source, holder
         logger.info("kvbus connector %s: request %s loads tokens %d-%d from %s", self.config.agent, rid, start, stop,
                     holder or source)
@@ -197,7 +202,7 @@ class SchedulerSide:
             state.saved = stop
         if state.push_to and not state.pushed and prompt_done >= len(state.prompt) and stop > 0:
             meta.pushes.append(PushSpec(request_id=rid, tokens=state.prompt[:stop], to=list(state.push_to),
-                                        medium=self.config.medium))
+                                        medium=state.medium))
             state.pushed = True
 
     def _forget(self, rid: str) -> None:
@@ -230,3 +235,16 @@ class SchedulerSide:
                                 "pushed_to": state.push_to if state.pushed else []}}
         self._forget(rid)
         return False, params
+
+
+def _medium(value: object) -> str | None:
+    """A medium from ``kv_transfer_params`` (ignored, with a warning, when it is not a known one)."""
+    if value is None:
+        return None
+    from kvbus.codecs import get_codec
+
+    try:
+        return get_codec(str(value)).name
+    except ValueError as exc:
+        logger.warning("kvbus connector: ignoring kv_transfer_params[%r]: %s", MEDIUM_PARAM, exc)
+        return None

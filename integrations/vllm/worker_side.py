@@ -132,7 +132,8 @@ class WorkerSide:
                 self._loaded(spec, kv, time.perf_counter() - t0)
                 continue
             if spec.source == SOURCE_AGENT:
-                coro = self.client.pull(spec.holder, ids, spec.stop, timeout=self.config.load_timeout_s)
+                coro = self.client.pull(spec.holder, ids, spec.stop, timeout=self.config.load_timeout_s,
+                                        medium=spec.medium)
             else:
                 coro = self.client.load_tier(ids, spec.stop)
             self._pending[spec.request_id] = _Pending(spec, self.loop.submit(coro), time.perf_counter())
