@@ -359,3 +359,33 @@ def test_model_folder_stores_the_tied_embedding_under_its_own_name(tmp_path: obj
     assert main(["model-path", "smollm2"]) == 0
     with pytest.raises(ValueError, match="known models"):
         model_folder("gpt-9")
+
+
+async def test_blocks_only_the_cache_tier_has_are_found_and_loaded(nats_url: str, redis_server: object,
+                                                                   scheduler: object) -> None:
+    """An agent shed its blocks to Redis and left: another finds them there and loads them (int8 records)."""
+    url = redis_server.url  # type: ignore[attr-defined]
+    prefix = f"kvbus:vllmtest:{uuid.uuid4().hex[:6]}:"
+    os.environ["KVBUS_CACHETIER_KEY_PREFIX"] = prefix
+    try:
+        a = await _client("vparts-tier-a", nats_url, redis_url=url, pull=False)
+        b = await _client("vparts-tier-b", nats_url, redis_url=url, pull=False)
+    finally:
+        del os.environ["KVBUS_CACHETIER_KEY_PREFIX"]
+    try:
+        kv = _context(40, seed=9)
+        a.save(kv, "r")
+        await a.settled()
+        assert a.tier is not None
+        await a.tier.shed(0)
+        assert a.tier.resident_blocks() == 0 and a.tier.stubs()  # offloaded, not dropped
+        reply = await b.lookup(kv.tokens[0].tolist(), 40)
+        assert (reply.local, reply.remote, reply.tier) == (0, 0, 40)
+        got = await b.load_tier(kv.tokens, 40)
+        assert torch.equal(got.tokens, kv.tokens[:, :40])
+        assert torch.allclose(got.values[1], kv.values[1][:, :, :40], atol=0.05)
+        with pytest.raises(LoadFailed):
+            await b.load_tier(_context(16, seed=10).tokens, 16)
+    finally:
+        await a.close()
+        await b.close()

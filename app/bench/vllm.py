@@ -180,7 +180,8 @@ def run(*, quick: bool = False, nats_url: str | None = None, **_: Any) -> dict[s
         if rec:
             for name, m in (("ttft_connector_vs_recompute", "pull"), ("ttft_int8_vs_recompute", "pull_int8"),
                             ("ttft_push_vs_recompute", "push")):
-                results[name][key] = round(med[m] / rec, 3) if med[m] is not None else None
+                value = med[m]
+                results[name][key] = round(value / rec, 3) if value is not None else None
         results["blocks_loaded"][key] = {m: [r.get(f"{m}_cached_tokens", 0) // BLOCK for r in rs]
                                          for m in ("pull", "pull_int8", "push")}
     for m, label in (("pull", "cost_model"), ("pull_int8", "int8"), ("push", "push")):

@@ -73,19 +73,20 @@ class KVBusClient(ServingMixin):
         from kvbus.net.auth import NatsAuth
 
         cfg = self.config
-        self.bus = await asyncio.wait_for(Bus.connect(cfg.nats_url, **NatsAuth.from_env().connect_options()),
-                                          cfg.connect_timeout_s)
+        bus = await asyncio.wait_for(Bus.connect(cfg.nats_url, **NatsAuth.from_env().connect_options()),
+                                     cfg.connect_timeout_s)
+        self.bus = bus
         tier_config = CacheTierConfig.from_env(block_tokens=self.block_size, budget_bytes=cfg.store_bytes)
         self.tier = await CacheTier.connect(cfg.redis_url, signature=self.signature, config=tier_config,
                                             dtype=self.dtype)
-        self.agent = await self.bus.agent(cfg.agent, group=cfg.group, role=cfg.role, priority=cfg.priority,
+        self.agent = await bus.agent(cfg.agent, group=cfg.group, role=cfg.role, priority=cfg.priority,
                                           signature=self.signature, cache=self.tier)
         try:
-            self.index = await PrefixIndex.connect(self.bus.transport, cfg.index_bucket, ttl_s=cfg.index_ttl_s)
+            self.index = await PrefixIndex.connect(bus.transport, cfg.index_bucket, ttl_s=cfg.index_ttl_s)
         except Exception:  # noqa: BLE001 - no JetStream: pushes and the cache tier still work
             logger.warning("kvbus connector %s: no prefix index (JetStream unavailable); pulls are off", self.name,
                            exc_info=True)
-        t = self.bus.transport
+        t = bus.transport
         for kind, handler in (("lookup", self._on_lookup), ("have", self._on_have), ("pull", self._on_pull),
                               ("push", self._on_push), ("pulled", self._on_pulled)):
             self._subs.append(await t.subscribe(subject(self.name, kind), handler))

@@ -54,7 +54,8 @@ def engine_signature(vllm_config: VllmConfig, config: ConnectorConfig) -> ModelS
         if isinstance(served, (list, tuple)):
             served = served[0] if served else None
         name = served if served and served != model_config.model else os.path.basename(str(model_config.model).rstrip("/"))
-    return ModelSignature.from_hf_config(model_config.hf_config, model=str(name), dtype=model_config.dtype)
+    dtype = model_config.dtype if isinstance(model_config.dtype, torch.dtype) else None
+    return ModelSignature.from_hf_config(model_config.hf_config, model=str(name), dtype=dtype)
 
 
 def cpu_writer_factory(block_size: int, head_dim: int, kv_cache_dtype: str) -> Any:

@@ -54,7 +54,7 @@ def _child(conn: Any, env: dict[str, str], log_path: str | None, llm_kwargs: dic
                                         if args.get("kv_transfer_params") else None)
                 prompts = [{"prompt_token_ids": list(p)} for p in args["prompts"]]
                 t0 = time.perf_counter()
-                outs = llm.generate(prompts, params, use_tqdm=False)
+                outs = llm.generate(prompts, params, use_tqdm=False)  # type: ignore[arg-type]
                 seconds = time.perf_counter() - t0
                 conn.send(("ok", [{"token_ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text,
                                    "num_cached_tokens": int(o.num_cached_tokens or 0),

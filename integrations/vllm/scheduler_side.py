@@ -179,9 +179,10 @@ class SchedulerSide:
             self._plan(meta, new.req_id, state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
-            state = self._reqs.get(rid)
-            if state is None:
+            known = self._reqs.get(rid)
+            if known is None:
                 continue
+            state = known
             new_ids = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:
                 state.block_ids = list(new_ids[0]) if new_ids is not None else []
