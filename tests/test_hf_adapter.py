@@ -11,6 +11,7 @@ import torch
 from kvbus.codecs import Encoded, get_codec
 from kvbus.errors import GenerationError, SignatureMismatch
 from kvbus.kvcache import KVCache
+from kvbus.app.runner import output_cache
 from kvbus.app.models import SMOLLM2_NAME, load_smollm2, random_model, smollm2_path
 from kvbus.app.runner import HFRunner
 
@@ -54,7 +55,7 @@ def test_signature_of_random_model(runner: HFRunner) -> None:
 def test_from_hf_and_to_hf_round_trip_a_dynamic_cache(runner: HFRunner, prompts: torch.Tensor) -> None:
     config = runner.model.config
     with torch.inference_mode():
-        cache = runner.model(input_ids=prompts, use_cache=True).cache
+        cache = output_cache(runner.model(input_ids=prompts, use_cache=True))
     kv = KVCache.from_hf(cache, prompts, config, model=runner.name)
     assert kv.signature == runner.signature
     assert kv.n_layers == 2 and kv.seq_len == kv.n_tokens == prompts.shape[1]

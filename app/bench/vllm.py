@@ -115,6 +115,38 @@ def _measure(a: Any, b: Any, ctl: Any, length: int, rep: int, new_tokens: int) -
     return row
 
 
+def _index_lookup_ms(url: str, loop: Any) -> dict[str, float]:
+    """Median and p90 of one longest-prefix lookup over 64 block keys (2048 tokens) in the index."""
+    import uuid
+
+    import torch
+
+    from kvbus.integrations.vllm.index import PrefixIndex
+    from kvbus.integrations.vllm.keys import prefix_keys
+    from kvbus.net.transport import NatsTransport
+    from kvbus.signature import ModelSignature
+
+    async def go() -> list[float]:
+        t = await NatsTransport.connect(url)
+        try:
+            index = await PrefixIndex.connect(t, f"kvbus_vllm_bench_{uuid.uuid4().hex[:6]}", ttl_s=600)
+            assert index is not None
+            sig = ModelSignature("bench", n_layers=30, n_kv_heads=3, head_dim=64)
+            keys = prefix_keys(list(range(2048)), sig, torch.float32, BLOCK)
+            await index.publish(keys[:40], "holder", BLOCK)
+            times = []
+            for _ in range(50):
+                t0 = time.perf_counter()
+                await index.longest(keys)
+                times.append((time.perf_counter() - t0) * 1000)
+            return times
+        finally:
+            await t.close()
+
+    times = sorted(loop.run(go(), timeout=60))
+    return {"p50": round(statistics.median(times), 3), "p90": round(times[int(0.9 * len(times))], 3)}
+
+
 def _median(rows: list[dict[str, Any]], key: str) -> float | None:
     vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
     return statistics.median(vals) if vals else None
@@ -140,6 +172,7 @@ def run(*, quick: bool = False, nats_url: str | None = None, **_: Any) -> dict[s
     b = _engine("bench-b", "1", url, logs / "b.log")
     rows: list[dict[str, Any]] = []
     ctl = None
+    index_ms: dict[str, float] = {}
     try:
         t0 = time.perf_counter()
         a.launch()
@@ -151,6 +184,7 @@ def run(*, quick: bool = False, nats_url: str | None = None, **_: Any) -> dict[s
         ctl.watch()
         for engine in (a, b):  # warm-up: the first requests of an engine are slower
             engine.generate([text_prompt(300, 5000)], max_tokens=4, kv_transfer_params={"kvbus_skip": True})
+        index_ms = _index_lookup_ms(url, loop)
         for rep in range(reps):
             for length in LENGTHS:
                 row = _measure(a, b, ctl, length, rep, new_tokens)
@@ -190,6 +224,7 @@ def run(*, quick: bool = False, nats_url: str | None = None, **_: Any) -> dict[s
     full_rows = [r for r in rows if r.get("pull_medium") == "full"]
     results["output_agreement"]["full"] = (round(statistics.mean(r["pull_agreement"] for r in full_rows), 4)
                                            if full_rows else None)
+    results["index_lookup_ms_64_blocks"] = index_ms
     results["rows"] = rows
     return {"suite": "vllm", "config": {"lengths": list(LENGTHS), "reps": reps, "new_tokens": new_tokens,
                                         "block_size": BLOCK, "model": "SmolLM2-135M-Instruct (float32)",

@@ -66,6 +66,7 @@ class SchedulerSide:
         self._reqs: dict[str, _Req] = {}
         self._failed: set[str] = set()
         self._inflight_blocks: dict[str, list[int]] = {}
+        self._warned = False
 
     async def _connect(self) -> Any:
         from kvbus.net.auth import NatsAuth
@@ -77,8 +78,10 @@ class SchedulerSide:
         try:
             return self._transport_future.result(timeout=self.config.connect_timeout_s)
         except Exception as exc:  # noqa: BLE001 - no NATS: no kvbus hits, the engine still serves
-            logger.error("kvbus connector %s: cannot reach NATS at %s (%s); prefilling everything",
-                         self.config.agent, self.config.nats_url, exc)
+            if not self._warned:
+                self._warned = True
+                logger.error("kvbus connector %s: cannot reach NATS at %s (%s); prefilling everything",
+                             self.config.agent, self.config.nats_url, exc)
             return None
 
     def close(self) -> None:
