@@ -2,36 +2,20 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import shutil
 from pathlib import Path
 
+from kvbus.app.bench.vllm import text_prompt
 from kvbus.app.models import model_folder
 
-DATA = Path(__file__).resolve().parents[1] / "kvbus" / "data"
 #: Name the SmolLM2 engines give their model in the kvbus signature (as `kvbus.app.models` does).
 SMOLLM2 = "SmolLM2-135M-Instruct"
 
 
-@functools.lru_cache(maxsize=1)
-def corpus_ids() -> list[int]:
-    """SmolLM2's token ids of every shipped calibration text, one after the other (~6,000 tokens)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(model_folder()), local_files_only=True)
-    ids: list[int] = []
-    for path in sorted(DATA.glob("calibration_*.txt")):
-        ids += tok(path.read_text())["input_ids"]
-    return ids
-
-
 def prompt(n: int, offset: int) -> list[int]:
-    """``n`` tokens of real text starting at ``offset`` (wrapping round the corpus)."""
-    ids = corpus_ids()
-    offset %= len(ids)
-    out = (ids[offset:] + ids)[:n]
-    return out
+    """``n`` tokens of the shipped text starting at ``offset`` (the bench's prompts)."""
+    return text_prompt(n, offset)
 
 
 def other_model_folder(root: Path) -> Path:
