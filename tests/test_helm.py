@@ -1318,6 +1318,15 @@ def test_dockerfile() -> None:
         assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def test_dockerfile_copies_every_package_folder() -> None:
+    """`pip install .` in the image needs every folder pyproject.toml maps to a kvbus package."""
+    import tomllib
+
+    folders = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
+    copied = set(re.findall(r"^COPY\s+(\S+?)/\s", (ROOT / "Dockerfile").read_text(), flags=re.M))
+    assert folders <= copied, f"not copied into the image: {sorted(folders - copied)}"
+
+
 def test_install_script_is_valid_bash() -> None:
     script = ROOT / "scripts" / "install-helm.sh"
     assert os.access(script, os.X_OK)
