@@ -50,7 +50,9 @@ def main() -> None:
         return EngineProcess(
             env={"VLLM_CPU_OMP_THREADS_BIND": cpu}, log_path=f"/tmp/kvbus-example-{agent}.log",
             model=folder, dtype="float32", max_model_len=4096, enforce_eager=True, block_size=32,
-            disable_log_stats=False,
+            # vLLM's own prefix cache off, so that the last comparison (the same prompt prefilled
+            # by the executor) is not served from it; kvbus works with it on as well.
+            enable_prefix_caching=False, disable_log_stats=False,
             kv_transfer_config=connector_config(agent, nats_url=url, group=args.group, role=role,
                                                 model_name="SmolLM2-135M-Instruct"))
 
@@ -88,8 +90,7 @@ def main() -> None:
         kv = answer["kv_transfer_params"]["kvbus"]
         print(f"\nexecutor, pulled prefix ({len(question)} prompt tokens): {answer['num_cached_tokens']} tokens from "
               f"{kv['source']}, TTFT {answer['ttft']:.2f} s: {answer['text']!r}")
-        alone = executor.generate([question + [tok.eos_token_id or 0]], max_tokens=1,
-                                  kv_transfer_params={"kvbus_skip": True})[0]
+        alone = executor.generate([question], max_tokens=1, kv_transfer_params={"kvbus_skip": True})[0]
         print(f"  the same prompt prefilled by the executor itself: TTFT {alone['ttft']:.2f} s")
     finally:
         planner.close()

@@ -22,16 +22,18 @@ from kvbus.integrations.vllm.protocol import (
 PUSH_TIMEOUT_S = 120.0
 
 
-def connector_config(agent: str, *, nats_url: str, group: str = "default", role: str = "kv_both",
+def connector_config(agent: str, *, nats_url: str, group: str = "default", kv_role: str = "kv_both",
                      failure_policy: str = "recompute", **extra: Any) -> dict[str, Any]:
     """The ``kv_transfer_config`` of an engine whose connector is kvbus agent ``agent``.
 
-    ``extra`` goes into ``kv_connector_extra_config`` (see `ConnectorConfig`).
+    ``kv_role`` and ``failure_policy`` are vLLM's (``kv_role``, ``kv_load_failure_policy``);
+    ``extra`` goes into ``kv_connector_extra_config`` (see `ConnectorConfig`; ``role`` there is
+    the agent's kvbus role).
     """
     return {
         "kv_connector": "KVBusConnector",
         "kv_connector_module_path": "kvbus.integrations.vllm",
-        "kv_role": role,
+        "kv_role": kv_role,
         "kv_load_failure_policy": failure_policy,
         "kv_connector_extra_config": {"nats_url": nats_url, "agent": agent, "group": group, **extra},
     }
