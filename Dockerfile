@@ -34,6 +34,9 @@ COPY codecs/ codecs/
 COPY group_scheduler/ group_scheduler/
 COPY coordinator/ coordinator/
 COPY cachetier/ cachetier/
+COPY net/ net/
+COPY app/ app/
+COPY integrations/ integrations/
 # kvbus.telemetry imports these only when tracing (OTEL_EXPORTER_OTLP_ENDPOINT) or metrics
 # (KVBUS_METRICS_PORT) are configured, which the chart does.
 RUN pip install . \

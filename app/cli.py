@@ -160,6 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--group", default=os.environ.get("KVBUS_GROUP", "default"))
     st.add_argument("--bytes", type=int, default=4 << 20)
 
+    mp = sub.add_parser(
+        "model-path",
+        help="write (once) and print a model folder that vLLM and transformers load "
+        "(config.json, tokenizer, safetensors)",
+    )
+    from kvbus.app.models import MODEL_FOLDERS
+
+    mp.add_argument("model", choices=MODEL_FOLDERS, help="which model")
+
     co = sub.add_parser("coordinator", help="run the coordinator")
     co.add_argument("--nats-url", default=os.environ.get("KVBUS_NATS_URL", "nats://127.0.0.1:4222"))
     return parser
@@ -311,6 +320,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 new_tokens=args.new_tokens,
                 nats_options=options,
             )
+        elif args.command == "model-path":
+            from kvbus.app.models import model_folder
+            from kvbus.errors import ModelUnavailable
+
+            try:
+                print(model_folder(args.model), flush=True)
+            except ModelUnavailable as exc:
+                print(f"kvbus model-path: {exc}", file=sys.stderr, flush=True)
+                return 2
         elif args.command == "calibrate":
             from kvbus.app.calibrate import run_calibrate
 

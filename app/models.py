@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from kvbus.codecs.runner import HFRunner
-from kvbus.errors import ModelUnavailable
+from kvbus.errors import ConfigError, ModelUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,11 @@ SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 CACHE_ENV = "KVBUS_MODEL_CACHE"
 #: Marker written last into a converted model's folder; it says which GGUF it came from.
 SOURCE_FILE = "kvbus-source.json"
+#: Version of the converted folder's layout, part of its stamp (2: the tied embedding is stored
+#: as ``model.embed_tokens.weight`` and config.json names the architecture, so vLLM loads it).
+FOLDER_FORMAT = 2
+#: Models `model_folder` can write, by the name the CLI takes (``kvbus model-path smollm2``).
+MODEL_FOLDERS = ("smollm2",)
 
 
 def smollm2_path() -> Path:
@@ -81,17 +86,23 @@ def _source_stamp(gguf: Path) -> dict[str, Any]:
         "size": stat.st_size,
         "mtime_ns": stat.st_mtime_ns,
         "transformers": transformers.__version__,
+        "format": FOLDER_FORMAT,
     }
+
+
+def _stamp_matches(folder: Path, stamp: dict[str, Any]) -> bool:
+    """Whether ``folder`` holds a complete conversion made from the GGUF file ``stamp`` describes."""
+    try:
+        return bool(json.loads((folder / SOURCE_FILE).read_text()) == stamp)
+    except (OSError, ValueError):
+        return False
 
 
 def _load_converted(folder: Path, stamp: dict[str, Any]) -> tuple[Any, Any] | None:
     """The model and tokenizer from a converted folder whose stamp matches, else None."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    try:
-        if json.loads((folder / SOURCE_FILE).read_text()) != stamp:
-            return None
-    except (OSError, ValueError):
+    if not _stamp_matches(folder, stamp):
         return None
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True)
@@ -102,20 +113,45 @@ def _load_converted(folder: Path, stamp: dict[str, Any]) -> tuple[Any, Any] | No
     return model, tokenizer
 
 
+def _weights(model: Any) -> dict[str, torch.Tensor]:
+    """The model's tensors as a safetensors file should hold them, each stored once.
+
+    A tied embedding is stored under ``model.embed_tokens.weight`` only (the name every loader
+    reads for a tied model, vLLM included); ``lm_head.weight`` is left out because loaders tie
+    it back. (safetensors' ``save_model`` kept the other name, and vLLM then found no embedding
+    and generated token 0 for ever.)
+    """
+    state = model.state_dict()
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    embed, head = state.get("model.embed_tokens.weight"), state.get("lm_head.weight")
+    if tied and embed is not None and head is not None and embed.data_ptr() == head.data_ptr():
+        state.pop("lm_head.weight")
+    seen: dict[int, str] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        ptr = tensor.data_ptr()
+        # Any other shared tensor is written as its own copy: a file must not alias storage.
+        out[name] = tensor.detach().clone().contiguous() if ptr in seen else tensor.detach().contiguous()
+        seen.setdefault(ptr, name)
+    return out
+
+
 def _save_converted(folder: Path, model: Any, tokenizer: Any, stamp: dict[str, Any]) -> None:
     """Write the dequantised model to ``folder`` atomically (a temporary folder, then a rename)."""
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
 
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     try:
         # save_pretrained refuses GGUF-quantised models; the weights are plain float32 tensors
-        # by now, so write them and a config without the quantisation entry.
+        # by now, so write them and a config without the quantisation entry. The architecture is
+        # named (a GGUF load leaves it out): vLLM picks its model class by it.
         config_dict = model.config.to_dict()
         config_dict.pop("quantization_config", None)
+        config_dict["architectures"] = [type(model).__name__]
         type(model.config).from_dict(config_dict).save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
-        save_model(model, str(tmp / "model.safetensors"))
+        save_file(_weights(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tokenizer.save_pretrained(tmp)
         (tmp / SOURCE_FILE).write_text(json.dumps(stamp))
         shutil.rmtree(folder, ignore_errors=True)
@@ -125,6 +161,44 @@ def _save_converted(folder: Path, model: Any, tokenizer: Any, stamp: dict[str, A
         logger.warning("could not cache the converted model in %s", folder, exc_info=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _smollm2_folder() -> Path | None:
+    """Where SmolLM2's converted folder lives (None with the cache turned off)."""
+    cache = model_cache_dir()
+    return cache / f"{SMOLLM2_NAME}-float32" if cache is not None else None
+
+
+def model_folder(name: str = "smollm2") -> Path:
+    """A folder that `transformers` and vLLM load directly: config.json, tokenizer files, safetensors.
+
+    Converts the model on first use (about 20 s for SmolLM2) and reuses the folder afterwards.
+    Nothing is downloaded.
+
+    Args:
+        name: one of `MODEL_FOLDERS`.
+
+    Raises:
+        ValueError: ``name`` is not a known model.
+        ModelUnavailable: the model's package is not installed, or the folder could not be written.
+        ConfigError: the model cache is turned off (``KVBUS_MODEL_CACHE=none``): there is nowhere
+            to write the folder.
+    """
+    if name not in MODEL_FOLDERS:
+        raise ValueError(f"unknown model {name!r}; known models: {', '.join(MODEL_FOLDERS)}")
+    gguf = smollm2_path()
+    folder = _smollm2_folder()
+    if folder is None:
+        raise ConfigError(
+            f"{CACHE_ENV} turns the model cache off, so there is nowhere to write the model's "
+            f"folder; unset it or name a writable folder"
+        )
+    if not _stamp_matches(folder, _source_stamp(gguf)):
+        load_smollm2.cache_clear()
+        load_smollm2()
+        if not _stamp_matches(folder, _source_stamp(gguf)):
+            raise ConfigError(f"could not write the converted model to {folder}; set {CACHE_ENV} to a writable folder")
+    return folder
 
 
 @functools.cache
@@ -142,8 +216,7 @@ def load_smollm2() -> tuple[HFRunner, Any]:
 
     gguf = smollm2_path()
     stamp = _source_stamp(gguf)
-    cache = model_cache_dir()
-    folder = cache / f"{SMOLLM2_NAME}-float32" if cache is not None else None
+    folder = _smollm2_folder()
     loaded = _load_converted(folder, stamp) if folder is not None else None
     if loaded is None:
         if importlib.util.find_spec("accelerate") is None:

@@ -1,11 +1,14 @@
 """`HFRunner`: a `transformers` causal LM behind the `ModelRunner` protocol (the Hugging Face model adapter).
 
-Note on `transformers` 5: the forward keyword for a KV-cache is ``cache=`` and the model output
-holds it under ``.cache`` (``past_key_values`` is gone).
+Note on `transformers` 5: recent releases (5.24 here) take a KV-cache as ``cache=`` and return
+it as ``.cache``; 5.19, which the ``[vllm]`` extra pins (vLLM 0.32 needs ``<5.20``), still calls
+both ``past_key_values``. `_forward` and `output_cache` speak whichever the installed version does.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
 import torch
@@ -13,6 +16,27 @@ import torch
 from kvbus.errors import GenerationError
 from kvbus.kvcache import KVCache
 from kvbus.signature import ModelSignature
+
+
+@functools.cache
+def _cache_keyword(forward: Any) -> str:
+    """The keyword a model's forward takes its KV-cache by: ``cache`` (recent transformers) or ``past_key_values``."""
+    try:
+        params = inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return "cache"
+    return "cache" if "cache" in params or "past_key_values" not in params else "past_key_values"
+
+
+def _forward(module: Any, cache: Any, **kwargs: Any) -> Any:
+    """``module(**kwargs)`` with ``cache`` passed under the installed transformers' keyword."""
+    return module(**kwargs, **{_cache_keyword(type(module).forward): cache})
+
+
+def output_cache(out: Any) -> Any:
+    """The KV-cache of a model output (``.cache``, or ``.past_key_values`` in older transformers 5 releases)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)
 
 
 class HFRunner:
@@ -65,7 +89,7 @@ class HFRunner:
             return KVCache(tokens=ids, signature=self.signature)
         with torch.inference_mode():
             out = self.model(input_ids=ids, use_cache=True)
-        return KVCache.from_hf(out.cache, ids, self.model.config, model=self.name)
+        return KVCache.from_hf(output_cache(out), ids, self.model.config, model=self.name)
 
     def _resume(self, kv: KVCache) -> tuple[Any, torch.Tensor, int]:
         """The `transformers` cache to continue ``kv`` from, the ids still to feed, and their first position.
@@ -146,9 +170,10 @@ class HFRunner:
         total = torch.zeros(n, dtype=torch.float32)
         mask = torch.ones(w, n, dtype=torch.bool).triu_(n - w + 1)
         with torch.inference_mode():
-            out = base(
+            out = _forward(
+                base,
+                cache,
                 input_ids=ids[:, n - w :],
-                cache=cache,
                 position_ids=positions,
                 use_cache=True,
                 output_hidden_states=True,
@@ -197,7 +222,7 @@ class HFRunner:
         feed = torch.cat([feed, nxt[:, :-1]], dim=1)
         positions = torch.arange(start, start + feed.shape[1]).unsqueeze(0).expand(feed.shape[0], -1)
         with torch.inference_mode():
-            out = self.model(input_ids=feed, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=t)
+            out = _forward(self.model, cache, input_ids=feed, position_ids=positions, use_cache=True, logits_to_keep=t)
         return out.logits[:, -t:].float()
 
     def generate(self, kv: KVCache, max_new_tokens: int, *, eos_token_id: int | None = None) -> torch.Tensor:
@@ -256,8 +281,8 @@ class HFRunner:
                 if sparse:
                     extra["position_ids"] = torch.arange(start, start + feed.shape[1]).unsqueeze(0).expand(batch, -1)
                     start += feed.shape[1]
-                out = self.model(input_ids=feed, cache=cache, use_cache=True, logits_to_keep=1, **extra)
-                cache = out.cache
+                out = _forward(self.model, cache, input_ids=feed, use_cache=True, logits_to_keep=1, **extra)
+                cache = output_cache(out)
                 feed = out.logits[:, -1, :].argmax(dim=-1, keepdim=True)
                 new.append(feed)
                 if eos_token_id is not None:

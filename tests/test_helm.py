@@ -1514,7 +1514,62 @@ def test_dockerfile() -> None:
         assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def test_dockerfile_copies_every_package_folder() -> None:
+    """`pip install .` in the image needs every folder pyproject.toml maps to a kvbus package."""
+    import tomllib
+
+    folders = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
+    copied = set(re.findall(r"^COPY\s+(\S+?)/\s", (ROOT / "Dockerfile").read_text(), flags=re.M))
+    assert folders <= copied, f"not copied into the image: {sorted(folders - copied)}"
+
+
 def test_install_script_is_valid_bash() -> None:
     script = ROOT / "scripts" / "install-helm.sh"
     assert os.access(script, os.X_OK)
     subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+# -- vLLM engines' connector config ---------------------------------------------------------------
+
+
+def test_vllm_connector_config_for_each_engine() -> None:
+    """Each engine's --kv-transfer-config names the kvbus connector and parses as its config."""
+    from kvbus.integrations.vllm.config import ConnectorConfig
+
+    docs = render(files=(str(CHART / "ci" / "vllm-values.yaml"),))
+    data = one(docs, "ConfigMap", f"{RELEASE}-vllm")["data"]
+    assert sorted(data) == ["executor.json", "planner.json"]
+    for agent, raw in data.items():
+        config = json.loads(raw)
+        assert config["kv_connector"] == "KVBusConnector"
+        assert config["kv_connector_module_path"] == "kvbus.integrations.vllm"
+        assert config["kv_load_failure_policy"] == "recompute" and config["kv_role"] == "kv_both"
+        parsed = ConnectorConfig.from_extra(config["kv_connector_extra_config"], environ={})
+        assert parsed.agent == agent.removesuffix(".json") and parsed.group == "g0"
+        assert parsed.nats_url == f"nats://{RELEASE}-nats.{NAMESPACE}.svc.cluster.local:4222"
+        assert parsed.store_bytes == 2147483648
+    assert ConnectorConfig.from_extra(json.loads(data["executor.json"])["kv_connector_extra_config"]).medium == "int8"
+    assert json.loads(data["planner.json"])["kv_connector_extra_config"]["push_to"] == ["executor"]
+    assert not component(render(), "ConfigMap", "vllm")  # off by default
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (("vllmConnector.enabled=true",), "set nats.auth.enabled=false"),
+        (
+            (
+                "vllmConnector.enabled=true",
+                "nats.auth.enabled=false",
+                'json:vllmConnector.engines=[{"agent":"a"},{"agent":"a"}]',
+            ),
+            "appears twice",
+        ),
+        (
+            ("vllmConnector.enabled=true", "nats.auth.enabled=false", 'json:vllmConnector.engines=[{"agent":"a b"}]'),
+            "pattern",
+        ),
+    ],
+)
+def test_vllm_connector_bad_values(args: tuple[str, ...], expected: str) -> None:
+    assert expected in render_error(*args)

@@ -10,7 +10,7 @@ import torch
 
 from kvbus.app.models import SMOLLM2_NAME, load_smollm2, random_model, smollm2_path
 from kvbus.codecs import Encoded, get_codec
-from kvbus.codecs.runner import HFRunner
+from kvbus.codecs.runner import HFRunner, output_cache
 from kvbus.errors import GenerationError, SignatureMismatch
 from kvbus.kvcache import KVCache
 
@@ -55,7 +55,7 @@ def test_signature_of_random_model(runner: HFRunner) -> None:
 def test_from_hf_and_to_hf_round_trip_a_dynamic_cache(runner: HFRunner, prompts: torch.Tensor) -> None:
     config = runner.model.config
     with torch.inference_mode():
-        cache = runner.model(input_ids=prompts, use_cache=True).cache
+        cache = output_cache(runner.model(input_ids=prompts, use_cache=True))
     kv = KVCache.from_hf(cache, prompts, config, model=runner.name)
     assert kv.signature == runner.signature
     assert kv.n_layers == 2 and kv.seq_len == kv.n_tokens == prompts.shape[1]

@@ -358,7 +358,7 @@ def agent_pki(folder: Path) -> tuple[Path, Path, Path, Path]:
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
 
     def cert(name: str, key: Any, issuer: tuple[Any, Any] | None) -> Any:
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])

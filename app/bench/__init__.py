@@ -21,6 +21,7 @@ SUITES: dict[str, str] = {
     "chaos": "kvbus.app.bench.chaos",
     "soak": "kvbus.app.bench.soak",
     "paths": "kvbus.app.bench.paths",
+    "vllm": "kvbus.app.bench.vllm",
 }
 
 

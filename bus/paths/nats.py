@@ -126,7 +126,7 @@ class NatsReceiveSession:
 async def _unsubscribe(sub: Subscription) -> None:
     try:
         await sub.unsubscribe()
-    except Exception:  # noqa: BLE001 - the connection may be gone already
+    except Exception:
         logger.debug("unsubscribe failed", exc_info=True)
 
 

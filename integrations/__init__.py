@@ -1,0 +1,1 @@
+"""Integrations of kvbus into serving engines (`kvbus.integrations.vllm`: a vLLM KV connector)."""

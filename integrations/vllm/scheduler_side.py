@@ -1,0 +1,295 @@
+"""The scheduler-side half: answer ``get_num_new_matched_tokens`` from what kvbus can deliver, and
+plan each step's loads, saves and pushes for the worker-side half.
+
+It runs in vLLM's engine-core process, which holds no KV: it asks the worker's agent over NATS
+(`LookupRequest` on ``kvbus.vllm.<agent>.lookup``), waiting at most ``lookup_timeout_s``; no
+answer means no hit, and the engine prefills. A local hit (a pushed context already in the
+worker's store) loads synchronously before the forward; a hit held by another agent or by the
+cache tier loads asynchronously (the request waits in ``WAITING_FOR_REMOTE_KVS`` while the
+transfer runs). A request whose load failed is never offered kvbus tokens again, so a bad
+holder cannot make vLLM retry for ever.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbus.integrations.vllm.config import ConnectorConfig
+from kvbus.integrations.vllm.keys import matchable_tokens
+from kvbus.integrations.vllm.loop import LoopThread
+from kvbus.integrations.vllm.metadata import (
+    SOURCE_AGENT,
+    SOURCE_LOCAL,
+    SOURCE_TIER,
+    KVBusConnectorMetadata,
+    LoadSpec,
+    PushSpec,
+    SaveSpec,
+)
+from kvbus.integrations.vllm.protocol import LookupReply, LookupRequest, subject
+
+logger = logging.getLogger(__name__)
+
+#: ``kv_transfer_params`` key naming agents to push a request's prompt context to.
+PUSH_PARAM = "kvbus_push_to"
+#: ``kv_transfer_params`` key that keeps a request away from kvbus (no lookup).
+SKIP_PARAM = "kvbus_skip"
+#: ``kv_transfer_params`` key naming the medium for this request's pull or push (e.g. ``"int8"``).
+MEDIUM_PARAM = "kvbus_medium"
+
+
+@dataclass
+class _Hit:
+    start: int
+    reply: LookupReply
+
+
+@dataclass
+class _Req:
+    prompt: list[int]
+    block_ids: list[int] = field(default_factory=list)
+    saved: int = 0
+    push_to: list[str] = field(default_factory=list)
+    pushed: bool = False
+    loaded: int = 0
+    source: str = ""
+    holder: str = ""
+    medium: str | None = None
+
+
+class SchedulerSide:
+    """The connector's scheduler role (one per engine core)."""
+
+    def __init__(self, config: ConnectorConfig, *, block_size: int) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.loop = LoopThread(name=f"kvbus-sched-{config.agent}")
+        self._transport_future = self.loop.submit(self._connect())
+        self._hits: dict[str, _Hit] = {}
+        self._loads: dict[str, LoadSpec] = {}
+        self._reqs: dict[str, _Req] = {}
+        self._failed: set[str] = set()
+        self._inflight_blocks: dict[str, list[int]] = {}
+        self._warned = False
+
+    async def _connect(self) -> Any:
+        from kvbus.net.auth import NatsAuth
+        from kvbus.net.transport import NatsTransport
+
+        return await NatsTransport.connect(self.config.nats_url, **NatsAuth.from_env().connect_options())
+
+    def _transport(self) -> Any:
+        try:
+            return self._transport_future.result(timeout=self.config.connect_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - no NATS: no kvbus hits, the engine still serves
+            if not self._warned:
+                self._warned = True
+                logger.error(
+                    "kvbus connector %s: cannot reach NATS at %s (%s); prefilling everything",
+                    self.config.agent,
+                    self.config.nats_url,
+                    exc,
+                )
+            return None
+
+    def close(self) -> None:
+        """Close the NATS connection and stop the loop."""
+        if self._transport_future.done() and self._transport_future.exception() is None:
+            transport = self._transport_future.result()
+            try:
+                self.loop.run(transport.close(), timeout=5.0)
+            except Exception:
+                logger.debug("closing NATS failed", exc_info=True)
+        self.loop.stop()
+
+    # -- lookups ----------------------------------------------------------------------------------
+
+    def on_new_request(self, request: Any) -> None:
+        params = getattr(request, "kv_transfer_params", None) or {}
+        targets = list(self.config.push_to)
+        extra = params.get(PUSH_PARAM) if isinstance(params, dict) else None
+        if isinstance(extra, str):
+            extra = [extra]
+        if isinstance(extra, list):
+            targets += [t for t in extra if isinstance(t, str) and t not in targets and t != self.config.agent]
+        medium = params.get(MEDIUM_PARAM) if isinstance(params, dict) else None
+        self._reqs[request.request_id] = _Req(
+            prompt=list(request.prompt_token_ids or []), push_to=targets, medium=_medium(medium) or self.config.medium
+        )
+
+    def _lookup(self, tokens: list[int], limit: int) -> LookupReply:
+        transport = self._transport()
+        if transport is None:
+            return LookupReply()
+        msg = LookupRequest(tokens=tokens[:limit], limit=limit).encode()
+        timeout = self.config.lookup_timeout_s
+
+        async def ask() -> bytes:
+            data: bytes = await transport.request(subject(self.config.agent, "lookup"), msg, timeout)
+            return data
+
+        try:
+            return LookupReply.decode(self.loop.run(ask(), timeout=timeout + 0.5))
+        except Exception as exc:  # noqa: BLE001 - a lookup that fails is a prefill
+            logger.warning(
+                "kvbus connector %s: prefix lookup failed (%s: %s); prefilling",
+                self.config.agent,
+                type(exc).__name__,
+                exc,
+            )
+            return LookupReply()
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        rid = request.request_id
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if rid in self._failed or (isinstance(params, dict) and params.get(SKIP_PARAM)):
+            return 0, False
+        prompt = list(request.prompt_token_ids or [])
+        limit = matchable_tokens(len(prompt), self.block_size)
+        if limit <= num_computed_tokens:
+            return 0, False
+        hit = self._hits.get(rid)
+        if hit is None or hit.start != num_computed_tokens:
+            hit = _Hit(num_computed_tokens, self._lookup(prompt, limit))
+            self._hits[rid] = hit
+        reply = hit.reply
+        best = max(reply.local, reply.remote, reply.tier)
+        if best <= num_computed_tokens:
+            return 0, False
+        return best - num_computed_tokens, reply.local < best
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        rid = request.request_id
+        hit = self._hits.pop(rid, None)
+        if num_external_tokens <= 0 or hit is None:
+            return
+        reply = hit.reply
+        start, stop = hit.start, hit.start + num_external_tokens
+        if reply.local >= stop:
+            source, holder = SOURCE_LOCAL, ""
+        elif reply.remote >= stop:
+            source, holder = SOURCE_AGENT, reply.holder
+        else:
+            source, holder = SOURCE_TIER, ""
+        block_ids = list(blocks.get_block_ids()[0])
+        targets = block_ids[start // self.block_size : stop // self.block_size]
+        prompt = list(request.prompt_token_ids or [])
+        state = self._reqs.setdefault(rid, _Req(prompt=prompt, medium=self.config.medium))
+        self._loads[rid] = LoadSpec(
+            request_id=rid,
+            tokens=prompt[:stop],
+            start=start,
+            stop=stop,
+            block_ids=targets,
+            source=source,
+            holder=holder,
+            medium=state.medium,
+        )
+        self._inflight_blocks[rid] = targets
+        state.loaded, state.source, state.holder = num_external_tokens, source, holder
+        logger.info(
+            "kvbus connector %s: request %s loads tokens %d-%d from %s",
+            self.config.agent,
+            rid,
+            start,
+            stop,
+            holder or source,
+        )
+
+    # -- the step's plan ---------------------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVBusConnectorMetadata:
+        meta = KVBusConnectorMetadata(loads=list(self._loads.values()))
+        self._loads.clear()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._reqs.setdefault(new.req_id, _Req(prompt=list(new.prompt_token_ids or [])))
+            state.block_ids = list(new.block_ids[0])
+            state.saved = max(state.saved, new.num_computed_tokens - new.num_computed_tokens % self.block_size)
+            self._plan(meta, new.req_id, state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            known = self._reqs.get(rid)
+            if known is None:
+                continue
+            state = known
+            new_ids = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                state.block_ids.extend(new_ids[0])
+            self._plan(meta, rid, state, cached.num_computed_tokens[i] + scheduled.get(rid, 0))
+        for rid in scheduler_output.finished_req_ids:
+            self._forget(rid)
+        return meta
+
+    def _plan(self, meta: KVBusConnectorMetadata, rid: str, state: _Req, computed: int) -> None:
+        """Save the prompt's whole blocks computed by the end of this step; push once the prompt is in."""
+        prompt_done = min(computed, len(state.prompt))
+        stop = prompt_done - prompt_done % self.block_size
+        n_blocks = stop // self.block_size
+        if stop > state.saved and len(state.block_ids) >= n_blocks:
+            meta.saves.append(
+                SaveSpec(request_id=rid, tokens=state.prompt[:stop], block_ids=state.block_ids[:n_blocks])
+            )
+            state.saved = stop
+        if state.push_to and not state.pushed and prompt_done >= len(state.prompt) and stop > 0:
+            meta.pushes.append(
+                PushSpec(request_id=rid, tokens=state.prompt[:stop], to=list(state.push_to), medium=state.medium)
+            )
+            state.pushed = True
+
+    def _forget(self, rid: str) -> None:
+        self._reqs.pop(rid, None)
+        self._hits.pop(rid, None)
+        self._inflight_blocks.pop(rid, None)
+        self._failed.discard(rid)
+
+    # -- outcomes ---------------------------------------------------------------------------------
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        done = set(getattr(connector_output, "finished_recving", None) or ())
+        for rid, blocks in list(self._inflight_blocks.items()):
+            if invalid and invalid.intersection(blocks):
+                self._failed.add(rid)
+                logger.warning(
+                    "kvbus connector %s: request %s: kvbus load failed; vLLM recomputes those tokens",
+                    self.config.agent,
+                    rid,
+                )
+                self._inflight_blocks.pop(rid, None)
+            elif rid in done:
+                self._inflight_blocks.pop(rid, None)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        state = self._reqs.get(rid)
+        params = None
+        if state is not None:
+            params = {
+                "kvbus": {
+                    "agent": self.config.agent,
+                    "loaded_tokens": 0 if rid in self._failed else state.loaded,
+                    "source": state.holder or state.source,
+                    "load_failed": rid in self._failed,
+                    "pushed_to": state.push_to if state.pushed else [],
+                }
+            }
+        self._forget(rid)
+        return False, params
+
+
+def _medium(value: object) -> str | None:
+    """A medium from ``kv_transfer_params`` (ignored, with a warning, when it is not a known one)."""
+    if value is None:
+        return None
+    from kvbus.codecs import get_codec
+
+    try:
+        return get_codec(str(value)).name
+    except ValueError as exc:
+        logger.warning("kvbus connector: ignoring kv_transfer_params[%r]: %s", MEDIUM_PARAM, exc)
+        return None

@@ -1,0 +1,458 @@
+"""The vLLM connector's parts that need no vLLM: config, prefix keys, block layout, wire messages,
+the prefix index, and two engines' agents exchanging KV through a real bus and group scheduler."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import msgpack
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvbus.errors import ConfigError, KVBusError, WireFormatError
+from kvbus.integrations.vllm import protocol as proto
+from kvbus.integrations.vllm.client import KVBusClient
+from kvbus.integrations.vllm.config import ConnectorConfig
+from kvbus.integrations.vllm.errors import LoadFailed
+from kvbus.integrations.vllm.index import PrefixIndex, decode_entry, encode_entry
+from kvbus.integrations.vllm.keys import as_ids, matchable_tokens, prefix_keys
+from kvbus.integrations.vllm.layout import LayoutError, PagedLayout
+from kvbus.integrations.vllm.loop import LoopThread
+from kvbus.integrations.vllm.protocol import PullReply, PullRequest, subject
+from kvbus.kvcache import KVCache
+from kvbus.signature import ModelSignature
+from tests.kvutil import random_kv
+
+SIG = ModelSignature("vllm-test-model", n_layers=3, n_kv_heads=2, head_dim=16, dtype="float32", vocab_size=1000)
+OTHER = ModelSignature("vllm-other-model", n_layers=2, n_kv_heads=2, head_dim=16, dtype="float32", vocab_size=1000)
+BS = 8
+CI = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# -- config ------------------------------------------------------------------------------------------
+
+
+def test_config_parses_the_extra_config() -> None:
+    cfg = ConnectorConfig.from_extra(
+        {
+            "agent": "planner",
+            "group": "g1",
+            "push_to": "executor, critic",
+            "medium": "int8",
+            "store_bytes": 1e6,
+            "pull": "false",
+        },
+        environ={},
+    )
+    assert (cfg.agent, cfg.group, cfg.push_to, cfg.medium, cfg.store_bytes, cfg.pull) == (
+        "planner",
+        "g1",
+        ("executor", "critic"),
+        "int8",
+        1_000_000,
+        False,
+    )
+    assert cfg.nats_url == "nats://127.0.0.1:4222"
+    assert ConnectorConfig.from_extra({"agent": "a"}, environ={"KVBUS_NATS_URL": "nats://h:1"}).nats_url == "nats://h:1"
+    assert ConnectorConfig.from_extra({"agent": "a", "x_note": 1}, environ={}).extra == {"x_note": 1}
+
+
+@pytest.mark.parametrize(
+    "extra, what",
+    [
+        ({}, "needs 'agent'"),
+        ({"agent": "a b"}, "invalid agent name"),
+        ({"agent": "a", "nats": "x"}, "unknown kv_connector_extra_config key"),
+        ({"agent": "a", "medium": "gzip"}, "medium"),
+        ({"agent": "a", "store_bytes": "lots"}, "must be an integer"),
+        ({"agent": "a", "lookup_timeout_s": 0}, "must be positive"),
+        ({"agent": "a", "push_to": [1]}, "list of agent names"),
+        ({"agent": "a", "pull": 2}, "true or false"),
+        ("agent=a", "JSON object"),
+    ],
+)
+def test_config_refuses_bad_values(extra: object, what: str) -> None:
+    with pytest.raises(ConfigError, match=what):
+        ConnectorConfig.from_extra(extra, environ={})
+
+
+# -- prefix keys ----------------------------------------------------------------------------------------
+
+
+def test_matchable_tokens_leaves_a_token_to_compute() -> None:
+    assert [matchable_tokens(n, 32) for n in (0, 1, 32, 33, 64, 65, 100)] == [0, 0, 0, 32, 32, 64, 96]
+
+
+def test_prefix_keys_name_whole_prefixes() -> None:
+    a = list(range(40))
+    b = a[:16] + [999] + a[17:]
+    ka, kb = prefix_keys(a, SIG, torch.float32, BS), prefix_keys(b, SIG, torch.float32, BS)
+    assert len(ka) == 5  # the partial sixth block has no key
+    assert ka[:2] == kb[:2] and all(x != y for x, y in zip(ka[2:], kb[2:]))
+    assert prefix_keys(a, OTHER, torch.float32, BS)[0] != ka[0]
+    assert prefix_keys(a, SIG, torch.float16, BS)[0] != ka[0]
+    assert prefix_keys(a, SIG, torch.float32, 4)[1] != ka[0]
+    assert prefix_keys(a, SIG, torch.float32, BS, stop=17) == ka[:2]
+
+
+def test_prefix_keys_are_the_same_in_every_process() -> None:
+    code = (
+        "import torch; from kvbus.integrations.vllm.keys import prefix_keys; from kvbus.signature import "
+        "ModelSignature; s = ModelSignature('vllm-test-model', n_layers=3, n_kv_heads=2, head_dim=16, "
+        "dtype='float32', vocab_size=1000); print(','.join(prefix_keys(list(range(40)), s, torch.float32, 8)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONHASHSEED": "12345"},
+    ).stdout.strip()
+    assert out.split(",") == prefix_keys(list(range(40)), SIG, torch.float32, BS)
+
+
+def test_as_ids_refuses_what_is_not_one_sequence() -> None:
+    assert as_ids([1, 2]).shape == (1, 2)
+    with pytest.raises(ValueError):
+        as_ids(torch.zeros(2, 3, dtype=torch.int64))
+    with pytest.raises(ValueError):
+        as_ids(torch.zeros(3))
+
+
+# -- block layout ------------------------------------------------------------------------------------------
+
+
+def transposing_writer(block_size: int):
+    """What the x86 CPU kernel does: keys stored ``[head_dim, block_size]`` per (block, head), values as they are."""
+
+    def write(key: torch.Tensor, value: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor) -> None:
+        d = key.shape[-1]
+        for i, slot in enumerate(slots.tolist()):
+            blk, off = divmod(slot, block_size)
+            kflat = kc[blk].reshape(kc.shape[1], block_size * d)  # a view: [h, bs * d]
+            for j in range(d):
+                kflat[:, j * block_size + off] = key[i, :, j]
+            vc[blk, :, off, :] = value[i]
+
+    return write
+
+
+@pytest.mark.parametrize("writer", [None, "transposed"])
+def test_layout_round_trip(writer: str | None) -> None:
+    w = transposing_writer(BS) if writer else None
+    layout = PagedLayout.probe(block_size=BS, n_kv_heads=2, head_dim=16, dtype=torch.float32, writer=w)
+    if writer:
+        # Key [t, j] of a block sits at j * block_size + t: the probe found the transposition.
+        assert layout.k_index[1 * 16 + 0].item() == 0 * BS + 1
+    layer = torch.zeros(6, 2, BS, 32)
+    keys, values = torch.randn(1, 2, 3 * BS, 16), torch.randn(1, 2, 3 * BS, 16)
+    layout.write(layer, [4, 1, 2], keys, values)
+    k, v = layout.read(layer, [4, 1, 2])
+    assert torch.equal(k, keys) and torch.equal(v, values)
+    assert torch.count_nonzero(layer[[0, 3, 5]]) == 0  # other blocks untouched
+    k1, _ = layout.read(layer, [1])
+    assert torch.equal(k1, keys[:, :, BS : 2 * BS])
+
+
+def test_layout_refuses_what_it_cannot_read() -> None:
+    def lossy(key: torch.Tensor, value: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor) -> None:
+        kc[:, :, : key.shape[0] // 2] = 1.0  # writes the same thing everywhere
+
+    with pytest.raises(LayoutError, match="permutation"):
+        PagedLayout.probe(block_size=BS, n_kv_heads=2, head_dim=16, dtype=torch.float32, writer=lossy)
+    layout = PagedLayout.probe(block_size=BS, n_kv_heads=2, head_dim=16, dtype=torch.float32, writer=None)
+    with pytest.raises(LayoutError, match="expected a layer tensor"):
+        layout.check(torch.zeros(4, 2, BS * 2, 16))
+    with pytest.raises(LayoutError, match="float32"):
+        layout.check(torch.zeros(4, 2, BS, 32, dtype=torch.float16))
+
+
+def test_layout_of_the_real_cpu_kernel() -> None:
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    from kvbus.integrations.vllm.connector import cpu_writer_factory
+
+    writer = cpu_writer_factory(32, 64, "auto")(torch.float32)
+    layout = PagedLayout.probe(block_size=32, n_kv_heads=3, head_dim=64, dtype=torch.float32, writer=writer)
+    # The x86 kernel keeps a block's keys transposed, [head_dim, block_size], and its values as [block_size, head_dim].
+    assert layout.k_index[5 * 64 + 7].item() == 7 * 32 + 5
+    assert torch.equal(layout.v_index, torch.arange(32 * 64))
+
+
+# -- wire messages --------------------------------------------------------------------------------------------
+
+MESSAGES = [
+    proto.LookupRequest,
+    proto.LookupReply,
+    proto.HaveRequest,
+    proto.HaveReply,
+    proto.PullRequest,
+    proto.PullReply,
+    proto.PullOutcome,
+    proto.PushRequest,
+    proto.PushReply,
+    proto.Event,
+]
+values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda c: st.lists(c, max_size=6),
+    max_leaves=20,
+)
+
+
+@CI
+@given(cls=st.sampled_from(MESSAGES), data=st.binary(max_size=300))
+def test_decoders_take_any_bytes(cls: type, data: bytes) -> None:
+    try:
+        cls.decode(data)
+    except WireFormatError:
+        pass
+
+
+@CI
+@given(
+    cls=st.sampled_from(MESSAGES),
+    body=st.dictionaries(
+        st.sampled_from(
+            [
+                "tokens",
+                "limit",
+                "local",
+                "remote",
+                "holder",
+                "tier",
+                "pull_id",
+                "requester",
+                "medium",
+                "ok",
+                "reason",
+                "to",
+                "agent",
+                "kind",
+                "seconds",
+            ]
+        ),
+        values,
+        max_size=8,
+    ),
+)
+def test_decoders_take_any_map(cls: type, body: dict) -> None:
+    body = {**body, "t": cls.TYPE, "v": 1}
+    try:
+        msg = cls.decode(msgpack.packb(body))
+    except WireFormatError:
+        return
+    assert cls.decode(msg.encode()) == msg
+
+
+def test_decoders_check_what_they_carry() -> None:
+    ok = PullRequest(pull_id="p", requester="b", tokens=[1, 2], medium=None)
+    assert PullRequest.decode(ok.encode()) == ok
+    for bad in (
+        PullRequest(pull_id="", requester="b", tokens=[1]),
+        PullRequest(pull_id="p", requester="b.c", tokens=[1]),
+        PullRequest(pull_id="p", requester="b", tokens=[1, 2**31]),
+    ):
+        with pytest.raises(WireFormatError):
+            PullRequest.decode(bad.encode())
+    with pytest.raises(WireFormatError, match="limit"):
+        proto.LookupRequest.decode(proto.LookupRequest(tokens=[1], limit=2).encode())
+    with pytest.raises(WireFormatError, match="holder"):
+        proto.LookupReply.decode(proto.LookupReply(remote=32).encode())
+    with pytest.raises(WireFormatError):
+        decode_entry(encode_entry("a", 0))
+    assert decode_entry(encode_entry("a", 64)) == ("a", 64)
+
+
+# -- the loop thread -----------------------------------------------------------------------------------------
+
+
+def test_loop_thread_runs_and_times_out() -> None:
+    import asyncio
+
+    loop = LoopThread()
+    try:
+        assert loop.run(asyncio.sleep(0, result=7), timeout=5) == 7
+        with pytest.raises(TimeoutError):
+            loop.run(asyncio.sleep(5), timeout=0.1)
+        assert loop.submit(asyncio.sleep(0, result=3)).result(5) == 3
+    finally:
+        loop.stop()
+    with pytest.raises(RuntimeError):
+        loop.submit(asyncio.sleep(0))
+
+
+# -- the index and two agents on a real bus ------------------------------------------------------------------
+
+
+def _config(name: str, nats_url: str, **extra: object) -> ConnectorConfig:
+    return ConnectorConfig.from_extra(
+        {"agent": name, "nats_url": nats_url, "load_timeout_s": 4.0, "index_bucket": "kvbus_vllm_test", **extra},
+        environ={},
+    )
+
+
+async def _client(name: str, nats_url: str, signature: ModelSignature = SIG, **extra: object) -> KVBusClient:
+    c = KVBusClient(_config(name, nats_url, **extra), signature, block_size=BS, dtype=torch.float32)
+    await c.start()
+    return c
+
+
+def _context(n: int, seed: int) -> KVCache:
+    kv = random_kv(SIG, n, seed=seed)
+    return kv
+
+
+async def test_index_finds_the_longest_holder(nats_url: str) -> None:
+    from kvbus.net.transport import NatsTransport
+
+    t = await NatsTransport.connect(nats_url)
+    try:
+        index = await PrefixIndex.connect(t, f"kvbus_vllm_idx_{uuid.uuid4().hex[:8]}", ttl_s=60)
+        assert index is not None
+        keys = prefix_keys(list(range(80)), SIG, torch.float32, BS)
+        assert await index.longest(keys) == ("", 0)
+        await index.publish(keys[:6], "a", BS)
+        await index.publish(keys[:3], "b", BS)  # b is the last writer of the first three
+        assert await index.longest(keys) == ("a", 6)
+        assert await index.longest(keys, exclude="a") == ("b", 3)
+        assert await index.longest(keys, start=6) == ("", 0)
+        await index.bucket.put(keys[0], b"\xc1 not msgpack")
+        assert await index.holder(keys[0]) is None
+    finally:
+        await t.close()
+
+
+async def test_agents_pull_push_and_fail_cleanly(nats_url: str, scheduler: object) -> None:
+    a = await _client("vparts-a", nats_url)
+    b = await _client("vparts-b", nats_url)
+    c = await _client("vparts-c", nats_url, signature=OTHER)
+    try:
+        kv = _context(45, seed=1)
+        a.save(kv, "r1")
+        await a.settled()
+        ids = kv.tokens
+        # Lookup from b: nothing local, a holds 5 whole blocks (40 of 45 tokens).
+        reply = await b.lookup(ids[0].tolist(), 45)
+        assert (reply.local, reply.remote, reply.holder) == (0, 40, "vparts-a")
+        got = await b.pull("vparts-a", ids, 40, timeout=10, medium="full")
+        assert got.equal(kv.slice(0, 40))
+        await b.settled()
+        assert b.held(ids) == 40  # what it pulled, it now holds (and indexes)
+        # Refused: a does not hold what is asked; gone: no such holder; another context than asked.
+        other = _context(24, seed=2)
+        with pytest.raises(LoadFailed, match="refused"):
+            await b.pull("vparts-a", other.tokens, 24, timeout=5)
+        with pytest.raises(LoadFailed, match="gone"):
+            await b.pull("vparts-nobody", ids, 40, timeout=5)
+        # Push: a sends its context to b by name (int8), and to c, another model, which gets only tokens.
+        kv2 = _context(33, seed=3)
+        a.save(kv2, "r2")
+        pushed = await a.push(["vparts-b"], kv2.tokens[0].tolist(), "int8")
+        assert pushed.ok and pushed.medium == "int8" and pushed.tokens == 32
+        # A lookup right after the push sees it (it waits for the delivery being stored).
+        assert (await b.lookup(kv2.tokens[0].tolist(), 32)).local == 32
+        lossy = await b.get(kv2.tokens, 32)
+        assert lossy.fidelity < 1.0 and not lossy.equal(kv2.slice(0, 32))
+        assert torch.allclose(lossy.keys[0], kv2.keys[0][:, :, :32], atol=0.05)
+        to_c = await a.push(["vparts-c"], kv2.tokens[0].tolist(), None)
+        assert to_c.ok and to_c.medium == "tokens"
+        await c.settled()
+        assert c.held(kv2.tokens) == 0
+        nothing = await a.push(["vparts-b"], [7] * 20, None)
+        assert not nothing.ok and "holds no block" in nothing.reason
+    finally:
+        for cl in (a, b, c):
+            await cl.close()
+
+
+async def test_a_pull_answered_with_another_context_fails(nats_url: str, scheduler: object, bus: object) -> None:
+    """A holder that sends the KV of other tokens: the puller refuses it (a wrong block is never loaded)."""
+    b = await _client("vparts-b2", nats_url)
+    liar = await bus.agent("vparts-liar", group="default", signature=SIG)  # type: ignore[attr-defined]
+    want, wrong = _context(24, seed=5), _context(24, seed=6)
+
+    async def on_pull(msg: object) -> None:
+        req = PullRequest.decode(msg.data)  # type: ignore[attr-defined]
+        await bus.transport.reply(msg, PullReply(ok=True, tokens=24).encode())  # type: ignore[attr-defined]
+        await liar.send(req.requester, wrong, medium="full")
+
+    sub = await bus.transport.subscribe(subject("vparts-liar", "pull"), on_pull)  # type: ignore[attr-defined]
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(LoadFailed, match="another context"):
+            await b.pull("vparts-liar", want.tokens, 24, timeout=10)
+        assert time.monotonic() - t0 < 10  # refused at once, not by the timeout
+    finally:
+        await sub.unsubscribe()
+        await b.close()
+
+
+def test_errors_are_kvbus_errors() -> None:
+    assert issubclass(LoadFailed, KVBusError) and issubclass(LayoutError, KVBusError)
+    assert "vparts" in subject("vparts", "have")
+
+
+# -- the model folder vLLM loads -----------------------------------------------------------------------------------
+
+
+def test_model_folder_stores_the_tied_embedding_under_its_own_name(tmp_path: object) -> None:
+    """vLLM reads ``model.embed_tokens.weight`` of a tied model; a folder with only ``lm_head.weight``
+    made it generate token 0 for ever."""
+    import json
+
+    from safetensors import safe_open
+
+    from kvbus.app.cli import main
+    from kvbus.app.models import model_folder
+
+    folder = model_folder("smollm2")
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is True
+    assert (folder / "tokenizer.json").is_file()
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True)
+    assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+    assert main(["model-path", "smollm2"]) == 0
+    with pytest.raises(ValueError, match="known models"):
+        model_folder("gpt-9")
+
+
+async def test_blocks_only_the_cache_tier_has_are_found_and_loaded(
+    nats_url: str, redis_server: object, scheduler: object
+) -> None:
+    """An agent shed its blocks to Redis and left: another finds them there and loads them (int8 records)."""
+    url = redis_server.url  # type: ignore[attr-defined]
+    prefix = f"kvbus:vllmtest:{uuid.uuid4().hex[:6]}:"
+    os.environ["KVBUS_CACHETIER_KEY_PREFIX"] = prefix
+    try:
+        a = await _client("vparts-tier-a", nats_url, redis_url=url, pull=False)
+        b = await _client("vparts-tier-b", nats_url, redis_url=url, pull=False)
+    finally:
+        del os.environ["KVBUS_CACHETIER_KEY_PREFIX"]
+    try:
+        kv = _context(40, seed=9)
+        a.save(kv, "r")
+        await a.settled()
+        assert a.tier is not None
+        await a.tier.shed(0)
+        assert a.tier.resident_blocks() == 0 and a.tier.stubs()  # offloaded, not dropped
+        reply = await b.lookup(kv.tokens[0].tolist(), 40)
+        assert (reply.local, reply.remote, reply.tier) == (0, 0, 40)
+        got = await b.load_tier(kv.tokens, 40)
+        assert torch.equal(got.tokens, kv.tokens[:, :40])
+        assert torch.allclose(got.values[1], kv.values[1][:, :, :40], atol=0.05)
+        with pytest.raises(LoadFailed):
+            await b.load_tier(_context(16, seed=10).tokens, 16)
+    finally:
+        await a.close()
+        await b.close()
