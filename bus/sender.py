@@ -169,7 +169,7 @@ class Sender:
                 dst=tuple(receivers),
                 medium=grant.medium,
                 nbytes=encoded.nbytes,
-                context_bytes=kv.nbytes if kv.has_kv else kv.nbytes,
+                context_bytes=kv.nbytes,
                 chunks=out.stats.chunks_sent,
                 retransmits=out.stats.retransmits,
                 queued_s=t_grant - t0,

@@ -92,4 +92,5 @@ class CacheTierConfig:
 
     @classmethod
     def from_env(cls, **overrides: object) -> CacheTierConfig:
+        """The defaults, overridden by ``KVBUS_CACHETIER_<FIELD>`` variables, then by ``overrides``."""
         return from_env(cls, "cachetier", **overrides)

@@ -180,6 +180,7 @@ class RemoteStore:
         return out
 
     async def close(self) -> None:
+        """Close the Redis connection pool."""
         await self.client.aclose()
 
 

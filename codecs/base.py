@@ -59,6 +59,7 @@ class Encoded:
 
     @property
     def sizes(self) -> list[int]:
+        """Byte length of each buffer, in wire order (what the receiver splits the payload by)."""
         return [b.nbytes for b in self.buffers]
 
     @classmethod

@@ -35,4 +35,5 @@ class CoordinatorConfig:
 
     @classmethod
     def from_env(cls, **overrides: object) -> CoordinatorConfig:
+        """The defaults, overridden by ``KVBUS_COORDINATOR_<FIELD>`` variables, then by ``overrides``."""
         return from_env(cls, "coordinator", **overrides)

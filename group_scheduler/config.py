@@ -162,4 +162,5 @@ class SchedulerConfig:
 
     @classmethod
     def from_env(cls, **overrides: object) -> SchedulerConfig:
+        """The defaults, overridden by ``KVBUS_SCHEDULER_<FIELD>`` variables, then by ``overrides``."""
         return from_env(cls, "scheduler", **overrides)

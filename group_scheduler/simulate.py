@@ -30,6 +30,7 @@ class FixedSelector(MediumSelector):
     """Always ``full``: keeps medium selection (the cost model's business) out of a policy measurement."""
 
     def choose(self, state: GroupState, pending: Pending) -> tuple[str, str]:
+        """``full``, with ``fixed`` as the reason."""
         return "full", "fixed"
 
 
@@ -56,10 +57,12 @@ class SimTransfer:
 
     @property
     def latency_s(self) -> float | None:
+        """Arrival to completion, in simulated seconds (None until done)."""
         return None if self.done_at is None else self.done_at - self.arrive_at
 
     @property
     def queue_s(self) -> float | None:
+        """Arrival to grant, in simulated seconds (None until granted)."""
         return None if self.granted_at is None else self.granted_at - self.arrive_at
 
 
@@ -76,6 +79,7 @@ class PassTiming:
 
     @property
     def seconds(self) -> float:
+        """CPU seconds of the pass (decide + adjust)."""
         return self.decide_s + self.adjust_s
 
 
@@ -106,6 +110,7 @@ class Simulation:
     # -- setup ---------------------------------------------------------------------------------
 
     def agent(self, name: str, *, priority: float = 1.0, link_bps: float = 0.0) -> None:
+        """Add agent ``name`` with a role priority and a declared link (0: unknown); it never expires."""
         self.state.agents[name] = AgentState(name, role_priority=priority, last_seen=1e18)
         self.state.declare(name, link_bps, 0.0)
 
@@ -152,12 +157,14 @@ class Simulation:
         deadline_s: float | None = None,
         tag: str = "",
     ) -> None:
+        """Submit one transfer every ``period_s`` from ``start`` until ``until`` (critical by default)."""
         t = start
         while t < until:
             self.submit(src, dst, nbytes, at=t, critical=critical, deadline_s=deadline_s, tag=tag)
             t += period_s
 
     def reset_counters(self) -> None:
+        """Forget the per-pair byte counts (start a new measurement window)."""
         self.pair_bytes.clear()
 
     # -- mechanics -----------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import functools
+from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, fields, is_dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -31,7 +32,9 @@ def _default(obj: Any) -> Any:
 
 
 def packb(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True, default=_default)
+    """Pack ``obj`` as msgpack (bin type for bytes); nested dataclasses become maps."""
+    packed: bytes = msgpack.packb(obj, use_bin_type=True, default=_default)
+    return packed
 
 
 @functools.cache
@@ -53,7 +56,7 @@ def unpackb(data: bytes | bytearray | memoryview, what: str, limit: int = MAX_CO
             max_array_len=1 << 16,
             max_map_len=1 << 12,
         )
-    except Exception as exc:  # msgpack raises a zoo of types for bad input
+    except Exception as exc:  # noqa: BLE001 - msgpack raises a zoo of types for bad input
         raise WireFormatError(what, f"not valid msgpack ({type(exc).__name__}: {exc})") from None
 
 
@@ -68,10 +71,12 @@ class Message:
     TYPE: ClassVar[str] = ""
 
     def encode(self) -> bytes:
+        """This message as a msgpack map with its type tag ``t`` and protocol version ``v``."""
         # Shallow: the field values are msgpack-ready (nested dataclasses go through `_default`);
         # `dataclasses.asdict` deep-copies every list and dict and was a sixth of a busy
         # scheduler's time.
-        body = {name: getattr(self, name) for name in _field_names(type(self))}
+        cls: type = type(self)  # plain `type`: mypy thinks a dataclass's class object is not Hashable
+        body = {name: getattr(self, name) for name in _field_names(cls)}
         body["t"] = self.TYPE
         body["v"] = PROTOCOL_VERSION
         return packb(body)
@@ -85,6 +90,11 @@ class Message:
 
     @classmethod
     def from_map(cls: type[M], body: object) -> M:
+        """Validate a decoded map (tag, version, every field's wire type) and build the message.
+
+        Raises:
+            WireFormatError: not a map, another tag or version, a missing field or a field of the wrong type.
+        """
         what = f"{cls.TYPE} message"
         if not isinstance(body, dict):
             raise WireFormatError(what, f"expected a map, got {type(body).__name__}")
@@ -93,7 +103,7 @@ class Message:
         if body.get("v") != PROTOCOL_VERSION:
             raise WireFormatError(what, f"protocol version {body.get('v')!r}, this side speaks {PROTOCOL_VERSION}")
         kwargs = {}
-        for f in fields(cls):  # type: ignore[arg-type]
+        for f in fields(cls):
             if f.name not in body:
                 if f.default is not MISSING or f.default_factory is not MISSING:
                     continue
@@ -137,7 +147,7 @@ def _names(kinds: tuple[type, ...]) -> str:
     return " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
 
 
-def message(tag: str, types: dict[str, Any]):
+def message(tag: str, types: dict[str, Any]) -> Callable[[type[M]], type[M]]:
     """Register a message class under its tag with the wire types of its fields."""
 
     def wrap(cls: type[M]) -> type[M]:
