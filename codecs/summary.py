@@ -203,4 +203,5 @@ class SummaryCodec(Codec):
 
     def estimate_nbytes(self, signature: ModelSignature, n_tokens: int, batch: int = 1) -> int:
         """At most ``tokens`` token ids (8 bytes each) plus about 4 bytes of text per token."""
-        return batch * min(n_tokens, self.args["tokens"]) * 12
+        tokens: int = self.args["tokens"]
+        return batch * min(n_tokens, tokens) * 12

@@ -12,6 +12,7 @@ preemption, reservation deadlines) and what-if runs of policy settings.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import time
@@ -98,7 +99,7 @@ class Simulation:
     timings: list[PassTiming] = field(default_factory=list)
     pair_bytes: dict[tuple[str, tuple[str, ...]], float] = field(default_factory=dict)
     """Bytes sent per (src, dst) pair since the last `reset_counters`."""
-    _events: list[tuple[float, int, Callable[[], None]]] = field(default_factory=list)
+    _events: list[tuple[float, int, Callable[[], object]]] = field(default_factory=list)
     _seq: itertools.count = field(default_factory=itertools.count)
     _by_id: dict[str, SimTransfer] = field(default_factory=dict)
     _due: float | None = None
@@ -114,7 +115,7 @@ class Simulation:
         self.state.agents[name] = AgentState(name, role_priority=priority, last_seen=1e18)
         self.state.declare(name, link_bps, 0.0)
 
-    def _at(self, t: float, fn: Callable[[], None]) -> None:
+    def _at(self, t: float, fn: Callable[[], object]) -> None:
         heapq.heappush(self._events, (t, next(self._seq), fn))
 
     def submit(
@@ -263,7 +264,7 @@ class Simulation:
             self.policy.released(p)
             for src, dst, nbytes, _depth, extra in self._backlogs:
                 if (src, dst) == (t.src, t.dst) and t.tag == extra["tag"]:
-                    self._at(self.now + dt, lambda s=src, d=dst, n=nbytes, g=extra["tag"]: self.submit(s, d, n, tag=g))
+                    self._at(self.now + dt, functools.partial(self.submit, src, dst, nbytes, tag=extra["tag"]))
         if done:
             self._at(self.now + dt, self._pass)
 

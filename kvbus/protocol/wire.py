@@ -11,7 +11,7 @@ import enum
 import functools
 from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, fields, is_dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, overload
 
 import msgpack
 
@@ -23,6 +23,8 @@ PROTOCOL_VERSION = 1
 MAX_CONTROL_BYTES = 1 << 20
 
 M = TypeVar("M", bound="Message")
+M2 = TypeVar("M2", bound="Message")
+M3 = TypeVar("M3", bound="Message")
 
 
 def _default(obj: Any) -> Any:
@@ -162,7 +164,17 @@ OptFloat = (float, type(None))
 OptStr = (str, type(None))
 
 
-def decode_message(data: bytes | bytearray | memoryview, *types: type[M]) -> M:
+# One overload per arity, so that a caller of ``decode_message(data, Grant, Control)`` gets
+# ``Grant | Control`` (and narrows it with isinstance), not their common base.
+@overload
+def decode_message(data: bytes | bytearray | memoryview, t1: type[M], /) -> M: ...
+@overload
+def decode_message(data: bytes | bytearray | memoryview, t1: type[M], t2: type[M2], /) -> M | M2: ...
+@overload
+def decode_message(data: bytes | bytearray | memoryview, t1: type[M], t2: type[M2], t3: type[M3], /) -> M | M2 | M3: ...
+@overload
+def decode_message(data: bytes | bytearray | memoryview, *types: type[Message]) -> Message: ...
+def decode_message(data: bytes | bytearray | memoryview, *types: type[Message]) -> Message:
     """Decode a message that may be any of ``types`` (dispatch on its tag)."""
     names = {t.TYPE: t for t in types}
     body = unpackb(data, "/".join(names) + " message")
