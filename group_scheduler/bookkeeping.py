@@ -102,7 +102,8 @@ class WeightedBook:
             return state.bandwidth_bps
         if key == INTER:
             return state.inter_bps
-        return state.capacity(key[1])  # type: ignore[index]
+        assert isinstance(key, tuple), key  # the others are ("in" | "out", agent)
+        return state.capacity(key[1])
 
     @staticmethod
     def competes(state: GroupState, a: Pending, b: Pending) -> bool:

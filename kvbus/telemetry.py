@@ -80,21 +80,21 @@ def metrics_port() -> int | None:
 def _setup_tracing(name: str, env: Mapping[str, str]) -> None:
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
     protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
     endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
     if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcSpanExporter
 
-        exporter = OTLPSpanExporter(endpoint=endpoint or env.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+        exporter: SpanExporter = GrpcSpanExporter(endpoint=endpoint or env.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
     else:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # type: ignore[assignment]
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpSpanExporter
 
         # The generic endpoint is a base URL: the HTTP exporter appends the signal's path to it.
         if not endpoint and env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
             endpoint = env["OTEL_EXPORTER_OTLP_ENDPOINT"].rstrip("/") + "/v1/traces"
-        exporter = OTLPSpanExporter(endpoint=endpoint)
+        exporter = HttpSpanExporter(endpoint=endpoint)
     provider = TracerProvider(resource=Resource.create({"service.name": name}))
     provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
