@@ -21,6 +21,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGE = ROOT / "build" / "check"
+#: import-linter has no ``python -m`` entry; its console script may sit apart from the interpreter.
+LINT_IMPORTS = "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
 
 
 def stage() -> Path:
@@ -74,11 +76,11 @@ def main(argv: list[str]) -> int:
         stage()
         env = {**os.environ, "PYTHONPATH": str(STAGE)}
         if "imports" in wanted and run(
-            [str(Path(py).parent / "lint-imports"), "--no-logo", str(ROOT / "pyproject.toml")], cwd=STAGE, env=env
+            [py, "-c", LINT_IMPORTS, "--no-logo", str(ROOT / "pyproject.toml")], cwd=STAGE, env=env
         ):
             failed.append("imports")
-        # mypy runs inside the stage (from the root it crashes on redis' own annotations); its cache
-        # lives next to the stage, which is rebuilt on every run.
+        # mypy runs inside the stage, where `kvbus` is the staged tree and nothing else of the
+        # checkout is in sight; its cache (build/mypy-cache) survives the stage's rebuilds.
         mypy = [
             py,
             "-m",
