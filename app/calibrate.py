@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -180,10 +181,10 @@ def measure(
     full = get_codec("full")
     for w, ids in enumerate(wins):
         ctx, following = ids[:, :CONTEXT], ids[:, CONTEXT:]
-        t, kv = _best(lambda: runner.prefill(ctx), 1 if w else 2)
+        t, kv = _best(partial(runner.prefill, ctx), 1 if w else 2)
         prefill_s.append(t)
         if w < 2:
-            t, new = _best(lambda: runner.generate(kv, 16), 1)
+            t, new = _best(partial(runner.generate, kv, 16), 1)
             decode_s.append(t / max(1, new.shape[1]))
         ref = runner.score(kv, following)
         kv_bytes = sum(x.numel() * x.element_size() for x in kv.keys + kv.values)
@@ -192,9 +193,9 @@ def measure(
             codec = get_codec(spec)
             slow = spec.startswith(("summary", "lowrank", "tokens"))
             reps = (1 if quick else 2) if slow else repeats
-            t_enc, encoded = _best(lambda: codec.encode(kv, runner=runner), reps)
+            t_enc, encoded = _best(partial(codec.encode, kv, runner=runner), reps)
             wire = _wire(encoded)
-            t_dec, out = _best(lambda: codec.decode(wire, runner=runner), reps)
+            t_dec, out = _best(partial(codec.decode, wire, runner=runner), reps)
             logits = runner.score(out, following)
             kl, top1, dnll = compare(ref, logits, following)
             row = rows[spec]

@@ -84,14 +84,17 @@ class EmbeddedServer:
 
     @property
     def url(self) -> str:
+        """The URL clients connect to; each server kind says its scheme."""
         raise NotImplementedError
 
     @property
     def running(self) -> bool:
+        """Whether the process is alive (started, not stopped, not exited)."""
         return self._proc is not None and self._proc.poll() is None
 
     @property
     def pid(self) -> int | None:
+        """The process id, or None when the server is not started."""
         return self._proc.pid if self._proc else None
 
     def start(self, timeout: float = START_TIMEOUT) -> EmbeddedServer:
@@ -200,6 +203,7 @@ class NatsServer(EmbeddedServer):
         self.port = int(match.group(1))
 
     def start(self, timeout: float = START_TIMEOUT) -> NatsServer:
+        """Start nats-server (or restart it after `kill`, keeping its JetStream folder); return self."""
         # A restart (after kill) begins with a fresh log so we read the new "ready" line.
         self.logfile.unlink(missing_ok=True)
         super().start(timeout)
@@ -207,6 +211,7 @@ class NatsServer(EmbeddedServer):
 
     @property
     def url(self) -> str:
+        """``nats://127.0.0.1:<port>``; the port is the one the server reported once ready."""
         return f"nats://127.0.0.1:{self.port}"
 
 
@@ -248,12 +253,14 @@ class RedisServer(EmbeddedServer):
         return cmd
 
     def start(self, timeout: float = START_TIMEOUT) -> RedisServer:
+        """Start the Redis-protocol server (or restart it after `kill`); return self."""
         self.logfile.unlink(missing_ok=True)
         super().start(timeout)
         return self
 
     @property
     def url(self) -> str:
+        """``redis://[:password@]127.0.0.1:<port>/0``."""
         auth = f":{self.password}@" if self.password else ""
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
@@ -266,18 +273,21 @@ class LocalServers:
     ) -> None:
         self.nats: NatsServer | None = None if nats_url else NatsServer(extra_config=nats_extra_config)
         self.redis: RedisServer | None = None if redis_url else RedisServer()
-        self._nats_url = nats_url
-        self._redis_url = redis_url
+        self._nats_url = nats_url or ""
+        self._redis_url = redis_url or ""
 
     @property
     def nats_url(self) -> str:
-        return self._nats_url or self.nats.url  # type: ignore[union-attr]
+        """The NATS URL: the one given, else the embedded server's."""
+        return self.nats.url if self.nats is not None else self._nats_url
 
     @property
     def redis_url(self) -> str:
-        return self._redis_url or self.redis.url  # type: ignore[union-attr]
+        """The Redis URL: the one given, else the embedded server's."""
+        return self.redis.url if self.redis is not None else self._redis_url
 
     def start(self) -> LocalServers:
+        """Start the embedded servers not replaced by a given URL; stop them all if one fails."""
         try:
             if self.nats:
                 self.nats.start()
@@ -289,6 +299,7 @@ class LocalServers:
         return self
 
     def stop(self) -> None:
+        """Stop whichever embedded servers this pair started."""
         for server in (self.redis, self.nats):
             if server is not None:
                 server.stop()

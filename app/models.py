@@ -289,7 +289,9 @@ def random_model(
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(dtype).eval()
+        # transformers wraps PreTrainedModel.to with functools.wraps(nn.Module.to), so its
+        # annotations show the unbound signature (self first); the call itself is right.
+        model = LlamaForCausalLM(config).to(dtype).eval()  # type: ignore[arg-type]
     if name is None:
         # every argument that changes the weights goes into the name, so equal names mean equal weights
         key = repr((config.to_dict(), str(dtype), seed))

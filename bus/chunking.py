@@ -9,6 +9,7 @@ xxh3-128 hash over the chunk digests.
 from __future__ import annotations
 
 import bisect
+from typing import cast
 
 import torch
 import xxhash
@@ -139,7 +140,7 @@ class Reassembly:
             else:
                 target = self.buffers[b]
                 if target is None:
-                    target = self.buffers[b] = memoryview(torch.empty(self.plan.sizes[b], dtype=torch.uint8).numpy())
+                    target = self.buffers[b] = torch.empty(self.plan.sizes[b], dtype=torch.uint8).numpy().data
                 target[start:end] = view[offset : offset + n]
             offset += n
 
@@ -148,7 +149,7 @@ class Reassembly:
         missing = [i for i, b in enumerate(self.buffers) if b is None]
         if missing:
             raise RuntimeError(f"buffers {missing[:8]} were never filled")
-        return self.buffers  # type: ignore[return-value]
+        return cast(list[memoryview], self.buffers)  # none is None: checked above
 
 
 def split_inline(open_msg: Open, payload: memoryview) -> tuple[list[memoryview], str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from kvbus.config import from_env
 from kvbus.errors import ConfigError
@@ -69,6 +70,6 @@ class BusConfig:
                 raise ConfigError(f"{name} must be positive")
 
     @classmethod
-    def from_env(cls, **overrides: object) -> BusConfig:
+    def from_env(cls, **overrides: Any) -> BusConfig:
         """The defaults, overridden by ``KVBUS_BUS_<FIELD>`` variables, then by ``overrides``."""
         return from_env(cls, "bus", **overrides)

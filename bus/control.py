@@ -107,7 +107,7 @@ class OutgoingTable(dict):
         super().__setitem__(transfer_id, out)
         self._controls.attach(transfer_id, out)
 
-    def pop(self, transfer_id: str, *default: object) -> object:  # type: ignore[override]
+    def pop(self, transfer_id: str, *default: object) -> object:
         """Remove a finished transfer (and its early controls)."""
         self._controls.detach(transfer_id)
         return super().pop(transfer_id, *default)

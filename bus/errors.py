@@ -18,11 +18,16 @@ class BusClosed(BusError):
 
 
 class TransferError(BusError):
-    """A transfer failed; ``transfer_id`` names it and ``peer`` the other side, if known."""
+    """A transfer failed; ``transfer_id`` names it and ``peer`` the other side, if known.
+
+    ``failed`` maps each receiver that failed to its error (for a broadcast, the others were
+    delivered); it is empty when the transfer failed before any receiver was involved.
+    """
 
     def __init__(self, transfer_id: str, message: str, *, peer: str = "") -> None:
         self.transfer_id = transfer_id
         self.peer = peer
+        self.failed: dict[str, TransferError] = {}
         super().__init__(f"transfer {transfer_id}: {message}")
 
 

@@ -46,7 +46,7 @@ class ReceiverOutcome:
     """How one receiver's side of a transfer ended."""
 
     ok: bool = False
-    error: BaseException | None = None
+    error: TransferError | None = None
     decode_s: float = 0.0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -32,7 +33,9 @@ class TokenBucket:
     running stream's rate without the chunk in flight keeping the old one.
     """
 
-    def __init__(self, rate: float = 0.0, burst: float | None = None, clock=time.monotonic) -> None:
+    def __init__(
+        self, rate: float = 0.0, burst: float | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._clock = clock
         self.rate = float(rate)
         self.burst = float(burst) if burst is not None else 0.0

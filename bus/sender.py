@@ -161,7 +161,7 @@ class Sender:
                     self.sent_tokens[rx] = kv.tokens
             _record_send(send_span, ep.name, grant, out, encoded.nbytes, t0, t_grant, t_done, error)
             if error is not None:
-                error.failed = failed  # type: ignore[union-attr]
+                error.failed = failed
                 raise error
             return TransferReport(
                 transfer_id=transfer_id,
@@ -169,7 +169,7 @@ class Sender:
                 dst=tuple(receivers),
                 medium=grant.medium,
                 nbytes=encoded.nbytes,
-                context_bytes=kv.nbytes if kv.has_kv else kv.nbytes,
+                context_bytes=kv.nbytes,
                 chunks=out.stats.chunks_sent,
                 retransmits=out.stats.retransmits,
                 queued_s=t_grant - t0,
@@ -196,8 +196,8 @@ class Sender:
 
     def delta_base(self, receivers: list[str], kv: KVCache) -> KVCache | None:
         """A token-only context of what every receiver last got from this agent (None if they differ)."""
-        sent = [self.sent_tokens.get(rx) for rx in receivers]
-        if any(t is None for t in sent) or any(not torch.equal(t, sent[0]) for t in sent[1:]):
+        sent = [t for t in (self.sent_tokens.get(rx) for rx in receivers) if t is not None]
+        if len(sent) < len(receivers) or any(not torch.equal(t, sent[0]) for t in sent[1:]):
             return None
         return KVCache(tokens=sent[0], signature=kv.signature)
 

@@ -36,10 +36,12 @@ class Block:
 
     @property
     def resident(self) -> bool:
+        """Whether its KV is in memory (else only its token ids and, maybe, its stub are)."""
         return self.kv is not None
 
     @property
     def n_tokens(self) -> int:
+        """Tokens in the block."""
         return int(self.tokens.shape[-1])
 
     @property

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from kvbus.config import from_env
 from kvbus.errors import ConfigError
@@ -91,5 +92,6 @@ class CacheTierConfig:
         return int(self.budget_bytes * self.low_watermark)
 
     @classmethod
-    def from_env(cls, **overrides: object) -> CacheTierConfig:
+    def from_env(cls, **overrides: Any) -> CacheTierConfig:
+        """The defaults, overridden by ``KVBUS_CACHETIER_<FIELD>`` variables, then by ``overrides``."""
         return from_env(cls, "cachetier", **overrides)

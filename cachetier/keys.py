@@ -41,6 +41,7 @@ class BlockSpan:
 
     @property
     def n_tokens(self) -> int:
+        """Tokens the block covers (``stop - start``)."""
         return self.stop - self.start
 
 

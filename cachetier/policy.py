@@ -111,6 +111,7 @@ class UtilityPolicy(ShedPolicy):
         self.drop_below = drop_below
 
     def codec_for(self, block: BlockInfo) -> str:
+        """The one codec every offloaded block is stored with."""
         return self.codec
 
     def __repr__(self) -> str:

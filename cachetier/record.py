@@ -82,7 +82,7 @@ class Stub:
 
     def to_bytes(self) -> bytes:
         """The record's ``meta`` field."""
-        return msgpack.packb(
+        packed: bytes = msgpack.packb(
             {
                 "v": RECORD_VERSION,
                 "key": self.key,
@@ -97,6 +97,7 @@ class Stub:
             },
             use_bin_type=True,
         )
+        return packed
 
     @classmethod
     def from_bytes(cls, raw: object) -> Stub:

@@ -60,7 +60,9 @@ class RemoteStore:
         retry = Retry(
             ExponentialWithJitterBackoff(base=0.01, cap=0.5),
             config.retries,
-            supported_errors=(RedisConnectionError, RedisTimeoutError, OSError),
+            # redis.asyncio's Retry annotates supported_errors as RedisError types only, but it
+            # catches whatever types it is given; a bare OSError (socket level) must retry too.
+            supported_errors=(RedisConnectionError, RedisTimeoutError, OSError),  # type: ignore[arg-type]
         )
         try:
             self.client = aioredis.Redis.from_url(
@@ -180,6 +182,7 @@ class RemoteStore:
         return out
 
     async def close(self) -> None:
+        """Close the Redis connection pool."""
         await self.client.aclose()
 
 

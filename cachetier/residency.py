@@ -82,24 +82,29 @@ class Residency:
     # -- the block table ------------------------------------------------------------------------
 
     def resident(self, key: str) -> bool:
+        """Whether the block ``key`` is known and has its KV in memory."""
         block = self.blocks.get(key)
         return block is not None and block.resident
 
     def account(self, delta: int) -> None:
+        """Add ``delta`` bytes (negative frees) to the resident count and track the peak."""
         self.memory += delta
         if self.memory > self.stats.peak_memory_bytes:
             self.stats.peak_memory_bytes = self.memory
 
     def set_kv(self, block: Block, kv: KVCache | None) -> None:
+        """Give ``block`` its KV (None frees it), keeping the byte count right."""
         before = block.memory
         block.kv = kv
         self.account(block.memory - before)
 
     def add(self, block: Block) -> None:
+        """Put ``block`` in the table and count its bytes."""
         self.blocks[block.key] = block
         self.account(block.memory)
 
     def remove(self, block: Block) -> None:
+        """Take ``block`` out of the table and uncount its bytes (if it is still the one under its key)."""
         if self.blocks.get(block.key) is block:
             del self.blocks[block.key]
             self.account(-block.memory)
@@ -119,6 +124,7 @@ class Residency:
             self.set_kv(block, None)
 
     def touch(self, keys: Iterable[str]) -> None:
+        """Record an access to the known blocks among ``keys`` (for their decayed utility)."""
         now = self.clock()
         for key in keys:
             block = self.blocks.get(key)
@@ -126,9 +132,11 @@ class Residency:
                 block.usage.touch(now, self.policy.half_life)
 
     def pin(self, keys: Sequence[str]) -> None:
+        """Mark ``keys`` as in use: shedding leaves them alone until `unpin` (pins count)."""
         self.pins.update(keys)
 
     def unpin(self, keys: Sequence[str]) -> None:
+        """Undo one `pin` of ``keys``; a key at zero pins is forgotten."""
         self.pins.subtract(keys)
         for key in keys:
             if self.pins.get(key, 0) <= 0:
@@ -157,6 +165,7 @@ class Residency:
         return n
 
     def clear(self) -> None:
+        """Forget every block (resident or stub) and zero the resident byte count."""
         self.blocks.clear()
         self.memory = 0
 
@@ -249,6 +258,7 @@ class Residency:
         )
 
     def drop(self, blocks: list[Block]) -> None:
+        """Remove ``blocks`` without a remote copy, count them and tell the listener (``dropped``)."""
         for block in blocks:
             self.remove(block)
         self.stats.dropped += len(blocks)

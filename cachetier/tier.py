@@ -188,6 +188,7 @@ class CacheTier:
 
     @property
     def budget_bytes(self) -> int:
+        """The memory budget the watermarks are fractions of (from the config)."""
         return self.config.budget_bytes
 
     def __len__(self) -> int:
@@ -195,6 +196,7 @@ class CacheTier:
         return len(self._table.blocks)
 
     def resident_blocks(self) -> int:
+        """How many blocks have their KV in memory."""
         return sum(1 for b in self._table.blocks.values() if b.resident)
 
     def stubs(self) -> list[Stub]:

@@ -8,6 +8,8 @@ from typing import Any
 
 
 class Status(Enum):
+    """Lifecycle of a tier: open until `CacheTier.close`."""
+
     OPEN = "open"
     CLOSED = "closed"
 
@@ -52,6 +54,7 @@ class TierStats:
     """Highest resident byte count seen."""
 
     def to_dict(self) -> dict[str, Any]:
+        """The counters as a plain dict (for JSON reports and bench output)."""
         return asdict(self)
 
 

@@ -43,7 +43,7 @@ def as_bytes(t: torch.Tensor) -> memoryview:
     view keeps the tensor's storage alive.
     """
     flat = t.detach().contiguous().view(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
+    return flat.view(torch.uint8).numpy().data
 
 
 def buffer_address(buf: memoryview) -> int:
@@ -58,6 +58,8 @@ def byte_view(buf: object, codec: str) -> memoryview:
         DecodeError: ``buf`` is not a contiguous buffer.
     """
     try:
+        # `buf` is whatever the caller (or the wire) gave: memoryview() itself is the check, and
+        # its TypeError is turned into a DecodeError below.
         view = memoryview(buf)  # type: ignore[arg-type]
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")

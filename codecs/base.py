@@ -59,6 +59,7 @@ class Encoded:
 
     @property
     def sizes(self) -> list[int]:
+        """Byte length of each buffer, in wire order (what the receiver splits the payload by)."""
         return [b.nbytes for b in self.buffers]
 
     @classmethod
@@ -98,11 +99,12 @@ class Codec(ABC):
     checked before memory is allocated, and anything wrong raises a `CodecError` (usually
     `DecodeError`).
 
-    The ClassVars below are the class defaults; an instance may refine them (a composition is
-    lossless only if every stage is, and its fidelity comes from the calibration profile).
+    ``medium``, ``stage`` and ``params`` belong to the class; ``name``, ``lossless``, ``needs_kv``,
+    ``fidelity`` and ``cheap_decode`` are class defaults that an instance may refine (a composition
+    is lossless only if every stage is, and its fidelity comes from the calibration profile).
     """
 
-    name: ClassVar[str]
+    name: str
     """The medium name (class) or the canonical spec (instance)."""
     medium: ClassVar[str] = ""
     """The registered medium name of the class (``"topk"``)."""
@@ -110,12 +112,12 @@ class Codec(ABC):
     """Where it may appear in a composition: one of `STAGES`."""
     params: ClassVar[tuple[Param, ...]] = ()
     """Parameters a spec may set."""
-    lossless: ClassVar[bool] = False
-    needs_kv: ClassVar[bool] = True
+    lossless: bool = False
+    needs_kv: bool = True
     """False for media that carry no KV (the receiver recomputes)."""
-    fidelity: ClassVar[float] = 1.0
+    fidelity: float = 1.0
     """Fidelity factor of one hop: measured (calibration profile) if available, else this default."""
-    cheap_decode: ClassVar[bool] = False
+    cheap_decode: bool = False
     """True when decode only builds views (no pass over the data): run it on the event loop."""
 
     def __init__(self, *, inner: Codec | None = None, **args: Any) -> None:
@@ -128,14 +130,14 @@ class Codec(ABC):
         spec = render_stage(cls.medium, (), {})
         self.args: dict[str, Any] = bind_params(cls.params, Stage(cls.medium, (), tuple(args.items())), spec)
         self.inner = inner
-        self.name = render_stage(cls.medium, cls.params, self.args)  # type: ignore[misc]
+        self.name = render_stage(cls.medium, cls.params, self.args)
         if inner is not None:
-            self.name = f"{self.name}+{inner.name}"  # type: ignore[misc]
+            self.name = f"{self.name}+{inner.name}"
         if inner is not None:
-            self.lossless = cls.lossless and inner.lossless  # type: ignore[misc]
-            self.needs_kv = cls.needs_kv and inner.needs_kv  # type: ignore[misc]
-            self.cheap_decode = False  # type: ignore[misc]
-        self.fidelity = self._fidelity_factor()  # type: ignore[misc]
+            self.lossless = cls.lossless and inner.lossless
+            self.needs_kv = cls.needs_kv and inner.needs_kv
+            self.cheap_decode = False
+        self.fidelity = self._fidelity_factor()
 
     def _fidelity_factor(self) -> float:
         """The measured factor of this spec (or of this stage at default parameters) when the active

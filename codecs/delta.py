@@ -77,6 +77,9 @@ class DeltaCodec(Codec):
     lossless = True
     fidelity = 1.0
 
+    inner: Codec
+    """The wrapped codec (``full`` unless one is given): never None for a wrapper."""
+
     def __init__(self, *, inner: Codec | None = None, **args: Any) -> None:
         from kvbus.codecs.base import get_codec
 
@@ -95,7 +98,7 @@ class DeltaCodec(Codec):
         pos = kv_positions(kv)
         idx = torch.nonzero(pos >= p).view(-1)
         new = select_entries(kv, idx, tokens=kv.tokens[:, p:], offset=p)
-        inner = self.inner.encode(new, runner=runner)  # type: ignore[union-attr]
+        inner = self.inner.encode(new, runner=runner)
         meta = dict(inner.meta)
         meta[META_KEY] = {"prefix": p, "version": prefix_version(kv.tokens, p)}
         return Encoded(codec=self.name, meta=meta, buffers=inner.buffers, keepalive=inner.keepalive)
@@ -122,8 +125,8 @@ class DeltaCodec(Codec):
             Encoded(inner.name, inner_meta, encoded.buffers, encoded.keepalive),
             runner=None if not self.needs_kv else runner,
         )
-        if new.has_kv and self.inner.fidelity > 0:  # type: ignore[union-attr]
-            new.fidelity = min(1.0, new.fidelity / self.inner.fidelity * self.fidelity)  # type: ignore[union-attr]
+        if new.has_kv and self.inner.fidelity > 0:
+            new.fidelity = min(1.0, new.fidelity / self.inner.fidelity * self.fidelity)
         if p == 0:
             if version != prefix_version(new.tokens, 0):
                 raise DeltaBaseMismatch(f"version {version[:16]}... is not the empty prefix's")
@@ -181,4 +184,4 @@ class DeltaCodec(Codec):
 
     def estimate_nbytes(self, signature: ModelSignature, n_tokens: int, batch: int = 1) -> int:
         """The inner medium's size for all ``n_tokens`` (the new part is not known in advance)."""
-        return self.inner.estimate_nbytes(signature, n_tokens, batch)  # type: ignore[union-attr]
+        return self.inner.estimate_nbytes(signature, n_tokens, batch)

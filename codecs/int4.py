@@ -38,7 +38,8 @@ class Int4Codec(LayerwiseCodec):
     fidelity = 0.95
 
     def _key_group(self, seq_len: int) -> int:
-        return max(1, min(self.args["g"], seq_len))
+        group: int = self.args["g"]
+        return max(1, min(group, seq_len))
 
     def _groups(self, header: KVHeader) -> tuple[tuple[int, int], tuple[int, int]]:
         """``(axis, group)`` of the keys (groups of tokens) and of the values (groups of channels)."""
@@ -74,9 +75,10 @@ class Int4Codec(LayerwiseCodec):
         """Token ids, half a byte per KV element (keys padded to whole groups), scales and minimums."""
         item = signature.torch_dtype.itemsize
         h, d, s = signature.n_kv_heads, signature.head_dim, n_tokens
-        kg = max(1, min(self.args["g"], s))
+        group: int = self.args["g"]
+        kg = max(1, min(group, s))
         key_groups = -(-s // kg) if s else 0
-        vg = self.args["g"] if d % self.args["g"] == 0 else d
+        vg = group if d % group == 0 else d
         keys = (h * key_groups * kg * d + 1) // 2 + 2 * h * key_groups * d * item
         values = (h * s * d + 1) // 2 + 2 * h * s * (d // vg) * item
         return batch * (s * 8 + signature.n_layers * (keys + values))

@@ -37,6 +37,7 @@ def principal_basis(x: torch.Tensor, r: int) -> torch.Tensor:
     """
     if x.shape[1] <= EXACT_MAX_DIM:
         gram = x.T.double() @ x.double()
+        vecs: torch.Tensor
         _, vecs = torch.linalg.eigh(gram)
         return vecs[:, -r:].flip(1).float()
     with torch.random.fork_rng(devices=[]):

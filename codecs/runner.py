@@ -154,7 +154,9 @@ class HFRunner:
         base = getattr(self.model, "model", None)
         layers = getattr(base, "layers", None)
         rotary = getattr(base, "rotary_emb", None)
-        if layers is None or rotary is None or kv.positions is not None or kv.seq_len < 2 or not kv.has_kv:
+        if base is None or layers is None or rotary is None:
+            return None
+        if kv.positions is not None or kv.seq_len < 2 or not kv.has_kv:
             return None
         if not all(
             hasattr(layer, "input_layernorm") and hasattr(getattr(layer, "self_attn", None), "q_proj")
@@ -223,7 +225,8 @@ class HFRunner:
         positions = torch.arange(start, start + feed.shape[1]).unsqueeze(0).expand(feed.shape[0], -1)
         with torch.inference_mode():
             out = _forward(self.model, cache, input_ids=feed, position_ids=positions, use_cache=True, logits_to_keep=t)
-        return out.logits[:, -t:].float()
+        logits: torch.Tensor = out.logits[:, -t:].float()
+        return logits
 
     def generate(self, kv: KVCache, max_new_tokens: int, *, eos_token_id: int | None = None) -> torch.Tensor:
         """Greedy continuation of the context ``kv``.

@@ -65,6 +65,11 @@ class ModelSummarizer:
         self.prefix_ids = prefix_ids
 
     def summarize(self, kv: KVCache, runner: ModelRunner | None, max_tokens: int) -> tuple[torch.Tensor, str | None]:
+        """Append the instruction to the context, generate greedily and return the prefixed summary.
+
+        Raises:
+            SummaryUnavailable: no runner with ``generate``, or no tokenizer for a text that has no ids.
+        """
         if runner is None or not isinstance(runner, GeneratingRunner):
             raise SummaryUnavailable("the default summariser needs the sender's model runner (with generate)")
         tokenizer = getattr(runner, "tokenizer", None)
@@ -74,6 +79,8 @@ class ModelSummarizer:
         def ids(text: str, given: torch.Tensor | None) -> torch.Tensor:
             if given is not None:
                 return given.to(torch.int64).view(1, -1)
+            if tokenizer is None:  # instruction ids given, but the prefix is text
+                raise SummaryUnavailable("the sender's runner has no tokenizer to phrase the summary's prefix")
             return torch.tensor([tokenizer.encode(text, add_special_tokens=False)], dtype=torch.int64)
 
         batch = kv.batch
@@ -103,6 +110,7 @@ class TailSummarizer:
     """A model-free stand-in: the last ``max_tokens`` tokens of the context (for tests and token-only senders)."""
 
     def summarize(self, kv: KVCache, runner: ModelRunner | None, max_tokens: int) -> tuple[torch.Tensor, str | None]:
+        """The last ``max_tokens`` token ids of the context, and no text."""
         return kv.tokens[:, max(0, kv.n_tokens - max_tokens) :].to(torch.int64), None
 
 
@@ -149,7 +157,7 @@ class SummaryCodec(Codec):
         tensors = header.prefix_tensors(summary)
         meta = header.to_meta()
         meta[META_KEY] = {"source_tokens": kv.n_tokens}
-        buffers = encode_buffers(tensors) + [memoryview(raw)]
+        buffers = [*encode_buffers(tensors), memoryview(raw)]
         return Encoded(codec=self.name, meta=meta, buffers=buffers, keepalive=[*tensors, raw])
 
     def decode(self, encoded: Encoded, *, base: KVCache | None = None, runner: ModelRunner | None = None) -> KVCache:
@@ -195,4 +203,5 @@ class SummaryCodec(Codec):
 
     def estimate_nbytes(self, signature: ModelSignature, n_tokens: int, batch: int = 1) -> int:
         """At most ``tokens`` token ids (8 bytes each) plus about 4 bytes of text per token."""
-        return batch * min(n_tokens, self.args["tokens"]) * 12
+        tokens: int = self.args["tokens"]
+        return batch * min(n_tokens, tokens) * 12

@@ -93,6 +93,9 @@ class TopKCodec(Codec):
     lossless = False
     fidelity = 0.7
 
+    inner: Codec
+    """The wrapped codec (``full`` unless one is given): never None for a wrapper."""
+
     def __init__(self, *, inner: Codec | None = None, **args: Any) -> None:
         from kvbus.codecs.base import get_codec
 
@@ -134,7 +137,7 @@ class TopKCodec(Codec):
         """
         kv.validate()
         sparse, how = self.select(kv, runner)
-        inner = self.inner.encode(sparse, runner=runner)  # type: ignore[union-attr]
+        inner = self.inner.encode(sparse, runner=runner)
         meta = dict(inner.meta)
         meta[META_KEY] = {"of": kv.seq_len, "score": how}
         return Encoded(codec=self.name, meta=meta, buffers=inner.buffers, keepalive=inner.keepalive)
@@ -153,18 +156,19 @@ class TopKCodec(Codec):
             Encoded(
                 self.inner.name,
                 inner_meta,
-                encoded.buffers,  # type: ignore[union-attr]
+                encoded.buffers,
                 encoded.keepalive,
             ),
             runner=runner,
         )
         check_positions(out, self.name)
         if out.has_kv:
-            out.fidelity = min(1.0, out.fidelity / self.inner.fidelity * self.fidelity)  # type: ignore[union-attr]
+            out.fidelity = min(1.0, out.fidelity / self.inner.fidelity * self.fidelity)
         return out
 
     def estimate_nbytes(self, signature: ModelSignature, n_tokens: int, batch: int = 1) -> int:
         """The inner codec's size for the kept entries, the positions, and every token id."""
-        kept = min(n_tokens, math.ceil(self.args["keep"] * n_tokens))
-        inner = self.inner.estimate_nbytes(signature, kept, batch)  # type: ignore[union-attr]
+        keep: float = self.args["keep"]
+        kept = min(n_tokens, math.ceil(keep * n_tokens))
+        inner = self.inner.estimate_nbytes(signature, kept, batch)
         return inner + batch * (n_tokens - kept) * 8 + kept * 8

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from kvbus.config import from_env
 from kvbus.errors import ConfigError
@@ -34,5 +35,6 @@ class CoordinatorConfig:
             raise ConfigError("reservable_fraction must be in (0, 1]")
 
     @classmethod
-    def from_env(cls, **overrides: object) -> CoordinatorConfig:
+    def from_env(cls, **overrides: Any) -> CoordinatorConfig:
+        """The defaults, overridden by ``KVBUS_COORDINATOR_<FIELD>`` variables, then by ``overrides``."""
         return from_env(cls, "coordinator", **overrides)

@@ -2,9 +2,9 @@
 
 `WeightedPolicy` does not scan ``state.queue`` on a pass: it keeps queued transfers per pair
 (`PairQueues`), the running ones with their weights and resources, the per-resource weight
-sums and a heap of waiting times. The index (and which resources a transfer's weight loads) follows the state by the `SchedulingPolicy` hooks
-its driver calls (`queued`, `withdrawn`, `released`) and by the policy's own decisions, never
-by comparing copies of the state.
+sums and a heap of waiting times. The index (and which resources a transfer's weight loads)
+follows the state by the `SchedulingPolicy` hooks its driver calls (`queued`, `withdrawn`,
+`released`) and by the policy's own decisions, never by comparing copies of the state.
 
 Arrivals are indexed at the start of the next pass (`_catch_up`), not inside `queued`: a pair's
 role priorities and running count are taken at the moment the policy first looks at the
@@ -102,7 +102,8 @@ class WeightedBook:
             return state.bandwidth_bps
         if key == INTER:
             return state.inter_bps
-        return state.capacity(key[1])  # type: ignore[index]
+        assert isinstance(key, tuple), key  # the others are ("in" | "out", agent)
+        return state.capacity(key[1])
 
     @staticmethod
     def competes(state: GroupState, a: Pending, b: Pending) -> bool:
@@ -168,10 +169,7 @@ class WeightedBook:
         self._special.pop(tid, None)
 
     def _run(self, state: GroupState, p: Pending, now: float, rp: float | None = None) -> Run:
-        if p.request.critical or p.deadline_at is not None:
-            u = self.urgency.urgency(p, now, running=True)
-        else:
-            u = self._u0
+        u = self.urgency.urgency(p, now, running=True) if p.request.critical or p.deadline_at is not None else self._u0
         w = (self._rp(state, p) if rp is None else rp) + u
         run = Run(p, u, w, self.resources(state, p))
         self._runs[p.transfer_id] = run

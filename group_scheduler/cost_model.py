@@ -13,9 +13,10 @@
 
 Memory pressure on B (its reported cache bytes over its budget's watermark) adds a penalty per
 byte it must hold (the payload while it arrives, then the decoded KV), so a pressed receiver
-prefers compact payloads and, where available, media that leave less resident (sparse, summary). The figures per medium come from
-the calibration profile (`kvbus calibrate`), never from constants here; the defaults below are
-only a fallback when no profile can be loaded, and are labelled as such in every decision.
+prefers compact payloads and, where available, media that leave less resident (sparse, summary).
+The figures per medium come from the calibration profile (`kvbus calibrate`), never from
+constants here; the defaults below are only a fallback when no profile can be loaded, and are
+labelled as such in every decision.
 """
 
 from __future__ import annotations
@@ -132,9 +133,11 @@ class Estimate:
 
     @property
     def total_s(self) -> float:
+        """Predicted end-to-end seconds (communication + computation + the fidelity penalty); inf if unusable."""
         return self.comm_s + self.comp_s + self.loss_s if self.usable else math.inf
 
     def as_dict(self) -> dict[str, Any]:
+        """The estimate as a JSON-ready dict (seconds rounded to microseconds), as decisions report it."""
         return {
             "medium": self.medium,
             "bytes": self.nbytes,
@@ -256,14 +259,10 @@ class CostModel:
         if delta and base_tokens <= 0:
             return Estimate(medium, 0, 0, 0, 0, fig.fidelity, usable=False, why_not="receiver holds no base")
         new_tokens = max(0, n_tokens - base_tokens) if delta else n_tokens
-        share = new_tokens / n_tokens if n_tokens else 0.0
         per_token_bytes = kv_bytes / n_tokens if n_tokens else 0.0
         kind = base_medium(medium)
         if not fig.needs_kv:
-            if kind == "summary":
-                nbytes = 8 * max(1, fig.summary_tokens)
-            else:
-                nbytes = 8 * new_tokens
+            nbytes = 8 * max(1, fig.summary_tokens) if kind == "summary" else 8 * new_tokens
             raw = 0.0
         else:
             raw = per_token_bytes * new_tokens
@@ -285,10 +284,7 @@ class CostModel:
         fidelity = fig.fidelity
         loss = cfg.loss_weight * cfg.output_tokens * (1.0 - fidelity) * receiver.model.decode_token_s
         # What B must hold: the payload while it arrives, then the decoded KV.
-        if kind == "summary":
-            resident = per_token_bytes * fig.summary_tokens
-        else:
-            resident = kv_bytes * fig.resident_fraction
+        resident = per_token_bytes * fig.summary_tokens if kind == "summary" else kv_bytes * fig.resident_fraction
         comp += cfg.memory_penalty_s_per_gb * receiver.memory_pressure * (nbytes + resident) / 1e9
         bias = self.bias.get(medium, 1.0)
         return Estimate(medium, nbytes, comm * bias, comp * bias, loss, fidelity)
@@ -374,4 +370,5 @@ def _free(load: float) -> float:
 
 
 def with_model(endpoint: Endpoint, model: ModelCosts) -> Endpoint:
+    """``endpoint`` with its model-cost figures replaced by ``model``."""
     return replace(endpoint, model=model)

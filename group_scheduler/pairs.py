@@ -90,6 +90,7 @@ class PairQueues:
         return slot
 
     def remove(self, p: Pending) -> None:
+        """Take ``p`` out of its pair's queue; a pair left empty frees its slot."""
         slot = self.slots[p.pair]
         queue = self.queues[slot]
         was_head = queue[0] is p
@@ -112,6 +113,7 @@ class PairQueues:
             self.special_heads.discard(slot)
 
     def head(self, slot: int) -> Pending:
+        """The oldest queued transfer of ``slot``'s pair (the next it would start)."""
         return self.queues[slot][0]
 
     def set_running(self, pair: Pair, count: int, since: float) -> None:
@@ -124,6 +126,7 @@ class PairQueues:
             self._w_stale.add(slot)
 
     def waiting_since(self, pair: Pair) -> float:
+        """Since when ``pair`` has waited with nothing running; inf if it has no queued work."""
         slot = self.slots.get(pair)
         return float(self.since[slot]) if slot is not None else float("inf")
 
@@ -162,5 +165,6 @@ class PairQueues:
         return w
 
     def weight(self, slot: int, now: float, model: UrgencyModel) -> float:
+        """W_ij of one slot: its role priorities plus the urgency of its oldest queued transfer."""
         since = float(self.since[slot])
         return float(self.rp[slot] + model.urgency(self.queues[slot][0], now, since=min(since, now)))

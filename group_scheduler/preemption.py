@@ -5,9 +5,9 @@ running one's. It pauses those it outranks that share a resource with it (sender
 receiver ingress, the group budget) and have sent less than ``threshold`` of their bytes.
 Only the sender knows exactly how much it has sent, so the pause goes to it as a conditional
 request (`Control.max_fraction` = ``threshold``): it pauses at the next chunk boundary if it is
-below the threshold and declines otherwise; a transfer that declined is never asked again. A paused transfer resumes from the first chunk it had not sent
-once every transfer that preempted it is done (or after ``max_pause_s``); nothing it already
-sent goes again.
+below the threshold and declines otherwise; a transfer that declined is never asked again. A
+paused transfer resumes from the first chunk it had not sent once every transfer that preempted
+it is done (or after ``max_pause_s``); nothing it already sent goes again.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ class ThresholdPreemption(PreemptionStrategy):
     (checked by the sender)."""
 
     def victims(self, urgency_new: float, running: Iterable[tuple[Pending, float]], now: float) -> list[Pending]:
+        """The running transfers it outranks, except paused, unpreemptible and reserved ones."""
         out = []
         for p, u in running:
             if p.paused or p.unpreemptible or p.reservation:
@@ -60,4 +61,5 @@ class NoPreemption(PreemptionStrategy):
     """Never pause anything (urgent transfers still jump the queue and get their weighted share)."""
 
     def victims(self, urgency_new: float, running: Iterable[tuple[Pending, float]], now: float) -> list[Pending]:
+        """None, ever."""
         return []

@@ -74,7 +74,7 @@ class WeightedRates(WeightedBook):
 
     def allocate(self, state: GroupState, now: float) -> dict[str, float]:
         """Weighted max-min rates of every running transfer (reserved ones at their reserved rate)."""
-        flows: list[Flow] = []
+        flows: list[Flow[str]] = []
         caps: dict[Hashable, float] = {}
         rates: dict[str, float] = {}
         deadline_flows = False
@@ -102,7 +102,7 @@ class WeightedRates(WeightedBook):
             full = caps[key]
             caps[key] = max(full - held.get(key, 0.0), 0.01 * full, MIN_RATE_BPS)
         for key, rate in weighted_max_min(flows, caps).items():
-            rates[key] = rate if rate <= 0 else max(rate, MIN_RATE_BPS)  # type: ignore[index]
+            rates[key] = rate if rate <= 0 else max(rate, MIN_RATE_BPS)
         # Rebuild the load sums exactly (deadline weights moved, float error accumulated).
         fresh: dict[Hashable, float] = {}
         self._load = fresh

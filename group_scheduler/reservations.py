@@ -66,6 +66,7 @@ class Reservation:
 
     @property
     def key(self) -> tuple[str, frozenset[str]]:
+        """``(src, frozenset(dst))``: one reservation per flow; a new one for the same flow replaces it."""
         return self.src, frozenset(self.dst)
 
     def window_open(self, now: float, lead_s: float) -> bool:
@@ -103,6 +104,7 @@ class Reservation:
         return self.next_start + self.deadline_s
 
     def message(self, group: str) -> FlowReservation:
+        """The reservation as the wire/KV record of group ``group`` (what is persisted and replayed)."""
         return FlowReservation(
             reservation_id=self.reservation_id,
             src=self.src,
@@ -116,6 +118,7 @@ class Reservation:
 
     @classmethod
     def from_message(cls, msg: FlowReservation, now: float) -> Reservation:
+        """Rebuild a reservation from its record; its first instance is expected at ``now``."""
         return cls(
             msg.reservation_id,
             msg.src,
@@ -170,6 +173,11 @@ class LocalAdmission(AdmissionControl):
         self.headroom = headroom
 
     def check(self, r: Reservation, table: ReservationTable, state: GroupState) -> Admission:
+        """Check ``r`` against the group budget and its agents' declared capacities, without I/O.
+
+        Refused (MALFORMED) when period, deadline or size is not positive and finite or the deadline is
+        longer than the period; refused (REFUSED) when its rate does not fit next to the others.
+        """
         if not all(0 < x < math.inf for x in (r.period_s, r.deadline_s, r.size_bytes)):
             return Admission(False, "period, deadline and size must all be positive and finite", code=Reason.MALFORMED)
         if r.deadline_s > r.period_s:
@@ -209,6 +217,7 @@ class LocalAdmission(AdmissionControl):
         return Admission(True, f"admitted: {_mbit(rate)} set aside in its windows", rate)
 
     async def admit(self, reservation: Reservation, table: ReservationTable, state: GroupState) -> Admission:
+        """The local check (`check`) alone."""
         return self.check(reservation, table, state)
 
 
@@ -281,12 +290,15 @@ class ReservationTable:
         return len(self._by_id)
 
     def all(self) -> list[Reservation]:
+        """Every admitted reservation."""
         return list(self._by_id.values())
 
     def get(self, reservation_id: str) -> Reservation | None:
+        """The reservation ``reservation_id``, or None."""
         return self._by_id.get(reservation_id)
 
     def add(self, r: Reservation) -> None:
+        """Admit ``r`` into the table; an older reservation of the same flow (`Reservation.key`) is replaced."""
         old = self._by_key.get(r.key)
         if old is not None and old.reservation_id != r.reservation_id:
             self._by_id.pop(old.reservation_id, None)
@@ -294,6 +306,7 @@ class ReservationTable:
         self._by_key[r.key] = r
 
     def remove(self, reservation_id: str) -> Reservation | None:
+        """Forget ``reservation_id``; returns the reservation, or None if unknown."""
         r = self._by_id.pop(reservation_id, None)
         if r is not None and self._by_key.get(r.key) is r:
             del self._by_key[r.key]
@@ -315,5 +328,6 @@ class ReservationTable:
         return out
 
     def next_event(self, now: float) -> float | None:
+        """Monotonic time the next reservation window opens or closes, or None without reservations."""
         times = [r.next_event(now, self.lead_s) for r in self._by_id.values()]
         return min(times) if times else None

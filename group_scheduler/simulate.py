@@ -12,6 +12,7 @@ preemption, reservation deadlines) and what-if runs of policy settings.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import time
@@ -30,6 +31,7 @@ class FixedSelector(MediumSelector):
     """Always ``full``: keeps medium selection (the cost model's business) out of a policy measurement."""
 
     def choose(self, state: GroupState, pending: Pending) -> tuple[str, str]:
+        """``full``, with ``fixed`` as the reason."""
         return "full", "fixed"
 
 
@@ -56,10 +58,12 @@ class SimTransfer:
 
     @property
     def latency_s(self) -> float | None:
+        """Arrival to completion, in simulated seconds (None until done)."""
         return None if self.done_at is None else self.done_at - self.arrive_at
 
     @property
     def queue_s(self) -> float | None:
+        """Arrival to grant, in simulated seconds (None until granted)."""
         return None if self.granted_at is None else self.granted_at - self.arrive_at
 
 
@@ -76,6 +80,7 @@ class PassTiming:
 
     @property
     def seconds(self) -> float:
+        """CPU seconds of the pass (decide + adjust)."""
         return self.decide_s + self.adjust_s
 
 
@@ -94,7 +99,7 @@ class Simulation:
     timings: list[PassTiming] = field(default_factory=list)
     pair_bytes: dict[tuple[str, tuple[str, ...]], float] = field(default_factory=dict)
     """Bytes sent per (src, dst) pair since the last `reset_counters`."""
-    _events: list[tuple[float, int, Callable[[], None]]] = field(default_factory=list)
+    _events: list[tuple[float, int, Callable[[], object]]] = field(default_factory=list)
     _seq: itertools.count = field(default_factory=itertools.count)
     _by_id: dict[str, SimTransfer] = field(default_factory=dict)
     _due: float | None = None
@@ -106,10 +111,11 @@ class Simulation:
     # -- setup ---------------------------------------------------------------------------------
 
     def agent(self, name: str, *, priority: float = 1.0, link_bps: float = 0.0) -> None:
+        """Add agent ``name`` with a role priority and a declared link (0: unknown); it never expires."""
         self.state.agents[name] = AgentState(name, role_priority=priority, last_seen=1e18)
         self.state.declare(name, link_bps, 0.0)
 
-    def _at(self, t: float, fn: Callable[[], None]) -> None:
+    def _at(self, t: float, fn: Callable[[], object]) -> None:
         heapq.heappush(self._events, (t, next(self._seq), fn))
 
     def submit(
@@ -152,12 +158,14 @@ class Simulation:
         deadline_s: float | None = None,
         tag: str = "",
     ) -> None:
+        """Submit one transfer every ``period_s`` from ``start`` until ``until`` (critical by default)."""
         t = start
         while t < until:
             self.submit(src, dst, nbytes, at=t, critical=critical, deadline_s=deadline_s, tag=tag)
             t += period_s
 
     def reset_counters(self) -> None:
+        """Forget the per-pair byte counts (start a new measurement window)."""
         self.pair_bytes.clear()
 
     # -- mechanics -----------------------------------------------------------------------------
@@ -256,7 +264,7 @@ class Simulation:
             self.policy.released(p)
             for src, dst, nbytes, _depth, extra in self._backlogs:
                 if (src, dst) == (t.src, t.dst) and t.tag == extra["tag"]:
-                    self._at(self.now + dt, lambda s=src, d=dst, n=nbytes, g=extra["tag"]: self.submit(s, d, n, tag=g))
+                    self._at(self.now + dt, functools.partial(self.submit, src, dst, nbytes, tag=extra["tag"]))
         if done:
             self._at(self.now + dt, self._pass)
 

@@ -35,6 +35,7 @@ class AgentState:
     """Monotonic time of the last ``shed`` hint sent to it."""
 
     def update(self, probe: Probe, now: float | None = None) -> None:
+        """Take the figures of ``probe``; the agent is seen (at ``now``) and up."""
         self.queue_size = probe.queue_size
         self.cache_bytes = probe.cache_bytes
         self.compute_load = probe.compute_load
@@ -54,6 +55,7 @@ class LinkEstimate:
     """Samples older than this are forgotten (links change; an unused estimate goes stale)."""
 
     def observe(self, nbytes: int, seconds: float, now: float | None = None) -> None:
+        """Add a sample of ``nbytes`` sent in ``seconds`` (ignored unless both are positive)."""
         if nbytes > 0 and seconds > 0:
             self.samples.append((float(nbytes), float(seconds), time.monotonic() if now is None else now))
 
@@ -73,6 +75,7 @@ class LinkEstimate:
 
     @property
     def known(self) -> bool:
+        """Whether there is any sample younger than ``max_age_s``."""
         return bool(self._fresh())
 
 
@@ -108,14 +111,17 @@ class Pending:
 
     @property
     def transfer_id(self) -> str:
+        """The request's transfer id."""
         return self.request.transfer_id
 
     @property
     def src(self) -> str:
+        """The sender's name."""
         return self.request.src
 
     @cached_property
     def dst(self) -> tuple[str, ...]:
+        """The receivers' names, in request order."""
         return tuple(self.request.dst)
 
     @cached_property
@@ -164,6 +170,7 @@ class GroupState:
         return any(rx in self.remote for rx in p.dst)
 
     def on_probe(self, probe: Probe, now: float | None = None) -> AgentState:
+        """Record a probe: the agent's figures, liveness and declared link; returns its state."""
         agent = self.agents.setdefault(probe.agent, AgentState(probe.agent))
         if agent.down:
             self.n_down -= 1
@@ -183,13 +190,16 @@ class GroupState:
                 self.links[key].samples.clear()
 
     def link(self, src: str, dst: str) -> LinkEstimate:
+        """The bandwidth estimate of the ``src`` -> ``dst`` link (created empty on first use)."""
         return self.links.setdefault((src, dst), LinkEstimate())
 
     def declared_bandwidth(self, src: str, dst: str) -> float:
+        """The lower of the declared capacities of ``src`` and ``dst``, bytes/s (0: neither declared one)."""
         rates = [r for r in (self.declared.get(src, (0.0, 0.0))[0], self.declared.get(dst, (0.0, 0.0))[0]) if r > 0]
         return min(rates) if rates else 0.0
 
     def declared_latency(self, src: str, dst: str) -> float:
+        """The sum of the one-way latencies ``src`` and ``dst`` declared, seconds."""
         return self.declared.get(src, (0.0, 0.0))[1] + self.declared.get(dst, (0.0, 0.0))[1]
 
     def role_priority(self, name: str) -> float:
@@ -227,6 +237,7 @@ class GroupState:
         return gone
 
     def is_down(self, name: str) -> bool:
+        """Whether agent ``name`` is known and marked down."""
         agent = self.agents.get(name)
         return agent is not None and agent.down
 

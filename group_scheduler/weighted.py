@@ -266,7 +266,7 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
         """Pause the running transfers ``p`` outranks among those it competes with."""
         others: list[tuple[Pending, float]] = []
         mine: list[tuple[Pending, float]] = []
-        for tid, run in self._runs.items():
+        for run in self._runs.values():
             f = run.pending
             if f is p or not self.competes(state, p, f):
                 continue

@@ -40,6 +40,7 @@ class SmoothWRR(PairPicker):
             self.current = np.concatenate([self.current, np.zeros(max(n, 2 * len(self.current)) - len(self.current))])
 
     def pick(self, weights: np.ndarray, eligible: np.ndarray) -> int:
+        """Add each eligible slot's weight to its credit; the slot with the most credit wins and pays the total."""
         n = len(weights)
         self._grow(n)
         if n > len(self._masked):
@@ -55,6 +56,7 @@ class SmoothWRR(PairPicker):
         return best
 
     def reset(self, slot: int) -> None:
+        """Zero ``slot``'s credit."""
         self._grow(slot + 1)
         self.current[slot] = 0.0
 

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvbus.errors import ConfigError
 
 ENV_PREFIX = "KVBUS_"
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 
 def from_env(cls: type[T], prefix: str, environ: dict[str, str] | None = None, **overrides: Any) -> T:
@@ -21,7 +24,7 @@ def from_env(cls: type[T], prefix: str, environ: dict[str, str] | None = None, *
     """
     env = os.environ if environ is None else environ
     values: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+    for f in dataclasses.fields(cls):
         key = f"{ENV_PREFIX}{prefix}_{f.name}".upper()
         if key in env:
             values[f.name] = _parse(key, env[key], f.type)

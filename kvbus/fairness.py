@@ -24,26 +24,29 @@ from __future__ import annotations
 import heapq
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 __all__ = ["Flow", "fair_shares", "weighted_max_min"]
 
+K = TypeVar("K", bound=Hashable)
+
 
 @dataclass(frozen=True, slots=True)
-class Flow:
+class Flow(Generic[K]):
     """One flow to allocate: its key, weight and the resources it crosses."""
 
-    key: Hashable
+    key: K
     weight: float
     resources: tuple[Hashable, ...]
 
 
-def weighted_max_min(flows: Sequence[Flow], capacity: Mapping[Hashable, float]) -> dict[Hashable, float]:
+def weighted_max_min(flows: Sequence[Flow[K]], capacity: Mapping[Hashable, float]) -> dict[K, float]:
     """Rates for ``flows`` under ``capacity``; resources missing from ``capacity`` are unlimited.
 
     Returns a rate for every flow's key; 0 for flows that cross no finite resource.
     """
     n = len(flows)
-    rates: dict[Hashable, float] = {}
+    rates: dict[K, float] = {}
     weight = [max(f.weight, 1e-9) for f in flows]
     uses: list[list[Hashable]] = [[r for r in f.resources if r in capacity] for f in flows]
     users: dict[Hashable, list[int]] = {}

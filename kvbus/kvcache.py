@@ -47,14 +47,17 @@ class KVCache:
 
     @property
     def n_layers(self) -> int:
+        """Number of layers with KV (0 for a token-only context)."""
         return len(self.keys)
 
     @property
     def batch(self) -> int:
+        """Batch size (rows of ``tokens``)."""
         return int(self.tokens.shape[0])
 
     @property
     def n_tokens(self) -> int:
+        """Number of token ids per row (may exceed `seq_len` after sparsification)."""
         return int(self.tokens.shape[-1])
 
     @property
@@ -64,6 +67,7 @@ class KVCache:
 
     @property
     def dtype(self) -> torch.dtype:
+        """The KV tensors' dtype; the signature's dtype for a token-only context."""
         return self.keys[0].dtype if self.keys else self.signature.torch_dtype
 
     @property
@@ -129,6 +133,7 @@ class KVCache:
         return replace(self, keys=[k.to(dtype) for k in self.keys], values=[v.to(dtype) for v in self.values])
 
     def clone(self) -> KVCache:
+        """A deep copy: every tensor cloned, so the copy can be modified without touching this one."""
         return replace(
             self,
             tokens=self.tokens.clone(),

@@ -50,7 +50,9 @@ class Reason(StrEnum):
     @classmethod
     def parse(cls, value: object) -> Reason:
         """The code for a wire value; an unknown one is `OTHER` (a peer newer than this side)."""
-        try:
-            return cls(value)
-        except ValueError:
-            return cls.OTHER
+        if isinstance(value, str):
+            try:
+                return cls(value)
+            except ValueError:
+                pass
+        return cls.OTHER

@@ -49,6 +49,7 @@ class Credentials:
     coordinator: tuple[str, str] = ("", "")
 
     def url_for(self, base_url: str, user: str, password: str) -> str:
+        """``base_url`` with ``user:password@`` inserted after the scheme."""
         scheme, rest = base_url.split("://", 1)
         return f"{scheme}://{user}:{password}@{rest}"
 
@@ -72,6 +73,7 @@ class Credentials:
         return {"user": user, "password": password, "inbox_prefix": "_INBOX.coord"}
 
     def to_dict(self) -> dict[str, Any]:
+        """The credentials as JSON-ready data (what `save_credentials` writes)."""
         return {
             "agents": {k: list(v) for k, v in self.agents.items()},
             "schedulers": {k: list(v) for k, v in self.schedulers.items()},
@@ -80,11 +82,12 @@ class Credentials:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Credentials:
+        """Credentials from `to_dict`'s data (missing roles are empty)."""
         return cls(
             agents={k: (v[0], v[1]) for k, v in data.get("agents", {}).items()},
             schedulers={k: (v[0], v[1]) for k, v in data.get("schedulers", {}).items()},
             coordinator=tuple(data.get("coordinator", ("", ""))),
-        )  # type: ignore[arg-type]
+        )
 
     def __repr__(self) -> str:
         # Never show passwords (in logs, tracebacks, debuggers).
@@ -111,6 +114,7 @@ def load_credentials(path: Path) -> Credentials:
 
 
 def agent_permissions(grant: AgentGrant) -> dict[str, object]:
+    """The nats-server permissions of one agent: its own scheduler subjects, inboxes, data and broadcasts."""
     a, g = check_name("agent", grant.name), check_name("group", grant.group)
     subscribe = [f"kvbus.agent.{a}.>", f"_INBOX.{a}.>"]
     subscribe += [f"kvbus.bcast.{check_name('agent', s)}.>" for s in grant.broadcasts_from]
@@ -131,6 +135,7 @@ def agent_permissions(grant: AgentGrant) -> dict[str, object]:
 
 
 def scheduler_permissions(group: str) -> dict[str, object]:
+    """The nats-server permissions of ``group``'s scheduler: its group's subjects, the directory and its buckets."""
     g = check_name("group", group)
     return {
         "publish": {
@@ -157,6 +162,7 @@ def scheduler_permissions(group: str) -> dict[str, object]:
 
 
 def coordinator_permissions() -> dict[str, object]:
+    """The nats-server permissions of the coordinator: its request subjects and its KV bucket."""
     return {
         "publish": {"allow": ["$JS.API.>", "$KV.kvbus_coord.>", "_INBOX.coord.>"]},
         "subscribe": {"allow": ["kvbus.coord.>", "_INBOX.coord.>", "$KV.kvbus_coord.>"]},

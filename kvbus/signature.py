@@ -86,6 +86,7 @@ class ModelSignature:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """The torch dtype named by ``dtype``."""
         return DTYPES[self.dtype]
 
     def compatible_with(self, other: ModelSignature) -> bool:
@@ -109,6 +110,7 @@ class ModelSignature:
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.torch_dtype.itemsize
 
     def to_dict(self) -> dict[str, Any]:
+        """The signature as a plain dict (the wire and directory form)."""
         return asdict(self)
 
     @classmethod

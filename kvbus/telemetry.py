@@ -41,6 +41,7 @@ MESSAGE_BODY_SIZE = "messaging.message.body.size"
 
 
 def tracing_configured(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the environment names an OTLP endpoint for traces (and does not disable the SDK)."""
     env = os.environ if environ is None else environ
     return bool(env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")) and (
         env.get("OTEL_SDK_DISABLED", "").lower() != "true"
@@ -79,21 +80,21 @@ def metrics_port() -> int | None:
 def _setup_tracing(name: str, env: Mapping[str, str]) -> None:
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
     protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
     endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
     if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcSpanExporter
 
-        exporter = OTLPSpanExporter(endpoint=endpoint or env.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+        exporter: SpanExporter = GrpcSpanExporter(endpoint=endpoint or env.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
     else:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # type: ignore[assignment]
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpSpanExporter
 
         # The generic endpoint is a base URL: the HTTP exporter appends the signal's path to it.
         if not endpoint and env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
             endpoint = env["OTEL_EXPORTER_OTLP_ENDPOINT"].rstrip("/") + "/v1/traces"
-        exporter = OTLPSpanExporter(endpoint=endpoint)
+        exporter = HttpSpanExporter(endpoint=endpoint)
     provider = TracerProvider(resource=Resource.create({"service.name": name}))
     provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
@@ -223,6 +224,7 @@ def span(
 
 
 def fail(s: Span, exc: BaseException) -> None:
+    """Mark span ``s`` as failed with ``exc``'s message."""
     s.set_status(Status(StatusCode.ERROR, str(exc)))
 
 
@@ -280,22 +282,27 @@ class CacheMetrics:
             hook(keys)
 
     def offloaded(self, keys: list[str]) -> None:
+        """Count blocks written to the remote tier and forward to the wrapped listener."""
         self._count("offloaded", keys)
         self._forward("offloaded", keys)
 
     def fetched(self, keys: list[str]) -> None:
+        """Count blocks read back from the remote tier and forward to the wrapped listener."""
         self._count("fetched", keys)
         self._forward("fetched", keys)
 
     def missed(self, keys: list[str]) -> None:
+        """Count remote misses (``miss``) and forward to the wrapped listener."""
         self._count("miss", keys)
         self._forward("missed", keys)
 
     def dropped(self, keys: list[str]) -> None:
+        """Count blocks dropped without a remote copy and forward to the wrapped listener."""
         self._count("dropped", keys)
         self._forward("dropped", keys)
 
     def recomputed(self, keys: list[str]) -> None:
+        """Count blocks rebuilt by recomputing and forward to the wrapped listener."""
         self._count("recomputed", keys)
         self._forward("recomputed", keys)
 

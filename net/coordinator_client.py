@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from kvbus.errors import CoordinatorUnavailable, ReservationRefused
+from kvbus.errors import CoordinatorUnavailable, ReservationRefused, WireFormatError
 from kvbus.net.rpc import NO_RETRY, Retry, RpcClient
 from kvbus.net.transport import NoResponders, Transport
 from kvbus.protocol import (
@@ -88,8 +88,16 @@ class CoordinatorClient:
         return PlacementReply.decode(data)
 
     async def groups(self) -> dict[str, Any]:
-        """The live groups with their scheduler, agent count and heartbeat age."""
-        return unpackb(await self._request(COORD_GROUPS, b"", "groups", "groups"), "groups reply")
+        """The live groups with their scheduler, agent count and heartbeat age.
+
+        Raises:
+            CoordinatorUnavailable: no coordinator answered.
+            WireFormatError: the reply is not valid msgpack or not a map.
+        """
+        reply = unpackb(await self._request(COORD_GROUPS, b"", "groups", "groups"), "groups reply")
+        if not isinstance(reply, dict):
+            raise WireFormatError("groups reply", f"expected a map, got {type(reply).__name__}")
+        return reply
 
     async def leave(self, group: str, scheduler: str = "") -> None:
         """Deregister a group (its lease goes to the others at once)."""

@@ -91,6 +91,7 @@ class LeaderLease:
             await asyncio.sleep(self.ttl / 3)
 
     def start(self) -> asyncio.Task[None]:
+        """Start campaigning for the lease in a background task (`run`) and return that task."""
         self._task = asyncio.create_task(self.run(), name=f"kvbus-lease-{self.key}")
         return self._task
 

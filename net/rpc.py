@@ -45,7 +45,7 @@ class Retry:
 
     def delay(self, attempt: int) -> float:
         """Seconds to wait after failed try number ``attempt`` (1-based) before the next."""
-        return min(self.max_backoff_s, self.backoff_s * (2 ** max(0, attempt - 1)))
+        return min(self.max_backoff_s, self.backoff_s * (2.0 ** max(0, attempt - 1)))
 
 
 #: One try, no retry: what a request without a retry strategy does.

@@ -42,11 +42,14 @@ class NoResponders(Exception):
 class Transport(Protocol):
     """Publish / subscribe / request over a message broker."""
 
-    max_payload: int
+    @property
+    def max_payload(self) -> int:
+        """The largest message payload the broker accepts, in bytes."""
+        ...
 
-    async def publish(
-        self, subject: str, payload: bytes | memoryview, headers: dict[str, str] | None = None
-    ) -> None: ...
+    async def publish(self, subject: str, payload: bytes | memoryview, headers: dict[str, str] | None = None) -> None:
+        """Publish ``payload`` (with optional NATS headers) on ``subject``, fire and forget."""
+        ...
 
     async def request(self, subject: str, payload: bytes, timeout: float) -> bytes:
         """Send a request and return the reply's payload.
@@ -57,11 +60,21 @@ class Transport(Protocol):
         """
         ...
 
-    async def subscribe(self, subject: str, handler: Handler, *, queue: str = "") -> Subscription: ...
+    async def subscribe(self, subject: str, handler: Handler, *, queue: str = "") -> Subscription:
+        """Call ``handler`` for every message on ``subject`` (one member of ``queue`` per message if set)."""
+        ...
 
-    async def reply(self, msg: Msg, payload: bytes) -> None: ...
+    async def reply(self, msg: Msg, payload: bytes) -> None:
+        """Answer a request message; a message that carries no reply subject is ignored."""
+        ...
 
-    async def flush(self, timeout: float = 5.0) -> None: ...
+    async def flush(self, timeout: float = 5.0) -> None:
+        """Wait until the broker has received everything published so far.
+
+        Raises:
+            TimeoutError: the broker did not confirm within ``timeout`` seconds.
+        """
+        ...
 
 
 class NatsTransport:
@@ -72,6 +85,10 @@ class NatsTransport:
 
     @classmethod
     async def connect(cls, url: str, **options: Any) -> NatsTransport:
+        """Connect to the NATS server at ``url``; ``options`` override kvbus's nats-py defaults.
+
+        The defaults reconnect forever (every 0.5 s) and buffer up to 64 MB while disconnected.
+        """
         opts: dict[str, Any] = {
             "name": "kvbus",
             "max_reconnect_attempts": -1,
@@ -83,6 +100,7 @@ class NatsTransport:
 
     @property
     def max_payload(self) -> int:
+        """The server's max_payload, as announced when the connection was made."""
         return int(self.nc.max_payload)
 
     def max_chunk_size(self, header_room: int = DEFAULT_HEADER_ROOM) -> int:
@@ -90,6 +108,9 @@ class NatsTransport:
         return max(1024, min(MAX_NATS_CHUNK, self.max_payload - header_room))
 
     async def publish(self, subject: str, payload: bytes | memoryview, headers: dict[str, str] | None = None) -> None:
+        """Publish ``payload`` on ``subject``; a memoryview is sent without a copy."""
+        # nats-py annotates payload as bytes, but it only takes len() of it and joins it into the
+        # write buffer, which any buffer (a memoryview over a chunk) satisfies.
         await self.nc.publish(subject, payload, headers=headers)  # type: ignore[arg-type]
 
     async def publish_views(
@@ -142,6 +163,12 @@ class NatsTransport:
             await nc._flush_pending()
 
     async def request(self, subject: str, payload: bytes, timeout: float) -> bytes:
+        """Send a request and return the reply's payload, with nats-py's errors mapped to ours.
+
+        Raises:
+            NoResponders: nobody is subscribed.
+            TimeoutError: nobody replied in time.
+        """
         try:
             msg = await self.nc.request(subject, payload, timeout=timeout)
         except nats.errors.NoRespondersError:
@@ -151,6 +178,7 @@ class NatsTransport:
         return msg.data
 
     async def subscribe(self, subject: str, handler: Handler, *, queue: str = "") -> Subscription:
+        """Subscribe ``handler`` to ``subject`` with pending limits big enough for bursts of chunks."""
         return await self.nc.subscribe(
             subject,
             queue=queue,
@@ -160,11 +188,14 @@ class NatsTransport:
         )
 
     async def reply(self, msg: Msg, payload: bytes) -> None:
+        """Publish ``payload`` on the request's reply subject, if it has one."""
         if msg.reply:
             await self.nc.publish(msg.reply, payload)
 
     async def flush(self, timeout: float = 5.0) -> None:
-        await self.nc.flush(timeout)
+        """Round-trip a PING to the server, so everything published before has reached it."""
+        # nats-py annotates timeout as int, but only hands it to asyncio.wait_for (seconds, float).
+        await self.nc.flush(timeout)  # type: ignore[arg-type]
 
     async def close(self, timeout: float = 5.0) -> None:
         """Drain (deliver what is buffered), but never wait longer than ``timeout``; then close."""

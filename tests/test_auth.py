@@ -206,7 +206,7 @@ def _pki_openssl(d: Path) -> None:
 
 
 def tls_block(pki: Pki, *, verify: bool) -> str:
-    """nats-server ``tls`` block: its certificate, and with ``verify`` it requires client certificates from ``pki.ca``."""
+    """nats-server ``tls`` block: its certificate; with ``verify`` it requires client certificates from ``pki.ca``."""
     return (
         f'tls {{\n  cert_file: "{pki.server_cert}"\n  key_file: "{pki.server_key}"\n'
         f'  ca_file: "{pki.ca}"\n  verify: {"true" if verify else "false"}\n  timeout: 2\n}}\n'

@@ -375,7 +375,7 @@ class _AofRedis(RedisServer):
     """A Redis that fsyncs every write to its append-only file, so a kill loses nothing confirmed."""
 
     def _command(self) -> list[str]:
-        return super()._command() + ["--appendonly", "yes", "--appendfsync", "always"]
+        return [*super()._command(), "--appendonly", "yes", "--appendfsync", "always"]
 
 
 class _KillAfterFirstBatch(TierListener):

@@ -8,6 +8,7 @@ import torch
 
 from kvbus.app.models import random_model
 from kvbus.codecs import Encoded, ModelSummarizer, SummaryCodec, get_codec
+from kvbus.codecs.errors import SummaryUnavailable
 from kvbus.codecs.runner import HFRunner
 from kvbus.codecs.topk import attention_scores
 from kvbus.errors import GenerationError
@@ -118,3 +119,14 @@ def test_summary_by_the_senders_model_is_prefilled_by_the_receiver(runner: HFRun
     assert torch.equal(out.tokens[:, 2:], expected)
     assert out.fidelity == pytest.approx(get_codec("summary").fidelity)
     assert runner.generate(out, 3).shape == (1, 3)
+
+
+def test_summary_with_instruction_ids_but_no_prefix_ids_needs_a_tokenizer(
+    runner: HFRunner, prompts: torch.Tensor
+) -> None:
+    # The runner has no tokenizer: the prefix text cannot be tokenised, which is a clear
+    # SummaryUnavailable (it was an AttributeError on None).
+    assert runner.tokenizer is None
+    codec = SummaryCodec(summarizer=ModelSummarizer(instruction_ids=torch.tensor([1, 2, 3])), tokens=12)
+    with pytest.raises(SummaryUnavailable, match="tokenizer"):
+        codec.encode(runner.prefill(prompts[:1]), runner=runner)

@@ -6,16 +6,18 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
 
+import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from nats.aio.msg import Msg
 
 from kvbus.app.local import NatsServer
 from kvbus.bus import Bus
 from kvbus.coordinator import Coordinator, CoordinatorClient, CoordinatorConfig, weighted_max_min
-from kvbus.errors import ReservationRefused
+from kvbus.errors import ReservationRefused, WireFormatError
 from kvbus.net.transport import NatsTransport
-from kvbus.protocol import COORD_REGISTER, GroupHeartbeat
+from kvbus.protocol import COORD_GROUPS, COORD_REGISTER, GroupHeartbeat
 from tests.peer import SIG
 
 CFG = CoordinatorConfig(
@@ -175,4 +177,21 @@ async def test_new_agents_go_to_a_group_added_at_run_time(coord: Coordinator, na
         assert (await client.place("new3", ["peer-in-g0"])).group == "g0"
     finally:
         await bus.close()
+        await t.close()
+
+
+async def test_a_groups_reply_that_is_not_a_map_is_a_wire_format_error(nats: NatsServer) -> None:
+    # Something that is not the coordinator answers on its subject with a list: the caller gets
+    # a clear WireFormatError, not a list posing as the groups map.
+    t = await NatsTransport.connect(nats.url)
+    try:
+
+        async def impostor(msg: Msg) -> None:
+            await t.reply(msg, msgpack.packb(["not", "a", "map"]))
+
+        await t.subscribe(COORD_GROUPS, impostor)
+        await t.flush()
+        with pytest.raises(WireFormatError, match="expected a map"):
+            await CoordinatorClient(t).groups()
+    finally:
         await t.close()

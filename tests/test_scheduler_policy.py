@@ -30,7 +30,7 @@ from kvbus.group_scheduler import (
 )
 from kvbus.group_scheduler.simulate import SIM_SIGNATURE, FixedSelector, Simulation
 from kvbus.group_scheduler.wrr import smooth_wrr_order
-from kvbus.protocol import Control, ControlReply, FlowReservation, TransferRequest, decode_message
+from kvbus.protocol import Control, ControlReply, FlowReservation, Probe, TransferRequest, decode_message
 
 CI = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MB = 1_000_000
@@ -339,8 +339,6 @@ def test_new_control_messages_round_trip() -> None:
 
 
 def _probe(name: str) -> Probe:
-    from kvbus.protocol import Probe
-
     return Probe(agent=name, group="g", queue_size=0, cache_bytes=0, compute_load=0.0, role_priority=1.0)
 
 

@@ -1,1 +1,2 @@
-"""Data shipped with kvbus: demo prompts and tasks, the calibration texts (``calibration_*.txt``) and the default calibration profile."""
+"""Data shipped with kvbus: demo prompts and tasks, the calibration texts (``calibration_*.txt``)
+and the default calibration profile."""

@@ -101,6 +101,8 @@ class ReservationReply(Message):
 @message("unreserve", {"reservation_id": str})
 @dataclass(frozen=True, slots=True)
 class ReservationCancel(Message):
+    """A group scheduler cancels a reservation it had admitted with the coordinator."""
+
     reservation_id: str
 
 
@@ -117,6 +119,8 @@ class PlacementRequest(Message):
 @message("placement", {"agent": str, "group": str, "reason": str})
 @dataclass(frozen=True, slots=True)
 class PlacementReply(Message):
+    """The coordinator's answer to a `PlacementRequest`: the group to join (empty with ``reason`` if none)."""
+
     agent: str
     group: str
     reason: str = ""

@@ -93,6 +93,7 @@ class Open(Message):
     _PREFIX: ClassVar[struct.Struct] = struct.Struct("!I")
 
     def frame(self, inline_payload: bytes | memoryview = b"") -> bytes:
+        """This `Open` framed for the wire: a 4-byte length, the message, then any inline payload."""
         head = self.encode()
         return self._PREFIX.pack(len(head)) + head + bytes(inline_payload)
 

@@ -57,6 +57,7 @@ def subject_sender(subject: str) -> str:
 
 
 def agent_subject(agent: str, kind: str) -> str:
+    """An agent's own subject ``kvbus.agent.<agent>.<kind>`` (``ack``, ``ctl``, ...)."""
     return f"kvbus.agent.{agent}.{kind}"
 
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import enum
 import functools
+from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, fields, is_dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, overload
 
 import msgpack
 
@@ -22,6 +23,8 @@ PROTOCOL_VERSION = 1
 MAX_CONTROL_BYTES = 1 << 20
 
 M = TypeVar("M", bound="Message")
+M2 = TypeVar("M2", bound="Message")
+M3 = TypeVar("M3", bound="Message")
 
 
 def _default(obj: Any) -> Any:
@@ -31,7 +34,9 @@ def _default(obj: Any) -> Any:
 
 
 def packb(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True, default=_default)
+    """Pack ``obj`` as msgpack (bin type for bytes); nested dataclasses become maps."""
+    packed: bytes = msgpack.packb(obj, use_bin_type=True, default=_default)
+    return packed
 
 
 @functools.cache
@@ -53,7 +58,7 @@ def unpackb(data: bytes | bytearray | memoryview, what: str, limit: int = MAX_CO
             max_array_len=1 << 16,
             max_map_len=1 << 12,
         )
-    except Exception as exc:  # msgpack raises a zoo of types for bad input
+    except Exception as exc:  # noqa: BLE001 - msgpack raises a zoo of types for bad input
         raise WireFormatError(what, f"not valid msgpack ({type(exc).__name__}: {exc})") from None
 
 
@@ -68,10 +73,12 @@ class Message:
     TYPE: ClassVar[str] = ""
 
     def encode(self) -> bytes:
+        """This message as a msgpack map with its type tag ``t`` and protocol version ``v``."""
         # Shallow: the field values are msgpack-ready (nested dataclasses go through `_default`);
         # `dataclasses.asdict` deep-copies every list and dict and was a sixth of a busy
         # scheduler's time.
-        body = {name: getattr(self, name) for name in _field_names(type(self))}
+        cls: type = type(self)  # plain `type`: mypy thinks a dataclass's class object is not Hashable
+        body = {name: getattr(self, name) for name in _field_names(cls)}
         body["t"] = self.TYPE
         body["v"] = PROTOCOL_VERSION
         return packb(body)
@@ -85,6 +92,11 @@ class Message:
 
     @classmethod
     def from_map(cls: type[M], body: object) -> M:
+        """Validate a decoded map (tag, version, every field's wire type) and build the message.
+
+        Raises:
+            WireFormatError: not a map, another tag or version, a missing field or a field of the wrong type.
+        """
         what = f"{cls.TYPE} message"
         if not isinstance(body, dict):
             raise WireFormatError(what, f"expected a map, got {type(body).__name__}")
@@ -93,7 +105,7 @@ class Message:
         if body.get("v") != PROTOCOL_VERSION:
             raise WireFormatError(what, f"protocol version {body.get('v')!r}, this side speaks {PROTOCOL_VERSION}")
         kwargs = {}
-        for f in fields(cls):  # type: ignore[arg-type]
+        for f in fields(cls):
             if f.name not in body:
                 if f.default is not MISSING or f.default_factory is not MISSING:
                     continue
@@ -137,7 +149,7 @@ def _names(kinds: tuple[type, ...]) -> str:
     return " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
 
 
-def message(tag: str, types: dict[str, Any]):
+def message(tag: str, types: dict[str, Any]) -> Callable[[type[M]], type[M]]:
     """Register a message class under its tag with the wire types of its fields."""
 
     def wrap(cls: type[M]) -> type[M]:
@@ -152,7 +164,17 @@ OptFloat = (float, type(None))
 OptStr = (str, type(None))
 
 
-def decode_message(data: bytes | bytearray | memoryview, *types: type[M]) -> M:
+# One overload per arity, so that a caller of ``decode_message(data, Grant, Control)`` gets
+# ``Grant | Control`` (and narrows it with isinstance), not their common base.
+@overload
+def decode_message(data: bytes | bytearray | memoryview, t1: type[M], /) -> M: ...
+@overload
+def decode_message(data: bytes | bytearray | memoryview, t1: type[M], t2: type[M2], /) -> M | M2: ...
+@overload
+def decode_message(data: bytes | bytearray | memoryview, t1: type[M], t2: type[M2], t3: type[M3], /) -> M | M2 | M3: ...
+@overload
+def decode_message(data: bytes | bytearray | memoryview, *types: type[Message]) -> Message: ...
+def decode_message(data: bytes | bytearray | memoryview, *types: type[Message]) -> Message:
     """Decode a message that may be any of ``types`` (dispatch on its tag)."""
     names = {t.TYPE: t for t in types}
     body = unpackb(data, "/".join(names) + " message")
