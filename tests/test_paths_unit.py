@@ -260,7 +260,7 @@ async def test_a_corrupt_chunk_is_reported_and_a_repair_is_taken(planes: tuple[D
     spec, sink = _spec(), Sink()
     offer = await rx.accept(spec, sink, peer_paths=["tcp"], peer_host=rx.host)
     assert offer is not None
-    reader, writer = await _stream(offer.tcp_port, offer.token, spec.transfer_id)
+    _reader, writer = await _stream(offer.tcp_port, offer.token, spec.transfer_id)
     good = os.urandom(spec.chunk_len(0))
     writer.write(_data(1, 0, good, digest=xxhash.xxh3_64_intdigest(good) ^ 1))
     await sink.until(lambda: sink.corrupt)
@@ -276,7 +276,7 @@ async def test_a_chunk_already_verified_is_never_written_over(planes: tuple[Data
     spec, sink = _spec(), Sink()
     offer = await rx.accept(spec, sink, peer_paths=["tcp"], peer_host=rx.host)
     assert offer is not None
-    reader, writer = await _stream(offer.tcp_port, offer.token, spec.transfer_id)
+    _reader, writer = await _stream(offer.tcp_port, offer.token, spec.transfer_id)
     first, other = os.urandom(spec.chunk_len(1)), os.urandom(spec.chunk_len(1))
     writer.write(_data(1, 1, first) + _data(1, 1, other) + _data(1, 2, first))
     await sink.until(lambda: 2 in sink.arrived)
@@ -361,7 +361,7 @@ async def test_shm_segments_are_reused_once_the_receiver_lets_go(planes: tuple[D
         assert session.segment is not None
         for i, (lo, hi) in enumerate(spec.ranges):
             await session.send_chunk(i, [seg.view[lo:hi]], chunk_digest(seg.view[lo:hi]))
-        await sink.until(lambda: len(sink.arrived) == 2)
+        await sink.until(lambda s=sink: len(s.arrived) == 2)
         assert bytes(sink.arrived[1]) == bytes(seg.view[MB:])
         await session.close()
         await rx.withdraw(spec.transfer_id)
@@ -373,7 +373,7 @@ async def test_shm_segments_are_reused_once_the_receiver_lets_go(planes: tuple[D
             s2 = await tx.connect(spec2, ["shm"], offer2)
             data = os.urandom(MB)
             await s2.send_chunk(0, [memoryview(data)], chunk_digest(data))
-            await sink2.until(lambda: 0 in sink2.arrived)
+            await sink2.until(lambda s=sink2: 0 in s.arrived)
             await s2.close()
             await rx.withdraw(spec2.transfer_id)
             del sink2

@@ -91,7 +91,7 @@ def test_matchable_tokens_leaves_a_token_to_compute() -> None:
 
 def test_prefix_keys_name_whole_prefixes() -> None:
     a = list(range(40))
-    b = a[:16] + [999] + a[17:]
+    b = [*a[:16], 999, *a[17:]]
     ka, kb = prefix_keys(a, SIG, torch.float32, BS), prefix_keys(b, SIG, torch.float32, BS)
     assert len(ka) == 5  # the partial sixth block has no key
     assert ka[:2] == kb[:2] and all(x != y for x, y in zip(ka[2:], kb[2:]))

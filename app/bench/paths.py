@@ -47,11 +47,11 @@ from kvbus.protocol import CHUNK_INDEX_HEADER, CHUNK_SUM_HEADER, OpenReply
 
 MB = 1 << 20
 #: Overridable for experiments: KVBUS_BENCH_PATHS_CHUNK / _WINDOW / _ACK_EVERY / _WAYS (comma-separated).
-CHUNK = int(os.environ.get("KVBUS_BENCH_PATHS_CHUNK", MB))
-WINDOW = int(os.environ.get("KVBUS_BENCH_PATHS_WINDOW", 16))
-ACK_EVERY = int(os.environ.get("KVBUS_BENCH_PATHS_ACK_EVERY", 4))
+CHUNK = int(os.environ.get("KVBUS_BENCH_PATHS_CHUNK", str(MB)))
+WINDOW = int(os.environ.get("KVBUS_BENCH_PATHS_WINDOW", "16"))
+ACK_EVERY = int(os.environ.get("KVBUS_BENCH_PATHS_ACK_EVERY", "4"))
 NATS_WINDOW_BYTES = int(os.environ.get("KVBUS_BENCH_PATHS_NATS_WINDOW_BYTES", 32 * MB))
-NATS_CHUNK = int(os.environ.get("KVBUS_BENCH_PATHS_NATS_CHUNK", 0))
+NATS_CHUNK = int(os.environ.get("KVBUS_BENCH_PATHS_NATS_CHUNK", "0"))
 """0: the largest the server allows (`NatsTransport.max_chunk_size`, at most 8 MB)."""
 RAW_SUBJECT = "kvbus.bench.paths.raw"
 CREDIT = "kvbus.bench.paths.credit"
@@ -162,12 +162,18 @@ async def _receiver(nats_url: str) -> None:
     port = _socket_server([bytearray()])
     _emit(ready=True, host=plane.host, socket_port=port)
 
+    acks: set[asyncio.Future[Any]] = set()  # held until done: the loop keeps only weak references
+
+    def _keep(fut: asyncio.Future[Any]) -> None:
+        acks.add(fut)
+        fut.add_done_callback(acks.discard)
+
     def direct_ack(sink: _Sink, k: int) -> None:
-        asyncio.ensure_future(sink.session.send_control(str(k).encode()))
+        _keep(asyncio.ensure_future(sink.session.send_control(str(k).encode())))
 
     def nats_ack(subject: str) -> Any:
         def ack(sink: _Sink, k: int) -> None:
-            asyncio.ensure_future(transport.publish(subject, str(k).encode()))
+            _keep(asyncio.ensure_future(transport.publish(subject, str(k).encode())))
 
         return ack
 

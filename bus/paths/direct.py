@@ -73,7 +73,7 @@ class SocketChannel(Channel):
         finally:
             self._loop.remove_writer(fd)
 
-    async def send(self, buffers: Sequence[memoryview], fds: Sequence[int] = ()) -> None:  # noqa: D102
+    async def send(self, buffers: Sequence[memoryview], fds: Sequence[int] = ()) -> None:
         views = [b for b in buffers if b.nbytes]
         i = 0
         ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
@@ -104,11 +104,11 @@ class SocketChannel(Channel):
             got += k
         return bytes(buf)
 
-    async def recv_frame(self, path: str) -> tuple[Frame, bytes]:  # noqa: D102
+    async def recv_frame(self, path: str) -> tuple[Frame, bytes]:
         frame = unpack(await self._recv_exactly(HEADER_SIZE), path)
         return frame, (await self._recv_exactly(frame.length) if frame.length else b"")
 
-    def close(self) -> None:  # noqa: D102
+    def close(self) -> None:
         try:
             self._loop.remove_writer(self.sock.fileno())
             self._loop.remove_reader(self.sock.fileno())
@@ -120,7 +120,7 @@ class SocketChannel(Channel):
 class PacketChannel(SocketChannel):
     """A ``SOCK_SEQPACKET`` Unix socket: one frame per message, file descriptors alongside."""
 
-    async def recv_frame(self, path: str) -> tuple[Frame, bytes]:  # noqa: D102
+    async def recv_frame(self, path: str) -> tuple[Frame, bytes]:
         data = await self._loop.sock_recv(self.sock, HEADER_SIZE + MAX_CTRL)
         if not data:
             raise EOFError("the connection was closed")
@@ -141,7 +141,7 @@ class StreamChannel(Channel):
         self.reader = reader
         self.writer = writer
 
-    async def send(self, buffers: Sequence[memoryview], fds: Sequence[int] = ()) -> None:  # noqa: D102
+    async def send(self, buffers: Sequence[memoryview], fds: Sequence[int] = ()) -> None:
         if fds:
             raise OSError("cannot pass file descriptors over this channel")
         if self.writer.is_closing():
@@ -149,14 +149,14 @@ class StreamChannel(Channel):
         self.writer.writelines(buffers)
         await self.writer.drain()
 
-    async def recv_frame(self, path: str) -> tuple[Frame, bytes]:  # noqa: D102
+    async def recv_frame(self, path: str) -> tuple[Frame, bytes]:
         try:
             frame = unpack(await self.reader.readexactly(HEADER_SIZE), path)
             return frame, (await self.reader.readexactly(frame.length) if frame.length else b"")
         except asyncio.IncompleteReadError:
             raise EOFError("the connection was closed") from None
 
-    def close(self) -> None:  # noqa: D102
+    def close(self) -> None:
         transport = self.writer.transport
         transport.abort()  # type: ignore[attr-defined]
 

@@ -101,7 +101,7 @@ class RxConnection(asyncio.BufferedProtocol):
 
     # -- asyncio callbacks ------------------------------------------------------------------
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:  # noqa: D102 - asyncio protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
@@ -118,7 +118,7 @@ class RxConnection(asyncio.BufferedProtocol):
                 pass
         self._timer = asyncio.get_running_loop().call_later(self.listener.bind_timeout, self._bind_deadline)
 
-    def get_buffer(self, sizehint: int) -> memoryview:  # noqa: D102
+    def get_buffer(self, sizehint: int) -> memoryview:
         if self._state == _DATA:
             if self._session is not None and not self._session.current:
                 # Superseded or ended mid-chunk: not one more byte into the buffer.
@@ -131,17 +131,17 @@ class RxConnection(asyncio.BufferedProtocol):
             return self._small[self._got :]
         return self._scratch[: min(self._left, _SCRATCH)]
 
-    def buffer_updated(self, nbytes: int) -> None:  # noqa: D102
+    def buffer_updated(self, nbytes: int) -> None:
         try:
             self._advance(nbytes)
         except PathProtocolError as exc:
             logger.warning("tcp data connection from %s closed: %s", self.peer, exc.detail)
             self._abort()
 
-    def eof_received(self) -> bool:  # noqa: D102
+    def eof_received(self) -> bool:
         return False
 
-    def connection_lost(self, exc: Exception | None) -> None:  # noqa: D102
+    def connection_lost(self, exc: Exception | None) -> None:
         if self._timer is not None:
             self._timer.cancel()
         self.listener.connections.discard(self)

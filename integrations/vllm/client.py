@@ -12,6 +12,7 @@ whose cost model picks the medium, and the receiver's inbox gets it whole and ve
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -23,6 +24,7 @@ import torch
 from kvbus.bus import Agent, Bus, Delivery, NoResponders
 from kvbus.cachetier import CacheTier, CacheTierConfig, CacheTierError
 from kvbus.errors import KVBusError, WireFormatError
+from kvbus.integrations.vllm import serving
 from kvbus.integrations.vllm.config import ConnectorConfig
 from kvbus.integrations.vllm.errors import LoadFailed
 from kvbus.integrations.vllm.index import PrefixIndex
@@ -35,10 +37,10 @@ from kvbus.integrations.vllm.protocol import (
     PullOutcome,
     PullReply,
     PullRequest,
+    PushReply,
     events_subject,
     subject,
 )
-from kvbus.integrations.vllm.serving import ServingMixin
 from kvbus.kvcache import KVCache
 from kvbus.signature import ModelSignature
 
@@ -55,7 +57,7 @@ class _Pull:
     future: asyncio.Future[KVCache]
 
 
-class KVBusClient(ServingMixin):
+class KVBusClient:
     """The agent of one engine (create and use on its `LoopThread`; `start` first)."""
 
     def __init__(
@@ -101,10 +103,10 @@ class KVBusClient(ServingMixin):
             )
         t = bus.transport
         for kind, handler in (
-            ("lookup", self._on_lookup),
-            ("have", self._on_have),
-            ("pull", self._on_pull),
-            ("push", self._on_push),
+            ("lookup", functools.partial(serving.on_lookup, self)),
+            ("have", functools.partial(serving.on_have, self)),
+            ("pull", functools.partial(serving.on_pull, self)),
+            ("push", functools.partial(serving.on_push, self)),
             ("pulled", self._on_pulled),
         ):
             self._subs.append(await t.subscribe(subject(self.name, kind), handler))
@@ -167,6 +169,10 @@ class KVBusClient(ServingMixin):
         """Leading tokens of ``ids`` whose blocks the store holds (whole blocks)."""
         assert self.tier is not None
         return self._whole(self.tier.lookup(ids)) if ids.shape[-1] else 0
+
+    async def push(self, to: list[str], tokens: list[int], medium: str | None) -> PushReply:
+        """Hand the KV of ``tokens`` (held here) to the agents ``to``: see `serving.push`."""
+        return await serving.push(self, to, tokens, medium)
 
     async def settled(self) -> None:
         """Wait for the saves already submitted (so that lookups and pushes see them)."""

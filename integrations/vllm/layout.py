@@ -55,7 +55,8 @@ class PagedLayout:
     head_dim: int
     dtype: torch.dtype
     k_index: torch.Tensor
-    """int64 ``[block_size * head_dim]``: offset, in a head's key half of a block, of key ``[t, j]`` at ``t * d + j``."""
+    """int64 ``[block_size * head_dim]``: offset, in a head's key half of a block, of key ``[t, j]``
+    at ``t * d + j``."""
     v_index: torch.Tensor
     """The same for the values (offsets in the value half)."""
     writer: CacheWriter | None = None

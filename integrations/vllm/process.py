@@ -58,7 +58,7 @@ def _child(conn: Any, env: dict[str, str], log_path: str | None, llm_kwargs: dic
                 )
                 prompts = [{"prompt_token_ids": list(p)} for p in args["prompts"]]
                 t0 = time.perf_counter()
-                outs = llm.generate(prompts, params, use_tqdm=False)  # type: ignore[arg-type]
+                outs = llm.generate(prompts, params, use_tqdm=False)
                 seconds = time.perf_counter() - t0
                 conn.send(
                     (

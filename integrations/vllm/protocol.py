@@ -17,7 +17,7 @@ sizes and types and raises `WireFormatError`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from kvbus.errors import WireFormatError
 from kvbus.protocol import Message, check_name, message
@@ -50,9 +50,12 @@ def check_tokens(what: str, tokens: object) -> list[int]:
     return tokens
 
 
-def _decode_fields(cls: type[Any], body: object) -> Any:
+_M = TypeVar("_M", bound=Message)
+
+
+def _decode_fields(cls: type[_M], body: object) -> _M:
     """The base class's field checks (zero-argument ``super()`` does not work in slotted dataclasses)."""
-    return Message.from_map.__func__(cls, body)  # type: ignore[attr-defined]
+    return cast(_M, Message.from_map.__func__(cls, body))  # type: ignore[attr-defined]
 
 
 def _check_agent(what: str, name: str) -> None:

@@ -18,6 +18,7 @@ those tokens itself. Loading never leaves a wrong block.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -286,7 +287,7 @@ class WorkerSide:
             self.loop.submit(store())
         for push in meta.pushes:
             fut = self.loop.submit(client.push(push.to, push.tokens, push.medium))
-            fut.add_done_callback(lambda f, p=push: _log_push(self.config.agent, p.request_id, p.to, f))
+            fut.add_done_callback(functools.partial(_log_push, self.config.agent, push.request_id, push.to))
 
 
 def _log_push(agent: str, rid: str, to: list[str], fut: concurrent.futures.Future[Any]) -> None:
