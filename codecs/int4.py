@@ -9,6 +9,7 @@ import torch
 
 from kvbus.codecs._header import KVHeader
 from kvbus.codecs._kernels import int4_decode, int4_encode, int4_grouped_shape
+from kvbus.codecs._tensors import require_finite
 from kvbus.codecs.base import register
 from kvbus.codecs.layerwise import LayerBuffer, LayerwiseCodec
 from kvbus.codecs.spec import Param
@@ -59,9 +60,17 @@ class Int4Codec(LayerwiseCodec):
         return out
 
     def encode_layer(self, header: KVHeader, keys: torch.Tensor, values: torch.Tensor) -> Sequence[torch.Tensor]:
-        """Quantise keys per channel in groups of tokens, values per token in groups of channels."""
+        """Quantise keys per channel in groups of tokens, values per token in groups of channels.
+
+        Raises:
+            NonFiniteValues: ``keys`` or ``values`` hold NaN or inf (a group's scale or minimum is
+                not finite; the check reads those, not the data).
+        """
         (k_axis, k_group), (v_axis, v_group) = self._groups(header)
-        return (*int4_encode(keys, k_axis, k_group), *int4_encode(values, v_axis, v_group))
+        kc, ks, kl = int4_encode(keys, k_axis, k_group)
+        vc, vs, vl = int4_encode(values, v_axis, v_group)
+        require_finite(self.name, ("keys", ks), ("keys", kl), ("values", vs), ("values", vl))
+        return kc, ks, kl, vc, vs, vl
 
     def decode_layer(self, header: KVHeader, views: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Unpack and dequantise straight to the KV dtype."""
