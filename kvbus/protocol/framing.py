@@ -46,6 +46,13 @@ class OpenOverLimit(WireFormatError):
     """An `Open` announces more than the protocol allows (chunks, buffers, bytes): a receiver
     refuses it as `Reason.TOO_LARGE`, before it allocates anything for it."""
 
+    def __init__(self, what: str, reason: str) -> None:
+        super().__init__(what, reason)
+        self.args = (f"{what} over the protocol's limits: {reason}",)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
 
 @message(
     "open",
