@@ -12,6 +12,7 @@ Only a chunk that passes its digest counts as progress (`last_progress`): junk k
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -23,7 +24,7 @@ from opentelemetry.trace import INVALID_SPAN, Span
 from kvbus.bus.chunking import ChunkPlan, ChunkVerifier, Reassembly
 from kvbus.bus.config import BusConfig
 from kvbus.net.transport import Transport
-from kvbus.protocol import CHUNK_INDEX_HEADER, Ack, Open, Reason
+from kvbus.protocol import CHUNK_INDEX_HEADER, Ack, Open, Reason, packb, unpackb
 
 logger = logging.getLogger(__name__)
 
@@ -41,13 +42,20 @@ class IncomingTransfer:
         plan: ChunkPlan | None = None,
     ) -> None:
         self.transport = transport
-        self.open = open_msg
+        plan = plan or ChunkPlan(open_msg.sizes, open_msg.chunk_size)
+        # While it waits for chunks a partial keeps its codec metadata packed and its sizes in the
+        # plan's array: what it holds is then known to the byte (`overhead`), not a decoded map of
+        # whatever a hostile sender packed into it.
+        self._meta = packb(open_msg.meta)
+        self.open = dataclasses.replace(open_msg, meta={}, sizes=[])
+        """The transfer's `Open`, without its metadata and sizes (see `opened`)."""
         self.rx = rx
         self.config = config
         self._finish = finish
-        plan = plan or ChunkPlan(open_msg.sizes, open_msg.chunk_size)
-        self.assembly = Reassembly(open_msg.sizes, open_msg.chunk_size, plan)
+        self.assembly = Reassembly(plan.sizes, open_msg.chunk_size, plan)
         self.verifier = ChunkVerifier(plan, open_msg.digests)
+        self.overhead = len(self._meta) + len(open_msg.digests) + 9 * plan.n_chunks + 32 * len(plan.sizes) + 2048
+        """Bytes of bookkeeping this partial holds besides the payload (what the overhead cap counts)."""
         self.have = bytearray(open_msg.n_chunks)
         self.count = 0
         self.next = 0
@@ -68,6 +76,11 @@ class IncomingTransfer:
     def nbytes(self) -> int:
         """Bytes the payload will take once whole (what the partial caps count)."""
         return self.open.total
+
+    def opened(self) -> Open:
+        """The whole `Open` again, metadata and sizes included (for the decode)."""
+        meta = unpackb(self._meta, "open metadata")
+        return dataclasses.replace(self.open, meta=meta, sizes=list(self.assembly.plan.sizes))
 
     async def start(self) -> None:
         """Subscribe to the transfer's data subject."""

@@ -1,9 +1,10 @@
 """The partial transfers a receiver holds: caps on their number and bytes, eviction, idle deadline.
 
-Every streamed transfer being reassembled counts against two caps, ``BusConfig.max_partials``
-and ``BusConfig.max_partial_bytes`` (its announced size: what it will hold once whole). A new
-one that would go over them makes room by dropping the partial whose last valid progress is
-oldest; one idle for ``partial_timeout`` (no chunk that passed its digest) is dropped by the
+Every streamed transfer being reassembled counts against three caps, ``BusConfig.max_partials``,
+``BusConfig.max_partial_bytes`` (its announced size: what it will hold once whole) and
+``BusConfig.max_partial_overhead`` (its bookkeeping: chunk digests and plan, packed codec
+metadata). A new one that would go over them makes room by dropping the partial whose last
+valid progress is oldest; one idle for ``partial_timeout`` (no chunk that passed its digest) is dropped by the
 janitor. A dropped partial's sender gets a final `Ack` with `Reason.PARTIAL_DROPPED`, so it
 fails at once instead of waiting for its own timeout.
 """
@@ -31,6 +32,8 @@ class PartialTransfers:
         self._by_id: dict[str, IncomingTransfer] = {}
         self.nbytes = 0
         """Announced bytes of every partial transfer held."""
+        self.overhead = 0
+        """Bytes of bookkeeping (digests, chunk plan, packed metadata) of every partial transfer held."""
         self.dropped = 0
         """Partial transfers dropped so far (idle or evicted)."""
 
@@ -48,29 +51,38 @@ class PartialTransfers:
         """Whether one transfer of ``nbytes`` alone is over the byte cap."""
         return nbytes > self._config.max_partial_bytes
 
-    async def make_room(self, nbytes: int) -> None:
-        """Drop the partials with the oldest valid progress until one more of ``nbytes`` fits the caps."""
+    def _over(self, new: IncomingTransfer) -> bool:
         cfg = self._config
-        while self._by_id and (
-            len(self._by_id) >= cfg.max_partials or self.nbytes + nbytes > cfg.max_partial_bytes
-        ):
+        return (
+            len(self._by_id) >= cfg.max_partials
+            or self.nbytes + new.nbytes > cfg.max_partial_bytes
+            or self.overhead + new.overhead > cfg.max_partial_overhead
+        )
+
+    async def make_room(self, new: IncomingTransfer) -> None:
+        """Drop the partials with the oldest valid progress until ``new`` fits the caps."""
+        cfg = self._config
+        while self._by_id and self._over(new):
             oldest = min(self._by_id.values(), key=lambda p: p.last_progress)
             await self.drop(
                 oldest,
                 f"evicted: the receiver holds {len(self._by_id)} partial transfers of {self.nbytes} bytes "
-                f"(caps {cfg.max_partials} and {cfg.max_partial_bytes}), and this one progressed least recently",
+                f"and {self.overhead} bytes of bookkeeping (caps {cfg.max_partials}, {cfg.max_partial_bytes} "
+                f"and {cfg.max_partial_overhead}), and this one progressed least recently",
             )
 
     def add(self, incoming: IncomingTransfer) -> None:
         """Hold a new partial transfer (after `make_room`)."""
         self._by_id[incoming.open.transfer_id] = incoming
         self.nbytes += incoming.nbytes
+        self.overhead += incoming.overhead
 
     def pop(self, transfer_id: str) -> IncomingTransfer | None:
         """Stop counting ``transfer_id`` (it finished, or is being dropped)."""
         incoming = self._by_id.pop(transfer_id, None)
         if incoming is not None:
             self.nbytes -= incoming.nbytes
+            self.overhead -= incoming.overhead
         return incoming
 
     async def drop(self, incoming: IncomingTransfer, why: str) -> None:

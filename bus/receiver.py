@@ -87,6 +87,8 @@ class Receiver:
         self.bases: dict[str, KVCache] = {}
         """Per sender: a private copy of the last context received from it (the base delta media
         decode against); deliveries never share its storage."""
+        self._handover: asyncio.Task[None] | None = None
+        """The last delivery waiting for its base copy before it goes into the inbox (they go in order)."""
         self.incarnation = secrets.token_hex(8)
         """This agent start's id, in every `OpenReply`: a retried `Open` for another is refused."""
         self.started = time.monotonic()
@@ -98,6 +100,8 @@ class Receiver:
 
     async def stop(self) -> None:
         """Drop every partial transfer (the agent is closing)."""
+        if self._handover is not None:
+            self._handover.cancel()
         await self.incoming.stop()
 
     # -- Open -----------------------------------------------------------------------------------
@@ -172,8 +176,8 @@ class Receiver:
                 raise WireFormatError("open message", f"ack subject must be {want!r}")
         except (ValueError, WireFormatError) as exc:
             return _refuse(tid, Reason.MALFORMED, str(exc))
-        await self.incoming.make_room(open_msg.total)
         incoming = IncomingTransfer(ep.transport, open_msg, ep.name, ep.config, self.finish, plan)
+        await self.incoming.make_room(incoming)
         receive_span = _receive_span(ep.name, open_msg)
         incoming.spans = (receive_span, telemetry.start("kvbus.reassemble", parent=receive_span))
         self.incoming.add(incoming)
@@ -269,7 +273,7 @@ class Receiver:
                 return
             t0 = time.perf_counter()
             try:
-                delivery = await self._decode(incoming.open, incoming.assembly.result(), transfer_s)
+                delivery = await self._decode(incoming.opened(), incoming.assembly.result(), transfer_s)
             except KVBusError as exc:
                 telemetry.fail(receive_span, exc)
                 code, reason = decode_failure(exc)
@@ -295,6 +299,8 @@ class Receiver:
         encoded = Encoded(codec=open_msg.codec, meta=open_msg.meta, buffers=buffers)
         t0 = time.perf_counter()
         heavy = not codec.cheap_decode and (open_msg.total > OFFLOAD_BYTES or not codec.needs_kv)
+        if self._handover is not None:
+            await asyncio.shield(self._handover)  # the base copy of the last delivery is made
         base = self.bases.get(open_msg.src)
         attributes = {"kvbus.medium": open_msg.codec, "kvbus.bytes": open_msg.total}
         with (
@@ -307,12 +313,6 @@ class Receiver:
             else:
                 kv = codec.decode(encoded, base=base, runner=ep.runner)
         kv = self._fit(kv, open_msg.codec)
-        if ep.config.keep_bases:
-            # A private copy: the delivery is the application's to edit in place.
-            if kv.nbytes > OFFLOAD_BYTES:
-                self.bases[open_msg.src] = await asyncio.to_thread(kv.clone)
-            else:
-                self.bases[open_msg.src] = kv.clone()
         return Delivery(
             transfer_id=open_msg.transfer_id,
             sender=open_msg.src,
@@ -340,14 +340,55 @@ class Receiver:
             return kv
         kv.validate(sig)
         if kv.dtype != sig.torch_dtype:
-            kv = dataclasses.replace(kv.to(sig.torch_dtype), signature=dataclasses.replace(kv.signature, dtype=sig.dtype))
+            kv = dataclasses.replace(
+                kv.to(sig.torch_dtype), signature=dataclasses.replace(kv.signature, dtype=sig.dtype)
+            )
         return kv
 
     def _deliver(self, delivery: Delivery) -> None:
+        """Record ``delivery`` as done and hand it to the inbox, after a private copy of it is kept as
+        the sender's delta base (the delivery is the application's to edit in place).
+
+        A large copy runs in a thread after the verdict went out, so it is off the sender's path;
+        deliveries still reach the inbox in the order they completed, and the next decode waits
+        for the copy it may need.
+        """
         self.completed[delivery.transfer_id] = time.monotonic()
         while len(self.completed) > COMPLETED_MEMORY:
             self.completed.popitem(last=False)
-        self.inbox.put(delivery)
+        if not self._ep.config.keep_bases:
+            self._put(delivery)
+        elif delivery.kv.nbytes <= OFFLOAD_BYTES and self._handover is None:
+            self.bases[delivery.sender] = delivery.kv.clone()
+            self.inbox.put(delivery)
+        else:
+            self._handover = asyncio.create_task(self._keep(delivery, self._handover), name="kvbus-keep-base")
+
+    def _put(self, delivery: Delivery) -> None:
+        if self._handover is None:
+            self.inbox.put(delivery)
+        else:
+            self._handover = asyncio.create_task(self._keep(delivery, self._handover, copy=False))
+
+    async def _keep(self, delivery: Delivery, before: asyncio.Task[None] | None, *, copy: bool = True) -> None:
+        this = asyncio.current_task()
+        try:
+            if before is not None:
+                await asyncio.shield(before)
+            if copy:
+                kv = delivery.kv
+                self.bases[delivery.sender] = (
+                    await asyncio.to_thread(kv.clone) if kv.nbytes > OFFLOAD_BYTES else kv.clone()
+                )
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("agent %s: could not keep the delta base from %s", self._ep.name, delivery.sender)
+            self.bases.pop(delivery.sender, None)
+        finally:
+            self.inbox.put(delivery)
+            if self._handover is this:
+                self._handover = None
 
 
 def _receive_span(rx: str, open_msg: Open) -> Any:

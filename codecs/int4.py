@@ -63,13 +63,14 @@ class Int4Codec(LayerwiseCodec):
         """Quantise keys per channel in groups of tokens, values per token in groups of channels.
 
         Raises:
-            NonFiniteValues: ``keys`` or ``values`` hold NaN or inf (a group's scale or minimum is
-                not finite; the check reads those, not the data).
+            NonFiniteValues: ``keys`` or ``values`` hold NaN or inf (a group's scale is then not
+                finite; the check reads the scales, not the data).
         """
         (k_axis, k_group), (v_axis, v_group) = self._groups(header)
         kc, ks, kl = int4_encode(keys, k_axis, k_group)
         vc, vs, vl = int4_encode(values, v_axis, v_group)
-        require_finite(self.name, ("keys", ks), ("keys", kl), ("values", vs), ("values", vl))
+        # A NaN or inf anywhere in a group makes its span, hence its scale, NaN or inf.
+        require_finite(self.name, ("keys", ks), ("values", vs))
         return kc, ks, kl, vc, vs, vl
 
     def decode_layer(self, header: KVHeader, views: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

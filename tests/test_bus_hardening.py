@@ -568,12 +568,15 @@ async def test_a_receiver_whose_model_computes_in_another_dtype_gets_the_kv_cast
 # -- 12: deliveries never alias what the receiver keeps ------------------------------------------------------
 
 
-async def test_editing_a_delivery_in_place_does_not_change_the_next_delta(pair: tuple[Any, Any, Bus]) -> None:
+@pytest.mark.parametrize("n_tokens", [100, 300], ids=["0.4MB-copied-inline", "1.2MB-copied-in-a-thread"])
+async def test_editing_a_delivery_in_place_does_not_change_the_next_delta(
+    pair: tuple[Any, Any, Bus], n_tokens: int
+) -> None:
     """Finding 12: a delivered KV shared storage with the receiver's delta base, so editing it in
     place changed what the next delta was joined to. The receiver keeps a private copy."""
     tx, rx, _ = pair
-    whole = random_kv(SIG, 400, seed=51)
-    await tx.send(rx.name, whole.slice(0, 300), medium="full")
+    whole = random_kv(SIG, n_tokens + 100, seed=51)
+    await tx.send(rx.name, whole.slice(0, n_tokens), medium="full")
     got = await rx.receive(timeout=5)
     for t in (*got.kv.keys, *got.kv.values):
         t.zero_()  # the application's to edit

@@ -15,8 +15,9 @@ from kvbus.errors import WireFormatError
 from kvbus.protocol.wire import Message, OptStr, message
 from kvbus.reasons import Reason
 
-#: Largest codec metadata map inside an `Open`.
-MAX_META_BYTES = 256 * 1024
+#: Largest codec metadata map inside an `Open` (real ones take well under 1 KB; the bound keeps
+#: what one `Open` costs to decode small).
+MAX_META_BYTES = 64 * 1024
 #: Smallest chunk size an `Open` may name: a smaller one would make a receiver's per-chunk
 #: bookkeeping far larger than the bytes the sender announced.
 MIN_CHUNK_SIZE = 1024
@@ -142,6 +143,8 @@ class Open(Message):
         if cls._PREFIX.size + n > len(view):
             raise WireFormatError("open message", f"header claims {n} bytes, only {len(view) - 4} present")
         msg = cls.decode(view[cls._PREFIX.size : cls._PREFIX.size + n])
+        if n > MAX_META_BYTES + len(msg.digests) + 8192:
+            raise OpenOverLimit("open message", f"header of {n} bytes carries more than {MAX_META_BYTES} of metadata")
         msg.check()
         return msg, view[cls._PREFIX.size + n :]
 
