@@ -126,7 +126,7 @@ class Agent(Endpoint):
                 self._leave(sched_subject(self.group, "leave", self.name), leave.encode()),
                 timeout=min(self.config.request_timeout, 2.0),
             )
-        except Exception:  # noqa: BLE001 - closing goes on whatever the connection does
+        except Exception:  # closing goes on whatever the connection does
             logger.debug("agent %s: could not say it leaves", self.name, exc_info=True)
 
     async def _leave(self, subject: str, payload: bytes) -> None:

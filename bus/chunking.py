@@ -271,7 +271,7 @@ class Reassembly:
             else:
                 target = self.buffers[b]
                 if target is None:
-                    target = self.buffers[b] = memoryview(torch.empty(self.plan.sizes[b], dtype=torch.uint8).numpy())
+                    target = self.buffers[b] = torch.empty(self.plan.sizes[b], dtype=torch.uint8).numpy().data
                 target[start:end] = view[offset : offset + n]
             offset += n
 

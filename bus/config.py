@@ -84,4 +84,4 @@ class BusConfig:
     @classmethod
     def from_env(cls, **overrides: object) -> BusConfig:
         """The defaults, overridden by ``KVBUS_BUS_<FIELD>`` variables, then by ``overrides``."""
-        return from_env(cls, "bus", **overrides)
+        return from_env(cls, "bus", None, **overrides)

@@ -201,7 +201,7 @@ class Sender:
                     self.bases.pop(rx, None)
             _record_send(send_span, ep.name, grant, out, encoded.nbytes, t0, t_grant, t_done, error)
             if error is not None:
-                error.failed = failed  # type: ignore[union-attr]
+                error.failed = failed  # type: ignore[attr-defined]  # TransferError.failed, set on the raised one
                 raise error
             return TransferReport(
                 transfer_id=transfer_id,
@@ -209,7 +209,7 @@ class Sender:
                 dst=tuple(receivers),
                 medium=sent_medium,
                 nbytes=encoded.nbytes,
-                context_bytes=kv.nbytes if kv.has_kv else kv.nbytes,
+                context_bytes=kv.nbytes,
                 chunks=out.stats.chunks_sent,
                 retransmits=out.stats.retransmits,
                 queued_s=t_grant - t0,

@@ -42,20 +42,20 @@ _BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16:
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_override: bool | None = None
+_override: list[bool | None] = [None]
+"""What `set_compile` forced (a one-element list: set without a ``global`` statement)."""
 
 
 def compile_enabled() -> bool:
     """Whether kernels are compiled: `set_compile` if called, else ``KVBUS_COMPILE``."""
-    if _override is not None:
-        return _override
+    if _override[0] is not None:
+        return _override[0]
     return os.environ.get(COMPILE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def set_compile(enabled: bool | None) -> None:
     """Force compilation on or off in this process (``None``: back to ``KVBUS_COMPILE``)."""
-    global _override
-    _override = enabled
+    _override[0] = enabled
 
 
 class _Kernel:
@@ -66,7 +66,7 @@ class _Kernel:
         self._compiled: Callable[..., Any] | None = None
         self._failed = False
         self._lock = threading.Lock()
-        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+        functools.update_wrapper(self, fn)
 
     def _get_compiled(self) -> Callable[..., Any] | None:
         with self._lock:

@@ -43,7 +43,7 @@ def as_bytes(t: torch.Tensor) -> memoryview:
     view keeps the tensor's storage alive.
     """
     flat = t.detach().contiguous().view(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
+    return flat.view(torch.uint8).numpy().data
 
 
 def buffer_address(buf: memoryview) -> int:

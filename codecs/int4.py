@@ -39,7 +39,7 @@ class Int4Codec(LayerwiseCodec):
     fidelity = 0.95
 
     def _key_group(self, seq_len: int) -> int:
-        return max(1, min(self.args["g"], seq_len))
+        return max(1, min(int(self.args["g"]), seq_len))
 
     def _groups(self, header: KVHeader) -> tuple[tuple[int, int], tuple[int, int]]:
         """``(axis, group)`` of the keys (groups of tokens) and of the values (groups of channels)."""
@@ -89,4 +89,4 @@ class Int4Codec(LayerwiseCodec):
         vg = self.args["g"] if d % self.args["g"] == 0 else d
         keys = (h * key_groups * kg * d + 1) // 2 + 2 * h * key_groups * d * item
         values = (h * s * d + 1) // 2 + 2 * h * s * (d // vg) * item
-        return batch * (s * 8 + signature.n_layers * (keys + values))
+        return int(batch * (s * 8 + signature.n_layers * (keys + values)))

@@ -39,7 +39,7 @@ def principal_basis(x: torch.Tensor, r: int) -> torch.Tensor:
     if x.shape[1] <= EXACT_MAX_DIM:
         gram = x.T.double() @ x.double()
         require_finite("lowrank", ("the Gram matrix of a layer", gram))
-        _, vecs = torch.linalg.eigh(gram)
+        vecs: torch.Tensor = torch.linalg.eigh(gram)[1]
         return vecs[:, -r:].flip(1).float()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -97,7 +97,7 @@ class LowRankCodec(LayerwiseCodec):
         Raises:
             NonFiniteValues: ``keys`` or ``values`` hold NaN or inf (their Gram matrix or basis is not finite).
         """
-        out = []
+        out: list[torch.Tensor] = []
         for what, x in (("keys", keys), ("values", values)):
             try:
                 out += self._project(x)

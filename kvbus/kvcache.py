@@ -47,14 +47,17 @@ class KVCache:
 
     @property
     def n_layers(self) -> int:
+        """Layers that hold KV (0 for a token-only context)."""
         return len(self.keys)
 
     @property
     def batch(self) -> int:
+        """Number of sequences."""
         return int(self.tokens.shape[0])
 
     @property
     def n_tokens(self) -> int:
+        """Token ids per sequence."""
         return int(self.tokens.shape[-1])
 
     @property
@@ -64,6 +67,7 @@ class KVCache:
 
     @property
     def dtype(self) -> torch.dtype:
+        """The dtype of the keys and values (the signature's for a token-only context)."""
         return self.keys[0].dtype if self.keys else self.signature.torch_dtype
 
     @property
@@ -140,6 +144,7 @@ class KVCache:
         return replace(self, keys=[k.to(dtype) for k in self.keys], values=[v.to(dtype) for v in self.values])
 
     def clone(self) -> KVCache:
+        """A copy that shares no storage with this cache."""
         return replace(
             self,
             tokens=self.tokens.clone(),

@@ -52,6 +52,7 @@ class Credentials:
     coordinator: tuple[str, str] = ("", "")
 
     def url_for(self, base_url: str, user: str, password: str) -> str:
+        """``base_url`` with ``user`` and ``password`` in it."""
         scheme, rest = base_url.split("://", 1)
         return f"{scheme}://{user}:{password}@{rest}"
 
@@ -75,6 +76,7 @@ class Credentials:
         return {"user": user, "password": password, "inbox_prefix": "_INBOX.coord"}
 
     def to_dict(self) -> dict[str, Any]:
+        """The credentials as JSON-ready data (`save_credentials`)."""
         return {
             "agents": {k: list(v) for k, v in self.agents.items()},
             "schedulers": {k: list(v) for k, v in self.schedulers.items()},
@@ -83,11 +85,12 @@ class Credentials:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Credentials:
+        """Credentials from `to_dict`'s data."""
         return cls(
             agents={k: (v[0], v[1]) for k, v in data.get("agents", {}).items()},
             schedulers={k: (v[0], v[1]) for k, v in data.get("schedulers", {}).items()},
-            coordinator=tuple(data.get("coordinator", ("", ""))),
-        )  # type: ignore[arg-type]
+            coordinator=(str(data.get("coordinator", ("", ""))[0]), str(data.get("coordinator", ("", ""))[1])),
+        )
 
     def __repr__(self) -> str:
         # Never show passwords (in logs, tracebacks, debuggers).
@@ -134,6 +137,7 @@ def agent_permissions(grant: AgentGrant) -> dict[str, object]:
 
 
 def scheduler_permissions(group: str) -> dict[str, object]:
+    """The NATS permissions of the user of ``group``'s scheduler."""
     g = check_name("group", group)
     return {
         "publish": {
@@ -160,6 +164,7 @@ def scheduler_permissions(group: str) -> dict[str, object]:
 
 
 def coordinator_permissions() -> dict[str, object]:
+    """The NATS permissions of the coordinator's user."""
     return {
         "publish": {"allow": ["$JS.API.>", "$KV.kvbus_coord.>", "_INBOX.coord.>"]},
         "subscribe": {"allow": ["kvbus.coord.>", "_INBOX.coord.>", "$KV.kvbus_coord.>"]},

@@ -88,6 +88,7 @@ class ModelSignature:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """`dtype` as a torch dtype."""
         return DTYPES[self.dtype]
 
     def compatible_with(self, other: ModelSignature) -> bool:
@@ -111,6 +112,7 @@ class ModelSignature:
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.torch_dtype.itemsize
 
     def to_dict(self) -> dict[str, Any]:
+        """The signature as wire data (`from_dict` reads it back)."""
         return asdict(self)
 
     @classmethod

@@ -49,7 +49,11 @@ def hash_figure(mb: int, runs: int) -> dict[str, float]:
         b"".join(xxhash.xxh3_64_digest(data[i : i + chunk]) for i in range(0, len(data), chunk))
         times.append(time.perf_counter() - t0)
     best, median = min(times), statistics.median(times)
-    return {"hash_ms_median": round(median * 1000, 2), "hash_ms_best": round(best * 1000, 2), "hash_gbps": round(mb / 1024 / best, 2)}
+    return {
+        "hash_ms_median": round(median * 1000, 2),
+        "hash_ms_best": round(best * 1000, 2),
+        "hash_gbps": round(mb / 1024 / best, 2),
+    }
 
 
 async def send_figure(mb: int, runs: int) -> dict[str, Any]:

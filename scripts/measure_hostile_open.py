@@ -12,7 +12,8 @@ resident memory. A hostile client in this process then sends, one kind after ano
   buffers, 240 KB of junk codec metadata), accepted as a partial transfer and never fed;
 - ``flood``: ``N`` such Opens with distinct transfer ids (the partial caps bound what is kept).
 
-For each: the receiver's RSS growth (MB) from just before to just after, and its longest stall (ms).
+For each: the receiver's RSS growth (MB) from just before to just after, and its longest stall
+(ms); ``baseline_idle_5s`` is the same receiver left idle, the stall the machine itself causes.
 """
 
 from __future__ import annotations
@@ -76,12 +77,14 @@ class ReceiverProcess:
             raise RuntimeError(f"receiver did not start: {line!r}")
 
     def ask(self, cmd: str) -> dict[str, Any]:
+        """Send a command (``reset`` clears the stall first) and read the receiver's figures."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(cmd.encode() + b"\n")
         self.proc.stdin.flush()
         return json.loads(self.proc.stdout.readline())
 
     def stop(self) -> None:
+        """Kill the receiver."""
         self.proc.kill()
         self.proc.wait()
 
@@ -130,7 +133,9 @@ def _opens(src: str, rx: str, signature: dict[str, Any], flood: int) -> dict[str
         "amplifier": [open_("a" * 32).frame()],
         "over_limits": [
             open_("o1" * 16, chunk_size=1024, n_chunks=MAX_CHUNKS + 1, sizes=[1 << 26], total=1 << 26).frame(),
-            open_("o2" * 16, chunk_size=1024, n_chunks=4097, sizes=[1024] * (MAX_BUFFERS + 1), total=1024 * 4097).frame(),
+            open_(
+                "o2" * 16, chunk_size=1024, n_chunks=4097, sizes=[1024] * (MAX_BUFFERS + 1), total=1024 * 4097
+            ).frame(),
         ],
         "worst_accepted": [worst("w" * 32)],
         "flood": [worst(f"{i:032x}") for i in range(flood)],
@@ -152,6 +157,15 @@ async def run(flood: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     try:
         kinds = _opens("rogue", "victim", sig.to_dict(), flood)
+        # The machine's own noise: the same receiver, idle, for as long as the flood takes.
+        before = receiver.ask("reset")
+        await asyncio.sleep(5.0)
+        after = receiver.ask("stat")
+        results["baseline_idle_5s"] = {
+            "rss_growth_mb": round((after["rss"] - before["rss"]) / 2**20, 2),
+            "max_stall_ms": round(after["stall"] * 1000, 2),
+        }
+        print("baseline_idle_5s", json.dumps(results["baseline_idle_5s"]), flush=True)
         for kind, frames in kinds.items():
             before = receiver.ask("reset")
             codes = []

@@ -123,6 +123,7 @@ class Open(Message):
     MAX_HEADER: ClassVar[int] = MAX_META_BYTES + MAX_CHUNKS * DIGEST_BYTES + 8192
 
     def frame(self, inline_payload: bytes | memoryview = b"") -> bytes:
+        """The `Open` on the wire: ``u32 length | msgpack(Open) | inline payload``."""
         head = self.encode()
         return self._PREFIX.pack(len(head)) + head + bytes(inline_payload)
 

@@ -62,6 +62,7 @@ def subject_sender(subject: str) -> str:
 
 
 def agent_subject(agent: str, kind: str) -> str:
+    """A subject under ``agent``'s own prefix (``kvbus.agent.<agent>.<kind>``: only it may subscribe)."""
     return f"kvbus.agent.{agent}.{kind}"
 
 
