@@ -18,7 +18,7 @@ from kvbus.bus.types import Delivery, TransferReport
 from kvbus.codecs import ModelRunner
 from kvbus.kvcache import KVCache
 from kvbus.net.transport import Transport
-from kvbus.protocol import Probe, agent_subject, inbox_subject
+from kvbus.protocol import AgentLeave, Probe, ack_subject, agent_subject, inbox_subject, sched_subject
 from kvbus.signature import ModelSignature
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ class Agent(Endpoint):
         t = self.transport
         self._subs = [
             await t.subscribe(inbox_subject(self.name, "*"), self._receiver.on_open),
-            await t.subscribe(agent_subject(self.name, "ack"), self._sender.on_ack),
+            await t.subscribe(ack_subject(self.name, "*"), self._sender.on_ack),
             await t.subscribe(agent_subject(self.name, "ctl"), self._scheduler.on_ctl),
         ]
         await t.flush()
@@ -98,10 +98,12 @@ class Agent(Endpoint):
         await self._probes.publish()
 
     async def close(self) -> None:
-        """Leave the bus: stop the inbox and the probes, fail pending sends."""
+        """Leave the bus: tell the scheduler (`AgentLeave`, bounded by ``request_timeout``), stop the
+        inbox and the probes, fail pending sends."""
         if self.closed:
             return
         self.closed = True
+        await self._say_leave()
         for task in self._tasks:
             task.cancel()
         for sub in self._subs:
@@ -112,6 +114,24 @@ class Agent(Endpoint):
         await self._receiver.stop()
         await self._scheduler.close()
         self.bus._agents.pop(self.name, None)
+
+    async def _say_leave(self) -> None:
+        """Publish `AgentLeave` on this agent's own leave subject, and flush it within a bounded time.
+
+        Best effort: a scheduler that misses it marks the agent down when its probes expire.
+        """
+        leave = AgentLeave(agent=self.name, group=self.group, reason="closed")
+        try:
+            await asyncio.wait_for(
+                self._leave(sched_subject(self.group, "leave", self.name), leave.encode()),
+                timeout=min(self.config.request_timeout, 2.0),
+            )
+        except Exception:  # closing goes on whatever the connection does
+            logger.debug("agent %s: could not say it leaves", self.name, exc_info=True)
+
+    async def _leave(self, subject: str, payload: bytes) -> None:
+        await self.transport.publish(subject, payload)
+        await self.transport.flush()
 
     async def __aenter__(self) -> Agent:
         return self

@@ -2,19 +2,28 @@
 
 Both sides compute the same `ChunkPlan` from the buffer sizes in the `Open`: the sender reads
 chunks through a `ChunkSource`, the receiver rebuilds the buffers with a `Reassembly`. Each
-chunk has an xxh3-64 digest (`chunk_digest`); the whole payload's digest (`tree_digest`) is an
-xxh3-128 hash over the chunk digests.
+chunk has an xxh3-64 digest. A streamed `Open` carries every chunk's digest (`Open.digests`,
+`ChunkSource.digests`) and their root (`digests_root`); the receiver checks each chunk against
+that list (`ChunkVerifier`), never against anything a chunk message says about itself, so a
+forged or injected chunk is dropped and asked for again from the sender. An inline payload's
+digest (`tree_digest`) is a hash over its chunks' digests.
+
+This module is the one place of chunk framing and verification: every data path (NATS today)
+checks an `Open` with `check_open_plan` and its chunks with a `ChunkVerifier`.
 """
 
 from __future__ import annotations
 
 import bisect
+from array import array
+from collections.abc import Iterator, Sequence
 from typing import cast
 
 import torch
 import xxhash
 
-from kvbus.protocol import Open
+from kvbus.errors import WireFormatError
+from kvbus.protocol import DIGEST_BYTES, MAX_CHUNKS, Open
 
 #: Buffers below ``chunk_size // PACK_DIVISOR`` are packed together into one chunk; larger
 #: ones get chunks of their own (no copy on either side), split when above ``chunk_size``.
@@ -22,15 +31,20 @@ PACK_DIVISOR = 16
 
 
 def chunk_digest(data: bytes | memoryview) -> str:
-    """The xxh3-64 digest of one chunk, as carried in its header."""
+    """The xxh3-64 digest of one chunk, in hex."""
     return xxhash.xxh3_64_hexdigest(data)
 
 
-def tree_digest(chunk_digests: list[str], total: int) -> str:
-    """The whole-payload digest: xxh3-128 over the chunks' digests and the total size.
+def chunk_digest_bytes(data: bytes | memoryview) -> bytes:
+    """The xxh3-64 digest of one chunk, as the `DIGEST_BYTES` it takes in `Open.digests`."""
+    return xxhash.xxh3_64_digest(data)
 
-    Every chunk is verified against its own digest on arrival, so hashing the digests (a
-    one-level hash tree) checks the whole payload without a second pass over its bytes.
+
+def tree_digest(chunk_digests: Sequence[str], total: int) -> str:
+    """The whole-payload digest of an inline payload: xxh3-128 over the chunks' hex digests and the size.
+
+    Every chunk is hashed once, so hashing the digests (a one-level hash tree) checks the whole
+    payload without a second pass over its bytes.
     """
     h = xxhash.xxh3_128(str(total).encode())
     for d in chunk_digests:
@@ -38,44 +52,106 @@ def tree_digest(chunk_digests: list[str], total: int) -> str:
     return h.hexdigest()
 
 
+def digests_root(digests: bytes, total: int) -> str:
+    """The whole-payload digest of a streamed payload: xxh3-128 over the size and the digest list."""
+    h = xxhash.xxh3_128(str(total).encode())
+    h.update(digests)
+    return h.hexdigest()
+
+
+def _small(chunk_size: int) -> int:
+    return max(1, chunk_size // PACK_DIVISOR)
+
+
+def _ends(sizes: Sequence[int], chunk_size: int, out: array | None) -> int:
+    """Walk the chunk plan of ``sizes``: the number of chunks, and (into ``out``) each chunk's end byte.
+
+    A chunk is either a slice of one buffer or several whole small buffers back to back; chunks
+    cover the payload contiguously from byte 0, so their ends describe them.
+    """
+    small = _small(chunk_size)
+    count = 0
+    run_len = -1  # bytes of the open run of small buffers, -1 when none is open
+    pos = 0
+    for n in sizes:
+        if n == 0:
+            continue
+        if n < small and run_len >= 0 and run_len + n <= chunk_size:
+            run_len += n
+            pos += n
+            continue
+        if run_len >= 0:
+            count += 1
+            if out is not None:
+                out.append(pos)
+            run_len = -1
+        if n < small:
+            run_len = n
+            pos += n
+            continue
+        pieces = -(-n // chunk_size)
+        count += pieces
+        if out is not None:
+            out.extend(range(pos + chunk_size, pos + n, chunk_size))
+            out.append(pos + n)
+        pos += n
+    if run_len >= 0:
+        count += 1
+        if out is not None:
+            out.append(pos)
+    return count
+
+
+class _Ranges(Sequence[tuple[int, int]]):
+    """Per chunk ``(first byte, end byte)``, read off a compact array of chunk ends."""
+
+    def __init__(self, ends: array) -> None:
+        self._ends = ends
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def __getitem__(self, index: int) -> tuple[int, int]:  # type: ignore[override]
+        if index < 0:
+            index += len(self._ends)
+        if not 0 <= index < len(self._ends):
+            raise IndexError(index)
+        return (self._ends[index - 1] if index else 0), self._ends[index]
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        lo = 0
+        for hi in self._ends:
+            yield lo, hi
+            lo = hi
+
+
 class ChunkPlan:
     """Deterministic split of a list of buffer sizes into chunks, computed alike on both sides.
 
     A chunk is either a slice of one buffer or several whole small buffers back to back, so a
     buffer that fits in a chunk never straddles two: the sender publishes views without joining
-    and the receiver builds tensors over the chunk it received without copying.
+    and the receiver builds tensors over the chunk it received without copying. The plan takes
+    8 bytes per chunk and 16 per buffer.
     """
 
-    def __init__(self, sizes: list[int], chunk_size: int) -> None:
-        self.sizes = list(sizes)
+    def __init__(self, sizes: Sequence[int], chunk_size: int) -> None:
+        self.sizes = array("q", sizes)
         self.chunk_size = chunk_size
-        self.total = sum(sizes)
-        self.starts: list[int] = []
+        self.starts = array("q")
         offset = 0
-        for n in sizes:
+        for n in self.sizes:
             self.starts.append(offset)
             offset += n
-        small = max(1, chunk_size // PACK_DIVISOR)
+        self.total = offset
+        self.ends = array("q")
+        self.n_chunks = _ends(self.sizes, chunk_size, self.ends)
         #: Per chunk: (first byte, end byte) of the payload taken back to back.
-        self.ranges: list[tuple[int, int]] = []
-        run_start = run_end = -1
-        for start, n in zip(self.starts, self.sizes):
-            if n == 0:
-                continue
-            if n < small and run_start >= 0 and run_end - run_start + n <= chunk_size:
-                run_end += n
-                continue
-            if run_start >= 0:
-                self.ranges.append((run_start, run_end))
-                run_start = -1
-            if n < small:
-                run_start, run_end = start, start + n
-                continue
-            for off in range(0, n, chunk_size):
-                self.ranges.append((start + off, start + min(off + chunk_size, n)))
-        if run_start >= 0:
-            self.ranges.append((run_start, run_end))
-        self.n_chunks = len(self.ranges)
+        self.ranges: Sequence[tuple[int, int]] = _Ranges(self.ends)
+
+    @staticmethod
+    def count(sizes: Sequence[int], chunk_size: int) -> int:
+        """The number of chunks the plan of ``sizes`` has, in O(len(sizes)) and without building it."""
+        return _ends(sizes, chunk_size, None)
 
     def pieces(self, index: int) -> list[tuple[int, int, int]]:
         """(buffer index, start, end within that buffer) of the buffers chunk ``index`` covers."""
@@ -95,6 +171,56 @@ class ChunkPlan:
         return out
 
 
+def fit_chunk_size(sizes: Sequence[int], chunk_size: int, largest: int) -> int:
+    """``chunk_size``, doubled (up to ``largest``) until the plan of ``sizes`` has at most `MAX_CHUNKS` chunks.
+
+    The caller checks the result's count: a payload that needs more chunks even at ``largest``
+    cannot be sent.
+    """
+    while ChunkPlan.count(sizes, chunk_size) > MAX_CHUNKS and chunk_size < largest:
+        chunk_size = min(largest, chunk_size * 2)
+    return chunk_size
+
+
+def check_open_plan(open_msg: Open) -> ChunkPlan:
+    """The chunk plan of a checked `Open` (`Open.check`), once it is known to be the one announced.
+
+    The plan's size is computed first (O(number of buffers), nothing allocated) and compared with
+    ``n_chunks`` (itself bounded by `MAX_CHUNKS`), so building the plan costs at most that; then,
+    for a streamed payload, the digest list must have the announced root.
+
+    Raises:
+        WireFormatError: ``n_chunks`` is not the plan's, or the digests do not match their root.
+    """
+    n = ChunkPlan.count(open_msg.sizes, open_msg.chunk_size)
+    if n != open_msg.n_chunks or n > MAX_CHUNKS:
+        raise WireFormatError("open message", f"n_chunks {open_msg.n_chunks} does not match the chunk plan ({n})")
+    plan = ChunkPlan(open_msg.sizes, open_msg.chunk_size)
+    if not open_msg.inline and digests_root(open_msg.digests, open_msg.total) != open_msg.digest:
+        raise WireFormatError("open message", "the chunk digests do not match the payload digest")
+    return plan
+
+
+class ChunkVerifier:
+    """Checks each chunk of a streamed transfer against the digest its `Open` announced."""
+
+    def __init__(self, plan: ChunkPlan, digests: bytes) -> None:
+        self.plan = plan
+        self.digests = digests
+
+    def chunk_len(self, index: int) -> int:
+        """The size chunk ``index`` must have."""
+        lo, hi = self.plan.ranges[index]
+        return hi - lo
+
+    def check(self, index: int, data: bytes | memoryview) -> bool:
+        """Whether ``data`` is exactly the sender's chunk ``index`` (size and digest)."""
+        if len(data) != self.chunk_len(index):
+            return False
+        at = index * DIGEST_BYTES
+        return chunk_digest_bytes(data) == self.digests[at : at + DIGEST_BYTES]
+
+
 class ChunkSource:
     """The sender's view of its buffers through a `ChunkPlan`."""
 
@@ -111,6 +237,12 @@ class ChunkSource:
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
+def digest_chunks(chunks: Sequence[bytes | memoryview]) -> bytes:
+    """Every chunk's digest back to back (`Open.digests`); xxh3 runs at several GB/s, and a sender
+    of a large payload calls this off the event loop."""
+    return b"".join(chunk_digest_bytes(c) for c in chunks)
+
+
 class Reassembly:
     """Builds the receiver's buffers from verified chunks.
 
@@ -118,9 +250,9 @@ class Reassembly:
     split over several chunks is allocated once and the pieces are copied in as they arrive.
     """
 
-    def __init__(self, sizes: list[int], chunk_size: int) -> None:
-        self.plan = ChunkPlan(sizes, chunk_size)
-        self.buffers: list[memoryview | None] = [memoryview(b"") if n == 0 else None for n in sizes]
+    def __init__(self, sizes: Sequence[int], chunk_size: int, plan: ChunkPlan | None = None) -> None:
+        self.plan = plan or ChunkPlan(sizes, chunk_size)
+        self.buffers: list[memoryview | None] = [memoryview(b"") if n == 0 else None for n in self.plan.sizes]
         self._owners: list[object] = []
 
     def chunk_len(self, index: int) -> int:
@@ -152,9 +284,9 @@ class Reassembly:
         return cast(list[memoryview], self.buffers)  # none is None: checked above
 
 
-def split_inline(open_msg: Open, payload: memoryview) -> tuple[list[memoryview], str]:
+def split_inline(open_msg: Open, payload: memoryview, plan: ChunkPlan | None = None) -> tuple[list[memoryview], str]:
     """Buffers and recomputed tree digest of an inline payload."""
-    plan = ChunkPlan(open_msg.sizes, open_msg.chunk_size)
+    plan = plan or ChunkPlan(open_msg.sizes, open_msg.chunk_size)
     digests = [chunk_digest(payload[lo:hi]) for lo, hi in plan.ranges]
     buffers = [payload[s : s + n] for s, n in zip(plan.starts, plan.sizes)]
     return buffers, tree_digest(digests, plan.total)

@@ -42,7 +42,18 @@ class BusConfig:
     """A queued sender asks its scheduler again after this many seconds without a grant (the
     scheduler may have restarted); also the longest pause between tries while none answers."""
     partial_timeout: float = 30.0
-    """Seconds a receiver keeps a partial transfer whose sender went silent."""
+    """Seconds a receiver keeps a partial transfer without valid progress (a chunk that passed
+    its digest); junk chunks do not count."""
+    max_partials: int = 32
+    """Most partial (streamed, not yet whole) transfers a receiver holds; over it, the one with
+    the oldest valid progress is dropped and its sender gets `Reason.PARTIAL_DROPPED`."""
+    max_partial_bytes: int = 4 * 1024**3
+    """Most bytes (as announced in their Opens) a receiver's partial transfers may add up to; a
+    single transfer over it is refused (`Reason.TOO_LARGE`), else the oldest are dropped as above."""
+    max_partial_overhead: int = 8 * 1024**2
+    """Most bytes of bookkeeping (chunk digests and plan, codec metadata) a receiver's partial
+    transfers may hold together, beyond their payloads; over it, the oldest are dropped as above.
+    A legitimate partial holds a few KB; the largest an `Open` can announce, about 0.6 MB."""
     probe_interval: float = 1.0
     """Seconds between probe reports to the group scheduler."""
     max_missing: int = 256
@@ -55,6 +66,8 @@ class BusConfig:
             raise ConfigError(f"chunk_size {self.chunk_size} must be at least 1024 bytes")
         if not 1 <= self.window <= 4096:
             raise ConfigError(f"window {self.window} must be in 1..4096")
+        if self.max_partials < 1 or self.max_partial_bytes < 1 or self.max_partial_overhead < 1:
+            raise ConfigError("max_partials, max_partial_bytes and max_partial_overhead must be at least 1")
         if not 1 <= self.ack_every <= self.window:
             raise ConfigError(f"ack_every {self.ack_every} must be in 1..window ({self.window})")
         for name in (
@@ -72,4 +85,4 @@ class BusConfig:
     @classmethod
     def from_env(cls, **overrides: Any) -> BusConfig:
         """The defaults, overridden by ``KVBUS_BUS_<FIELD>`` variables, then by ``overrides``."""
-        return from_env(cls, "bus", **overrides)
+        return from_env(cls, "bus", None, **overrides)

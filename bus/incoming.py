@@ -1,15 +1,18 @@
 """The receiver's side of one streamed transfer: chunks checked and placed, credit, repair requests.
 
-Chunks arrive on the transfer's data subject. A chunk with a bad index, size or digest is
-dropped and asked for again; duplicates are dropped; every ``ack_every`` chunks (and whenever a
-gap shows) the receiver acknowledges its position and lists what is missing. When the last
-chunk is in, the agent's finish callback verifies, decodes and delivers the payload and sends
-the final verdict (`IncomingTransfer.report`).
+Chunks arrive on the transfer's data subject. Each is checked against the digest the sender's
+`Open` announced for its index (`kvbus.bus.chunking.ChunkVerifier`); one with a bad index, size
+or digest is dropped and asked for again from the sender, whatever its headers say; duplicates
+are dropped. Every ``ack_every`` chunks (and whenever a gap shows) the receiver acknowledges its
+position and lists what is missing. When the last chunk is in, the agent's finish callback
+decodes and delivers the payload and sends the final verdict (`IncomingTransfer.report`).
+Only a chunk that passes its digest counts as progress (`last_progress`): junk keeps nothing alive.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -18,10 +21,10 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from opentelemetry.trace import INVALID_SPAN, Span
 
-from kvbus.bus.chunking import Reassembly, chunk_digest, tree_digest
+from kvbus.bus.chunking import ChunkPlan, ChunkVerifier, Reassembly
 from kvbus.bus.config import BusConfig
 from kvbus.net.transport import Transport
-from kvbus.protocol import CHUNK_INDEX_HEADER, CHUNK_SUM_HEADER, ROOT_SUM_HEADER, Ack, Open, Reason
+from kvbus.protocol import CHUNK_INDEX_HEADER, Ack, Open, Reason, packb, unpackb
 
 logger = logging.getLogger(__name__)
 
@@ -36,22 +39,30 @@ class IncomingTransfer:
         rx: str,
         config: BusConfig,
         finish: Callable[[IncomingTransfer], Awaitable[None]],
-        plan: Reassembly | None = None,
+        plan: ChunkPlan | None = None,
     ) -> None:
         self.transport = transport
-        self.open = open_msg
+        plan = plan or ChunkPlan(open_msg.sizes, open_msg.chunk_size)
+        # While it waits for chunks a partial keeps its codec metadata packed and its sizes in the
+        # plan's array: what it holds is then known to the byte (`overhead`), not a decoded map of
+        # whatever a hostile sender packed into it.
+        self._meta = packb(open_msg.meta)
+        self.open = dataclasses.replace(open_msg, meta={}, sizes=[])
+        """The transfer's `Open`, without its metadata and sizes (see `opened`)."""
         self.rx = rx
         self.config = config
         self._finish = finish
-        self.assembly = plan or Reassembly(open_msg.sizes, open_msg.chunk_size)
-        self.digests: list[str] = [""] * open_msg.n_chunks
-        self.root = open_msg.digest
+        self.assembly = Reassembly(plan.sizes, open_msg.chunk_size, plan)
+        self.verifier = ChunkVerifier(plan, open_msg.digests)
+        self.overhead = len(self._meta) + len(open_msg.digests) + 9 * plan.n_chunks + 32 * len(plan.sizes) + 2048
+        """Bytes of bookkeeping this partial holds besides the payload (what the overhead cap counts)."""
         self.have = bytearray(open_msg.n_chunks)
         self.count = 0
         self.next = 0
         self.corrupt = 0
         self.duplicates = 0
-        self.last_activity = time.monotonic()
+        self.last_progress = time.monotonic()
+        """When the transfer last made valid progress (its Open, then each chunk that passed its digest)."""
         self.started = time.perf_counter()
         self.completed = False
         self._sub: Subscription | None = None
@@ -61,12 +72,23 @@ class IncomingTransfer:
         self.spans: tuple[Span, Span] = (INVALID_SPAN, INVALID_SPAN)
         """The receiver's ``kvbus.receive`` and ``kvbus.reassemble`` spans (set by the agent)."""
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the payload will take once whole (what the partial caps count)."""
+        return self.open.total
+
+    def opened(self) -> Open:
+        """The whole `Open` again, metadata and sizes included (for the decode)."""
+        meta = unpackb(self._meta, "open metadata")
+        return dataclasses.replace(self.open, meta=meta, sizes=list(self.assembly.plan.sizes))
+
     async def start(self) -> None:
         """Subscribe to the transfer's data subject."""
         self._sub = await self.transport.subscribe(self.open.data_subject, self._on_chunk)
 
     async def stop(self) -> None:
         """Unsubscribe (the partial payload is then dropped with this object)."""
+        self.completed = True
         sub, self._sub = self._sub, None
         if sub is not None:
             try:
@@ -108,7 +130,6 @@ class IncomingTransfer:
     async def _on_chunk(self, msg: Msg) -> None:
         if self.completed:
             return
-        self.last_activity = time.monotonic()
         headers = msg.headers or {}
         try:
             index = int(headers[CHUNK_INDEX_HEADER])
@@ -124,17 +145,14 @@ class IncomingTransfer:
             self.duplicates += 1
             return
         data = msg.data
-        digest = headers.get(CHUNK_SUM_HEADER, "")
-        if len(data) != self.assembly.chunk_len(index) or chunk_digest(data) != digest:
+        if not self.verifier.check(index, data):
             self.corrupt += 1
-            logger.warning("transfer %s: chunk %d failed its checksum, asking again", self.open.transfer_id, index)
+            logger.warning("transfer %s: chunk %d failed its digest, asking again", self.open.transfer_id, index)
             self._asked.discard(index)
             await self._request_missing(index + 1)
             return
+        self.last_progress = time.monotonic()
         self.assembly.add(index, data)
-        self.digests[index] = digest
-        if index == self.open.n_chunks - 1:
-            self.root = headers.get(ROOT_SUM_HEADER, "")
         self.have[index] = 1
         self.count += 1
         self._since_ack += 1
@@ -172,5 +190,5 @@ class IncomingTransfer:
             await self._ack(missing=missing)
 
     def verify(self) -> bool:
-        """Whether the chunk digests add up to the sender's whole-payload digest."""
-        return bool(self.root) and tree_digest(self.digests, self.assembly.plan.total) == self.root
+        """Whether every chunk is in (each passed the digest the `Open` announced for it)."""
+        return self.count == self.open.n_chunks and all(self.have)

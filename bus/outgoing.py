@@ -1,12 +1,17 @@
 """The sender's side of one transfer: `Open`, credit window, pacing, repair, pause and resume.
 
-The sender announces a transfer with an `Open` request to each receiver's inbox, then
-publishes chunks once on a per-transfer data subject that every receiver subscribed to (so a
-broadcast leaves the sender once and NATS fans it out). Flow control is by credit: a sender
-keeps at most ``window`` chunks beyond the slowest receiver's acknowledged position. Each chunk
-carries its index and digest in NATS headers; the last chunk (or the `Open`, for an inline
-payload) carries the whole payload's digest (`kvbus.bus.chunking`). Receivers ask for missing
-chunks; a sender without acknowledgements asks each lagging receiver where it stands.
+The sender hashes every chunk first (xxh3-64; off the event loop for a large payload) and
+announces the transfer with an `Open` request to each receiver's inbox carrying those digests
+(`kvbus.bus.chunking`); a receiver checks each chunk against them, so the content it delivers
+is the one its sender's `Open` announced, whatever else arrives on the data subject. Chunks go
+on a data subject under each receiver's prefix ending in the sender's name. A broadcast outside
+secure mode publishes each chunk once on a shared broadcast subject and NATS fans it out; in
+secure mode every receiver gets its own stream, so that only addressees can read it (NATS
+permissions are per subject). Flow control is by credit: a sender keeps at most ``window``
+chunks beyond the slowest receiver's acknowledged position. Receivers ask for missing or bad
+chunks (resent to them only, on per-receiver streams); a sender without acknowledgements asks
+each lagging receiver where it stands (`kvbus.bus.handshake`). Each receiver's acks come on a
+subject ending in its name, and only those count.
 """
 
 from __future__ import annotations
@@ -19,35 +24,25 @@ from dataclasses import dataclass, field
 
 from opentelemetry.trace import INVALID_SPAN, Span
 
-from kvbus.bus.chunking import ChunkSource, chunk_digest, tree_digest
-from kvbus.bus.config import BusConfig
-from kvbus.bus.errors import ReceiverGone, TransferError, TransferRejected, TransferTimeout
+from kvbus.bus.chunking import ChunkSource, chunk_digest, digest_chunks, digests_root, tree_digest
+from kvbus.bus.config import OFFLOAD_BYTES, BusConfig
+from kvbus.bus.errors import ReceiverGone, TransferRejected, TransferTimeout
+from kvbus.bus.handshake import Handshake, ReceiverOutcome
 from kvbus.bus.pacing import TokenBucket
 from kvbus.net.transport import NoResponders, Transport
 from kvbus.protocol import (
     CHUNK_INDEX_HEADER,
-    CHUNK_SUM_HEADER,
-    ROOT_SUM_HEADER,
     Ack,
     Open,
-    OpenReply,
     Reason,
-    agent_subject,
+    ack_subject,
     bcast_subject,
     data_subject,
-    inbox_subject,
 )
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class ReceiverOutcome:
-    """How one receiver's side of a transfer ended."""
-
-    ok: bool = False
-    error: TransferError | None = None
-    decode_s: float = 0.0
+__all__ = ["OutgoingTransfer", "ReceiverOutcome", "StreamStats"]
 
 
 @dataclass
@@ -64,6 +59,8 @@ class StreamStats:
     rate_changes: int = 0
     paused_s: float = 0.0
     """Time spent paused."""
+    hash_s: float = 0.0
+    """Time spent hashing the chunks before the `Open`."""
     started: float = field(default_factory=time.perf_counter)
     finished: float = 0.0
 
@@ -87,6 +84,8 @@ class OutgoingTransfer:
         rate_bps: float = 0.0,
         inline_limit: int = 0,
         traceparent: str | None = None,
+        per_receiver_streams: bool = False,
+        incarnations: dict[str, str] | None = None,
     ) -> None:
         self.transport = transport
         self.transfer_id = transfer_id
@@ -98,17 +97,9 @@ class OutgoingTransfer:
         self.sizes = [b.nbytes for b in buffers]
         # Views for chunks within one buffer; small buffers packed together are joined once here.
         self._chunks = [self.plan.chunk(i) for i in range(self.plan.n_chunks)]
-        # Chunk digests are computed as chunks first go out, while the sender would otherwise
-        # wait for credit; the whole-payload digest rides on the last chunk (or in the Open for
-        # an inline payload).
-        self._digests: list[str] = [""] * self.plan.n_chunks
-        self.digest = ""
-        # Unicast chunks go under the receiver's prefix, broadcasts under the sender's: the
-        # permission scheme (kvbus.security) lets only the addressed agents subscribe.
-        self.data_subject = (
-            data_subject(self.receivers[0], transfer_id)
-            if len(self.receivers) == 1
-            else bcast_subject(src, transfer_id)
+        # One shared subject (a broadcast outside secure mode), else a stream per receiver.
+        self.shared_subject = (
+            bcast_subject(src, transfer_id) if len(self.receivers) > 1 and not per_receiver_streams else None
         )
         self.open = Open(
             transfer_id=transfer_id,
@@ -119,24 +110,28 @@ class OutgoingTransfer:
             total=self.plan.total,
             chunk_size=chunk_size,
             n_chunks=self.plan.n_chunks,
-            digest=self.digest,
+            digest="0" * 32,
             window=window,
-            data_subject=self.data_subject,
-            ack_subject=agent_subject(src, "ack"),
+            data_subject=self.shared_subject or data_subject(self.receivers[0], src, transfer_id),
+            ack_subject=ack_subject(src, self.receivers[0]),
             inline=False,
             traceparent=traceparent,
         )
+        """The `Open` of the first receiver (before its digests are known); each gets its own."""
         # Inline when small enough and the framed Open (header + payload) fits the server's max_payload.
         room = transport.max_payload - len(self.open.encode()) - 1024
         if self.plan.total <= min(inline_limit, room):
-            self._digests = [chunk_digest(c) for c in self._chunks]
-            self.digest = tree_digest(self._digests, self.plan.total)
-            self.open = dataclasses.replace(self.open, inline=True, digest=self.digest)
+            self.open = dataclasses.replace(self.open, inline=True)
+        known = incarnations if incarnations is not None else {}
+        self.links: dict[str, Handshake] = {rx: Handshake(transport, rx, self.open) for rx in self.receivers}
+        for rx, link in self.links.items():
+            link.expected = known.get(rx, "")
+        self.outcomes: dict[str, ReceiverOutcome] = {rx: link.outcome for rx, link in self.links.items()}
         self.bucket = TokenBucket(rate_bps, burst=max(chunk_size, rate_bps * 0.02))
-        self.outcomes: dict[str, ReceiverOutcome] = {rx: ReceiverOutcome() for rx in self.receivers}
         self.stats = StreamStats()
         self._acked: dict[str, int] = {}
-        self._resend: set[int] = set()
+        self._resend: dict[int, set[str]] = {}
+        """Chunks to send again, each to the receivers that asked."""
         self._next = 0
         self._progress = asyncio.Event()
         self._running = asyncio.Event()
@@ -200,7 +195,7 @@ class OutgoingTransfer:
     def cancel(self, reason: str) -> None:
         """Give up: every receiver still pending fails with ``reason``."""
         for outcome in self.outcomes.values():
-            if not outcome.ok and outcome.error is None:
+            if outcome.pending:
                 outcome.error = TransferRejected(
                     self.transfer_id, "scheduler", reason or "cancelled", code=Reason.CANCELLED
                 )
@@ -215,12 +210,17 @@ class OutgoingTransfer:
         active = [self._acked.get(rx, 0) for rx in self._active()]
         return (min(active) if active else self.plan.n_chunks) / self.plan.n_chunks
 
+    @property
+    def restarted(self) -> list[str]:
+        """Receivers this transfer met in another incarnation than earlier transfers did."""
+        return [rx for rx, link in self.links.items() if link.restarted]
+
     # -- acks -------------------------------------------------------------------------------
 
-    def on_ack(self, ack: Ack) -> None:
-        """Apply a receiver's acknowledgement (called by the agent's ack subscription)."""
-        outcome = self.outcomes.get(ack.rx)
-        if outcome is None or outcome.ok or outcome.error is not None:
+    def on_ack(self, rx: str, ack: Ack) -> None:
+        """Apply an acknowledgement that came on ``rx``'s ack subject (called by the agent's ack subscription)."""
+        outcome = self.outcomes.get(rx)
+        if outcome is None or not outcome.pending:
             return
         if ack.done:
             if ack.ok:
@@ -228,26 +228,27 @@ class OutgoingTransfer:
                 outcome.decode_s = ack.decode_s
             else:
                 outcome.error = TransferRejected(
-                    self.transfer_id, ack.rx, ack.reason or "receiver gave up", code=ack.code or Reason.OTHER
+                    self.transfer_id, rx, ack.reason or "receiver gave up", code=ack.code or Reason.OTHER
                 )
         else:
-            if ack.next > self._acked.get(ack.rx, 0):
-                self._acked[ack.rx] = min(ack.next, self.plan.n_chunks)
+            if ack.next > self._acked.get(rx, 0):
+                self._acked[rx] = min(ack.next, self.plan.n_chunks)
             for m in ack.missing[: self.config.max_missing]:
                 if isinstance(m, int) and 0 <= m < self._next:
-                    self._resend.add(m)
+                    self._resend.setdefault(m, set()).add(rx)
         self._last_progress = time.monotonic()
         self._progress.set()
 
     def _active(self) -> list[str]:
-        return [rx for rx, o in self.outcomes.items() if not o.ok and o.error is None]
+        return [rx for rx, o in self.outcomes.items() if o.pending]
 
     # -- the run ------------------------------------------------------------------------------
 
     async def run(self) -> dict[str, ReceiverOutcome]:
-        """Open, stream and wait for every receiver's verdict; never raises for a receiver's failure."""
+        """Hash, open, stream and wait for every receiver's verdict; never raises for a receiver's failure."""
+        await self._prepare()
         inline = self.open.inline
-        frame = self.open.frame(b"".join(self.plan.buffers) if inline else b"")
+        payload = b"".join(self.plan.buffers) if inline else b""
         # Paused before it started (preempted while encoding): start when resumed.
         await self._running.wait()
         if not self._active():
@@ -256,14 +257,35 @@ class OutgoingTransfer:
         if inline:
             # The whole payload goes in the Open: pace it like chunks (0 = unpaced takes no time).
             await self.bucket.take(self.plan.total)
-        await asyncio.gather(*(self._open(rx, frame) for rx in self.receivers))
+        await asyncio.gather(*(self._open(link, payload) for link in self.links.values()))
         if not inline:
             await self._stream()
         self.stats.finished = time.perf_counter()
         return self.outcomes
 
-    async def _open(self, rx: str, frame: bytes) -> None:
-        outcome = self.outcomes[rx]
+    async def _prepare(self) -> None:
+        """Hash every chunk and give each receiver its `Open` (with its own data and ack subjects)."""
+        t0 = time.perf_counter()
+        if self.open.inline:
+            digest = tree_digest([chunk_digest(c) for c in self._chunks], self.plan.total)
+            digests = b""
+        else:
+            if self.plan.total > OFFLOAD_BYTES:
+                digests = await asyncio.to_thread(digest_chunks, self._chunks)
+            else:
+                digests = digest_chunks(self._chunks)
+            digest = digests_root(digests, self.plan.total)
+        self.stats.hash_s = time.perf_counter() - t0
+        self.open = dataclasses.replace(self.open, digest=digest, digests=digests)
+        for rx, link in self.links.items():
+            link.open = dataclasses.replace(
+                self.open,
+                data_subject=self.shared_subject or data_subject(rx, self.src, self.transfer_id),
+                ack_subject=ack_subject(self.src, rx),
+            )
+
+    async def _open(self, link: Handshake, payload: bytes) -> None:
+        outcome = link.outcome
         # An unanswered Open is asked again (the same transfer id: a receiver that got the first
         # one answers with where it stands) until ``peer_timeout``: a request lost while the
         # server restarted or the receiver was busy does not fail the transfer.
@@ -272,48 +294,37 @@ class OutgoingTransfer:
         while True:
             left = give_up - time.monotonic()
             try:
-                data = await self.transport.request(
-                    inbox_subject(rx, self.open.src), frame, timeout=min(self.config.request_timeout, max(left, 0.001))
-                )
+                data = await link.ask(link.frame(payload), timeout=min(self.config.request_timeout, max(left, 0.001)))
                 break
             except NoResponders:
-                outcome.error = ReceiverGone(self.transfer_id, rx, "no agent listens on its inbox")
+                outcome.error = ReceiverGone(self.transfer_id, link.rx, "no agent listens on its inbox")
                 return
             except TimeoutError:
                 if time.monotonic() >= give_up - 1e-3:
                     outcome.error = TransferTimeout(
-                        self.transfer_id, f"waiting for {rx} to accept", time.monotonic() - started, rx
+                        self.transfer_id, f"waiting for {link.rx} to accept", time.monotonic() - started, link.rx
                     )
                     return
-                self.span.add_event("open.retry", {"kvbus.receiver": rx})
-        try:
-            reply = OpenReply.decode(data)
-        except Exception as exc:  # noqa: BLE001 - a broken reply fails this receiver only
-            outcome.error = TransferError(self.transfer_id, f"bad reply from {rx}: {exc}", peer=rx)
-            return
-        if not reply.ok:
-            outcome.error = TransferRejected(self.transfer_id, rx, reply.reason, code=reply.code or Reason.OTHER)
-        elif reply.done:
-            outcome.ok = True
-            outcome.decode_s = reply.decode_s
-        else:
-            self._acked[rx] = max(self._acked.get(rx, 0), reply.next)
+                self.span.add_event("open.retry", {"kvbus.receiver": link.rx})
+        reply = link.apply(data)
+        if reply is not None:
+            self._acked[link.rx] = max(self._acked.get(link.rx, 0), reply.next)
 
-    async def _send_chunk(self, index: int) -> None:
+    def _subjects(self, receivers: set[str] | None) -> list[str]:
+        """Where a chunk goes: the shared subject, or the streams of ``receivers`` (default: all pending)."""
+        if self.shared_subject is not None:
+            return [self.shared_subject]
+        wanted = self._active() if receivers is None else [rx for rx in self._active() if rx in receivers]
+        return [self.links[rx].open.data_subject for rx in wanted]
+
+    async def _send_chunk(self, index: int, receivers: set[str] | None = None) -> None:
         data = self._chunks[index]
-        digest = self._digests[index]
-        if not digest:
-            digest = self._digests[index] = chunk_digest(data)
-        headers = {CHUNK_INDEX_HEADER: str(index), CHUNK_SUM_HEADER: digest}
-        if index == self.plan.n_chunks - 1:
-            # Every earlier chunk went out before this one, so all digests are known.
-            if not self.digest:
-                self.digest = tree_digest(self._digests, self.plan.total)
-            headers[ROOT_SUM_HEADER] = self.digest
-        await self.bucket.take(len(data))
-        await self.transport.publish(self.data_subject, data, headers=headers)
-        self.stats.chunks_sent += 1
-        self.stats.bytes_sent += len(data)
+        headers = {CHUNK_INDEX_HEADER: str(index)}
+        for subject in self._subjects(receivers):
+            await self.bucket.take(len(data))
+            await self.transport.publish(subject, data, headers=headers)
+            self.stats.chunks_sent += 1
+            self.stats.bytes_sent += len(data)
 
     async def _stream(self) -> None:
         n = self.plan.n_chunks
@@ -327,10 +338,10 @@ class OutgoingTransfer:
                 continue
             if self._resend:
                 index = min(self._resend)
-                self._resend.discard(index)
+                receivers = self._resend.pop(index)
                 self.stats.retransmits += 1
                 self.span.add_event("retransmit", {"kvbus.chunk": index})
-                await self._send_chunk(index)
+                await self._send_chunk(index, receivers)
                 continue
             low = min(self._acked.get(rx, 0) for rx in active)
             if self._next < n and self._next < low + window:
@@ -346,30 +357,25 @@ class OutgoingTransfer:
     async def _stalled(self) -> None:
         """No ack for a while: ask each lagging receiver where it stands (this also tells if it is alive)."""
         waited = time.monotonic() - self._last_progress
-        frame = self.open.frame(b"")
         for rx in self._active():
-            outcome = self.outcomes[rx]
+            link = self.links[rx]
             try:
-                data = await self.transport.request(
-                    inbox_subject(rx, self.open.src), frame, timeout=self.config.request_timeout
-                )
-                reply = OpenReply.decode(data)
+                data = await link.ask(link.frame(), timeout=self.config.request_timeout)
             except NoResponders:
-                outcome.error = ReceiverGone(self.transfer_id, rx, "it stopped answering mid-transfer")
+                link.outcome.error = ReceiverGone(self.transfer_id, rx, "it stopped answering mid-transfer")
                 continue
-            except Exception:  # noqa: BLE001 - timeouts and bad replies count as no progress
-                reply = None
-            if reply is not None and not reply.ok:
-                outcome.error = TransferRejected(self.transfer_id, rx, reply.reason, code=reply.code or Reason.OTHER)
-            elif reply is not None and reply.done:
-                outcome.ok = True
-                outcome.decode_s = reply.decode_s
-            elif waited > self.config.peer_timeout:
-                outcome.error = TransferTimeout(self.transfer_id, f"streaming to {rx}", waited, rx)
+            except Exception:  # noqa: BLE001 - timeouts count as no progress
+                data = None
+            reply = link.apply(data) if data is not None else None
+            if not link.outcome.pending:
+                continue
+            if waited > self.config.peer_timeout:
+                link.outcome.error = TransferTimeout(self.transfer_id, f"streaming to {rx}", waited, rx)
             elif reply is not None:
                 # Tail loss: resend what it has not got, up to a window's worth.
                 start = max(reply.next, self._acked.get(rx, 0))
                 self._acked[rx] = start
-                self._resend.update(range(start, min(self._next, start + self.window)))
+                for i in range(start, min(self._next, start + self.window)):
+                    self._resend.setdefault(i, set()).add(rx)
                 logger.info("transfer %s: %s stalled at chunk %d, resending", self.transfer_id, rx, start)
                 self.span.add_event("stalled", {"kvbus.receiver": rx, "kvbus.chunk": start})

@@ -1,11 +1,14 @@
 """The receiving side of an agent: `Open` requests, reassembly, verification, decode, delivery.
 
-An `Open` on the agent's inbox is checked (sender, size, codec, model signature, chunk plan,
-subjects) and refused with a `Reason` code when it does not pass. An inline payload is
-verified and decoded at once; a streamed one gets an `IncomingTransfer` whose last chunk
-calls `Receiver.finish`. Decoded contexts go to the agent's `Inbox`; completed transfer ids
-are remembered so that an `Open` asked again is answered, not delivered twice. The last
-context from each sender is kept as the base delta media decode against.
+An `Open` on the agent's inbox is checked (sender, sizes and counts before anything is
+allocated, codec, model signature, chunk plan and digests, subjects) and refused with a
+`Reason` code when it does not pass. An inline payload is verified and decoded at once; a
+streamed one gets an `IncomingTransfer` (within the caps of `PartialTransfers`) whose last
+chunk calls `Receiver.finish`. Decoded contexts go to the agent's `Inbox`; completed transfer
+ids are remembered so that an `Open` asked again is answered, not delivered twice, and each
+agent start is a new incarnation that refuses a retried `Open` an earlier one may have
+delivered (`Reason.RECEIVER_RESTARTED`). A private copy of the last context from each sender
+is kept as the base delta media decode against (deliveries never alias it).
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
+import secrets
 import time
 from typing import Any
 
@@ -21,24 +26,37 @@ from nats.aio.msg import Msg
 from opentelemetry.trace import SpanKind, use_span
 
 from kvbus import telemetry
-from kvbus.bus.chunking import Reassembly, split_inline
+from kvbus.bus.chunking import ChunkPlan, check_open_plan, split_inline
 from kvbus.bus.config import OFFLOAD_BYTES
 from kvbus.bus.endpoint import Endpoint
-from kvbus.bus.errors import PayloadTooLarge, TransferError
+from kvbus.bus.errors import PayloadTooLarge
 from kvbus.bus.inbox import Inbox
 from kvbus.bus.incoming import IncomingTransfer
+from kvbus.bus.partials import PartialTransfers
 from kvbus.bus.types import Delivery
 from kvbus.codecs import Encoded, get_codec
-from kvbus.codecs.errors import CodecError, DeltaBaseMismatch, RecomputeUnavailable
+from kvbus.codecs.errors import CodecError, DecodeError, DeltaBaseMismatch, RecomputeUnavailable
 from kvbus.errors import KVBusError, SignatureMismatch, WireFormatError
 from kvbus.kvcache import KVCache
-from kvbus.protocol import Open, OpenReply, Reason, agent_subject, check_data_subject, check_name, subject_sender
+from kvbus.protocol import (
+    Open,
+    OpenOverLimit,
+    OpenReply,
+    Reason,
+    ack_subject,
+    check_data_subject,
+    check_name,
+    subject_sender,
+)
 from kvbus.signature import ModelSignature
 
 logger = logging.getLogger(__name__)
 
 #: Completed transfer ids remembered for de-duplication.
 COMPLETED_MEMORY = 4096
+#: A retried `Open` that names no incarnation is refused by an incarnation younger than the
+#: retry's age plus this (seconds, at least): the retry may have spent that long in transit.
+RETRY_MARGIN_S = 1.0
 
 
 def _refuse(transfer_id: str, code: Reason, reason: str) -> OpenReply:
@@ -62,12 +80,18 @@ class Receiver:
     def __init__(self, endpoint: Endpoint, inbox: Inbox) -> None:
         self._ep = endpoint
         self.inbox = inbox
-        self.incoming: dict[str, IncomingTransfer] = {}
-        """Streamed transfers being reassembled, by id."""
+        self.incoming = PartialTransfers(endpoint.config)
+        """Streamed transfers being reassembled, by id, within the partial caps."""
         self.completed: collections.OrderedDict[str, float] = collections.OrderedDict()
         """Ids of delivered transfers (the last `COMPLETED_MEMORY`), for de-duplication."""
         self.bases: dict[str, KVCache] = {}
-        """Per sender: the last context received from it (the base delta media decode against)."""
+        """Per sender: a private copy of the last context received from it (the base delta media
+        decode against); deliveries never share its storage."""
+        self._handover: asyncio.Task[None] | None = None
+        """The last delivery waiting for its base copy before it goes into the inbox (they go in order)."""
+        self.incarnation = secrets.token_hex(8)
+        """This agent start's id, in every `OpenReply`: a retried `Open` for another is refused."""
+        self.started = time.monotonic()
 
     @property
     def partial_transfers(self) -> int:
@@ -76,9 +100,9 @@ class Receiver:
 
     async def stop(self) -> None:
         """Drop every partial transfer (the agent is closing)."""
-        for incoming in list(self.incoming.values()):
-            await incoming.stop()
-        self.incoming.clear()
+        if self._handover is not None:
+            self._handover.cancel()
+        await self.incoming.stop()
 
     # -- Open -----------------------------------------------------------------------------------
 
@@ -89,14 +113,19 @@ class Receiver:
         except Exception as exc:
             logger.exception("agent %s: error handling an open request", self._ep.name)
             reply = _refuse("", Reason.INTERNAL, f"internal error: {exc}")
+        reply = dataclasses.replace(reply, incarnation=self.incarnation)
         await self._ep.transport.reply(msg, reply.encode())
 
     async def _handle_open(self, msg: Msg) -> OpenReply:
         ep = self._ep
         try:
             open_msg, inline = Open.unframe(msg.data)
+        except OpenOverLimit as exc:
+            return _refuse("", Reason.TOO_LARGE, str(exc))
         except WireFormatError as exc:
             return _refuse("", Reason.MALFORMED, str(exc))
+        # Every size and count is bounded from here on (Open.check): what follows allocates
+        # at most O(MAX_CHUNKS + MAX_BUFFERS), and only after the receiver's own limits passed.
         tid = open_msg.transfer_id
         sender = subject_sender(msg.subject)
         if open_msg.src != sender:
@@ -106,9 +135,22 @@ class Receiver:
         active = self.incoming.get(tid)
         if active is not None:
             return OpenReply(transfer_id=tid, ok=True, next=active.next)
-        if open_msg.total > ep.config.max_transfer_bytes:
+        restarted = self._restarted(open_msg)
+        if restarted:
+            logger.warning("transfer %s from %s: %s", tid, open_msg.src, restarted)
+            return _refuse(tid, Reason.RECEIVER_RESTARTED, restarted)
+        limit = ep.config.max_transfer_bytes
+        if open_msg.total > limit:
+            return _refuse(tid, Reason.TOO_LARGE, str(PayloadTooLarge("payload", open_msg.total, limit)))
+        if not open_msg.inline and self.incoming.too_large(open_msg.total):
+            limit = ep.config.max_partial_bytes
+            return _refuse(tid, Reason.TOO_LARGE, str(PayloadTooLarge("partial transfer", open_msg.total, limit)))
+        max_payload = ep.bus.transport.max_payload
+        if open_msg.chunk_size > max_payload:
             return _refuse(
-                tid, Reason.TOO_LARGE, str(PayloadTooLarge("payload", open_msg.total, ep.config.max_transfer_bytes))
+                tid,
+                Reason.TOO_LARGE,
+                f"chunk size {open_msg.chunk_size} is over the server's max_payload {max_payload}",
             )
         try:
             codec = get_codec(open_msg.codec)
@@ -117,44 +159,62 @@ class Receiver:
         code, problem = self._check_signature(codec, open_msg.meta)
         if problem:
             return _refuse(tid, code, problem)
-        max_payload = ep.bus.transport.max_payload
-        if open_msg.chunk_size > max_payload:
-            return _refuse(
-                tid,
-                Reason.TOO_LARGE,
-                f"chunk size {open_msg.chunk_size} is over the server's max_payload {max_payload}",
-            )
-        plan = Reassembly(open_msg.sizes, open_msg.chunk_size)
-        if plan.plan.n_chunks != open_msg.n_chunks:
-            return _refuse(
-                tid,
-                Reason.MALFORMED,
-                f"n_chunks {open_msg.n_chunks} does not match the chunk plan ({plan.plan.n_chunks})",
-            )
+        try:
+            plan = check_open_plan(open_msg)
+        except WireFormatError as exc:
+            return _refuse(tid, Reason.MALFORMED, str(exc))
         if open_msg.inline:
-            return await self._receive_inline(open_msg, inline)
+            return await self._receive_inline(open_msg, inline, plan)
         # A streamed transfer makes this agent subscribe and publish: only on the subjects the
         # protocol names for it, never where a hostile Open points.
         try:
             check_name("agent", open_msg.src)
             check_name("transfer", tid)
-            check_data_subject(open_msg.data_subject, open_msg.src, ep.name, tid)
-            if open_msg.ack_subject != agent_subject(open_msg.src, "ack"):
-                raise WireFormatError("open message", f"ack subject must be {agent_subject(open_msg.src, 'ack')!r}")
+            check_data_subject(open_msg.data_subject, open_msg.src, ep.name, tid, broadcast=not ep.bus.secure)
+            want = ack_subject(open_msg.src, ep.name)
+            if open_msg.ack_subject != want:
+                raise WireFormatError("open message", f"ack subject must be {want!r}")
         except (ValueError, WireFormatError) as exc:
             return _refuse(tid, Reason.MALFORMED, str(exc))
         incoming = IncomingTransfer(ep.transport, open_msg, ep.name, ep.config, self.finish, plan)
+        await self.incoming.make_room(incoming)
         receive_span = _receive_span(ep.name, open_msg)
         incoming.spans = (receive_span, telemetry.start("kvbus.reassemble", parent=receive_span))
-        self.incoming[tid] = incoming
+        self.incoming.add(incoming)
         await incoming.start()
         return OpenReply(transfer_id=tid, ok=True)
 
-    async def _receive_inline(self, open_msg: Open, inline: memoryview) -> OpenReply:
+    def _restarted(self, open_msg: Open) -> str:
+        """Why this incarnation must refuse a retried `Open` of a transfer it does not know ('' when it may take it).
+
+        A retry (or status request) naming another incarnation went to an agent that restarted
+        since: the earlier one may have delivered the transfer. One that names none (its sender
+        never got a reply) is taken only by an incarnation that was already running when the
+        first attempt was sent, so that no earlier one can have had it.
+        """
+        if open_msg.attempt == 0:
+            return ""
+        if open_msg.incarnation:
+            if open_msg.incarnation == self.incarnation:
+                return ""
+            return (
+                f"retried Open for incarnation {open_msg.incarnation!r} reached incarnation "
+                f"{self.incarnation!r}: the receiver restarted and may have delivered it before"
+            )
+        uptime = time.monotonic() - self.started
+        margin = max(RETRY_MARGIN_S, self._ep.config.request_timeout)
+        if uptime < open_msg.retry_age + margin:
+            return (
+                f"retried Open first sent {open_msg.retry_age:.1f} s ago reached an agent running for "
+                f"{uptime:.1f} s: an earlier incarnation may have delivered it"
+            )
+        return ""
+
+    async def _receive_inline(self, open_msg: Open, inline: memoryview, plan: ChunkPlan) -> OpenReply:
         tid = open_msg.transfer_id
         if len(inline) != open_msg.total:
             return _refuse(tid, Reason.MALFORMED, "inline payload has the wrong size")
-        buffers, digest = split_inline(open_msg, inline)
+        buffers, digest = split_inline(open_msg, inline, plan)
         if digest != open_msg.digest:
             return _refuse(tid, Reason.DIGEST_MISMATCH, "inline payload failed its checksum")
         t0 = time.perf_counter()
@@ -193,7 +253,8 @@ class Receiver:
     async def finish(self, incoming: IncomingTransfer) -> None:
         """The last chunk of a streamed transfer is in: verify, decode, deliver, send the verdict."""
         tid = incoming.open.transfer_id
-        self.incoming.pop(tid, None)
+        if self.incoming.pop(tid) is None:
+            return  # dropped (evicted or the agent closed) after its last chunk came in: its sender knows
         transfer_s = time.perf_counter() - incoming.started
         receive_span, reassemble_span = incoming.spans
         with use_span(receive_span, end_on_exit=True):
@@ -206,16 +267,13 @@ class Receiver:
                     }
                 )
                 verified = incoming.verify()
-            if not verified:
-                logger.error("transfer %s: payload digest mismatch after reassembly", tid)
-                telemetry.fail(receive_span, TransferError(tid, "payload digest mismatch after reassembly"))
-                await incoming.report(
-                    ok=False, reason="payload digest mismatch after reassembly", code=Reason.DIGEST_MISMATCH
-                )
+            if not verified:  # every chunk passed its digest on arrival: cannot happen
+                logger.error("transfer %s: incomplete after reassembly", tid)
+                await incoming.report(ok=False, reason="incomplete after reassembly", code=Reason.INTERNAL)
                 return
             t0 = time.perf_counter()
             try:
-                delivery = await self._decode(incoming.open, incoming.assembly.result(), transfer_s)
+                delivery = await self._decode(incoming.opened(), incoming.assembly.result(), transfer_s)
             except KVBusError as exc:
                 telemetry.fail(receive_span, exc)
                 code, reason = decode_failure(exc)
@@ -226,27 +284,12 @@ class Receiver:
             await incoming.report(ok=True, decode_s=decode_s)
 
     async def janitor(self) -> None:
-        """Free partial transfers whose sender went silent (runs until cancelled)."""
+        """Drop partial transfers without valid progress for ``partial_timeout`` (runs until cancelled)."""
         config = self._ep.config
         period = min(1.0, config.partial_timeout / 4)
         while True:
             await asyncio.sleep(period)
-            now = time.monotonic()
-            for tid, incoming in list(self.incoming.items()):
-                if now - incoming.last_activity > config.partial_timeout:
-                    logger.warning(
-                        "transfer %s from %s: sender silent for %.1f s, dropping %d of %d chunks",
-                        tid,
-                        incoming.open.src,
-                        now - incoming.last_activity,
-                        incoming.count,
-                        incoming.open.n_chunks,
-                    )
-                    self.incoming.pop(tid, None)
-                    for s in reversed(incoming.spans):
-                        telemetry.fail(s, TransferError(tid, "sender went silent"))
-                        s.end()
-                    await incoming.stop()
+            await self.incoming.expire()
 
     # -- decode and deliver ---------------------------------------------------------------------
 
@@ -256,6 +299,8 @@ class Receiver:
         encoded = Encoded(codec=open_msg.codec, meta=open_msg.meta, buffers=buffers)
         t0 = time.perf_counter()
         heavy = not codec.cheap_decode and (open_msg.total > OFFLOAD_BYTES or not codec.needs_kv)
+        if self._handover is not None:
+            await asyncio.shield(self._handover)  # the base copy of the last delivery is made
         base = self.bases.get(open_msg.src)
         attributes = {"kvbus.medium": open_msg.codec, "kvbus.bytes": open_msg.total}
         with (
@@ -267,10 +312,7 @@ class Receiver:
                 kv = await asyncio.to_thread(codec.decode, encoded, base=base, runner=ep.runner)
             else:
                 kv = codec.decode(encoded, base=base, runner=ep.runner)
-        if ep.config.keep_bases:
-            self.bases[open_msg.src] = kv
-        if kv.has_kv and ep.signature is not None:
-            kv.validate(ep.signature)
+        kv = self._fit(kv, open_msg.codec)
         return Delivery(
             transfer_id=open_msg.transfer_id,
             sender=open_msg.src,
@@ -281,11 +323,72 @@ class Receiver:
             decode_s=time.perf_counter() - t0,
         )
 
+    def _fit(self, kv: KVCache, medium: str) -> KVCache:
+        """``kv`` checked against the sender's signature (dtype included) and this agent's (shapes),
+        in this agent's model dtype (a KV in another float dtype is cast).
+
+        Raises:
+            DecodeError: the KV's dtype is not the one its own signature declares.
+            SignatureMismatch: its layers do not fit this agent's model.
+        """
+        if not kv.has_kv:
+            return kv
+        if kv.dtype != kv.signature.torch_dtype:
+            raise DecodeError(medium, f"KV in {kv.dtype}, but its model signature says {kv.signature.dtype}")
+        sig = self._ep.signature
+        if sig is None:
+            return kv
+        kv.validate(sig)
+        if kv.dtype != sig.torch_dtype:
+            kv = dataclasses.replace(
+                kv.to(sig.torch_dtype), signature=dataclasses.replace(kv.signature, dtype=sig.dtype)
+            )
+        return kv
+
     def _deliver(self, delivery: Delivery) -> None:
+        """Record ``delivery`` as done and hand it to the inbox, after a private copy of it is kept as
+        the sender's delta base (the delivery is the application's to edit in place).
+
+        A large copy runs in a thread after the verdict went out, so it is off the sender's path;
+        deliveries still reach the inbox in the order they completed, and the next decode waits
+        for the copy it may need.
+        """
         self.completed[delivery.transfer_id] = time.monotonic()
         while len(self.completed) > COMPLETED_MEMORY:
             self.completed.popitem(last=False)
-        self.inbox.put(delivery)
+        if not self._ep.config.keep_bases:
+            self._put(delivery)
+        elif delivery.kv.nbytes <= OFFLOAD_BYTES and self._handover is None:
+            self.bases[delivery.sender] = delivery.kv.clone()
+            self.inbox.put(delivery)
+        else:
+            self._handover = asyncio.create_task(self._keep(delivery, self._handover), name="kvbus-keep-base")
+
+    def _put(self, delivery: Delivery) -> None:
+        if self._handover is None:
+            self.inbox.put(delivery)
+        else:
+            self._handover = asyncio.create_task(self._keep(delivery, self._handover, copy=False))
+
+    async def _keep(self, delivery: Delivery, before: asyncio.Task[None] | None, *, copy: bool = True) -> None:
+        this = asyncio.current_task()
+        try:
+            if before is not None:
+                await asyncio.shield(before)
+            if copy:
+                kv = delivery.kv
+                self.bases[delivery.sender] = (
+                    await asyncio.to_thread(kv.clone) if kv.nbytes > OFFLOAD_BYTES else kv.clone()
+                )
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("agent %s: could not keep the delta base from %s", self._ep.name, delivery.sender)
+            self.bases.pop(delivery.sender, None)
+        finally:
+            self.inbox.put(delivery)
+            if self._handover is this:
+                self._handover = None
 
 
 def _receive_span(rx: str, open_msg: Open) -> Any:

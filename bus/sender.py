@@ -5,14 +5,21 @@ the granted medium (against what the receivers already hold from this agent, for
 media), streams it (`OutgoingTransfer`), reports the outcome to the scheduler and returns a
 `TransferReport`. A receiver that lost its delta base refuses with
 `Reason.DELTA_BASE_MISMATCH`; the context is then sent again whole.
+
+Fidelity follows the base: a delta is built only on a base the receiver holds as this agent
+had it (a lossless hop), unless the caller asked for a lossy delta medium; a lossless delta the
+caller insists on, with no such base, is sent whole as its inner medium. A KV holding NaN or
+inf that the scheduler gave a lossy medium is sent with ``full`` instead.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,18 +27,50 @@ from nats.aio.msg import Msg
 from opentelemetry.trace import SpanKind
 
 from kvbus import telemetry
+from kvbus.bus.chunking import fit_chunk_size
 from kvbus.bus.config import OFFLOAD_BYTES
 from kvbus.bus.endpoint import Endpoint
 from kvbus.bus.errors import BusClosed, PayloadTooLarge, TransferRejected
 from kvbus.bus.outgoing import OutgoingTransfer
 from kvbus.bus.scheduling import SchedulerLink
 from kvbus.bus.types import TransferReport
-from kvbus.codecs import get_codec
+from kvbus.codecs import Codec, Encoded, NonFiniteValues, get_codec
 from kvbus.errors import WireFormatError
 from kvbus.kvcache import KVCache
-from kvbus.protocol import MAX_META_BYTES, Ack, Grant, Reason, check_name, packb
+from kvbus.protocol import (
+    DIGEST_BYTES,
+    MAX_CHUNKS,
+    MAX_META_BYTES,
+    MIN_CHUNK_SIZE,
+    Ack,
+    Grant,
+    Reason,
+    check_name,
+    packb,
+    subject_sender,
+)
 
 logger = logging.getLogger(__name__)
+
+#: Receiver incarnations remembered (one per receiver this agent sent to).
+INCARNATION_MEMORY = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class SentBase:
+    """What one receiver last got from this agent: the base of the next delta to it."""
+
+    tokens: torch.Tensor
+    """The context's token ids."""
+    lossless: bool
+    """Whether the receiver's copy is this agent's context as it was (a lossless medium, over a
+    lossless base for a delta)."""
+    fidelity: float
+    """The lineage of the receiver's copy."""
+
+
+def _is_delta(codec: Codec) -> bool:
+    return codec.stage == "delta"
 
 
 class Sender:
@@ -42,8 +81,10 @@ class Sender:
         self._scheduler = scheduler
         self.outgoing = scheduler.controls.outgoing
         """Running outgoing transfers by id (registering one applies the controls that came early)."""
-        self.sent_tokens: dict[str, torch.Tensor] = {}
-        """Per receiver: the token ids of the last context it got from this agent (delta bases)."""
+        self.bases: dict[str, SentBase] = {}
+        """Per receiver: what it last got from this agent (delta bases)."""
+        self.incarnations: collections.OrderedDict[str, str] = collections.OrderedDict()
+        """Per receiver: the incarnation the last transfer to it met (retried Opens name it)."""
 
     async def send(
         self, receivers: list[str], kv: KVCache, *, medium: str | None, deadline: float | None, critical: bool
@@ -53,6 +94,7 @@ class Sender:
 
         Raises:
             TransferError: the transfer failed; the subclass says why (see `Agent.send`).
+            NonFiniteValues: ``medium`` is lossy and ``kv`` holds NaN or inf.
         """
         try:
             return await self._transfer(receivers, kv, medium=medium, deadline=deadline, critical=critical)
@@ -60,7 +102,7 @@ class Sender:
             if exc.code is not Reason.DELTA_BASE_MISMATCH:
                 raise
             for rx in receivers:
-                self.sent_tokens.pop(rx, None)
+                self.bases.pop(rx, None)
             logger.info("transfer %s: a receiver lost its delta base; sending the whole context", exc.transfer_id)
             retry = medium.split("+", 1)[1] if medium and medium.startswith("delta+") else medium
             return await self._transfer(receivers, kv, medium=retry, deadline=deadline, critical=critical)
@@ -73,11 +115,17 @@ class Sender:
             raise BusClosed("agent")
         for rx in receivers:
             check_name("agent", rx)
-        if medium is not None:
-            get_codec(medium)
-        kv.validate()
+        asked = get_codec(medium) if medium is not None else None
+        kv.validate(dtype=True)
         t0 = time.perf_counter()
         transfer_id = uuid.uuid4().hex
+        base_tokens = self.base_tokens(receivers, kv, lossy_ok=asked is not None and not asked.is_lossless)
+        if asked is not None and _is_delta(asked) and not base_tokens:
+            # No base the receivers hold as we had it: the delta would carry everything anyway, or
+            # build on a lossy copy while its medium says lossless. Send the inner medium whole.
+            inner = asked.inner.name  # type: ignore[union-attr]
+            logger.info("transfer %s: no lossless base at %s for %s; sending %s", transfer_id, receivers, medium, inner)
+            medium = inner
         with telemetry.span(
             "kvbus.send",
             kind=SpanKind.PRODUCER,
@@ -92,39 +140,27 @@ class Sender:
             },
         ) as send_span:
             grant = await self._scheduler.request_grant(
-                transfer_id, receivers, kv, medium, deadline, critical, base_tokens=self.base_tokens(receivers, kv)
+                transfer_id, receivers, kv, medium, deadline, critical, base_tokens=base_tokens
             )
             t_grant = time.perf_counter()
             send_span.set_attribute("kvbus.medium", grant.medium)
+            sent_medium = grant.medium
             try:
                 codec = get_codec(grant.medium)
                 # What the receivers already hold from this agent (delta media send only the rest).
-                base = self.delta_base(receivers, kv)
+                base = self.delta_base(receivers, kv) if base_tokens else None
                 with telemetry.span("kvbus.encode", attributes={"kvbus.medium": grant.medium}):
-                    if kv.nbytes > OFFLOAD_BYTES or not codec.needs_kv:
-                        encoded = await asyncio.to_thread(codec.encode, kv, base=base, runner=ep.runner)
-                    else:
-                        encoded = codec.encode(kv, base=base, runner=ep.runner)
+                    try:
+                        encoded = await self._encode(codec, kv, base)
+                    except NonFiniteValues:
+                        if medium is not None:
+                            raise  # the caller asked for this lossy medium: say why it cannot be
+                        logger.info("transfer %s: the KV holds NaN or inf; sending it with full", transfer_id)
+                        codec, base = get_codec("full"), None
+                        encoded = await self._encode(codec, kv, base)
+                sent_medium = encoded.codec
                 t_enc = time.perf_counter()
-                meta = packb(encoded.meta)
-                if len(meta) > MAX_META_BYTES:
-                    raise PayloadTooLarge("codec metadata", len(meta), MAX_META_BYTES)
-                chunk_size = min(grant.chunk_size or ep.bus.chunk_size, ep.bus.chunk_size)
-                out = OutgoingTransfer(
-                    ep.transport,
-                    transfer_id=transfer_id,
-                    src=ep.name,
-                    codec=encoded.codec,
-                    meta=encoded.meta,
-                    buffers=encoded.buffers,
-                    receivers=receivers,
-                    config=ep.config,
-                    chunk_size=chunk_size,
-                    inline_limit=ep.config.inline_limit,
-                    window=grant.window or ep.config.window,
-                    rate_bps=grant.rate_bps,
-                    traceparent=telemetry.traceparent(),
-                )
+                out = self._outgoing(transfer_id, receivers, grant, encoded)
                 self.outgoing[transfer_id] = out
                 try:
                     with telemetry.span("kvbus.stream", attributes={"kvbus.rate_bps": grant.rate_bps}) as stream_span:
@@ -139,26 +175,30 @@ class Sender:
                         )
                 finally:
                     self.outgoing.pop(transfer_id, None)
+                    self._learn(out)
                 t_done = time.perf_counter()
             except BaseException as exc:
-                telemetry.instruments().transfers.add(1, {"medium": grant.medium, "outcome": type(exc).__name__})
-                await self._scheduler.report_done(transfer_id, grant.medium, receivers, 0, 0.0, exc)
+                telemetry.instruments().transfers.add(1, {"medium": sent_medium, "outcome": type(exc).__name__})
+                await self._scheduler.report_done(transfer_id, sent_medium, receivers, 0, 0.0, exc)
                 raise
             failed = {rx: o.error for rx, o in outcomes.items() if o.error is not None}
             error = next(iter(failed.values())) if failed else None
             slowest_decode = max((o.decode_s for o in outcomes.values()), default=0.0)
             await self._scheduler.report_done(
                 transfer_id,
-                grant.medium,
+                sent_medium,
                 receivers,
                 out.stats.bytes_sent or encoded.nbytes,
                 t_done - t_grant,
                 error,
                 wire_s=max(0.0, t_done - t_enc - slowest_decode),
             )
+            fidelity, lossless = self._delivered(receivers, kv, codec, encoded)
             for rx, o in outcomes.items():
                 if o.ok:
-                    self.sent_tokens[rx] = kv.tokens
+                    self.bases[rx] = SentBase(kv.tokens, lossless, fidelity)
+                elif isinstance(o.error, TransferRejected) and o.error.code is Reason.RECEIVER_RESTARTED:
+                    self.bases.pop(rx, None)
             _record_send(send_span, ep.name, grant, out, encoded.nbytes, t0, t_grant, t_done, error)
             if error is not None:
                 error.failed = failed
@@ -167,7 +207,7 @@ class Sender:
                 transfer_id=transfer_id,
                 src=ep.name,
                 dst=tuple(receivers),
-                medium=grant.medium,
+                medium=sent_medium,
                 nbytes=encoded.nbytes,
                 context_bytes=kv.nbytes,
                 chunks=out.stats.chunks_sent,
@@ -179,37 +219,119 @@ class Sender:
                 total_s=t_done - t0,
                 rate_bps=grant.rate_bps,
                 decision={**grant.decision, "reason": grant.reason, "observed_s": round(t_done - t_grant, 6)},
+                fidelity=fidelity,
             )
 
+    async def _encode(self, codec: Codec, kv: KVCache, base: KVCache | None) -> Encoded:
+        ep = self._ep
+        if kv.nbytes > OFFLOAD_BYTES or not codec.needs_kv:
+            encoded = await asyncio.to_thread(codec.encode, kv, base=base, runner=ep.runner)
+        else:
+            encoded = codec.encode(kv, base=base, runner=ep.runner)
+        meta = packb(encoded.meta)
+        if len(meta) > MAX_META_BYTES:
+            raise PayloadTooLarge("codec metadata", len(meta), MAX_META_BYTES)
+        return encoded
+
+    def _outgoing(self, transfer_id: str, receivers: list[str], grant: Grant, encoded: Encoded) -> OutgoingTransfer:
+        """The transfer's stream, its chunk size fitted to the protocol's chunk count.
+
+        Raises:
+            PayloadTooLarge: it needs more than `MAX_CHUNKS` chunks, or its `Open` would not fit
+                the server's max_payload.
+        """
+        ep = self._ep
+        largest = ep.bus.chunk_size
+        chunk_size = max(MIN_CHUNK_SIZE, min(grant.chunk_size or largest, largest))
+        chunk_size = fit_chunk_size(encoded.sizes, chunk_size, max(largest, MIN_CHUNK_SIZE))
+        out = OutgoingTransfer(
+            ep.transport,
+            transfer_id=transfer_id,
+            src=ep.name,
+            codec=encoded.codec,
+            meta=encoded.meta,
+            buffers=encoded.buffers,
+            receivers=receivers,
+            config=ep.config,
+            chunk_size=chunk_size,
+            inline_limit=ep.config.inline_limit,
+            window=grant.window or ep.config.window,
+            rate_bps=grant.rate_bps,
+            traceparent=telemetry.traceparent(),
+            per_receiver_streams=ep.bus.secure,
+            incarnations=self.incarnations,
+        )
+        if out.plan.n_chunks > MAX_CHUNKS:
+            raise PayloadTooLarge(f"payload in chunks of {chunk_size} bytes", out.plan.n_chunks, MAX_CHUNKS)
+        open_bytes = len(out.open.encode()) + out.plan.n_chunks * DIGEST_BYTES + 1024
+        if not out.open.inline and open_bytes > ep.transport.max_payload:
+            raise PayloadTooLarge("open message", open_bytes, ep.transport.max_payload)
+        return out
+
+    def _learn(self, out: OutgoingTransfer) -> None:
+        """Remember the receivers' incarnations; one that restarted lost the bases we sent it."""
+        for rx in out.restarted:
+            self.bases.pop(rx, None)
+        for rx, link in out.links.items():
+            if link.learned:
+                self.incarnations[rx] = link.learned
+                self.incarnations.move_to_end(rx)
+        while len(self.incarnations) > INCARNATION_MEMORY:
+            self.incarnations.popitem(last=False)
+
+    def _delivered(self, receivers: list[str], kv: KVCache, codec: Codec, encoded: Encoded) -> tuple[float, bool]:
+        """The lineage of what the receivers now hold, and whether it is this agent's context as it is."""
+        fidelity = kv.fidelity * (1.0 if codec.is_lossless else codec.fidelity)
+        lossless = codec.is_lossless
+        own = encoded.meta.get("delta") if isinstance(encoded.meta, dict) else None
+        if isinstance(own, dict) and isinstance(own.get("prefix"), int) and own["prefix"] > 0:
+            bases = [self.bases[rx] for rx in receivers if rx in self.bases]
+            fidelity = min([fidelity, *(b.fidelity for b in bases)])
+            lossless = lossless and all(b.lossless for b in bases)
+        return fidelity, lossless
+
     async def on_ack(self, msg: Msg) -> None:
-        """The agent's ``ack`` subject: credit, repair requests and verdicts for its outgoing transfers."""
+        """The agent's ack subjects: credit, repair requests and verdicts for its outgoing transfers.
+
+        The receiver is the subject's last token (in secure mode only it may publish there); an
+        ack naming another receiver is dropped.
+        """
+        rx = subject_sender(msg.subject)
         try:
             ack = Ack.decode(msg.data)
         except WireFormatError:
             logger.warning("agent %s: malformed ack dropped", self._ep.name, exc_info=True)
             return
+        if ack.rx != rx:
+            logger.warning("agent %s: an ack naming %r came on the subject of %r; dropped", self._ep.name, ack.rx, rx)
+            return
         out = self.outgoing.get(ack.transfer_id)
         if out is not None:
-            out.on_ack(ack)
+            out.on_ack(rx, ack)
 
     # -- delta bases ------------------------------------------------------------------------------
 
     def delta_base(self, receivers: list[str], kv: KVCache) -> KVCache | None:
         """A token-only context of what every receiver last got from this agent (None if they differ)."""
-        sent = [t for t in (self.sent_tokens.get(rx) for rx in receivers) if t is not None]
-        if len(sent) < len(receivers) or any(not torch.equal(t, sent[0]) for t in sent[1:]):
+        sent = [self.bases[rx].tokens if rx in self.bases else None for rx in receivers]
+        first = sent[0]
+        if first is None or any(t is None or not torch.equal(t, first) for t in sent[1:]):
             return None
-        return KVCache(tokens=sent[0], signature=kv.signature)
+        return KVCache(tokens=first, signature=kv.signature)
 
-    def base_tokens(self, receivers: list[str], kv: KVCache) -> int:
-        """Tokens at the start of ``kv`` that every receiver already got from this agent."""
+    def base_tokens(self, receivers: list[str], kv: KVCache, *, lossy_ok: bool = False) -> int:
+        """Tokens at the start of ``kv`` that every receiver already holds from this agent, in a
+        copy a delta may build on: one as this agent had it (or any, with ``lossy_ok``)."""
         if kv.batch != 1:
             return 0
         common = kv.n_tokens
         for rx in receivers:
-            sent = self.sent_tokens.get(rx)
-            if sent is None or sent.shape[0] != 1:
+            base = self.bases.get(rx)
+            if base is None or base.tokens.shape[0] != 1:
                 return 0
+            if not lossy_ok and not (base.lossless and base.fidelity >= kv.fidelity):
+                return 0
+            sent = base.tokens
             n = min(sent.shape[-1], kv.n_tokens)
             same = (sent[0, :n] == kv.tokens[0, :n]).to(torch.int8)
             prefix = n if bool(same.all()) else int(same.argmin())

@@ -34,6 +34,9 @@ class TransferReport:
     """Rate the scheduler allocated (0 = unpaced)."""
     decision: dict[str, Any] = field(default_factory=dict)
     """The scheduler's reasons: candidates and predicted costs, when it reports them."""
+    fidelity: float = 1.0
+    """The lineage of the context the receivers now hold: the sender's times this hop's factor,
+    and, for a delta, no more than the base it was joined to (1.0 = lossless all the way)."""
 
     @property
     def throughput_bps(self) -> float:

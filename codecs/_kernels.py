@@ -42,20 +42,20 @@ _BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16:
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_override: bool | None = None
+_override: list[bool | None] = [None]
+"""What `set_compile` forced (a one-element list: set without a ``global`` statement)."""
 
 
 def compile_enabled() -> bool:
     """Whether kernels are compiled: `set_compile` if called, else ``KVBUS_COMPILE``."""
-    if _override is not None:
-        return _override
+    if _override[0] is not None:
+        return _override[0]
     return os.environ.get(COMPILE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def set_compile(enabled: bool | None) -> None:
     """Force compilation on or off in this process (``None``: back to ``KVBUS_COMPILE``)."""
-    global _override
-    _override = enabled
+    _override[0] = enabled
 
 
 class _Kernel:
@@ -119,15 +119,16 @@ def int8_encode(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]
 
     Returns ``(q, scale)``: ``q`` int8 of ``x``'s shape, ``scale`` in ``x``'s dtype, with
     ``|x - q * scale| <= scale / 2`` element-wise (plus one rounding in the dtype). The scale is
-    ``absmax / 127`` rounded up in the dtype, so no element clips; an all-zero slice gets 1.
-    ``x`` is never written.
+    ``absmax / 127`` rounded up in the dtype, so no element clips; an all-zero slice gets 1. A
+    slice holding NaN or inf gets a NaN or inf scale (callers refuse it). ``x`` is never written.
     """
     if x.shape[axis] == 0:
         shape = list(x.shape)
         shape[axis] = 1
         return torch.empty(x.shape, dtype=torch.int8), torch.ones(shape, dtype=x.dtype)
     am = x.abs().amax(dim=axis, keepdim=True).double()
-    exact = torch.where(am > 0, am / 127, 1.0)
+    # ``am == 0`` rather than ``am > 0``: a NaN absmax stays NaN in the scale (the caller checks it).
+    exact = torch.where(am == 0, 1.0, am / 127)
     scale = _step_up(exact.to(x.dtype), exact)
     if torch.compiler.is_compiling():
         return torch.round(x.float() / scale.float()).clamp(-127, 127).to(torch.int8), scale
@@ -184,7 +185,7 @@ def int4_encode(x: torch.Tensor, axis: int, group: int) -> tuple[torch.Tensor, t
     lo, hi = torch.aminmax(xg, dim=red, keepdim=True)
     low = lo.to(x.dtype)  # lo is already in x's dtype: exact
     span = hi.double() - low.double()
-    exact = torch.where(span > 0, span / 15, 1.0)
+    exact = torch.where(span == 0, 1.0, span / 15)  # a NaN span stays NaN (the caller checks it)
     scale = _step_up(exact.to(x.dtype), exact)
     y = xg.float() - low.float()  # a new tensor, even when x is float32
     y.div_(scale.float()).add_(ROUND_MAGIC)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvbus.codecs.errors import DecodeError
+from kvbus.codecs.errors import DecodeError, NonFiniteValues
 
 #: Most dimensions a decoded tensor may have.
 MAX_NDIM = 8
@@ -116,6 +116,22 @@ def tensor_from(
     if t.data_ptr() % dtype.itemsize:
         t = t.clone()
     return t.view(dims)
+
+
+def require_finite(codec: str, *reduced: tuple[str, torch.Tensor]) -> None:
+    """Refuse to encode data whose reductions (per-slice absmax scales, minimums, a Gram matrix)
+    are not all finite.
+
+    NaN and inf propagate through those reductions, so checking them, which the encoder computed
+    anyway and which are far smaller than the data, finds every non-finite element without a
+    pass over the data itself.
+
+    Raises:
+        NonFiniteValues: one of them holds NaN or inf (``what`` names the first such tensor).
+    """
+    for what, t in reduced:
+        if not bool(torch.isfinite(t).all()):
+            raise NonFiniteValues(codec, what)
 
 
 def check_tokens(tokens: torch.Tensor, vocab_size: int, codec: str) -> None:

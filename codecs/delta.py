@@ -22,7 +22,7 @@ from kvbus.codecs._tensors import meta_int, meta_str
 from kvbus.codecs.base import Codec, Encoded, ModelRunner, register
 from kvbus.codecs.errors import DecodeError, DeltaBaseMismatch
 from kvbus.kvcache import KVCache
-from kvbus.signature import ModelSignature
+from kvbus.signature import ModelSignature, dtype_name
 
 #: Metadata key of this stage.
 META_KEY = "delta"
@@ -160,7 +160,8 @@ class DeltaCodec(Codec):
         dtype = base.dtype if base.has_kv else new.dtype
         if not new.has_kv:  # delta+tokens: the base's KV covers the prefix, the new tokens are a tail
             kept = select_entries(base, head, tokens=tokens)
-            return replace(kept, signature=new.signature, fidelity=fidelity)
+            signature = replace(new.signature, dtype=dtype_name(kept.dtype)) if kept.has_kv else new.signature
+            return replace(kept, signature=signature, fidelity=fidelity)
         keys, values = [], []
         for i in range(new.n_layers):
             bk = base.keys[i].index_select(2, head) if base.has_kv else new.keys[i][:, :, :0]
@@ -170,7 +171,8 @@ class DeltaCodec(Codec):
         positions = torch.cat([base_pos.index_select(0, head), kv_positions(new) + p])
         out = KVCache(
             tokens=tokens,
-            signature=new.signature,
+            # The joined KV is in the base's dtype (the receiver's model's): say so.
+            signature=replace(new.signature, dtype=dtype_name(dtype)),
             keys=keys,
             values=values,
             positions=densify(positions),

@@ -33,6 +33,27 @@ class DecodeError(CodecError, WireFormatError):
         WireFormatError.__init__(self, f"{codec} payload", reason)
 
 
+class NonFiniteValues(CodecError, ValueError):
+    """A lossy medium was asked to encode a KV holding NaN or infinite values.
+
+    Its scales (or basis) would be NaN or infinite and every element sharing them would come back
+    wrong while the fidelity figure still looked fine, so it refuses; ``full`` carries such values
+    exactly (and the bus falls back to it when the medium was the scheduler's choice).
+
+    Attributes:
+        codec: the medium.
+        what: which tensor holds them (``"keys[3]"``).
+    """
+
+    def __init__(self, codec: str, what: str) -> None:
+        self.codec = codec
+        self.what = what
+        super().__init__(
+            f"{what} holds NaN or infinite values, which the lossy {codec!r} medium cannot carry; "
+            f"send it with medium='full' (which carries them exactly) or clean the KV first"
+        )
+
+
 class RecomputeUnavailable(CodecError):
     """A medium needs the receiver's model to rebuild the KV, and none was given."""
 

@@ -9,6 +9,7 @@ import torch
 
 from kvbus.codecs._header import KVHeader
 from kvbus.codecs._kernels import int4_decode, int4_encode, int4_grouped_shape
+from kvbus.codecs._tensors import require_finite
 from kvbus.codecs.base import register
 from kvbus.codecs.layerwise import LayerBuffer, LayerwiseCodec
 from kvbus.codecs.spec import Param
@@ -38,8 +39,7 @@ class Int4Codec(LayerwiseCodec):
     fidelity = 0.95
 
     def _key_group(self, seq_len: int) -> int:
-        group: int = self.args["g"]
-        return max(1, min(group, seq_len))
+        return max(1, min(int(self.args["g"]), seq_len))
 
     def _groups(self, header: KVHeader) -> tuple[tuple[int, int], tuple[int, int]]:
         """``(axis, group)`` of the keys (groups of tokens) and of the values (groups of channels)."""
@@ -60,9 +60,18 @@ class Int4Codec(LayerwiseCodec):
         return out
 
     def encode_layer(self, header: KVHeader, keys: torch.Tensor, values: torch.Tensor) -> Sequence[torch.Tensor]:
-        """Quantise keys per channel in groups of tokens, values per token in groups of channels."""
+        """Quantise keys per channel in groups of tokens, values per token in groups of channels.
+
+        Raises:
+            NonFiniteValues: ``keys`` or ``values`` hold NaN or inf (a group's scale is then not
+                finite; the check reads the scales, not the data).
+        """
         (k_axis, k_group), (v_axis, v_group) = self._groups(header)
-        return (*int4_encode(keys, k_axis, k_group), *int4_encode(values, v_axis, v_group))
+        kc, ks, kl = int4_encode(keys, k_axis, k_group)
+        vc, vs, vl = int4_encode(values, v_axis, v_group)
+        # A NaN or inf anywhere in a group makes its span, hence its scale, NaN or inf.
+        require_finite(self.name, ("keys", ks), ("values", vs))
+        return kc, ks, kl, vc, vs, vl
 
     def decode_layer(self, header: KVHeader, views: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Unpack and dequantise straight to the KV dtype."""
@@ -81,4 +90,4 @@ class Int4Codec(LayerwiseCodec):
         vg = group if d % group == 0 else d
         keys = (h * key_groups * kg * d + 1) // 2 + 2 * h * key_groups * d * item
         values = (h * s * d + 1) // 2 + 2 * h * s * (d // vg) * item
-        return batch * (s * 8 + signature.n_layers * (keys + values))
+        return int(batch * (s * 8 + signature.n_layers * (keys + values)))

@@ -8,6 +8,7 @@ import torch
 
 from kvbus.codecs._header import KVHeader
 from kvbus.codecs._kernels import int8_decode, int8_encode
+from kvbus.codecs._tensors import require_finite
 from kvbus.codecs.base import register
 from kvbus.codecs.layerwise import LayerBuffer, LayerwiseCodec
 from kvbus.signature import ModelSignature
@@ -42,7 +43,9 @@ class Int8Codec(LayerwiseCodec):
     Wire layout: ``[tokens, (positions), kscale0, vscale0, kscale1, ..., kq0, vq0, kq1, ...]``;
     the scales come before the int8 tensors so that every buffer stays aligned to its dtype.
     Each element comes back within half a quantisation step (plus one rounding in the KV
-    dtype). Magnitudes within 0.1% of the dtype's largest finite value may decode to inf.
+    dtype). Magnitudes within 0.1% of the dtype's largest finite value may decode to inf. A KV
+    holding NaN or inf is refused (`NonFiniteValues`): its scales would be NaN or inf; the check
+    reads the scales, not the data.
     """
 
     lossless = False
@@ -60,8 +63,15 @@ class Int8Codec(LayerwiseCodec):
         )
 
     def encode_layer(self, header: KVHeader, keys: torch.Tensor, values: torch.Tensor) -> Sequence[torch.Tensor]:
-        """Quantise keys per channel and values per token."""
-        return (*quantise(keys, KEY_AXIS), *quantise(values, VALUE_AXIS))
+        """Quantise keys per channel and values per token.
+
+        Raises:
+            NonFiniteValues: ``keys`` or ``values`` hold NaN or inf (their scales are not finite).
+        """
+        kq, ks = quantise(keys, KEY_AXIS)
+        vq, vs = quantise(values, VALUE_AXIS)
+        require_finite(self.name, ("keys", ks), ("values", vs))
+        return kq, ks, vq, vs
 
     def decode_layer(self, header: KVHeader, views: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantise straight to the KV dtype."""

@@ -19,6 +19,7 @@ import torch
 from kvbus.codecs._header import KVHeader, encode_buffers
 from kvbus.codecs._tensors import check_buffer_count, require_map, tensor_from
 from kvbus.codecs.base import Codec, Encoded, ModelRunner
+from kvbus.codecs.errors import NonFiniteValues
 from kvbus.kvcache import KVCache
 
 
@@ -88,14 +89,19 @@ class LayerwiseCodec(Codec):
 
         Raises:
             SignatureMismatch: ``kv`` does not fit its own signature.
+            NonFiniteValues: a lossy medium was given NaN or inf (``what`` names the layer).
         """
         header = KVHeader.of(kv)
         tensors = header.prefix_tensors(kv)
         if kv.keys:
             layout = self.layer_layout(header)
             sections: dict[int, list[torch.Tensor]] = {j: [] for j in sorted({want.section for want in layout})}
-            for k, v in zip(kv.keys, kv.values):
-                for want, tensor in zip(layout, self.encode_layer(header, k, v), strict=True):
+            for i, (k, v) in enumerate(zip(kv.keys, kv.values)):
+                try:
+                    layer = self.encode_layer(header, k, v)
+                except NonFiniteValues as exc:
+                    raise NonFiniteValues(self.name, f"{exc.what}[{i}]") from None
+                for want, tensor in zip(layout, layer, strict=True):
                     sections[want.section].append(tensor)
             for section in sections.values():
                 tensors += section

@@ -7,8 +7,9 @@ from collections.abc import Sequence
 import torch
 
 from kvbus.codecs._header import KVHeader
+from kvbus.codecs._tensors import require_finite
 from kvbus.codecs.base import register
-from kvbus.codecs.errors import DecodeError
+from kvbus.codecs.errors import DecodeError, NonFiniteValues
 from kvbus.codecs.layerwise import LayerBuffer, LayerwiseCodec
 from kvbus.codecs.spec import Param
 from kvbus.signature import ModelSignature
@@ -37,12 +38,13 @@ def principal_basis(x: torch.Tensor, r: int) -> torch.Tensor:
     """
     if x.shape[1] <= EXACT_MAX_DIM:
         gram = x.T.double() @ x.double()
-        vecs: torch.Tensor
-        _, vecs = torch.linalg.eigh(gram)
+        require_finite("lowrank", ("the Gram matrix of a layer", gram))
+        vecs: torch.Tensor = torch.linalg.eigh(gram)[1]
         return vecs[:, -r:].flip(1).float()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         _, _, v = torch.svd_lowrank(x, q=r, niter=2)
+    require_finite("lowrank", ("the basis of a layer", v))
     return v[:, :r]
 
 
@@ -90,8 +92,18 @@ class LowRankCodec(LayerwiseCodec):
         return f"{buffer.what}[{2 * layer + position // 2}]"
 
     def encode_layer(self, header: KVHeader, keys: torch.Tensor, values: torch.Tensor) -> Sequence[torch.Tensor]:
-        """The keys' coefficients and basis, then the values'."""
-        return (*self._project(keys), *self._project(values))
+        """The keys' coefficients and basis, then the values'.
+
+        Raises:
+            NonFiniteValues: ``keys`` or ``values`` hold NaN or inf (their Gram matrix or basis is not finite).
+        """
+        out: list[torch.Tensor] = []
+        for what, x in (("keys", keys), ("values", values)):
+            try:
+                out += self._project(x)
+            except NonFiniteValues:
+                raise NonFiniteValues(self.name, what) from None
+        return out
 
     def check_payload(self, header: KVHeader, buffers: list[memoryview]) -> None:
         """Refuse a payload that would decode to far more than was received (see `MAX_EXPANSION`)."""

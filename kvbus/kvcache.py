@@ -76,8 +76,14 @@ class KVCache:
         kv = sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
         return kv + self.tokens.numel() * self.tokens.element_size()
 
-    def validate(self, signature: ModelSignature | None = None) -> None:
+    def validate(self, signature: ModelSignature | None = None, *, dtype: bool = False) -> None:
         """Check every layer against ``signature`` (default: the cache's own).
+
+        Args:
+            signature: the model signature to check against (its compatibility, layer count and
+                shapes; default: the cache's own).
+            dtype: also require the keys and values to be in the cache's own signature's dtype
+                (what the bus checks before it sends, and after it decodes).
 
         Raises:
             SignatureMismatch: a layer count, shape or dtype does not fit.
@@ -102,6 +108,11 @@ class KVCache:
                     raise SignatureMismatch(f"{kind}[{i}] of shape {list(want)}", str(list(t.shape)))
                 if t.dtype != first.dtype or not t.dtype.is_floating_point:
                     raise SignatureMismatch(f"{kind}[{i}] in {first.dtype}", str(t.dtype))
+                if dtype and t.dtype != self.signature.torch_dtype:
+                    raise SignatureMismatch(
+                        f"{kind}[{i}] in {self.signature.dtype} (the dtype of the cache's model signature)",
+                        str(t.dtype),
+                    )
         if first.shape[2] > self.n_tokens:
             raise SignatureMismatch(f"at most {self.n_tokens} KV positions (one per token)", str(first.shape[2]))
 

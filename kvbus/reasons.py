@@ -45,6 +45,13 @@ class Reason(StrEnum):
     NOT_FOUND = "not_found"
     """The transfer or reservation the message names is not known here."""
     SHUTTING_DOWN = "shutting_down"
+    RECEIVER_RESTARTED = "receiver_restarted"
+    """A retried `Open` reached a new incarnation of the receiver (it restarted since the transfer
+    was first offered): an earlier incarnation may have delivered it, so this one refuses rather
+    than risk a second delivery. The transfer is not confirmed; a retry is a new transfer."""
+    PARTIAL_DROPPED = "partial_dropped"
+    """The receiver dropped a partial transfer: no valid progress for ``partial_timeout``, or evicted
+    (the one with the oldest valid progress) to stay within its caps on partial transfers."""
     INTERNAL = "internal"
 
     @classmethod

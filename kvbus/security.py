@@ -1,18 +1,20 @@
 """Per-agent NATS permissions: who may publish and subscribe to what.
 
 `permissions_config` writes the ``authorization`` block of a nats-server configuration with
-one user per agent, per group scheduler and for the coordinator:
+one user per agent, per group scheduler and for the coordinator. Identity comes from where a
+message may come from, never from what it says:
 
 - an agent may publish only on its own subjects of its group scheduler
-  (``kvbus.sched.<group>.{request,done,probe,reserve,register}.<self>``: it cannot speak for
-  another agent), on other agents' inboxes under its own name (``kvbus.agent.*.inbox.<self>``,
-  to open a transfer: it cannot pose as another sender), on other agents' ``ack`` subjects (to
-  acknowledge one), and on data subjects addressed to a receiver (``kvbus.agent.<rx>.data.*``)
-  or on its own broadcast subjects (``kvbus.bcast.<self>.*``); it may subscribe only under its
-  own prefix (``kvbus.agent.<self>.>``), to its own reply inbox (``_INBOX.<self>.>``) and to the
-  broadcast subjects of the senders it joined;
+  (``kvbus.sched.<group>.{request,done,probe,reserve,register,leave}.<self>``: it cannot speak
+  for another agent), on other agents' inboxes under its own name (``kvbus.agent.*.inbox.<self>``,
+  to open a transfer: it cannot pose as another sender), on acks ending in its own name
+  (``kvbus.agent.*.ack.<self>``: it can acknowledge only what it received itself) and on data
+  subjects carrying its own name under a receiver's prefix (``kvbus.agent.*.data.<self>.*``: it
+  cannot inject chunks into another sender's stream); it may subscribe only under its own
+  prefix (``kvbus.agent.<self>.>``) and to its own reply inbox (``_INBOX.<self>.>``), so only
+  the addressees of a transfer, broadcasts included, can read its data;
 - only group schedulers may publish on ``kvbus.agent.*.ctl`` (grants, pause/resume), and
-  replies (grants given as replies) are allowed only to requests the replier received;
+  replies (grants given as replies, `OpenReply`) are allowed only to requests the replier received;
 - schedulers and the coordinator may use JetStream (the directory and the coordinator's state).
 
 Passwords are random and returned to the caller; nothing here logs them.
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvbus.protocol import AGENT_TO_SCHED, check_name, inbox_subject, sched_subject
+from kvbus.protocol import AGENT_TO_SCHED, ack_subject, check_name, data_subject, inbox_subject, sched_subject
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,8 @@ class AgentGrant:
     name: str
     group: str
     broadcasts_from: tuple[str, ...] = ()
-    """Senders whose broadcasts this agent may receive."""
+    """Kept for compatibility and ignored: in secure mode every receiver of a broadcast gets the
+    data on its own subjects, so no agent needs rights to another sender's broadcast subjects."""
 
 
 @dataclass
@@ -116,20 +119,19 @@ def load_credentials(path: Path) -> Credentials:
 def agent_permissions(grant: AgentGrant) -> dict[str, object]:
     """The nats-server permissions of one agent: its own scheduler subjects, inboxes, data and broadcasts."""
     a, g = check_name("agent", grant.name), check_name("group", grant.group)
-    subscribe = [f"kvbus.agent.{a}.>", f"_INBOX.{a}.>"]
-    subscribe += [f"kvbus.bcast.{check_name('agent', s)}.>" for s in grant.broadcasts_from]
+    for sender in grant.broadcasts_from:
+        check_name("agent", sender)
     return {
         "publish": {
             "allow": [
                 *(sched_subject(g, kind, a) for kind in AGENT_TO_SCHED),
                 inbox_subject("*", a),
-                "kvbus.agent.*.ack",
-                "kvbus.agent.*.data.>",
-                f"kvbus.bcast.{a}.>",
+                ack_subject("*", a),
+                data_subject("*", a, "*"),
                 "kvbus.coord.place",
             ]
         },
-        "subscribe": {"allow": subscribe},
+        "subscribe": {"allow": [f"kvbus.agent.{a}.>", f"_INBOX.{a}.>"]},
         "allow_responses": True,
     }
 

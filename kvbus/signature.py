@@ -51,7 +51,9 @@ class ModelSignature:
     head_dim: int
     """Dimension of one head."""
     dtype: str = "float32"
-    """The dtype the model computes in; KV in another float dtype is cast on decode."""
+    """The dtype the model computes in. A KV-cache's tensors must be in its own signature's dtype
+    (the bus refuses one that is not, on send and on receive); a receiver whose compatible model
+    computes in another float dtype gets the KV cast to it."""
     vocab_size: int = 0
     """Vocabulary size; token ids must be below it (0 means unchecked)."""
     rope_theta: float = 10000.0

@@ -24,10 +24,10 @@ from kvbus.bus import (
     SchedulerUnavailable,
     TransferRejected,
 )
-from kvbus.bus.chunking import chunk_digest
+from kvbus.bus.chunking import chunk_digest, tree_digest
 from kvbus.codecs import UnknownCodec
 from kvbus.errors import SignatureMismatch
-from kvbus.protocol import CHUNK_INDEX_HEADER, CHUNK_SUM_HEADER, Open, OpenReply, Reason, inbox_subject
+from kvbus.protocol import CHUNK_INDEX_HEADER, CHUNK_SUM_HEADER, ROOT_SUM_HEADER, Open, OpenReply, inbox_subject
 from kvbus.signature import ModelSignature
 from kvbus.telemetry import CacheMetrics
 from tests.conftest import FAST
@@ -138,7 +138,12 @@ async def test_incompatible_receiver_gets_tokens(bus: Bus, nats_url: str) -> Non
 
 
 class FaultyTransport:
-    """Wraps the real transport and damages chosen chunk messages once each."""
+    """Wraps the real transport and damages chosen chunk messages once each.
+
+    A forged chunk has other bytes, a digest header that matches them and, on the last chunk, a
+    whole-payload digest header computed over the forged digests: everything a chunk message
+    can say about itself is consistent with the forgery.
+    """
 
     def __init__(
         self,
@@ -151,13 +156,23 @@ class FaultyTransport:
         self.inner = inner
         self.drop, self.corrupt, self.forge = set(drop), set(corrupt), set(forge)
         self.hits: list[tuple[str, int]] = []
+        self.digests: dict[int, str] = {}
+        """The digest of every chunk as it went out (forged ones: of the forgery)."""
+        self.total = 0
+        """The payload size of the last Open that went out."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
+    async def request(self, subject: str, payload: bytes, timeout: float) -> bytes:
+        if subject.startswith("kvbus.agent.") and ".inbox." in subject:
+            self.total = Open.unframe(payload)[0].total
+        return await self.inner.request(subject, payload, timeout=timeout)
+
     async def publish(self, subject: str, payload: Any, headers: dict[str, str] | None = None) -> None:
         if headers and CHUNK_INDEX_HEADER in headers:
             i = int(headers[CHUNK_INDEX_HEADER])
+            self.digests.setdefault(i, chunk_digest(bytes(payload)))
             if i in self.drop:
                 self.drop.discard(i)
                 self.hits.append(("drop", i))
@@ -167,14 +182,17 @@ class FaultyTransport:
                 data[len(data) // 2] ^= 0xFF
                 headers = dict(headers)
                 if i in self.forge:
-                    # A forged chunk whose own checksum matches: only the whole-payload digest catches it.
-                    headers[CHUNK_SUM_HEADER] = chunk_digest(bytes(data))
+                    # A forged chunk whose own digest header matches it.
+                    headers[CHUNK_SUM_HEADER] = self.digests[i] = chunk_digest(bytes(data))
                     self.forge.discard(i)
                     self.hits.append(("forge", i))
                 else:
                     self.corrupt.discard(i)
                     self.hits.append(("corrupt", i))
                 payload = bytes(data)
+            if self.hits and i == max(self.digests) and len(self.digests) == i + 1:
+                # The last chunk: a whole-payload digest over the digests the forger made consistent.
+                headers = {**headers, ROOT_SUM_HEADER: tree_digest([self.digests[j] for j in range(i + 1)], self.total)}
         await self.inner.publish(subject, payload, headers)
 
 
@@ -199,13 +217,20 @@ async def test_damaged_chunks_are_recovered(pair: tuple[Any, Any, Bus], fault: s
     assert n_chunks > 0
 
 
-async def test_forged_chunk_is_never_delivered(pair: tuple[Any, Any, Bus]) -> None:
+async def test_forged_chunk_with_forged_digests_is_repaired_from_the_sender(pair: tuple[Any, Any, Bus]) -> None:
+    """Issue 18 finding 2: a forged chunk with a matching digest header and a forged
+    whole-payload digest on the last chunk was delivered as the transfer's content. The receiver
+    now checks each chunk against the digests of the sender's Open: the forgery is dropped, asked
+    for again, and the sender's own bytes are delivered, once."""
     tx, rx, _ = pair
     kv = kv_of_bytes(SIG, 4 << 20, seed=6)
-    tx._transport = FaultyTransport(tx._transport, forge={2})
-    with pytest.raises(TransferRejected, match="digest mismatch") as info:
-        await tx.send(rx.name, kv, medium="full")
-    assert info.value.code is Reason.DIGEST_MISMATCH  # from the receiver's final Ack
+    faulty = FaultyTransport(tx._transport, forge={2})
+    tx._transport = faulty
+    report = await tx.send(rx.name, kv, medium="full")
+    assert faulty.hits == [("forge", 2)]
+    assert report.retransmits >= 1
+    got = await rx.receive(timeout=5)
+    assert got.transfer_id == report.transfer_id and got.kv.equal(kv)
     with pytest.raises(ReceiveTimeout):
         await rx.receive(timeout=0.5)
 

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from kvbus.bus import Bus, BusConfig, EmulatedLink, Reason, ReceiveTimeout, TransferRejected
-from kvbus.protocol import Ack, Control, Open, OpenReply, agent_subject, inbox_subject
+from kvbus.bus.chunking import digests_root
+from kvbus.protocol import Ack, Control, Open, OpenReply, ack_subject, agent_subject, inbox_subject
 from kvbus.signature import ModelSignature
 from tests.conftest import FAST
 from tests.kvutil import kv_of_bytes, random_kv
@@ -95,11 +96,23 @@ async def test_an_open_from_the_wrong_sender_is_refused_with_wrong_sender(pair: 
         ({}, b"abcd", Reason.DIGEST_MISMATCH),
         ({}, b"abc", Reason.MALFORMED),
         ({"n_chunks": 2}, b"abcd", Reason.MALFORMED),
-        ({"inline": False, "digest": "", "data_subject": "kvbus.elsewhere"}, b"", Reason.MALFORMED),
+        (
+            {
+                "inline": False,
+                "sizes": [2048],
+                "total": 2048,
+                "n_chunks": 2,
+                "digests": b"\0" * 16,
+                "digest": digests_root(b"\0" * 16, 2048),
+                "data_subject": "kvbus.elsewhere",
+            },
+            b"",
+            Reason.MALFORMED,
+        ),
         ({"codec": "full"}, b"abcd", Reason.MALFORMED),
         ({"codec": "full", "meta": {"signature": OTHER.to_dict()}}, b"abcd", Reason.INCOMPATIBLE),
         (
-            {"total": 8 << 30, "sizes": [8 << 30], "n_chunks": 8 << 20, "inline": False, "digest": ""},
+            {"total": 8 << 30, "sizes": [8 << 30], "n_chunks": 8 << 20, "inline": False},
             b"",
             Reason.TOO_LARGE,
         ),
@@ -189,7 +202,7 @@ async def test_a_streamed_delta_without_its_base_gets_the_code_in_the_final_ack(
         if ack.done:
             verdicts.append(ack)
 
-    sub = await other.transport.subscribe(agent_subject(tx.name, "ack"), record)
+    sub = await other.transport.subscribe(ack_subject(tx.name, rx.name), record)
     await other.transport.flush()
     try:
         rx._receiver.bases.clear()  # the receiver lost its base

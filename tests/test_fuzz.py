@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbus.bus import Bus, BusConfig
-from kvbus.bus.chunking import ChunkSource, chunk_digest, tree_digest
+from kvbus.bus.chunking import ChunkSource, check_open_plan, chunk_digest, digest_chunks, digests_root
 from kvbus.bus.incoming import IncomingTransfer
 from kvbus.cachetier.record import RecordFormatError, Stub, parse_record
 from kvbus.codecs import Encoded, available_codecs, get_codec
@@ -30,10 +30,14 @@ from kvbus.protocol import (
     AGENT_TO_SCHED,
     CHUNK_INDEX_HEADER,
     CHUNK_SUM_HEADER,
+    MAX_BUFFERS,
+    MAX_CHUNKS,
     MAX_CONTROL_BYTES,
     ROOT_SUM_HEADER,
     Open,
+    ack_subject,
     agent_subject,
+    data_subject,
     decode_message,
     inbox_subject,
     message_types,
@@ -194,8 +198,11 @@ def _frames() -> st.SearchStrategy[list[tuple[bytes, dict[str, str] | None]]]:
 
 @pytest.mark.parametrize("cases", BUDGETS)
 def test_chunk_frames(cases: int) -> None:
+    """Genuine, hostile and forged chunk frames (any headers, digest and root ones included) into a
+    receiver's reassembly: it never raises, and whatever completes is exactly the sender's payload."""
     loop = asyncio.new_event_loop()
     config = BusConfig(chunk_size=2048)
+    digests = digest_chunks(_GENUINE)
     open_msg = Open(
         transfer_id="f" * 32,
         src="tx",
@@ -205,12 +212,13 @@ def test_chunk_frames(cases: int) -> None:
         total=sum(_SIZES),
         chunk_size=2048,
         n_chunks=len(_GENUINE),
-        digest="",
+        digest=digests_root(digests, sum(_SIZES)),
         window=16,
-        data_subject="kvbus.agent.rx.data." + "f" * 32,
-        ack_subject=agent_subject("tx", "ack"),
+        data_subject=data_subject("rx", "tx", "f" * 32),
+        ack_subject=ack_subject("tx", "rx"),
+        digests=digests,
     )
-    root = tree_digest(_DIGESTS, sum(_SIZES))
+    plan = check_open_plan(open_msg)
 
     def check(frames: list[tuple[bytes, dict[str, str] | None]]) -> None:
         finished: list[IncomingTransfer] = []
@@ -219,14 +227,8 @@ def test_chunk_frames(cases: int) -> None:
             finished.append(incoming)
 
         async def feed() -> IncomingTransfer:
-            incoming = IncomingTransfer(_Recorder(), open_msg, "rx", config, finish)  # type: ignore[arg-type]
+            incoming = IncomingTransfer(_Recorder(), open_msg, "rx", config, finish, plan)  # type: ignore[arg-type]
             for data, headers in frames:
-                if (
-                    headers
-                    and headers.get(CHUNK_INDEX_HEADER) == str(len(_GENUINE) - 1)
-                    and headers.get(CHUNK_SUM_HEADER) == _DIGESTS[-1]
-                ):
-                    headers = {**headers, ROOT_SUM_HEADER: root}
                 await incoming._on_chunk(_Msg(data, headers))  # must never raise
             if incoming._done_task is not None:
                 await incoming._done_task
@@ -234,14 +236,73 @@ def test_chunk_frames(cases: int) -> None:
 
         incoming = loop.run_until_complete(feed())
         assert incoming.count <= len(_GENUINE)
-        if finished and incoming.verify():
-            # Whatever got through the digests is exactly what the sender sent.
+        if finished:
+            # Whatever got through the Open's digests is exactly what the sender sent.
+            assert incoming.verify()
             assert b"".join(bytes(b) for b in incoming.assembly.result()) == _PAYLOAD
 
     try:
         _run(cases, _frames(), check)
     finally:
         loop.close()
+
+
+# -- Open bounds: every size and count checked before anything is allocated --------------------------------
+
+
+def _edge_ints() -> st.SearchStrategy[int]:
+    return st.sampled_from([-(2**63), -1, 0, 1, 1023, 1024, 4096, MAX_CHUNKS, MAX_CHUNKS + 1, 2**31, 2**48, 2**63 - 1])
+
+
+def _opens() -> st.SearchStrategy[dict[str, Any]]:
+    """Open bodies whose numbers are edge values: NaN, inf, negative, huge, at and over every limit."""
+    number = _edge_ints() | st.integers(-(2**63), 2**64 - 1) | st.floats()
+    sizes = st.lists(_edge_ints() | st.integers(0, 1 << 20), max_size=8) | st.builds(
+        lambda n, k: [n] * k, st.integers(0, 4096), st.sampled_from([1, 2, MAX_BUFFERS, MAX_BUFFERS + 1])
+    )
+    return st.fixed_dictionaries(
+        {
+            "t": st.just("open"),
+            "v": st.just(1),
+            "transfer_id": st.just("o" * 32),
+            "src": st.just("tx"),
+            "codec": st.just("full"),
+            "meta": st.just({}),
+            "sizes": sizes,
+            "total": number,
+            "chunk_size": number,
+            "n_chunks": number,
+            "digest": st.sampled_from(["", "0" * 32, "x" * 40]),
+            "window": number,
+            "data_subject": st.just("d"),
+            "ack_subject": st.just("a"),
+            "inline": st.booleans(),
+            "digests": st.binary(max_size=64) | st.integers(0, 4).map(lambda k: bytes(8 * k)),
+            "incarnation": st.text(max_size=40),
+            "attempt": number,
+            "retry_age": number,
+        }
+    )
+
+
+@pytest.mark.parametrize("cases", BUDGETS)
+def test_open_numbers_at_their_edges(cases: int) -> None:
+    """An Open with NaN, inf, negative or huge numbers anywhere: only `KVBusError`s, and one that
+    passes has a bounded chunk plan (the receiver allocates no more than that)."""
+
+    def check(body: dict[str, Any]) -> None:
+        head = msgpack.packb(body, use_bin_type=True)
+        frame = len(head).to_bytes(4, "big") + head
+        try:
+            open_msg, _ = Open.unframe(frame)
+            plan = check_open_plan(open_msg)
+        except KVBusError:
+            return
+        assert plan.n_chunks == open_msg.n_chunks <= MAX_CHUNKS
+        assert len(open_msg.sizes) <= MAX_BUFFERS and open_msg.chunk_size >= 1024
+        assert 0.0 <= open_msg.retry_age < float("inf") and open_msg.attempt >= 0
+
+    _run(cases, _opens(), check)
 
 
 # -- cache tier stubs and records ------------------------------------------------------------------------
@@ -317,10 +378,10 @@ async def test_misbehaving_client_does_not_disturb_other_agents(bus: Bus, nats_u
         # The victim's own subjects take the storm; tx and rx only get chunks for a transfer that
         # does not exist and acks they do not expect (what any agent may publish to them).
         subjects = [agent_subject(victim.name, k) for k in ("ack", "ctl")] + [inbox_subject(victim.name, "rogue")]
-        subjects += [agent_subject(tx.name, "ack")]
+        subjects += [agent_subject(tx.name, "ack"), ack_subject(tx.name, rx.name)]
         subjects += [sched_subject("default", k, victim.name) for k in AGENT_TO_SCHED]
         subjects += [sched_subject("default", "state")]
-        subjects += [f"kvbus.agent.{rx.name}.data.{'0' * 32}"]
+        subjects += [f"kvbus.agent.{rx.name}.data.{'0' * 32}", data_subject(rx.name, "rogue", "0" * 32)]
         for _ in range(3):
             for subject in subjects:
                 for payload in junk:

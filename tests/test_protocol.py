@@ -149,6 +149,35 @@ def test_chunk_plan_covers_every_byte_once_and_keeps_small_buffers_whole(sizes: 
 
 
 @CI
+@given(sizes=st.lists(st.integers(0, 50_000), max_size=60), chunk=st.integers(16, 8192))
+def test_chunk_plan_count_is_its_size_without_building_it(sizes: list[int], chunk: int) -> None:
+    """`ChunkPlan.count` (what a receiver checks before it builds a plan) is the plan's chunk count,
+    and the compact plan's ranges are the chunks back to back."""
+    plan = ChunkPlan(sizes, chunk)
+    assert ChunkPlan.count(sizes, chunk) == plan.n_chunks == len(plan.ranges)
+    assert list(plan.ranges) == [plan.ranges[i] for i in range(plan.n_chunks)]
+
+
+@CI
+@given(sizes=st.lists(st.integers(1, 5000), min_size=1, max_size=8), chunk=st.integers(1024, 4096), data=st.data())
+def test_chunk_verifier_takes_exactly_the_senders_chunks(sizes: list[int], chunk: int, data: st.DataObject) -> None:
+    import os
+
+    from kvbus.bus.chunking import ChunkVerifier, digest_chunks
+
+    src = ChunkSource([memoryview(os.urandom(n)) for n in sizes], chunk)
+    chunks = [bytes(src.chunk(i)) for i in range(src.n_chunks)]
+    verifier = ChunkVerifier(src.plan, digest_chunks(chunks))
+    i = data.draw(st.integers(0, src.n_chunks - 1))
+    assert verifier.check(i, chunks[i])
+    flip = data.draw(st.integers(0, len(chunks[i]) - 1))
+    forged = bytearray(chunks[i])
+    forged[flip] ^= 1
+    assert not verifier.check(i, bytes(forged))
+    assert not verifier.check(i, chunks[i][:-1])
+
+
+@CI
 @given(sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=12), chunk=st.integers(64, 2048))
 def test_chunk_source_reassembles_the_buffers(sizes: list[int], chunk: int) -> None:
     import os

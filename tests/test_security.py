@@ -17,8 +17,19 @@ import pytest
 
 from kvbus.app.local import NatsServer
 from kvbus.bus import Bus
+from kvbus.bus.chunking import digests_root
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
-from kvbus.protocol import AgentRecord, Grant, RequestAck, TransferRequest, agent_subject, inbox_subject, sched_subject
+from kvbus.protocol import (
+    AgentRecord,
+    Grant,
+    RequestAck,
+    TransferRequest,
+    ack_subject,
+    agent_subject,
+    data_subject,
+    inbox_subject,
+    sched_subject,
+)
 from kvbus.security import AgentGrant, Credentials, load_credentials, permissions_config
 from tests.conftest import FAST
 from tests.kvutil import kv_of_bytes, random_kv
@@ -181,10 +192,11 @@ async def test_agent_cannot_pose_as_another_sender(stack: dict[str, Any]) -> Non
         total=16,
         chunk_size=1 << 20,
         n_chunks=1,
-        digest="",
+        digest=digests_root(b"\0" * 8, 16),
         window=4,
-        data_subject="kvbus.agent.bob.data." + "a" * 32,
-        ack_subject=agent_subject("alice", "ack"),
+        data_subject=data_subject("bob", "alice", "a" * 32),
+        ack_subject=ack_subject("alice", "bob"),
+        digests=b"\0" * 8,
     )
     await mallory.publish(inbox_subject("bob", "alice"), forged.frame())
     await _wait_for(errors["mallory"], "kvbus.agent.bob.inbox.alice")
@@ -214,10 +226,11 @@ async def test_receiver_refuses_an_open_pointing_at_foreign_subjects(stack: dict
         total=4 << 20,
         chunk_size=1 << 20,
         n_chunks=4,
-        digest="",
+        digest=digests_root(b"\0" * 32, 4 << 20),
         window=4,
         data_subject="kvbus.agent.alice.data.x",
-        ack_subject=agent_subject("mallory", "ack"),
+        ack_subject=ack_subject("mallory", "bob"),
+        digests=b"\0" * 32,
     )
     reply = OpenReply.decode(await mallory.request(inbox_subject("bob", "mallory"), bad.frame(), timeout=3))
     assert not reply.ok and "data subject" in reply.reason

@@ -17,12 +17,31 @@ from kvbus.errors import WireFormatError
 from kvbus.protocol.wire import Message, OptStr, message
 from kvbus.reasons import Reason
 
-#: Largest codec metadata map inside an `Open`.
-MAX_META_BYTES = 256 * 1024
+#: Largest codec metadata map inside an `Open` (real ones take well under 1 KB; the bound keeps
+#: what one `Open` costs to decode small).
+MAX_META_BYTES = 64 * 1024
+#: Smallest chunk size an `Open` may name: a smaller one would make a receiver's per-chunk
+#: bookkeeping far larger than the bytes the sender announced.
+MIN_CHUNK_SIZE = 1024
+#: Largest chunk size an `Open` may name (receivers also refuse chunks over their server's max_payload).
+MAX_CHUNK_SIZE = 1 << 30
+#: Most chunks one transfer may have (16 GB at 1 MB chunks): bounds the digest list of an `Open`
+#: and the per-chunk state a receiver keeps.
+MAX_CHUNKS = 16384
+#: Most buffers (``sizes``) one payload may have.
+MAX_BUFFERS = 4096
+#: Largest payload an `Open` may announce at all (receivers have their own, lower limit).
+MAX_TOTAL = 1 << 48
+#: Bytes of one chunk digest in `Open.digests` (xxh3-64, big-endian).
+DIGEST_BYTES = 8
+#: Longest receiver incarnation id.
+MAX_INCARNATION = 32
 
 CHUNK_INDEX_HEADER = "Kvbus-Chunk"
+#: Formerly each chunk's own digest; receivers now verify chunks against `Open.digests` only and
+#: ignore this header (kept so that tools and fault injectors that set it keep working).
 CHUNK_SUM_HEADER = "Kvbus-Sum"
-#: On the last chunk of a streamed transfer: the whole-payload digest.
+#: Formerly the whole-payload digest on the last chunk; ignored (the `Open` carries it).
 ROOT_SUM_HEADER = "Kvbus-Root"
 
 #: The data paths a transfer's bytes can take, fastest first (`PathOffer`, `Open.paths`).
@@ -37,6 +56,18 @@ _TOKEN_RE = re.compile(r"^[0-9a-f]{64}$")
 _SHM_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,100}$")
 #: A host name, an IPv4 or an IPv6 address (no brackets, no port).
 _TCP_HOST_RE = re.compile(r"^[A-Za-z0-9_.:%-]{1,253}$")
+
+
+class OpenOverLimit(WireFormatError):
+    """An `Open` announces more than the protocol allows (chunks, buffers, bytes): a receiver
+    refuses it as `Reason.TOO_LARGE`, before it allocates anything for it."""
+
+    def __init__(self, what: str, reason: str) -> None:
+        super().__init__(what, reason)
+        self.args = (f"{what} over the protocol's limits: {reason}",)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 @message(
@@ -58,13 +89,20 @@ _TCP_HOST_RE = re.compile(r"^[A-Za-z0-9_.:%-]{1,253}$")
         "traceparent": OptStr,
         "paths": list,
         "host": str,
+        "digests": bytes,
+        "incarnation": str,
+        "attempt": int,
+        "retry_age": float,
     },
 )
 @dataclass(frozen=True, slots=True)
 class Open(Message):
     """Sender -> receiver: a transfer is about to stream (or, ``inline``, is in this message).
 
-    On the wire an `Open` is ``u32 length | msgpack(Open) | inline payload``.
+    On the wire an `Open` is ``u32 length | msgpack(Open) | inline payload``. It is a request on
+    the receiver's inbox subject ending in the sender's name, so its content is the sender's
+    (in secure mode only the sender may publish there): a receiver takes every digest from it,
+    never from a chunk.
     """
 
     transfer_id: str
@@ -76,8 +114,9 @@ class Open(Message):
     chunk_size: int
     n_chunks: int
     digest: str
-    """xxh3-128 hex digest of the whole payload for an inline transfer; empty when streamed
-    (the last chunk carries it in `ROOT_SUM_HEADER`)."""
+    """xxh3-128 hex digest of the whole payload: for an inline payload over its chunks' digests
+    (`kvbus.bus.chunking.tree_digest`), for a streamed one over `digests`
+    (`kvbus.bus.chunking.digests_root`)."""
     window: int
     data_subject: str
     ack_subject: str
@@ -89,8 +128,22 @@ class Open(Message):
     host: str = ""
     """The sender's host identity (32 hex characters), empty if unknown: the receiver offers
     ``shm`` only to a sender on its own host."""
+    digests: bytes = b""
+    """For a streamed payload: every chunk's xxh3-64 digest, `DIGEST_BYTES` each, in chunk order.
+    A chunk that does not match its entry is dropped and asked for again from the sender."""
+    incarnation: str = ""
+    """On a retried `Open`: the receiver incarnation the sender expects (from an earlier reply),
+    empty when it got none. A receiver of another incarnation refuses with
+    `Reason.RECEIVER_RESTARTED` rather than deliver a transfer an earlier one may have delivered."""
+    attempt: int = 0
+    """0 for the first `Open` of a transfer, then 1, 2, ... for retries and status requests."""
+    retry_age: float = 0.0
+    """On a retry: seconds since the sender's first attempt (its own clock)."""
 
     _PREFIX: ClassVar[struct.Struct] = struct.Struct("!I")
+
+    #: Largest msgpack header of a framed `Open`.
+    MAX_HEADER: ClassVar[int] = MAX_META_BYTES + MAX_CHUNKS * DIGEST_BYTES + 8192
 
     def frame(self, inline_payload: bytes | memoryview = b"") -> bytes:
         """This `Open` framed for the wire: a 4-byte length, the message, then any inline payload."""
@@ -99,34 +152,66 @@ class Open(Message):
 
     @classmethod
     def unframe(cls, data: bytes | memoryview) -> tuple[Open, memoryview]:
-        """Split a framed `Open` into the message and its inline payload."""
+        """Split a framed `Open` into the message and its inline payload.
+
+        Raises:
+            OpenOverLimit: it announces more chunks, buffers or bytes than the protocol allows.
+            WireFormatError: anything else is malformed.
+        """
         view = memoryview(data)
         if len(view) < cls._PREFIX.size:
             raise WireFormatError("open message", f"{len(view)} bytes is shorter than its length prefix")
         (n,) = cls._PREFIX.unpack_from(view)
-        if n > MAX_META_BYTES + 4096:
-            raise WireFormatError("open message", f"header of {n} bytes is over the limit of {MAX_META_BYTES + 4096}")
+        if n > cls.MAX_HEADER:
+            raise WireFormatError("open message", f"header of {n} bytes is over the limit of {cls.MAX_HEADER}")
         if cls._PREFIX.size + n > len(view):
             raise WireFormatError("open message", f"header claims {n} bytes, only {len(view) - 4} present")
         msg = cls.decode(view[cls._PREFIX.size : cls._PREFIX.size + n])
+        if n > MAX_META_BYTES + len(msg.digests) + 8192:
+            raise OpenOverLimit("open message", f"header of {n} bytes carries more than {MAX_META_BYTES} of metadata")
         msg.check()
         return msg, view[cls._PREFIX.size + n :]
 
     def check(self) -> None:
-        """Consistency of sizes and counts (each field's type is already checked)."""
+        """Consistency and bounds of sizes and counts (each field's type is already checked).
+
+        Every count is checked against its bound before anything proportional to it is done (the
+        sizes are summed last), so a hostile `Open` costs O(1) work until it is known to be small.
+
+        Raises:
+            OpenOverLimit: more chunks, buffers or bytes than the protocol allows.
+            WireFormatError: an inconsistent or out-of-range field.
+        """
         what = "open message"
-        if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in self.sizes):
-            raise WireFormatError(what, "sizes must be non-negative integers")
-        if sum(self.sizes) != self.total or self.total < 0:
-            raise WireFormatError(what, f"sizes add up to {sum(self.sizes)}, total says {self.total}")
-        if self.chunk_size <= 0:
-            raise WireFormatError(what, f"chunk_size {self.chunk_size} must be positive")
-        if not 0 <= self.n_chunks <= self.total or (self.total and not self.n_chunks):
+        if len(self.sizes) > MAX_BUFFERS:
+            raise OpenOverLimit(what, f"{len(self.sizes)} buffers is over the limit of {MAX_BUFFERS}")
+        if not 0 <= self.n_chunks <= MAX_CHUNKS:
+            raise OpenOverLimit(what, f"n_chunks {self.n_chunks} is outside 0..{MAX_CHUNKS}")
+        if not 0 <= self.total <= MAX_TOTAL:
+            raise OpenOverLimit(what, f"total {self.total} is outside 0..{MAX_TOTAL}")
+        if not MIN_CHUNK_SIZE <= self.chunk_size <= MAX_CHUNK_SIZE:
+            raise WireFormatError(what, f"chunk_size {self.chunk_size} is outside {MIN_CHUNK_SIZE}..{MAX_CHUNK_SIZE}")
+        if self.n_chunks > self.total or (self.total and not self.n_chunks):
             raise WireFormatError(what, f"n_chunks {self.n_chunks} does not fit a total of {self.total} bytes")
+        if self.n_chunks * self.chunk_size < self.total:
+            raise WireFormatError(what, f"{self.n_chunks} chunks of {self.chunk_size} bytes cannot hold {self.total}")
         if not 0 < self.window <= 1 << 16:
             raise WireFormatError(what, f"window {self.window} is out of range")
-        if len(self.digest) not in ((32,) if self.inline else (0, 32)):
-            raise WireFormatError(what, "digest must be 32 hex characters (or empty for a streamed transfer)")
+        if len(self.digest) != 32:
+            raise WireFormatError(what, "digest must be 32 hex characters")
+        want = 0 if self.inline else self.n_chunks * DIGEST_BYTES
+        if len(self.digests) != want:
+            raise WireFormatError(what, f"digests has {len(self.digests)} bytes, {want} expected")
+        if len(self.incarnation) > MAX_INCARNATION:
+            raise WireFormatError(what, f"incarnation is longer than {MAX_INCARNATION} characters")
+        if not 0 <= self.attempt <= 1 << 20:
+            raise WireFormatError(what, f"attempt {self.attempt} is out of range")
+        if not 0.0 <= self.retry_age <= 1e9:  # also rejects NaN
+            raise WireFormatError(what, f"retry_age {self.retry_age} must be finite and not negative")
+        if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in self.sizes):
+            raise WireFormatError(what, "sizes must be non-negative integers")
+        if sum(self.sizes) != self.total:
+            raise WireFormatError(what, f"sizes add up to {sum(self.sizes)}, total says {self.total}")
         check_path_names(what, self.paths)
         if self.host and not _HOST_ID_RE.match(self.host):
             raise WireFormatError(what, "host must be 32 lowercase hex characters (or empty)")
@@ -150,6 +235,7 @@ class Open(Message):
         "token": str,
         "token_ttl_s": float,
         "paths": list,
+        "incarnation": str,
     },
 )
 @dataclass(frozen=True, slots=True)
@@ -165,6 +251,8 @@ class OpenReply(Message):
     """For a transfer already under way: the lowest chunk index the receiver still needs."""
     code: Reason = Reason.NONE
     """Why it was refused, as a code to match on (`reason` is for people)."""
+    incarnation: str = ""
+    """The receiver's incarnation: a random id per agent start (a retried `Open` names it)."""
     host: str = ""
     """The receiver's host identity (32 hex characters); empty: it offers no direct path."""
     shm: str = ""
@@ -305,6 +393,9 @@ class PathOffer:
 @dataclass(frozen=True, slots=True)
 class Ack(Message):
     """Receiver -> sender: credit and repair requests, and the final verdict.
+
+    Published on `ack_subject` (sender, receiver): the sender takes the receiver from the
+    subject and drops an `Ack` whose ``rx`` names another.
 
     ``next`` is the lowest chunk index not yet received (all below it are in); ``missing`` lists
     chunks to send again; ``done`` with ``ok`` means the payload arrived whole, verified and

@@ -13,9 +13,14 @@ Subjects (``<x>`` are names: letters, digits, ``-`` and ``_``):
 ``kvbus.agent.<agent>.ctl``            scheduler -> agent: `Grant`, `Control` (pause/resume/cancel/rate/shed;
                                        a conditional pause is a request, answered with `ControlReply`)
 ``kvbus.agent.<rx>.inbox.<sender>``    sender -> receiver: `Open` (request; reply: `OpenReply`)
-``kvbus.agent.<agent>.ack``            receiver -> sender: `Ack`
-``kvbus.agent.<rx>.data.<transfer>``   sender -> receiver: chunk messages of a unicast transfer
-``kvbus.bcast.<sender>.<transfer>``    sender -> receivers: chunk messages of a broadcast
+``kvbus.agent.<sender>.ack.<rx>``      receiver -> sender: `Ack` (ending in the receiver's name: in secure
+                                       mode only it may publish there, and the sender takes the
+                                       receiver from the subject, never from the message)
+``kvbus.agent.<rx>.data.<sender>.<t>`` sender -> receiver: chunk messages of a unicast transfer, and of a
+                                       broadcast in secure mode (one stream per receiver: only the
+                                       addressee may read it, only the sender publish it)
+``kvbus.bcast.<sender>.<transfer>``    sender -> receivers: chunk messages of a broadcast (not secure mode:
+                                       published once, NATS fans it out)
 ``kvbus.coord.*``                      group schedulers <-> coordinator
 =====================================  ========================================================
 """
@@ -57,7 +62,7 @@ def subject_sender(subject: str) -> str:
 
 
 def agent_subject(agent: str, kind: str) -> str:
-    """An agent's own subject ``kvbus.agent.<agent>.<kind>`` (``ack``, ``ctl``, ...)."""
+    """A subject under ``agent``'s own prefix (``kvbus.agent.<agent>.<kind>``: only it may subscribe)."""
     return f"kvbus.agent.{agent}.{kind}"
 
 
@@ -68,27 +73,41 @@ def inbox_subject(agent: str, sender: str) -> str:
     return f"kvbus.agent.{agent}.inbox.{sender}"
 
 
-def data_subject(agent: str, transfer_id: str) -> str:
-    """Chunks of a unicast transfer, under the receiver's own prefix (only it may subscribe)."""
-    return f"kvbus.agent.{agent}.data.{transfer_id}"
+def ack_subject(sender: str, rx: str) -> str:
+    """Where ``rx`` acknowledges ``sender``'s transfers: under the sender's prefix, ending in the
+    receiver's name (in secure mode an agent may publish acks only on subjects ending in its own
+    name, so an ack's receiver is the subject's, whatever the message says)."""
+    return f"kvbus.agent.{sender}.ack.{rx}"
+
+
+def data_subject(agent: str, sender: str, transfer_id: str) -> str:
+    """Chunks from ``sender`` to ``agent``, under the receiver's own prefix (only it may subscribe;
+    in secure mode only ``sender`` may publish there: the subject carries its name)."""
+    return f"kvbus.agent.{agent}.data.{sender}.{transfer_id}"
 
 
 def bcast_subject(sender: str, transfer_id: str) -> str:
-    """Chunks of a broadcast, under the sender's broadcast prefix (receivers that joined it subscribe)."""
+    """Chunks of a broadcast outside secure mode, under the sender's broadcast prefix (published once)."""
     return f"kvbus.bcast.{sender}.{transfer_id}"
 
 
-def check_data_subject(subject: str, src: str, rx: str, transfer_id: str) -> None:
+def check_data_subject(subject: str, src: str, rx: str, transfer_id: str, *, broadcast: bool = True) -> None:
     """Reject an `Open` whose data subject is not one a receiver may subscribe to for it.
 
+    Args:
+        broadcast: whether the shared broadcast subject is acceptable (not in secure mode, where
+            every receiver of a broadcast gets its own stream).
+
     Raises:
-        WireFormatError: ``subject`` is neither ``data_subject(rx, tid)`` nor ``bcast_subject(src, tid)``.
+        WireFormatError: ``subject`` is not ``data_subject(rx, src, tid)`` (nor, with ``broadcast``,
+            ``bcast_subject(src, tid)``).
     """
-    if subject not in (data_subject(rx, transfer_id), bcast_subject(src, transfer_id)):
+    allowed = [data_subject(rx, src, transfer_id)]
+    if broadcast:
+        allowed.append(bcast_subject(src, transfer_id))
+    if subject not in allowed:
         raise WireFormatError(
-            "open message",
-            f"data subject {subject[:200]!r} is neither "
-            f"{data_subject(rx, transfer_id)!r} nor {bcast_subject(src, transfer_id)!r}",
+            "open message", f"data subject {subject[:200]!r} is not {' or '.join(repr(a) for a in allowed)}"
         )
 
 

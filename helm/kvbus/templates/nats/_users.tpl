@@ -30,20 +30,19 @@ Returned as JSON: {"agents": [{name, group, broadcastsFrom}]}. */}}
 {{- toJson (dict "agents" $agents) -}}
 {{- end -}}
 
-{{/* kvbus.security.agent_permissions for {name, group, broadcastsFrom}, as JSON. */}}
+{{/* kvbus.security.agent_permissions for {name, group, broadcastsFrom}, as JSON: acks and data
+only on subjects ending in (data: carrying) the agent's own name, reads only under its own prefix
+(broadcastsFrom grants nothing: every receiver of a secure broadcast gets its own stream). */}}
 {{- define "kvbus.nats.agentPermissions" -}}
 {{- $a := .name -}}
 {{- $g := .group -}}
 {{- $subscribe := list (printf "kvbus.agent.%s.>" $a) (printf "_INBOX.%s.>" $a) -}}
-{{- range $s := .broadcastsFrom -}}
-{{- $subscribe = append $subscribe (printf "kvbus.bcast.%s.>" $s) -}}
-{{- end -}}
 {{- $publish := list
   (printf "kvbus.sched.%s.request.%s" $g $a) (printf "kvbus.sched.%s.done.%s" $g $a)
   (printf "kvbus.sched.%s.probe.%s" $g $a) (printf "kvbus.sched.%s.reserve.%s" $g $a)
   (printf "kvbus.sched.%s.register.%s" $g $a) (printf "kvbus.sched.%s.leave.%s" $g $a)
-  (printf "kvbus.agent.*.inbox.%s" $a) "kvbus.agent.*.ack"
-  "kvbus.agent.*.data.>" (printf "kvbus.bcast.%s.>" $a)
+  (printf "kvbus.agent.*.inbox.%s" $a) (printf "kvbus.agent.*.ack.%s" $a)
+  (printf "kvbus.agent.*.data.%s.*" $a)
   "kvbus.coord.place" -}}
 {{- toJson (dict "publish" (dict "allow" $publish) "subscribe" (dict "allow" $subscribe) "allow_responses" true) -}}
 {{- end -}}

@@ -1,0 +1,109 @@
+"""The sender's dialogue with one receiver of a transfer: its `Open`, retries, status requests, verdict.
+
+Each receiver gets its own `Open` (its data and ack subjects differ). The first attempt is
+attempt 0; an unanswered one is asked again, and a sender without acknowledgements asks where
+the receiver stands, both with the same transfer id and a higher ``attempt``. Every reply names
+the receiver's incarnation (a random id per agent start); a retry names the one the sender
+expects (learned from this transfer's replies, else from earlier transfers to that receiver),
+and ``retry_age``, so a receiver that restarted in between refuses it with
+`Reason.RECEIVER_RESTARTED` instead of delivering a transfer its earlier incarnation may have
+delivered already.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+from kvbus.bus.errors import TransferError, TransferRejected
+from kvbus.net.transport import Transport
+from kvbus.protocol import Open, OpenReply, Reason, inbox_subject
+
+
+@dataclass
+class ReceiverOutcome:
+    """How one receiver's side of a transfer ended."""
+
+    ok: bool = False
+    error: TransferError | None = None
+    decode_s: float = 0.0
+
+    @property
+    def pending(self) -> bool:
+        """Neither delivered nor failed yet."""
+        return not self.ok and self.error is None
+
+
+class Handshake:
+    """One receiver of a transfer, as its sender sees it: the `Open` it gets and its outcome."""
+
+    def __init__(self, transport: Transport, rx: str, open_msg: Open, *, expected_incarnation: str = "") -> None:
+        self.transport = transport
+        self.rx = rx
+        self.open = open_msg
+        """This receiver's `Open` (attempt 0)."""
+        self.expected = expected_incarnation
+        """The incarnation earlier transfers met (empty when none)."""
+        self.learned = ""
+        """The incarnation this transfer's replies named."""
+        self.attempts = 0
+        self.first_sent = 0.0
+        self.outcome = ReceiverOutcome()
+
+    @property
+    def incarnation(self) -> str:
+        """The incarnation a retry expects."""
+        return self.learned or self.expected
+
+    def frame(self, inline_payload: bytes | memoryview = b"") -> bytes:
+        """The next attempt's framed `Open` (attempt 0, then retries naming the expected incarnation)."""
+        attempt = self.attempts
+        self.attempts += 1
+        if attempt == 0:
+            self.first_sent = time.monotonic()
+            return self.open.frame(inline_payload)
+        retry = dataclasses.replace(
+            self.open,
+            attempt=attempt,
+            incarnation=self.incarnation,
+            retry_age=max(0.0, time.monotonic() - self.first_sent),
+        )
+        return retry.frame(inline_payload)
+
+    async def ask(self, frame: bytes, timeout: float) -> bytes:
+        """Send ``frame`` to the receiver's inbox as a request.
+
+        Raises:
+            NoResponders: no agent listens on that inbox.
+            TimeoutError: no answer within ``timeout``.
+        """
+        return await self.transport.request(inbox_subject(self.rx, self.open.src), frame, timeout=timeout)
+
+    def apply(self, data: bytes) -> OpenReply | None:
+        """Read a reply: learn the incarnation; a refusal or a broken reply fails this receiver,
+        ``done`` delivers it. Returns the reply when the receiver is still receiving."""
+        outcome = self.outcome
+        tid = self.open.transfer_id
+        try:
+            reply = OpenReply.decode(data)
+        except Exception as exc:  # noqa: BLE001 - a broken reply fails this receiver only
+            outcome.error = TransferError(tid, f"bad reply from {self.rx}: {exc}", peer=self.rx)
+            return None
+        if reply.incarnation:
+            self.learned = reply.incarnation
+        if not outcome.pending:
+            return None
+        if not reply.ok:
+            outcome.error = TransferRejected(tid, self.rx, reply.reason, code=reply.code or Reason.OTHER)
+            return None
+        if reply.done:
+            outcome.ok = True
+            outcome.decode_s = reply.decode_s
+            return None
+        return reply
+
+    @property
+    def restarted(self) -> bool:
+        """Whether this transfer met another incarnation than earlier transfers did."""
+        return bool(self.expected and self.learned and self.expected != self.learned)
