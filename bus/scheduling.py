@@ -20,7 +20,14 @@ from opentelemetry.trace import use_span
 from kvbus import telemetry
 from kvbus.bus.control import TransferControls
 from kvbus.bus.endpoint import Endpoint
-from kvbus.bus.errors import BusClosed, SchedulerUnavailable, TransferRejected, TransferTimeout
+from kvbus.bus.errors import (
+    BusClosed,
+    ReceiverGone,
+    SchedulerUnavailable,
+    TransferError,
+    TransferRejected,
+    TransferTimeout,
+)
 from kvbus.bus.pacing import EmulatedLink
 from kvbus.errors import ReservationRefused, WireFormatError
 from kvbus.kvcache import KVCache
@@ -151,7 +158,7 @@ class SchedulerLink:
             )
             wait = deadline if deadline is not None else ep.config.grant_timeout
             with use_span(wait_span, end_on_exit=False, record_exception=True, set_status_on_exception=True):
-                grant = await self._ask_scheduler(transfer_id, request.encode(), fut, wait)
+                grant = await self._ask_scheduler(transfer_id, request.encode(), fut, wait, receivers)
         except BaseException:
             wait_span.end()
             raise
@@ -159,9 +166,7 @@ class SchedulerLink:
             self._grants.pop(transfer_id, None)
         try:
             if not grant.medium:
-                raise TransferRejected(
-                    transfer_id, f"scheduler of {ep.group}", grant.reason, code=grant.code or Reason.OTHER
-                )
+                raise _refused(transfer_id, ep.group, receivers, grant.reason, grant.code)
             self.controls.granted(transfer_id)
             delay = grant.start_at - time.time()
             if grant.latency_s > 0:
@@ -177,7 +182,9 @@ class SchedulerLink:
             wait_span.end()
         return grant
 
-    async def _ask_scheduler(self, transfer_id: str, payload: bytes, fut: asyncio.Future[Grant], wait: float) -> Grant:
+    async def _ask_scheduler(
+        self, transfer_id: str, payload: bytes, fut: asyncio.Future[Grant], wait: float, receivers: list[str]
+    ) -> Grant:
         ep = self._ep
         subject = sched_subject(ep.group, "request", ep.name)
         give_up = time.monotonic() + max(wait, ep.config.request_timeout)
@@ -206,9 +213,7 @@ class SchedulerLink:
             if isinstance(answer, Grant):
                 return answer
             if not answer.ok:
-                raise TransferRejected(
-                    transfer_id, f"scheduler of {ep.group}", answer.reason, code=answer.code or Reason.OTHER
-                )
+                raise _refused(transfer_id, ep.group, receivers, answer.reason, answer.code)
             # Queued: the grant comes on the ctl subject. Ask again if it takes long.
             await asyncio.wait({fut}, timeout=min(ep.config.regrant_interval, max(0.0, give_up - time.monotonic())))
 
@@ -336,3 +341,11 @@ class SchedulerLink:
                 ep.config.request_timeout,
             ) from None
         return ReservationReply.decode(data)
+
+
+def _refused(transfer_id: str, group: str, receivers: list[str], reason: str, code: Reason) -> TransferError:
+    """The error of a transfer the scheduler refused: `ReceiverGone` when a receiver left the group
+    (`Reason.RECEIVER_GONE`), else `TransferRejected` with the code."""
+    if code == Reason.RECEIVER_GONE:
+        return ReceiverGone(transfer_id, receivers[0] if len(receivers) == 1 else ",".join(receivers), reason)
+    return TransferRejected(transfer_id, f"scheduler of {group}", reason, code=code or Reason.OTHER)

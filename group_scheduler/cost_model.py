@@ -13,9 +13,14 @@
 
 Memory pressure on B (its reported cache bytes over its budget's watermark) adds a penalty per
 byte it must hold (the payload while it arrives, then the decoded KV), so a pressed receiver
-prefers compact payloads and, where available, media that leave less resident (sparse, summary). The figures per medium come from
-the calibration profile (`kvbus calibrate`), never from constants here; the defaults below are
-only a fallback when no profile can be loaded, and are labelled as such in every decision.
+prefers compact payloads and, where available, media that leave less resident (sparse, summary).
+The figures per medium come from the calibration profile (`kvbus calibrate`), never from
+constants here; the defaults below are only a fallback when no profile can be loaded, and are
+labelled as such in every decision.
+
+A receiver that cannot recompute (no model runner: its directory record says ``recompute``
+false) is never given ``tokens`` or ``summary`` for a context with KV while a KV medium fits
+it, unless the sender insists on that medium.
 """
 
 from __future__ import annotations
@@ -115,6 +120,9 @@ class Endpoint:
     memory_pressure: float = 0.0
     """0..1: how far the agent's cache is past its high watermark."""
     model: ModelCosts = field(default_factory=ModelCosts)
+    recompute: bool = True
+    """Whether it can rebuild KV from tokens (it has a model runner). A receiver that cannot is
+    not given ``tokens`` or ``summary`` for a context with KV, unless the sender insists."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,9 +140,11 @@ class Estimate:
 
     @property
     def total_s(self) -> float:
+        """The predicted latency (infinite when the medium is not usable)."""
         return self.comm_s + self.comp_s + self.loss_s if self.usable else math.inf
 
     def as_dict(self) -> dict[str, Any]:
+        """The estimate as it travels in a decision record."""
         return {
             "medium": self.medium,
             "bytes": self.nbytes,
@@ -256,14 +266,10 @@ class CostModel:
         if delta and base_tokens <= 0:
             return Estimate(medium, 0, 0, 0, 0, fig.fidelity, usable=False, why_not="receiver holds no base")
         new_tokens = max(0, n_tokens - base_tokens) if delta else n_tokens
-        share = new_tokens / n_tokens if n_tokens else 0.0
         per_token_bytes = kv_bytes / n_tokens if n_tokens else 0.0
         kind = base_medium(medium)
         if not fig.needs_kv:
-            if kind == "summary":
-                nbytes = 8 * max(1, fig.summary_tokens)
-            else:
-                nbytes = 8 * new_tokens
+            nbytes = 8 * max(1, fig.summary_tokens) if kind == "summary" else 8 * new_tokens
             raw = 0.0
         else:
             raw = per_token_bytes * new_tokens
@@ -285,10 +291,7 @@ class CostModel:
         fidelity = fig.fidelity
         loss = cfg.loss_weight * cfg.output_tokens * (1.0 - fidelity) * receiver.model.decode_token_s
         # What B must hold: the payload while it arrives, then the decoded KV.
-        if kind == "summary":
-            resident = per_token_bytes * fig.summary_tokens
-        else:
-            resident = kv_bytes * fig.resident_fraction
+        resident = per_token_bytes * fig.summary_tokens if kind == "summary" else kv_bytes * fig.resident_fraction
         comp += cfg.memory_penalty_s_per_gb * receiver.memory_pressure * (nbytes + resident) / 1e9
         bias = self.bias.get(medium, 1.0)
         return Estimate(medium, nbytes, comm * bias, comp * bias, loss, fidelity)
@@ -305,6 +308,7 @@ class CostModel:
         lineage: float = 1.0,
         current: str | None = None,
         base_tokens: int = 0,
+        requested: bool = False,
     ) -> Choice:
         """The medium with the lowest predicted latency.
 
@@ -315,6 +319,8 @@ class CostModel:
             current: the medium this pair used last; kept unless another is predicted at least
                 ``hysteresis`` faster.
             base_tokens: tokens of this context the receiver already holds (enables delta media).
+            requested: the sender insists on ``candidates`` (then a receiver that cannot
+                recompute may still be given a token medium).
         """
         cfg = self.config
         ests = [
@@ -329,6 +335,20 @@ class CostModel:
             )
             for m in dict.fromkeys(candidates)
         ]
+        # Tokens would reach a receiver with no model to rebuild the KV from them: only when no KV
+        # medium fits it at all (then tokens are all it can take), or the sender insists.
+        if (
+            not receiver.recompute
+            and kv_bytes > 0
+            and not requested
+            and any(e.usable and self.figures[e.medium].needs_kv for e in ests)
+        ):
+            ests = [
+                replace(e, usable=False, why_not="receiver cannot recompute (no model runner)")
+                if e.usable and not self.figures[e.medium].needs_kv
+                else e
+                for e in ests
+            ]
         pool = [e for e in ests if e.usable]
         if not pool:
             raise ValueError("no usable medium among " + ", ".join(e.medium for e in ests))
@@ -374,4 +394,5 @@ def _free(load: float) -> float:
 
 
 def with_model(endpoint: Endpoint, model: ModelCosts) -> Endpoint:
+    """``endpoint`` with other compute figures."""
     return replace(endpoint, model=model)

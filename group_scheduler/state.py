@@ -14,6 +14,10 @@ from functools import cached_property
 from kvbus.protocol import Probe, TransferRequest
 from kvbus.signature import ModelSignature
 
+#: Departed agents remembered (beyond that the oldest are forgotten: a transfer to one is then
+#: refused as to an unknown agent, once its directory record is gone).
+MAX_LEFT = 4096
+
 
 @dataclass
 class AgentState:
@@ -35,6 +39,7 @@ class AgentState:
     """Monotonic time of the last ``shed`` hint sent to it."""
 
     def update(self, probe: Probe, now: float | None = None) -> None:
+        """Take what a probe reports (the agent is live again)."""
         self.queue_size = probe.queue_size
         self.cache_bytes = probe.cache_bytes
         self.compute_load = probe.compute_load
@@ -54,6 +59,7 @@ class LinkEstimate:
     """Samples older than this are forgotten (links change; an unused estimate goes stale)."""
 
     def observe(self, nbytes: int, seconds: float, now: float | None = None) -> None:
+        """Add one observed transfer (``nbytes`` in ``seconds``) to the window."""
         if nbytes > 0 and seconds > 0:
             self.samples.append((float(nbytes), float(seconds), time.monotonic() if now is None else now))
 
@@ -73,6 +79,7 @@ class LinkEstimate:
 
     @property
     def known(self) -> bool:
+        """Whether the window holds a fresh sample."""
         return bool(self._fresh())
 
 
@@ -95,6 +102,9 @@ class Pending:
     """The request's deadline on the monotonic clock, or None."""
     grant: bytes = b""
     """The encoded grant, re-sent if the sender asks again (its first copy was lost)."""
+    recompute: dict[str, bool] = field(default_factory=dict)
+    """Per receiver, whether its directory record says it can rebuild KV from tokens (has a model
+    runner); a receiver missing here is assumed able to (simulations, benchmarks)."""
     # -- running-transfer state kept by the weighted policy ----------------------------------
     paused: bool = False
     """Told to pause (and not declined)."""
@@ -108,14 +118,17 @@ class Pending:
 
     @property
     def transfer_id(self) -> str:
+        """The request's transfer id."""
         return self.request.transfer_id
 
     @property
     def src(self) -> str:
+        """The sender."""
         return self.request.src
 
     @cached_property
     def dst(self) -> tuple[str, ...]:
+        """The receivers."""
         return tuple(self.request.dst)
 
     @cached_property
@@ -154,6 +167,10 @@ class GroupState:
     """Cap on the summed rate of the inter-group transfers: the coordinator's lease (0 = no cap)."""
     n_down: int = 0
     """How many agents are marked down."""
+    left: dict[str, float] = field(default_factory=dict)
+    """Agents that said they left (closed), with the wall-clock time their leave message carries:
+    transfers to them are refused with `Reason.RECEIVER_GONE` until they come back (a probe, or a
+    directory record written after that time). Bounded by `MAX_LEFT` (the oldest are forgotten)."""
     _seen_floor: float = field(default=float("-inf"), repr=False)
     """A lower bound of the live agents' ``last_seen``: probes only move ``last_seen`` forward, so
     until ``now - _seen_floor`` passes the TTL no agent can have expired and the liveness check
@@ -164,6 +181,8 @@ class GroupState:
         return any(rx in self.remote for rx in p.dst)
 
     def on_probe(self, probe: Probe, now: float | None = None) -> AgentState:
+        """Record an agent's probe (an agent that had left is back)."""
+        self.left.pop(probe.agent, None)
         agent = self.agents.setdefault(probe.agent, AgentState(probe.agent))
         if agent.down:
             self.n_down -= 1
@@ -183,13 +202,16 @@ class GroupState:
                 self.links[key].samples.clear()
 
     def link(self, src: str, dst: str) -> LinkEstimate:
+        """The estimate of the link ``src`` -> ``dst`` (created empty on first use)."""
         return self.links.setdefault((src, dst), LinkEstimate())
 
     def declared_bandwidth(self, src: str, dst: str) -> float:
+        """The smaller of the two agents' declared link capacities, bytes/s (0 = none declared)."""
         rates = [r for r in (self.declared.get(src, (0.0, 0.0))[0], self.declared.get(dst, (0.0, 0.0))[0]) if r > 0]
         return min(rates) if rates else 0.0
 
     def declared_latency(self, src: str, dst: str) -> float:
+        """The sum of the two agents' declared one-way latencies."""
         return self.declared.get(src, (0.0, 0.0))[1] + self.declared.get(dst, (0.0, 0.0))[1]
 
     def role_priority(self, name: str) -> float:
@@ -226,7 +248,25 @@ class GroupState:
         self._seen_floor = floor
         return gone
 
+    def depart(self, name: str, when: float) -> bool:
+        """``name`` left the group (it closed and said so at wall-clock time ``when``): forget its
+        probes at once (it is not "marked down" later) and remember that it left. Returns whether
+        the group knew it (from probes)."""
+        agent = self.agents.pop(name, None)
+        if agent is not None and agent.down:
+            self.n_down -= 1
+        self.left.pop(name, None)
+        self.left[name] = when
+        while len(self.left) > MAX_LEFT:
+            del self.left[next(iter(self.left))]
+        return agent is not None
+
+    def returned(self, name: str) -> None:
+        """An agent that had left is back (a new incarnation registered)."""
+        self.left.pop(name, None)
+
     def is_down(self, name: str) -> bool:
+        """Whether ``name`` is marked down (silent for longer than the probe TTL)."""
         agent = self.agents.get(name)
         return agent is not None and agent.down
 

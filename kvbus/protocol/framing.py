@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from kvbus.errors import WireFormatError
-from kvbus.protocol.wire import Message, OptStr, message
+from kvbus.protocol.wire import MAX_BYTES, MAX_COUNT, MAX_SECONDS, ListOf, Message, OptStr, float_in, int_in, message
 from kvbus.reasons import Reason
 
 #: Largest codec metadata map inside an `Open`.
@@ -31,12 +31,12 @@ ROOT_SUM_HEADER = "Kvbus-Root"
         "src": str,
         "codec": str,
         "meta": dict,
-        "sizes": list,
-        "total": int,
-        "chunk_size": int,
-        "n_chunks": int,
+        "sizes": ListOf(int_in(0, MAX_BYTES)),
+        "total": int_in(0, MAX_BYTES),
+        "chunk_size": int_in(1, MAX_BYTES),
+        "n_chunks": int_in(0, MAX_COUNT),
         "digest": str,
-        "window": int,
+        "window": int_in(1, 1 << 16),
         "data_subject": str,
         "ack_subject": str,
         "inline": bool,
@@ -70,6 +70,7 @@ class Open(Message):
     _PREFIX: ClassVar[struct.Struct] = struct.Struct("!I")
 
     def frame(self, inline_payload: bytes | memoryview = b"") -> bytes:
+        """The wire form: the length of the encoded message, the message, then the inline payload."""
         head = self.encode()
         return self._PREFIX.pack(len(head)) + head + bytes(inline_payload)
 
@@ -107,7 +108,15 @@ class Open(Message):
 
 @message(
     "open_reply",
-    {"transfer_id": str, "ok": bool, "reason": str, "done": bool, "decode_s": float, "next": int, "code": Reason},
+    {
+        "transfer_id": str,
+        "ok": bool,
+        "reason": str,
+        "done": bool,
+        "decode_s": float_in(0.0, MAX_SECONDS),
+        "next": int_in(0, MAX_COUNT),
+        "code": Reason,
+    },
 )
 @dataclass(frozen=True, slots=True)
 class OpenReply(Message):
@@ -129,13 +138,13 @@ class OpenReply(Message):
     {
         "transfer_id": str,
         "rx": str,
-        "next": int,
-        "received": int,
-        "missing": list,
+        "next": int_in(0, MAX_COUNT),
+        "received": int_in(0, MAX_COUNT),
+        "missing": ListOf(int_in(0, MAX_COUNT)),
         "done": bool,
         "ok": bool,
         "reason": str,
-        "decode_s": float,
+        "decode_s": float_in(0.0, MAX_SECONDS),
         "code": Reason,
     },
 )

@@ -57,6 +57,7 @@ def subject_sender(subject: str) -> str:
 
 
 def agent_subject(agent: str, kind: str) -> str:
+    """One of an agent's own subjects (``ack``, ``ctl``, ...): ``kvbus.agent.<agent>.<kind>``."""
     return f"kvbus.agent.{agent}.{kind}"
 
 
