@@ -62,6 +62,7 @@ from kvbus.protocol import (
     TransferRequest,
     agent_subject,
     check_name,
+    group_subject,
     packb,
     sched_subject,
 )
@@ -395,7 +396,7 @@ class GroupScheduler(ReplicatedService):
             try:
                 if self.serving:  # a standby is not the group's scheduler (yet)
                     hb = GroupHeartbeat(group=self.group, scheduler=self.name, agents=len(self.state.agents))
-                    await self.transport.publish(COORD_REGISTER, hb.encode())
+                    await self.transport.publish(group_subject(COORD_REGISTER, self.group), hb.encode())
             except asyncio.CancelledError:
                 raise
             except Exception:

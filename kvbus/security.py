@@ -4,7 +4,7 @@
 one user per agent, per group scheduler and for the coordinator:
 
 - an agent may publish only on its own subjects of its group scheduler
-  (``kvbus.sched.<group>.{request,done,probe,reserve,register}.<self>``: it cannot speak for
+  (``kvbus.sched.<group>.{request,done,probe,reserve,register,leave}.<self>``: it cannot speak for
   another agent), on other agents' inboxes under its own name (``kvbus.agent.*.inbox.<self>``,
   to open a transfer: it cannot pose as another sender), on other agents' ``ack`` subjects (to
   acknowledge one), and on data subjects addressed to a receiver (``kvbus.agent.<rx>.data.*``)
@@ -13,6 +13,9 @@ one user per agent, per group scheduler and for the coordinator:
   broadcast subjects of the senders it joined;
 - only group schedulers may publish on ``kvbus.agent.*.ctl`` (grants, pause/resume), and
   replies (grants given as replies) are allowed only to requests the replier received;
+- only a group's scheduler may publish its heartbeats and its leave
+  (``kvbus.coord.{register,leave}.<group>``): no agent, and no other group's scheduler, can
+  announce a group to the coordinator or take it away;
 - schedulers and the coordinator may use JetStream (the directory and the coordinator's state).
 
 Passwords are random and returned to the caller; nothing here logs them.
@@ -27,7 +30,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvbus.protocol import AGENT_TO_SCHED, check_name, inbox_subject, sched_subject
+from kvbus.protocol import (
+    AGENT_TO_SCHED,
+    COORD_GROUPS,
+    COORD_LEASE,
+    COORD_LEAVE,
+    COORD_REGISTER,
+    COORD_RESERVE,
+    COORD_UNRESERVE,
+    check_name,
+    group_subject,
+    inbox_subject,
+    sched_subject,
+)
 
 
 @dataclass(frozen=True)
@@ -49,6 +64,7 @@ class Credentials:
     coordinator: tuple[str, str] = ("", "")
 
     def url_for(self, base_url: str, user: str, password: str) -> str:
+        """``base_url`` with ``user:password@`` in it."""
         scheme, rest = base_url.split("://", 1)
         return f"{scheme}://{user}:{password}@{rest}"
 
@@ -72,6 +88,7 @@ class Credentials:
         return {"user": user, "password": password, "inbox_prefix": "_INBOX.coord"}
 
     def to_dict(self) -> dict[str, Any]:
+        """The credentials as JSON-ready data (passwords included: write them with `save_credentials`)."""
         return {
             "agents": {k: list(v) for k, v in self.agents.items()},
             "schedulers": {k: list(v) for k, v in self.schedulers.items()},
@@ -80,6 +97,7 @@ class Credentials:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Credentials:
+        """The credentials `to_dict` wrote."""
         return cls(
             agents={k: (v[0], v[1]) for k, v in data.get("agents", {}).items()},
             schedulers={k: (v[0], v[1]) for k, v in data.get("schedulers", {}).items()},
@@ -131,12 +149,19 @@ def agent_permissions(grant: AgentGrant) -> dict[str, object]:
 
 
 def scheduler_permissions(group: str) -> dict[str, object]:
+    """A group scheduler's user: grants and controls to any agent, the coordinator's requests, and
+    heartbeats and leaves only on its own group's subjects (it cannot announce another group)."""
     g = check_name("group", group)
     return {
         "publish": {
             "allow": [
                 "kvbus.agent.*.ctl",
-                "kvbus.coord.>",
+                group_subject(COORD_REGISTER, g),
+                group_subject(COORD_LEAVE, g),
+                COORD_LEASE,
+                COORD_RESERVE,
+                COORD_UNRESERVE,
+                COORD_GROUPS,
                 "$JS.API.>",
                 "$KV.kvbus_agents.>",
                 "$KV.kvbus_coord.>",
@@ -157,6 +182,7 @@ def scheduler_permissions(group: str) -> dict[str, object]:
 
 
 def coordinator_permissions() -> dict[str, object]:
+    """The coordinator's user: its state in JetStream, every coordinator subject to serve."""
     return {
         "publish": {"allow": ["$JS.API.>", "$KV.kvbus_coord.>", "_INBOX.coord.>"]},
         "subscribe": {"allow": ["kvbus.coord.>", "_INBOX.coord.>", "$KV.kvbus_coord.>"]},
