@@ -49,6 +49,9 @@ from kvbus.protocol import (
 
 logger = logging.getLogger(__name__)
 
+#: A done report sent right after a reconnection is sent again this much later (and later again).
+DONE_REPEATS_S = (0.5, 1.5)
+
 
 class SchedulerLink:
     """Talks to the agent's group scheduler on behalf of its sender and its registration."""
@@ -61,6 +64,8 @@ class SchedulerLink:
         self._scheduler_seen = False
         """Whether the group scheduler has answered this agent (a silent one is then waited for)."""
         self._shed_tasks: set[asyncio.Task[Any]] = set()
+        self._repeats: set[asyncio.Task[Any]] = set()
+        """Done reports said again after a reconnection."""
 
     @property
     def queue_size(self) -> int:
@@ -240,10 +245,26 @@ class SchedulerLink:
             dst=receivers,
             wire_s=wire_s,
         )
+        subject, data = sched_subject(ep.group, "done", ep.name), done.encode()
         try:
-            await ep.transport.publish(sched_subject(ep.group, "done", ep.name), done.encode())
+            await ep.transport.publish(subject, data)
         except Exception:
             logger.warning("could not report transfer %s done", transfer_id, exc_info=True)
+        settling = getattr(ep.transport, "settling", None)
+        if callable(settling) and settling():
+            # Just reconnected: the scheduler may not be subscribed again yet, and a lost report
+            # holds the pair's slot until its transfer_timeout. Saying it again costs nothing.
+            task = asyncio.create_task(self._report_again(subject, data), name=f"kvbus-done-{transfer_id}")
+            self._repeats.add(task)
+            task.add_done_callback(self._repeats.discard)
+
+    async def _report_again(self, subject: str, data: bytes) -> None:
+        for delay in DONE_REPEATS_S:
+            await asyncio.sleep(delay)
+            try:
+                await self._ep.transport.publish(subject, data)
+            except Exception:
+                logger.debug("could not repeat a done report", exc_info=True)
 
     # -- control messages -----------------------------------------------------------------------
 
