@@ -46,6 +46,7 @@ CONFIG = BusConfig(
     partial_timeout=3.0,
     regrant_interval=0.3,
     inline_limit=64 * 1024,
+    window=4,  # credit for 4 chunks: a 3 MB stream waits for acks, which gives the forger its chance
 )
 #: Exit code of a receiver that died (on purpose) between a delivery and its final ack.
 DIED_AFTER_DELIVERY = 86
@@ -129,10 +130,11 @@ class ChaosTransport:
 
 class Forger:
     """A hostile peer on the same (non-secure) server: it watches other agents' Opens and chunks
-    and, for some streamed transfers, sends the receiver a whole forged stream as soon as the first
-    real chunk shows the receiver listens: every chunk it has not seen yet, with random bytes, its
-    own checksum right, and the whole-payload digest made over the real digests it saw and its own.
-    A receiver that takes that digest from a chunk delivers the forgery.
+    and, for some streamed transfers, once it has seen the sender's first window of chunks (the
+    receiver has those), sends the receiver every later chunk before the sender may: random
+    bytes, each with its own checksum right, the last with a whole-payload digest made over the
+    real digests it saw and its own. A receiver that takes that digest from a chunk delivers the
+    forgery.
 
     Args:
         transport: its own connection.
@@ -146,7 +148,7 @@ class Forger:
         """Transfer ids it sent a forged stream for."""
         self.chunks = 0
         """Forged chunks it sent."""
-        self._plans: dict[str, tuple[Open, ChunkPlan]] = {}
+        self._plans: dict[str, tuple[Open, ChunkPlan, dict[int, str], dict[int, tuple[bytes, str]]]] = {}
         self._subs: list[Any] = []
 
     async def start(self) -> None:
@@ -172,35 +174,39 @@ class Forger:
         tid = open_msg.transfer_id
         if open_msg.inline or tid in self._plans or tid in self.forged or self.rng.random() >= self.p_forge:
             return
-        self._plans[tid] = (open_msg, ChunkPlan(open_msg.sizes, open_msg.chunk_size))
+        plan = ChunkPlan(open_msg.sizes, open_msg.chunk_size)
+        if plan.n_chunks > open_msg.window:  # the sender must wait for credit: there is room to get ahead
+            # Made now, so that they go out the moment the first window has passed.
+            forged = {}
+            for index in range(open_msg.window, plan.n_chunks):
+                start, end = plan.ranges[index]
+                pattern = bytes(self.rng.randrange(256) for _ in range(64))
+                data = (pattern * ((end - start) // 64 + 1))[: end - start]
+                forged[index] = (data, chunk_digest(data))
+            self._plans[tid] = (open_msg, plan, {}, forged)
         while len(self._plans) > 256:
             del self._plans[next(iter(self._plans))]
 
     async def _on_chunk(self, msg: Any) -> None:
         tid = msg.subject.rsplit(".", 1)[-1]
-        entry = self._plans.pop(tid, None)
+        entry = self._plans.get(tid)
         headers = msg.headers or {}
         if entry is None:
             return
-        open_msg, plan = entry
+        open_msg, plan, seen, forged = entry
         try:
-            seen = int(headers[CHUNK_INDEX_HEADER])
+            seen[int(headers[CHUNK_INDEX_HEADER])] = headers[CHUNK_SUM_HEADER]
         except (KeyError, ValueError):
             return
+        if len(seen) < open_msg.window or not all(i in seen for i in range(open_msg.window)):
+            return
+        del self._plans[tid]
         self.forged.add(tid)
-        digests: list[str] = []
-        forged: dict[int, bytes] = {}
-        for index, (start, end) in enumerate(plan.ranges):
-            if index == seen:
-                digests.append(headers.get(CHUNK_SUM_HEADER, ""))
-                continue
-            pattern = bytes(self.rng.randrange(256) for _ in range(64))
-            forged[index] = (pattern * ((end - start) // 64 + 1))[: end - start]
-            digests.append(chunk_digest(forged[index]))
-        root = tree_digest(digests, plan.total)
+        digests = [seen[i] if i < open_msg.window else forged[i][1] for i in range(plan.n_chunks)]
         last = plan.n_chunks - 1
-        for index, data in forged.items():
-            hdrs = {CHUNK_INDEX_HEADER: str(index), CHUNK_SUM_HEADER: digests[index]}
+        root = tree_digest(digests, plan.total)
+        for index, (data, digest) in forged.items():
+            hdrs = {CHUNK_INDEX_HEADER: str(index), CHUNK_SUM_HEADER: digest}
             if index == last:
                 hdrs[ROOT_SUM_HEADER] = root
             await self.transport.publish(open_msg.data_subject, data, headers=hdrs)
