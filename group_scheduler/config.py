@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from kvbus.config import from_env
 from kvbus.errors import ConfigError
@@ -177,6 +178,6 @@ class SchedulerConfig:
         return out
 
     @classmethod
-    def from_env(cls, **overrides: object) -> SchedulerConfig:
+    def from_env(cls, **overrides: Any) -> SchedulerConfig:
         """The defaults, overridden by ``KVBUS_SCHEDULER_<FIELD>`` variables, then by ``overrides``."""
         return from_env(cls, "scheduler", **overrides)

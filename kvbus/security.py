@@ -98,11 +98,12 @@ class Credentials:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Credentials:
         """The credentials `to_dict` wrote."""
+        coordinator = data.get("coordinator", ("", ""))
         return cls(
             agents={k: (v[0], v[1]) for k, v in data.get("agents", {}).items()},
             schedulers={k: (v[0], v[1]) for k, v in data.get("schedulers", {}).items()},
-            coordinator=tuple(data.get("coordinator", ("", ""))),
-        )  # type: ignore[arg-type]
+            coordinator=(str(coordinator[0]), str(coordinator[1])),
+        )
 
     def __repr__(self) -> str:
         # Never show passwords (in logs, tracebacks, debuggers).

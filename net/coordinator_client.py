@@ -90,7 +90,8 @@ class CoordinatorClient:
 
     async def groups(self) -> dict[str, Any]:
         """The live groups with their scheduler, agent count and heartbeat age."""
-        return unpackb(await self._request(COORD_GROUPS, b"", "groups", "groups"), "groups reply")
+        groups: dict[str, Any] = unpackb(await self._request(COORD_GROUPS, b"", "groups", "groups"), "groups reply")
+        return groups
 
     async def leave(self, group: str, scheduler: str = "") -> None:
         """Deregister a group (its lease goes to the others at once)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
@@ -30,7 +31,9 @@ class NoResponders(Exception):
 class Transport(Protocol):
     """Publish / subscribe / request over a message broker."""
 
-    max_payload: int
+    @property
+    def max_payload(self) -> int:
+        """The largest message the broker takes, in bytes."""
 
     async def publish(self, subject: str, payload: bytes | memoryview, headers: dict[str, str] | None = None) -> None:
         """Publish ``payload`` on ``subject`` (NATS headers optional)."""
@@ -161,7 +164,7 @@ class NatsTransport:
 
     async def flush(self, timeout: float = 5.0) -> None:
         """Wait until the server has everything published so far."""
-        await self.nc.flush(timeout)
+        await self.nc.flush(math.ceil(timeout))
 
     async def close(self, timeout: float = 5.0) -> None:
         """Drain (deliver what is buffered), but never wait longer than ``timeout``; then close."""

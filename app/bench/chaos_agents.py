@@ -69,7 +69,7 @@ def kv_digest(kv: KVCache) -> str:
     h = hashlib.blake2b(digest_size=16)
     h.update(kv.tokens.contiguous().numpy().tobytes())
     for t in (*kv.keys, *kv.values):
-        h.update(memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()))
+        h.update(t.contiguous().view(-1).view(torch.uint8).numpy().data)
     return h.hexdigest()
 
 
@@ -276,8 +276,8 @@ async def _sender(args: argparse.Namespace) -> None:
     pool = build_pool()
     bus = await Bus.connect(args.url, config=CONFIG)
     tx = await bus.agent(args.name, group=GROUP, signature=SIG)
-    tx._transport = ChaosTransport(  # type: ignore[attr-defined]
-        tx._transport,  # type: ignore[attr-defined]
+    tx._transport = ChaosTransport(
+        tx._transport,
         random.Random(args.seed),
         p_drop=args.p_drop,
         p_corrupt=args.p_corrupt,

@@ -17,8 +17,9 @@ from __future__ import annotations
 import enum
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, fields, is_dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, overload
 
 import msgpack
 
@@ -30,6 +31,7 @@ PROTOCOL_VERSION = 1
 MAX_CONTROL_BYTES = 1 << 20
 
 M = TypeVar("M", bound="Message")
+N = TypeVar("N", bound="Message")
 
 
 def _default(obj: Any) -> Any:
@@ -40,7 +42,8 @@ def _default(obj: Any) -> Any:
 
 def packb(obj: Any) -> bytes:
     """msgpack with binary types (dataclasses become maps)."""
-    return msgpack.packb(obj, use_bin_type=True, default=_default)
+    data: bytes = msgpack.packb(obj, use_bin_type=True, default=_default)
+    return data
 
 
 @functools.cache
@@ -198,7 +201,8 @@ class Message:
         # Shallow: the field values are msgpack-ready (nested dataclasses go through `_default`);
         # `dataclasses.asdict` deep-copies every list and dict and was a sixth of a busy
         # scheduler's time.
-        body = {name: getattr(self, name) for name in _field_names(type(self))}
+        cls: type = type(self)
+        body = {name: getattr(self, name) for name in _field_names(cls)}
         body["t"] = self.TYPE
         body["v"] = PROTOCOL_VERSION
         return packb(body)
@@ -221,7 +225,7 @@ class Message:
         if body.get("v") != PROTOCOL_VERSION:
             raise WireFormatError(what, f"protocol version {body.get('v')!r}, this side speaks {PROTOCOL_VERSION}")
         kwargs = {}
-        for f in fields(cls):  # type: ignore[arg-type]
+        for f in fields(cls):
             if f.name not in body:
                 if f.default is not MISSING or f.default_factory is not MISSING:
                     continue
@@ -284,7 +288,7 @@ def _names(kinds: tuple[type, ...]) -> str:
     return " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
 
 
-def message(tag: str, types: dict[str, Any]):
+def message(tag: str, types: dict[str, Any]) -> Callable[[type[M]], type[M]]:
     """Register a message class under its tag with the wire types of its fields."""
 
     def wrap(cls: type[M]) -> type[M]:
@@ -300,7 +304,13 @@ OptFloat = (float, type(None))
 OptStr = (str, type(None))
 
 
-def decode_message(data: bytes | bytearray | memoryview, *types: type[M]) -> M:
+@overload
+def decode_message(data: bytes | bytearray | memoryview, first: type[M], /) -> M: ...
+@overload
+def decode_message(data: bytes | bytearray | memoryview, first: type[M], second: type[N], /) -> M | N: ...
+@overload
+def decode_message(data: bytes | bytearray | memoryview, *types: type[Message]) -> Message: ...
+def decode_message(data: bytes | bytearray | memoryview, *types: type[Message]) -> Message:
     """Decode a message that may be any of ``types`` (dispatch on its tag)."""
     names = {t.TYPE: t for t in types}
     body = unpackb(data, "/".join(names) + " message")
