@@ -28,7 +28,7 @@ from kvbus.group_scheduler.reservations import ReservationTable
 from kvbus.group_scheduler.state import GroupState, Pending
 from kvbus.net.rpc import RpcClient
 from kvbus.net.transport import NoResponders, Transport
-from kvbus.protocol import Control, ControlReply, Grant, TransferDone, agent_subject
+from kvbus.protocol import Control, ControlReply, Grant, Reason, TransferDone, agent_subject
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,8 @@ class GrantLoop:
         """Set to make the loop look again now (an event changed what it waits for)."""
         self.side_tasks: set[asyncio.Task[Any]] = set()
         """Pauses waiting for their senders' answers."""
+        self._refusals: list[Decision] = []
+        """Refusals decided outside a pass (an agent left), sent by the next one."""
 
     @property
     def reservations(self) -> ReservationTable | None:
@@ -138,6 +140,28 @@ class GrantLoop:
                     policy.released(p)
         return refusals
 
+    def departed(self, name: str) -> int:
+        """``name`` left the group: its running transfers are released, its own queued ones
+        withdrawn, and the queued ones to it refused with `Reason.RECEIVER_GONE` (sent by the next
+        pass, which this wakes). Returns how many were refused."""
+        state, policy = self.state, self.policy
+        refused = 0
+        for p in list(state.queue):
+            if name != p.src and name not in p.dst:
+                continue
+            state.drop(p)
+            policy.withdrawn(state, p)
+            if name != p.src:
+                why = f"receiver {name!r} left the group (it closed)"
+                self._refusals.append(Decision(p, "", 0.0, why, code=Reason.RECEIVER_GONE))
+                refused += 1
+        for tid, p in list(state.active.items()):
+            if name == p.src or name in p.dst:
+                del state.active[tid]
+                policy.released(p)
+        self.wake.set()
+        return refused
+
     async def schedule_once(self, replies: dict[str, Msg] | None = None) -> int:
         """One scheduling pass: expire, ask the policy (`decide`, then `adjust` with the new grants
         active), send grants and controls; returns how many were granted.
@@ -149,7 +173,10 @@ class GrantLoop:
         now = time.monotonic()
         self.slices += 1
         decisions = self._expire(now)
-        expired = len(decisions)
+        if self._refusals:
+            decisions += self._refusals
+            self._refusals = []
+        expired = len(decisions)  # refusals of transfers already out of the queue
         decisions += self.policy.decide(state, now)
         # All state changes first, then the messages: a pass that runs while this one awaits
         # its sends sees a consistent state. New grants are active before `adjust` looks.

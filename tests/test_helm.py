@@ -1278,7 +1278,7 @@ def _chart_services(docs: list[dict[str, Any]], tmp_path: Path) -> Iterator[tupl
                     )
                 )
         _wait_for_subscriptions(
-            monitor, {"kvbus.sched.g0.request.*", "kvbus.coord.register"}, tmp_path, procs=tuple(procs)
+            monitor, {"kvbus.sched.g0.request.*", "kvbus.coord.register.*"}, tmp_path, procs=tuple(procs)
         )
         yield port, secret
         logs = "".join((tmp_path / f).read_text() for f in ("coordinator.log", "group-scheduler.log", "nats.log"))

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from kvbus.errors import WireFormatError
-from kvbus.protocol.wire import Message, OptStr, message
+from kvbus.protocol.wire import MAX_BYTES, MAX_COUNT, MAX_SECONDS, ListOf, Message, OptStr, float_in, int_in, message
 from kvbus.reasons import Reason
 
 #: Largest codec metadata map inside an `Open` (real ones take well under 1 KB; the bound keeps
@@ -77,12 +77,12 @@ class OpenOverLimit(WireFormatError):
         "src": str,
         "codec": str,
         "meta": dict,
-        "sizes": list,
-        "total": int,
-        "chunk_size": int,
-        "n_chunks": int,
+        "sizes": ListOf(int_in(0, MAX_BYTES)),
+        "total": int_in(0, MAX_BYTES),
+        "chunk_size": int_in(1, MAX_BYTES),
+        "n_chunks": int_in(0, MAX_COUNT),
         "digest": str,
-        "window": int,
+        "window": int_in(1, 1 << 16),
         "data_subject": str,
         "ack_subject": str,
         "inline": bool,
@@ -224,8 +224,8 @@ class Open(Message):
         "ok": bool,
         "reason": str,
         "done": bool,
-        "decode_s": float,
-        "next": int,
+        "decode_s": float_in(0.0, MAX_SECONDS),
+        "next": int_in(0, MAX_COUNT),
         "code": Reason,
         "host": str,
         "shm": str,
@@ -380,13 +380,13 @@ class PathOffer:
     {
         "transfer_id": str,
         "rx": str,
-        "next": int,
-        "received": int,
-        "missing": list,
+        "next": int_in(0, MAX_COUNT),
+        "received": int_in(0, MAX_COUNT),
+        "missing": ListOf(int_in(0, MAX_COUNT)),
         "done": bool,
         "ok": bool,
         "reason": str,
-        "decode_s": float,
+        "decode_s": float_in(0.0, MAX_SECONDS),
         "code": Reason,
     },
 )
