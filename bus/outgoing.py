@@ -87,6 +87,7 @@ class OutgoingTransfer:
         rate_bps: float = 0.0,
         inline_limit: int = 0,
         traceparent: str | None = None,
+        trace_link: str | None = None,
     ) -> None:
         self.transport = transport
         self.transfer_id = transfer_id
@@ -125,6 +126,7 @@ class OutgoingTransfer:
             ack_subject=agent_subject(src, "ack"),
             inline=False,
             traceparent=traceparent,
+            trace_link=None if traceparent else trace_link,
         )
         # Inline when small enough and the framed Open (header + payload) fits the server's max_payload.
         room = transport.max_payload - len(self.open.encode()) - 1024

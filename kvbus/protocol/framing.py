@@ -41,6 +41,7 @@ ROOT_SUM_HEADER = "Kvbus-Root"
         "ack_subject": str,
         "inline": bool,
         "traceparent": OptStr,
+        "trace_link": OptStr,
     },
 )
 @dataclass(frozen=True, slots=True)
@@ -66,6 +67,10 @@ class Open(Message):
     ack_subject: str
     inline: bool = False
     traceparent: str | None = None
+    """The sender's ``kvbus.send`` span: the receiver's spans are its children."""
+    trace_link: str | None = None
+    """When the sender does not trace: the scheduler's root ``kvbus.schedule`` span (the grant's
+    ``traceparent``), which the receiver's own root span links to."""
 
     _PREFIX: ClassVar[struct.Struct] = struct.Struct("!I")
 
