@@ -159,7 +159,9 @@ class Sender:
                 if o.ok:
                     self.sent_tokens[rx] = kv.tokens
             # Metrics and the span's results once the report is returned (off the transfer's path).
-            telemetry.later(_record_send, send_span, ep.name, grant, out.stats, encoded.nbytes, t0, t_grant, t_done, error)
+            telemetry.later(
+                _record_send, send_span, ep.name, grant, out.stats, encoded.nbytes, t0, t_grant, t_done, error
+            )
             if error is not None:
                 error.failed = failed  # type: ignore[union-attr]
                 raise error
@@ -169,7 +171,7 @@ class Sender:
                 dst=tuple(receivers),
                 medium=grant.medium,
                 nbytes=encoded.nbytes,
-                context_bytes=kv.nbytes if kv.has_kv else kv.nbytes,
+                context_bytes=kv.nbytes,
                 chunks=out.stats.chunks_sent,
                 retransmits=out.stats.retransmits,
                 queued_s=t_grant - t0,

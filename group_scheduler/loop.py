@@ -289,18 +289,26 @@ def _record_decision(pending: Pending, decision: Decision, rate: float, wall: fl
     parent = pending.request.traceparent
     arrived_ns = int((wall - max(0.0, now - pending.arrived)) * 1e9)
     if parent:
-        telemetry.later(_decision_span, pending, decision, rate, now, parent, arrived_ns, time.time_ns())
+        telemetry.later(_decision_span, pending, decision, rate, now, None, parent, arrived_ns, time.time_ns())
         return None
     span = telemetry.start("kvbus.schedule", parent=telemetry.ROOT, start_time=arrived_ns)
-    telemetry.later(_decision_span, pending, decision, rate, now, span, arrived_ns, time.time_ns())
+    telemetry.later(_decision_span, pending, decision, rate, now, span, None, arrived_ns, time.time_ns())
     return telemetry.traceparent(span)
 
 
 def _decision_span(
-    pending: Pending, decision: Decision, rate: float, now: float, parent: Any, start_ns: int, end_ns: int
+    pending: Pending,
+    decision: Decision,
+    rate: float,
+    now: float,
+    span: Span | None,
+    parent: str | None,
+    start_ns: int,
+    end_ns: int,
 ) -> None:
-    """Record the decision on its span (``parent``: the span itself when it was started already)."""
-    span = parent if isinstance(parent, Span) else telemetry.start("kvbus.schedule", parent=parent, start_time=start_ns)
+    """Record the decision on its span (``span``: started already; else made now, a child of ``parent``)."""
+    if span is None:
+        span = telemetry.start("kvbus.schedule", parent=parent, start_time=start_ns)
     if span.is_recording():
         choice = pending.decision or {}
         span.set_attributes(

@@ -28,7 +28,7 @@ import time
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
@@ -47,16 +47,19 @@ from opentelemetry.trace import (
 from kvbus.telemetry_later import LazySpan as LazySpan
 from kvbus.telemetry_later import drain as drain
 from kvbus.telemetry_later import later as later
+from kvbus.telemetry_metrics import Metrics as Metrics
 from kvbus.telemetry_setup import Setup, configure, environ_or
 
 _LOCK = threading.Lock()
-#: A W3C ``traceparent``: version, trace id, parent span id, flags (lower-case hex).
-_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?")
+#: A W3C ``traceparent``: version, trace id, parent span id, flags (lower-case hex), as the
+#: OpenTelemetry API's propagator reads it (its pattern, without its dict, getter and context).
+_TRACEPARENT = re.compile(r"^[ \t]*([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(?:(-.*)|[ \t]*)$")
 #: The service name of a process that names none (an agent process without OTEL_SERVICE_NAME).
 DEFAULT_SERVICE_NAME = "kvbus-agent"
 #: An empty context: the parent of a root span, whatever span is current.
 ROOT = otel_context.Context()
 _NO_PROVIDER = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
+_NO_STATE = TraceState()
 _NO_SPAN: AbstractContextManager[Span] = nullcontext(INVALID_SPAN)
 
 #: Attribute names (OpenTelemetry messaging semantic conventions where they exist).
@@ -172,7 +175,7 @@ def tracing() -> bool:
 
 def end_later(s: Span, attributes: Mapping[str, Any] | None = None) -> None:
     """End ``s`` now (its end time is taken now), doing the work of it `later`."""
-    if isinstance(s, LazySpan):
+    if type(s) is LazySpan:
         if attributes:
             s.set_attributes(attributes)
         s.end()
@@ -224,12 +227,14 @@ def _start(
     start_time: int | None,
     links: Sequence[Link] | None,
 ) -> Span:
-    if isinstance(parent, str):
-        ctx = extract(parent)
-    elif isinstance(parent, Span):
-        ctx = trace.set_span_in_context(parent.real if isinstance(parent, LazySpan) else parent)
-    else:
+    # Type tests, not isinstance against the API's abstract Span (a microsecond each).
+    ctx: otel_context.Context | None
+    if parent is None or type(parent) is otel_context.Context:
         ctx = parent
+    elif type(parent) is str:
+        ctx = extract(parent)
+    else:
+        ctx = trace.set_span_in_context(parent.real if type(parent) is LazySpan else cast(Span, parent))
     return tracer().start_span(name, context=ctx, kind=kind, attributes=attributes, start_time=start_time, links=links)
 
 
@@ -324,41 +329,25 @@ def span_context(traceparent_value: str | None) -> SpanContext | None:
     """The remote span a ``traceparent`` names, or None when it is missing or not valid."""
     if not traceparent_value or len(traceparent_value) > 512:
         return None
-    m = _TRACEPARENT.fullmatch(traceparent_value)
+    m = _TRACEPARENT.search(traceparent_value)
     if m is None:
         return None
     version, trace_id, span_id, flags, rest = m.groups()
-    if version == "ff" or (version == "00" and rest) or (rest and not rest.startswith("-")):
+    if version == "ff" or (version == "00" and rest):
         return None
-    ctx = SpanContext(int(trace_id, 16), int(span_id, 16), is_remote=True, trace_flags=TraceFlags(int(flags, 16)),
-                      trace_state=TraceState())
+    ctx = SpanContext(
+        int(trace_id, 16),
+        int(span_id, 16),
+        is_remote=True,
+        trace_flags=TraceFlags(int(flags, 16)),
+        trace_state=_NO_STATE,
+    )
     return ctx if ctx.is_valid else None
 
 
 def fail(s: Span, exc: BaseException) -> None:
     """Mark ``s`` failed with ``exc`` (the span goes on; end it as usual)."""
     s.set_status(Status(StatusCode.ERROR, str(exc)))
-
-
-class Metrics:
-    """The instruments kvbus records (no-ops unless a meter provider is configured)."""
-
-    def __init__(self, meter: metrics.Meter | None = None) -> None:
-        m = meter or metrics.get_meter("kvbus")
-        self.transfer_latency = m.create_histogram(
-            "kvbus.transfer.duration", unit="s", description="Send to verified delivery, by medium"
-        )
-        self.transfer_bytes = m.create_counter("kvbus.transfer.bytes", unit="By", description="Payload bytes by medium")
-        self.transfers = m.create_counter("kvbus.transfers", description="Transfers by medium and outcome")
-        self.queue_delay = m.create_histogram("kvbus.queue.delay", unit="s", description="Request to grant, per agent")
-        self.preemptions = m.create_counter("kvbus.preemptions", description="Transfers paused for a more urgent one")
-        self.reservation_misses = m.create_counter("kvbus.reservation.misses", description="Reserved slots missed")
-        self.link_bandwidth = m.create_histogram(
-            "kvbus.link.bandwidth", unit="By/s", description="Observed bandwidth per link"
-        )
-        self.cache_events = m.create_counter("kvbus.cache.events", description="Cache tier hits, misses, prefetch hits")
-        self.memory_peak = m.create_histogram("kvbus.agent.memory", unit="By", description="Agent KV bytes (probe)")
-        self.retransmits = m.create_counter("kvbus.chunks.retransmitted", description="Chunks sent again")
 
 
 def instruments() -> Metrics:
@@ -392,22 +381,27 @@ class CacheMetrics:
             hook(keys)
 
     def offloaded(self, keys: list[str]) -> None:
+        """Blocks moved to the remote tier."""
         self._count("offloaded", keys)
         self._forward("offloaded", keys)
 
     def fetched(self, keys: list[str]) -> None:
+        """Blocks fetched from the remote tier."""
         self._count("fetched", keys)
         self._forward("fetched", keys)
 
     def missed(self, keys: list[str]) -> None:
+        """Blocks found nowhere."""
         self._count("miss", keys)
         self._forward("missed", keys)
 
     def dropped(self, keys: list[str]) -> None:
+        """Blocks dropped."""
         self._count("dropped", keys)
         self._forward("dropped", keys)
 
     def recomputed(self, keys: list[str]) -> None:
+        """Blocks rebuilt by recomputation."""
         self._count("recomputed", keys)
         self._forward("recomputed", keys)
 

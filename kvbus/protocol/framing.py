@@ -75,6 +75,7 @@ class Open(Message):
     _PREFIX: ClassVar[struct.Struct] = struct.Struct("!I")
 
     def frame(self, inline_payload: bytes | memoryview = b"") -> bytes:
+        """The wire form: ``u32 length | msgpack(Open) | inline payload``."""
         head = self.encode()
         return self._PREFIX.pack(len(head)) + head + bytes(inline_payload)
 
