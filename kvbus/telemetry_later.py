@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -25,34 +26,35 @@ from opentelemetry.util import types
 logger = logging.getLogger(__name__)
 
 _PENDING: deque[tuple[Callable[..., Any], tuple[Any, ...]]] = deque()
-_SCHEDULED = [False]
-"""A drain is scheduled on an event loop."""
+_SCHEDULED: list[asyncio.AbstractEventLoop | None] = [None]
+"""The event loop a drain is scheduled on (None: none is)."""
+_DRAINING = threading.RLock()
 
 
 def later(fn: Callable[..., Any], *args: Any) -> None:
     """Run ``fn(*args)`` once the running event loop is free, after what is already waiting
     (in order); without a running loop, at once."""
     _PENDING.append((fn, args))
-    if _SCHEDULED[0]:
-        return
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
         drain()
         return
-    _SCHEDULED[0] = True
-    loop.call_soon(drain)
+    if _SCHEDULED[0] is not loop:  # (a loop that closed before its drain ran does not hold it up)
+        _SCHEDULED[0] = loop
+        loop.call_soon(drain)
 
 
 def drain() -> None:
-    """Run everything `later` holds now (what it adds meanwhile too)."""
-    _SCHEDULED[0] = False
-    while _PENDING:
-        fn, args = _PENDING.popleft()
-        try:
-            fn(*args)
-        except Exception:
-            logger.exception("telemetry callback %s failed", getattr(fn, "__qualname__", fn))
+    """Run everything `later` holds now (what it adds meanwhile too), in order."""
+    with _DRAINING:
+        _SCHEDULED[0] = None
+        while _PENDING:
+            fn, args = _PENDING.popleft()
+            try:
+                fn(*args)
+            except Exception:
+                logger.exception("telemetry callback %s failed", getattr(fn, "__qualname__", fn))
 
 
 class LazySpan(Span):

@@ -137,3 +137,23 @@ def test_tally_reports_its_totals_at_collection() -> None:
     points = {p.attributes["medium"]: p.value for p in metric.data.data_points}
     assert metric.name == "kvbus.transfers" and metric.data.is_monotonic
     assert points == {"full": 3, "int8": 1}
+
+
+def test_later_is_not_held_up_by_a_loop_that_closed_before_its_drain() -> None:
+    seen: list[int] = []
+
+    async def queue_and_leave() -> None:
+        later(seen.append, 1)
+        asyncio.get_running_loop().stop()  # the loop goes away before it runs the drain
+
+    loop = asyncio.new_event_loop()
+    loop.create_task(queue_and_leave())
+    loop.run_forever()
+    loop.close()
+
+    async def next_loop() -> None:
+        later(seen.append, 2)
+        await asyncio.sleep(0)
+
+    asyncio.run(next_loop())
+    assert seen == [1, 2]
