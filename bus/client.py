@@ -6,6 +6,7 @@ import warnings
 from enum import Enum
 from typing import Any
 
+from kvbus import telemetry
 from kvbus.bus.agent import Agent
 from kvbus.bus.config import HEADER_ROOM, BusConfig
 from kvbus.bus.errors import BusClosed
@@ -59,7 +60,13 @@ class Bus:
                 ``nkeys_seed``, ``user_credentials``, ``tls``) and ``inbox_prefix=f"_INBOX.{agent}"``
                 in ``nats_options`` (`kvbus.security.agent_connect_options` builds them), and use
                 one bus per agent.
+
+        The first connect of a process also configures OpenTelemetry from the standard
+        variables (`kvbus.telemetry.setup`): traces when ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or
+        ``OTEL_TRACES_EXPORTER``) is set, a Prometheus endpoint when ``KVBUS_METRICS_PORT`` is;
+        tracer and meter providers the application installed before are kept.
         """
+        telemetry.setup()
         return cls(await NatsTransport.connect(url, **nats_options), config=config, secure=secure)
 
     @property

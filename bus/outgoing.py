@@ -86,6 +86,7 @@ class OutgoingTransfer:
         traceparent: str | None = None,
         per_receiver_streams: bool = False,
         incarnations: dict[str, str] | None = None,
+        trace_link: str | None = None,
     ) -> None:
         self.transport = transport
         self.transfer_id = transfer_id
@@ -116,6 +117,7 @@ class OutgoingTransfer:
             ack_subject=ack_subject(src, self.receivers[0]),
             inline=False,
             traceparent=traceparent,
+            trace_link=None if traceparent else trace_link,
         )
         """The `Open` of the first receiver (before its digests are known); each gets its own."""
         # Inline when small enough and the framed Open (header + payload) fits the server's max_payload.

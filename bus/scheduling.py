@@ -15,7 +15,6 @@ from collections.abc import Iterable
 from typing import Any
 
 from nats.aio.msg import Msg
-from opentelemetry.trace import use_span
 
 from kvbus import telemetry
 from kvbus.bus.control import TransferControls
@@ -162,7 +161,7 @@ class SchedulerLink:
                 traceparent=telemetry.traceparent(wait_span),
             )
             wait = deadline if deadline is not None else ep.config.grant_timeout
-            with use_span(wait_span, end_on_exit=False, record_exception=True, set_status_on_exception=True):
+            with telemetry.using(wait_span, end=False):
                 grant = await self._ask_scheduler(transfer_id, request.encode(), fut, wait, receivers)
         except BaseException:
             wait_span.end()
@@ -179,7 +178,7 @@ class SchedulerLink:
                 # this one-way latency; real links need no such sleep.
                 delay = max(delay, 0.0) + 6 * grant.latency_s
             if delay > 0:
-                with use_span(wait_span, end_on_exit=False):
+                with telemetry.using(wait_span, end=False):
                     await asyncio.sleep(min(delay, ep.config.grant_timeout))
         finally:
             if wait_span.is_recording():

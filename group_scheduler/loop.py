@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from nats.aio.msg import Msg
+from opentelemetry.trace import Span
 
 from kvbus import telemetry
 from kvbus.errors import WireFormatError
@@ -204,9 +205,9 @@ class GrantLoop:
                 latency_s=latency,
                 sched_s=max(0.0, wall - req.ts),
                 code=decision.code,
+                traceparent=_record_decision(pending, decision, rate, wall, now),
             )
             data = grant.encode()
-            _record_decision(pending, decision, rate, wall, now)
             if decision.medium:
                 pending.granted_at = now
                 pending.medium = decision.medium
@@ -303,23 +304,45 @@ class GrantLoop:
         self.wake.set()
 
 
-def _record_decision(pending: Pending, decision: Decision, rate: float, wall: float, now: float) -> None:
-    """The ``kvbus.schedule`` span of one decided transfer: a child of the sender's grant wait
-    (the request's ``traceparent``), from the request's arrival to the decision."""
+def _record_decision(pending: Pending, decision: Decision, rate: float, wall: float, now: float) -> str | None:
+    """The ``kvbus.schedule`` span of one decided transfer, from the request's arrival to the decision.
+
+    A child of the sender's grant wait (the request's ``traceparent``), made `later` (after the
+    grant is out); when the sender does not trace, a root span of its own, started now: its
+    ``traceparent`` is returned for the grant to carry, so that the receiver's span can link to it.
+    """
+    if not telemetry.tracing():
+        return None
     parent = pending.request.traceparent
-    if not parent:
-        return
     arrived_ns = int((wall - max(0.0, now - pending.arrived)) * 1e9)
-    span = telemetry.start(
-        "kvbus.schedule",
-        parent=parent,
-        start_time=arrived_ns,
-        attributes={"kvbus.transfer_id": pending.transfer_id, "kvbus.medium": decision.medium, "kvbus.rate_bps": rate},
-    )
+    if parent:
+        telemetry.later(_decision_span, pending, decision, rate, now, None, parent, arrived_ns, time.time_ns())
+        return None
+    span = telemetry.start("kvbus.schedule", parent=telemetry.ROOT, start_time=arrived_ns)
+    telemetry.later(_decision_span, pending, decision, rate, now, span, None, arrived_ns, time.time_ns())
+    return telemetry.traceparent(span)
+
+
+def _decision_span(
+    pending: Pending,
+    decision: Decision,
+    rate: float,
+    now: float,
+    span: Span | None,
+    parent: str | None,
+    start_ns: int,
+    end_ns: int,
+) -> None:
+    """Record the decision on its span (``span``: started already; else made now, a child of ``parent``)."""
+    if span is None:
+        span = telemetry.start("kvbus.schedule", parent=parent, start_time=start_ns)
     if span.is_recording():
         choice = pending.decision or {}
         span.set_attributes(
             {
+                "kvbus.transfer_id": pending.transfer_id,
+                "kvbus.medium": decision.medium,
+                "kvbus.rate_bps": rate,
                 "kvbus.group": pending.request.group,
                 "kvbus.src": pending.src,
                 "kvbus.dst": ",".join(pending.dst),
@@ -330,4 +353,4 @@ def _record_decision(pending: Pending, decision: Decision, rate: float, wall: fl
                 "kvbus.candidates": json.dumps(choice.get("candidates", []), separators=(",", ":"), default=str),
             }
         )
-    span.end()
+    span.end(end_time=end_ns)

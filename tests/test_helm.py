@@ -626,9 +626,18 @@ def test_otlp_endpoint_in_every_kvbus_pod(variant: str, endpoint: str, protocol:
         assert env["OTEL_EXPORTER_OTLP_PROTOCOL"] == protocol, what
         assert env["OTEL_SERVICE_NAME"].startswith("kvbus-"), what
         assert "k8s.pod.name=$(KVBUS_POD_NAME)" in env["OTEL_RESOURCE_ATTRIBUTES"], what
+    # Agent pods (envFrom the client ConfigMap, as NOTES says) export where the kvbus pods do.
+    client = one(docs, "ConfigMap", f"{RELEASE}-client")["data"]
+    assert client["OTEL_EXPORTER_OTLP_ENDPOINT"] == endpoint and client["OTEL_EXPORTER_OTLP_PROTOCOL"] == protocol
     if variant.startswith("jaeger"):
         jaeger = one(docs, "Service", f"{RELEASE}-jaeger")
         assert {p["port"] for p in jaeger["spec"]["ports"]} == {4317, 4318, 16686}
+        # That endpoint is a Jaeger port that speaks the protocol, and the container listens on it.
+        port = next(p for p in jaeger["spec"]["ports"] if p["port"] == int(endpoint.rsplit(":", 1)[1]))
+        assert port["targetPort"] == ("otlp-grpc" if protocol == "grpc" else "otlp-http")
+        (container,) = one(docs, "Deployment", f"{RELEASE}-jaeger")["spec"]["template"]["spec"]["containers"]
+        assert port["targetPort"] in {p["name"] for p in container["ports"]}
+        assert {"name": "COLLECTOR_OTLP_ENABLED", "value": "true"} in container["env"]
 
 
 def test_no_tracing_without_an_endpoint() -> None:
@@ -963,6 +972,12 @@ def test_notes_tell_how_to_connect_an_agent_and_open_jaeger(variant: str) -> Non
         )
     if variant == "jaeger":
         assert f"port-forward svc/{RELEASE}-jaeger 16686:16686" in notes
+        # How an agent pod exports to it: the client ConfigMap's variables and a service name.
+        assert f"configMapRef:\n           name: {RELEASE}-client" in notes and "OTEL_SERVICE_NAME" in notes
+        assert f"port-forward svc/{RELEASE}-jaeger 4318:4318" in notes
+        assert "OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318 OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf" in notes
+    elif variant == "external":
+        assert f"name: {RELEASE}-client" in notes and "4318:4318" not in notes
     elif variant == "default":
         assert "Tracing is off" in notes and "--set groups.count=2" in notes
         assert (

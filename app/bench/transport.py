@@ -12,15 +12,16 @@ OS processes on the same embedded servers three ways:
 
 Runs alternate between the three ways; the figure per way is the median of its runs. A fourth
 way, alternating with them, is (a) with tracing and metrics on in all three processes (spans
-exported over OTLP/HTTP to a local endpoint the benchmark runs, metrics on Prometheus
-endpoints), through a second scheduler and receiver process: ``results.tracing_overhead`` is
-its throughput over (a)'s.
+exported over OTLP/HTTP to a local endpoint the benchmark runs in a process of its own, as a
+collector would be; metrics on Prometheus endpoints), through a second scheduler and receiver
+process: ``results.tracing_overhead`` is its throughput over (a)'s.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import subprocess
@@ -59,35 +60,62 @@ TRACED_GROUP, TRACED_RX, TRACED_TX = "bench-otel", "bench-rx-otel", "bench-tx-ot
 
 
 class OtlpSink:
-    """A local OTLP/HTTP endpoint that accepts and counts exports (what a collector would receive)."""
+    """A local OTLP/HTTP endpoint that accepts and counts exports, in a process of its own (where
+    a collector would be: its work must not count against the traced processes)."""
 
     def __init__(self) -> None:
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-        sink = self
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvbus.app.bench.transport", "--sink"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        self.url = self.proc.stdout.readline().strip()
+        if not self.url.startswith("http://"):
+            raise RuntimeError("the OTLP sink did not start")
         self.requests = 0
         self.bytes = 0
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                sink.requests += 1
-                sink.bytes += len(body)
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True, name="kvbus-otlp-sink").start()
-
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        """Stop it; ``requests`` and ``bytes`` then say what it received."""
+        if self.proc.poll() is not None:
+            return
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.close()
+        counts = json.loads(self.proc.stdout.readline() or "{}")
+        self.requests, self.bytes = int(counts.get("requests", 0)), int(counts.get("bytes", 0))
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def _sink() -> None:
+    """The sink's process: print its URL, count what it is sent, print the counts when stdin closes."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    counts = {"requests": 0, "bytes": 0}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            counts["requests"] += 1
+            counts["bytes"] += len(body)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True, name="kvbus-otlp-sink").start()
+    print(f"http://127.0.0.1:{server.server_address[1]}", flush=True)
+    sys.stdin.read()
+    server.shutdown()
+    print(json.dumps(counts), flush=True)
 
 
 def make_kv(nbytes: int, signature: ModelSignature = LLAMA3_8B, seed: int = 0) -> KVCache:
@@ -297,6 +325,7 @@ async def _run(quick: bool, nats_url: str | None) -> dict[str, Any]:
         await r.aclose()
         telemetry.set_enabled(True)
         await asyncio.to_thread(telemetry.shutdown)  # flush this process's spans to the sink
+        sink.close()
         top = results["64MB"]
         return {
             "suite": "transport",
@@ -345,6 +374,7 @@ async def _traced_once(agent: Any, kv: KVCache) -> float:
 
 
 def run(*, quick: bool = False, nats_url: str | None = None) -> dict[str, Any]:
+    """Run the suite, print a line per size, return the results (``kvbus bench transport``)."""
     out = asyncio.run(_run(quick, nats_url))
     for label, row in out["results"]["by_size"].items():
         print(
@@ -358,8 +388,11 @@ def run(*, quick: bool = False, nats_url: str | None = None) -> dict[str, Any]:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--peer", nargs=5, metavar=("NATS", "REDIS", "CHUNK", "WINDOW", "ACK_EVERY"))
+    parser.add_argument("--sink", action="store_true", help="run the OTLP sink")
     ns = parser.parse_args()
-    if ns.peer:
+    if ns.sink:
+        _sink()
+    elif ns.peer:
         url, rurl, cs, w, ae = ns.peer
         telemetry.setup("kvbus-bench-peer")  # on when the OTEL_* variables say so (the traced peer)
         try:

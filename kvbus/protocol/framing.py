@@ -93,6 +93,7 @@ class OpenOverLimit(WireFormatError):
         "incarnation": str,
         "attempt": int,
         "retry_age": float,
+        "trace_link": OptStr,
     },
 )
 @dataclass(frozen=True, slots=True)
@@ -122,6 +123,10 @@ class Open(Message):
     ack_subject: str
     inline: bool = False
     traceparent: str | None = None
+    """The sender's ``kvbus.send`` span: the receiver's spans are its children."""
+    trace_link: str | None = None
+    """When the sender does not trace: the scheduler's root ``kvbus.schedule`` span (the grant's
+    ``traceparent``), which the receiver's own root span links to."""
     paths: list = field(default_factory=list)
     """The data paths the sender may use (names from `PATH_NAMES`), fastest first; empty: an
     older sender, NATS only. The receiver offers direct paths only from this list."""

@@ -103,6 +103,7 @@ class RequestAck(Message):
         "latency_s": LATENCY,
         "sched_s": SECONDS,
         "code": Reason,
+        "traceparent": OptStr,
     },
 )
 @dataclass(frozen=True, slots=True)
@@ -132,6 +133,9 @@ class Grant(Message):
     scheduler: the scheduling overhead without the way back (0 when not known)."""
     code: Reason = Reason.NONE
     """Why it was refused, as a code to match on (`reason` is for people)."""
+    traceparent: str | None = None
+    """The scheduler's ``kvbus.schedule`` span when it is a root (the request carried no trace
+    context): a sender that does not trace passes it on as the `Open`'s ``trace_link``."""
 
 
 @message(
