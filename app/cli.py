@@ -138,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     co = sub.add_parser("coordinator", help="run the coordinator")
     co.add_argument("--nats-url", default=os.environ.get("KVBUS_NATS_URL", "nats://127.0.0.1:4222"))
+
+    from kvbus.app.testbed.cli import add_parser as add_testbed
+
+    add_testbed(sub)
     return parser
 
 
@@ -259,6 +263,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from kvbus.app.calibrate import run_calibrate
 
             return run_calibrate(quick=args.quick, out=args.out)
+        elif args.command == "testbed":
+            from kvbus.app.testbed.cli import run as run_testbed
+
+            return run_testbed(args)
         elif args.command == "bench":
             from kvbus.app.bench import run_suite
 
