@@ -109,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("suite", choices=sorted(SUITES), help="which suite")
     bench.add_argument("--json", dest="json_path", default=None, help="write the results to this file")
     bench.add_argument("--quick", action="store_true", help="fewer repetitions")
+    bench.add_argument("--smoke", action="store_true", help="the smallest run of the suite (seconds; the test suite "
+                                                          "runs it to check the JSON, its figures mean little)")
+    bench.add_argument("--network", choices=("auto", "netns", "emulated"), default=None,
+                       help="links: the testbed (netns, needs root and iproute2), emulated, or auto (the testbed "
+                            "when available; env KVBUS_BENCH_NETWORK)")
     bench.add_argument("--seconds", type=float, default=None, help="duration of the soak suite")
     _add_urls(bench, redis=False)
 
@@ -270,8 +275,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "bench":
             from kvbus.app.bench import run_suite
 
-            extra = {} if args.seconds is None else {"seconds": args.seconds}
-            return run_suite(args.suite, json_path=args.json_path, quick=args.quick, nats_url=args.nats_url, **extra)
+            extra: dict[str, Any] = {} if args.seconds is None else {"seconds": args.seconds}
+            if args.network:
+                extra["network"] = args.network
+            return run_suite(args.suite, json_path=args.json_path, quick=args.quick, smoke=args.smoke,
+                             nats_url=args.nats_url, **extra)
     except (ConfigError, NatsConnectError) as exc:
         # A wrong setting or a refused credential: one sentence, no traceback. Neither error
         # quotes a password, token or seed.

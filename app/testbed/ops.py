@@ -98,3 +98,43 @@ async def receive_digest(ctx: WorkerContext, *, receiver: str, timeout: float = 
     """Wait for one delivery; returns its sender and the digest of what arrived."""
     d = await get_agent(ctx, receiver).receive(timeout=timeout)
     return {"src": d.sender, "digest": kv_digest(d.kv), "n_tokens": d.kv.n_tokens}
+
+
+async def scheduler_start(ctx: WorkerContext, *, url: str, group: str, config: dict[str, Any] | None = None) -> str:
+    """Run group ``group``'s scheduler in this worker (a process of its own, as `kvbus group-scheduler`
+    is, but the driver can read its counters)."""
+    from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
+
+    sched = await GroupScheduler.connect(url, group, config=SchedulerConfig.from_env(**(config or {})))
+    ctx.state.setdefault("schedulers", {})[group] = sched
+    ctx.on_close(sched.close)
+    return sched.name
+
+
+async def scheduler_stats(ctx: WorkerContext, *, group: str) -> dict[str, Any]:
+    """Counters of the scheduler of ``group`` running in this worker."""
+    s = ctx.state["schedulers"][group].state
+    return {"granted": s.granted, "completed": s.completed, "failed": s.failed, "preemptions": s.preemptions,
+            "declined_pauses": s.declined_pauses}
+
+
+async def scheduler_stop(ctx: WorkerContext, *, group: str) -> None:
+    """Close the scheduler of ``group``."""
+    sched = ctx.state.get("schedulers", {}).pop(group, None)
+    if sched is not None:
+        await sched.close()
+
+
+async def coordinator_start(ctx: WorkerContext, *, url: str, config: dict[str, Any] | None = None) -> str:
+    """Run a coordinator in this worker."""
+    from kvbus.coordinator import Coordinator
+
+    kwargs: dict[str, Any] = {}
+    if config:
+        from kvbus.coordinator import CoordinatorConfig
+
+        kwargs["config"] = CoordinatorConfig(**config)
+    coord = await Coordinator.connect(url, **kwargs)
+    ctx.state["coordinator"] = coord
+    ctx.on_close(coord.close)
+    return "coordinator"
