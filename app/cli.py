@@ -101,7 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="two agents on SmolLM2 exchange a real KV-cache with each medium")
     _add_urls(demo)
     demo.add_argument("--quick", action="store_true", help="shorter prompt and continuation")
-    demo.add_argument("--new-tokens", type=int, default=None, help="tokens B generates after the transfer")
+    demo.add_argument("--new-tokens", type=int, default=None, help="tokens each agent generates per step")
+    demo.add_argument("--rounds", type=int, default=None, help="interleaved rounds of every policy (default 3, "
+                                                               "--quick 2)")
+    demo.add_argument("--network", choices=("auto", "netns", "emulated"), default=None,
+                      help="the testbed (netns, needs root and iproute2), emulated links, or auto (default)")
 
     bench = sub.add_parser("bench", help="run a benchmark suite and write JSON")
     from kvbus.app.bench import SUITES
@@ -263,7 +267,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             # it runs the demo's schedulers and agents, so it needs one identity allowed to do both.
             options = asyncio.run(_nats_options(args.nats_url)) if args.nats_url else None
             return run_demo(nats_url=args.nats_url, redis_url=args.redis_url, quick=args.quick,
-                            new_tokens=args.new_tokens, nats_options=options)
+                            new_tokens=args.new_tokens, nats_options=options, rounds=args.rounds,
+                            network=args.network)
         elif args.command == "calibrate":
             from kvbus.app.calibrate import run_calibrate
 
