@@ -217,8 +217,11 @@ async def _interleave(flow: Workflow, team: Any, fresh: Any, policies: list[str]
                     progress.update(bar, description=f"{_l}: {msg}")
 
                 await fresh()
-                runs[policy].append(await flow.run_on(team, policy, progress=say, round_=r))
+                run = await flow.run_on(team, policy, progress=say, round_=r)
+                runs[policy].append(run)
                 progress.advance(bar)
+                console.log(f"round {r + 1}/{rounds} {policy}: E2E {run.e2e_s:.1f} s, {len(run.transfers)} transfers, "
+                            f"{sum(t.nbytes for t in run.transfers) / 1e6:.1f} MB, recompute {run.recompute_s:.1f} s")
 
 
 async def _run_inprocess(tasks: list[str], preamble: str, policies: list[str], new_tokens: int, rounds: int,

@@ -153,6 +153,7 @@ class BusTeam(LocalTeam):
         self.agents: dict[str, Any] = {}
         self.medium: str | None = None
         self.logs: dict[str, SentLog] = {}
+        self.mail: dict[str, Mailbox] = {}
 
     async def begin(self, policy: str, round_: int) -> None:
         await super().begin(policy, round_)
@@ -163,11 +164,14 @@ class BusTeam(LocalTeam):
                                                           priority=spec.priority, runner=spec.runner, link=spec.link)
         self.medium = None if policy == "adaptive" else policy
         self.logs = {name: SentLog() for name in self.specs}
+        self.mail = {name: Mailbox(a) for name, a in self.agents.items()}
 
     async def end(self) -> None:
+        for m in self.mail.values():
+            await m.close()
         for a in self.agents.values():
             await a.close()
-        self.agents = {}
+        self.agents, self.mail = {}, {}
 
     async def transfer(self, round_: int, src: str, handle: str, dst: list[str], dst_handle: str, *,
                        foreign: bool = False) -> Moved:
@@ -183,14 +187,47 @@ class BusTeam(LocalTeam):
             report = await sender.broadcast([r.name for r in receivers], kv, medium=medium)
         self.logs[src].delivered(dst, kv)
         held = {}
-        for d, r in zip(dst, receivers):
-            got = (await r.gather([sender.name], timeout=300))[sender.name].kv
+        for d in dst:
+            got = (await self.mail[d].get(sender.name, timeout=300)).kv
             self.ctx[(d, dst_handle)] = got
             held[d] = got.nbytes if got.has_kv else 0
         record = TransferRecord(round_, src, tuple(dst), report.medium, report.nbytes, kv.nbytes, kv.n_tokens, start,
                                 time.perf_counter() - self.t0, max(report.decode_s.values(), default=0.0),
                                 dict(report.decision or {}))
         return Moved(record, held, recompute_of(report.medium, report.decode_s))
+
+
+class Mailbox:
+    """The one reader of an agent's inbox: hands each delivery to whoever waits for its sender.
+
+    Two `Agent.gather` calls running at once can each take the delivery the other waits for
+    (each keeps what it did not ask for until it is done), so the workflow's concurrent
+    transfers to one agent (the executors' results to the verifier) wait here instead.
+    """
+
+    def __init__(self, agent: Any) -> None:
+        self.agent = agent
+        self.queues: dict[str, asyncio.Queue[Any]] = {}
+        self.task = asyncio.create_task(self._pump(), name=f"kvbus-mailbox-{agent.name}")
+
+    def _queue(self, sender: str) -> asyncio.Queue[Any]:
+        return self.queues.setdefault(sender, asyncio.Queue())
+
+    async def _pump(self) -> None:
+        while True:
+            d = await self.agent.receive()
+            self._queue(d.sender).put_nowait(d)
+
+    async def get(self, sender: str, timeout: float = 300.0) -> Any:
+        """The next delivery from ``sender``."""
+        if self.task.done() and not self.task.cancelled() and self.task.exception() is not None:
+            raise self.task.exception()  # type: ignore[misc]
+        return await asyncio.wait_for(self._queue(sender).get(), timeout)
+
+    async def close(self) -> None:
+        """Stop reading."""
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
 
 
 class SentLog:

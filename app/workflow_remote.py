@@ -19,7 +19,7 @@ import torch
 
 from kvbus.app.testbed.benchnet import BenchNet
 from kvbus.app.testbed.worker import Worker, WorkerContext
-from kvbus.app.workflow import Moved, SentLog, Team, TransferRecord, extend_context, policy_tag, recompute_of
+from kvbus.app.workflow import Mailbox, Moved, SentLog, Team, TransferRecord, extend_context, policy_tag, recompute_of
 from kvbus.kvcache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -138,6 +138,7 @@ async def wf_join(ctx: WorkerContext, *, url: str, name: str, group: str, role: 
                                                       runner=ctx.state["runner"], link=link)
     ctx.state["ctx"] = {}
     ctx.state["sent"] = SentLog()
+    ctx.state["mail"] = Mailbox(ctx.state["agent"])
     return name
 
 
@@ -145,6 +146,9 @@ async def wf_leave(ctx: WorkerContext) -> None:
     """Close the run's agent and drop its contexts."""
     agent = ctx.state.pop("agent", None)
     ctx.state["ctx"] = {}
+    mail = ctx.state.pop("mail", None)
+    if mail is not None:
+        await mail.close()
     if agent is not None:
         await agent.close()
 
@@ -179,6 +183,6 @@ async def wf_send(ctx: WorkerContext, *, to: list[str], handle: str, medium: str
 
 async def wf_receive(ctx: WorkerContext, *, sender: str, handle: str, timeout: float = 300.0) -> dict[str, Any]:
     """Wait for the context from ``sender``; keep it as ``handle``."""
-    got = (await ctx.state["agent"].gather([sender], timeout=timeout))[sender]
+    got = await ctx.state["mail"].get(sender, timeout)
     ctx.state["ctx"][handle] = got.kv
     return {"nbytes": got.kv.nbytes if got.kv.has_kv else 0, "decode_s": got.decode_s, "medium": got.medium}
