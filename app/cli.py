@@ -104,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--new-tokens", type=int, default=None, help="tokens each agent generates per step")
     demo.add_argument("--rounds", type=int, default=None, help="interleaved rounds of every policy (default 3, "
                                                                "--quick 2)")
+    demo.add_argument("--tasks", type=int, default=None, help="tasks the workflow works through (default 1, up to 3)")
     demo.add_argument("--network", choices=("auto", "netns", "emulated"), default=None,
                       help="the testbed (netns, needs root and iproute2), emulated links, or auto (default)")
 
@@ -268,7 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             options = asyncio.run(_nats_options(args.nats_url)) if args.nats_url else None
             return run_demo(nats_url=args.nats_url, redis_url=args.redis_url, quick=args.quick,
                             new_tokens=args.new_tokens, nats_options=options, rounds=args.rounds,
-                            network=args.network)
+                            network=args.network, tasks=args.tasks)
         elif args.command == "calibrate":
             from kvbus.app.calibrate import run_calibrate
 

@@ -51,8 +51,11 @@ def static_policies() -> tuple[str, ...]:
 
 #: Each a static policy: every transfer forced to this medium (tokens to the other model).
 STATIC_POLICIES = static_policies()
-#: Rounds of `kvbus demo` by default (each round runs every policy once).
+#: `kvbus demo` by default: rounds (each runs every policy once), tasks of the workflow, tokens per step.
+#: Eleven policies over a 20 Mbit/s uplink: the default is sized to finish in minutes.
 DEMO_ROUNDS = 3
+DEMO_TASKS = 1
+DEMO_TOKENS = 8
 ROLES = (("coordinator", "coordinator", "plan", 3.0), ("verifier", "verifier", "plan", 2.0),
          ("executor1", "executor", "plan", 1.0), ("executor2", "executor", "remote", 1.0),
          ("archivist", "archivist", "remote", 0.5))
@@ -143,8 +146,12 @@ def local_agents(runner: Any, other: Any) -> list[AgentSpec]:
 async def run_policies(*, quick: bool, new_tokens: int, console: Console, rounds: int = DEMO_ROUNDS,
                        policies: list[str] | None = None, network: str | None = None, smoke: bool = False,
                        nats_url: str | None = None, nats_options: dict[str, Any] | None = None,
+                       tasks: int | None = None,
                        ) -> tuple[dict[str, list[RunResult]], list[dict[str, Any]], dict[str, Any]]:
     """Every policy in ``rounds`` interleaved rounds; returns the runs, the rows and the setup.
+
+    ``tasks``: how many of the shipped tasks the workflow works through (default: 1 smoke, 2
+    quick, all 3 otherwise).
 
     By default on the ``two-racks`` topology with every agent, scheduler and the coordinator in
     its own process (`RemoteTeam`). With ``nats_url`` (a server of your own, which the testbed
@@ -152,14 +159,14 @@ async def run_policies(*, quick: bool, new_tokens: int, console: Console, rounds
     process instead, on emulated links (`BusTeam`).
     """
     data = resources.files("kvbus.data")
-    tasks = json.loads(data.joinpath("demo_tasks.json").read_text())["tasks"]
-    tasks = tasks[:1] if smoke else tasks[:2] if quick else tasks
+    all_tasks = json.loads(data.joinpath("demo_tasks.json").read_text())["tasks"]
+    task_list = all_tasks[:tasks or (1 if smoke else 2 if quick else len(all_tasks))]
     policies = policies or ["full", "adaptive", *[p for p in STATIC_POLICIES if p != "full"]]
     if "full" in policies:
         policies = ["full", *[p for p in policies if p != "full"]]
     preamble = data.joinpath("demo_prompt.txt").read_text()
     if smoke or nats_url is not None:
-        return await _run_inprocess(tasks, preamble, policies, new_tokens, rounds, console, smoke=smoke,
+        return await _run_inprocess(task_list, preamble, policies, new_tokens, rounds, console, smoke=smoke,
                                     nats_url=nats_url, nats_options=nats_options)
     from kvbus.app.models import load_smollm2
 
@@ -172,7 +179,7 @@ async def run_policies(*, quick: bool, new_tokens: int, console: Console, rounds
 
     places = placements(topo)
     specs = [AgentSpec(p.name, p.role, p.group, p.priority, None) for p in places]
-    flow = Workflow(specs, tasks, encode, new_tokens=new_tokens, preamble=preamble)
+    flow = Workflow(specs, task_list, encode, new_tokens=new_tokens, preamble=preamble)
     t_start = time.perf_counter()
     net = await asyncio.to_thread(open_net, topo, network=network)
     console.log(f"network {net.mode} up in {time.perf_counter() - t_start:.1f} s")
@@ -190,7 +197,7 @@ async def run_policies(*, quick: bool, new_tokens: int, console: Console, rounds
     finally:
         await net.close()
     meta = {"network": described["network"], "net": described, "processes": "one per agent, scheduler, coordinator",
-            "model": runner.signature.model, "archivist_model": "archivist-random-4x2x32", "tasks": len(tasks),
+            "model": runner.signature.model, "archivist_model": "archivist-random-4x2x32", "tasks": len(task_list),
             "new_tokens": new_tokens, "rounds": rounds, "policies": policies,
             "interleaving": "per round every policy once, in this order: " + ", ".join(policies),
             "fresh": "every run registers fresh agents and restarts both group schedulers (nothing learnt carries "
@@ -317,9 +324,9 @@ class _Services:
 
 
 async def _run(quick: bool, new_tokens: int, console: Console, report_dir: Path, rounds: int,
-               network: str | None, nats_url: str | None, nats_options: dict[str, Any] | None) -> int:
+               network: str | None, nats_url: str | None, nats_options: dict[str, Any] | None, tasks: int) -> int:
     runs, rows, meta = await run_policies(quick=quick, new_tokens=new_tokens, console=console, rounds=rounds,
-                                          network=network, nats_url=nats_url, nats_options=nats_options)
+                                          network=network, nats_url=nats_url, nats_options=nats_options, tasks=tasks)
     render_table(rows, console)
     figures = compare(rows)
     console.print(f"adaptive / best static ({figures['best_static']}): {figures['adaptive_vs_best_static_rounds']}\n"
@@ -335,15 +342,20 @@ async def _run(quick: bool, new_tokens: int, console: Console, report_dir: Path,
 def run_demo(*, nats_url: str | None = None, redis_url: str | None = None, quick: bool = False,
              new_tokens: int | None = None, report_dir: str = "kvbus-report",
              nats_options: dict[str, Any] | None = None, rounds: int | None = None,
-             network: str | None = None) -> int:
+             network: str | None = None, tasks: int | None = None) -> int:
     """Run the demo on the testbed when this machine can build it, else on emulated links. Returns an
-    exit code. ``nats_url`` runs the workflow in this process on a server of your own instead."""
+    exit code. ``nats_url`` runs the workflow in this process on a server of your own instead.
+
+    Defaults: `DEMO_TASKS` task(s), `DEMO_TOKENS` tokens per step, `DEMO_ROUNDS` rounds of every
+    policy (``quick``: 4 tokens, 2 rounds)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     console = Console(width=max(120, shutil.get_terminal_size((120, 40)).columns))
-    new_tokens = new_tokens or (8 if quick else 12)
+    new_tokens = new_tokens or (4 if quick else DEMO_TOKENS)
     rounds = rounds or (2 if quick else DEMO_ROUNDS)
+    tasks = tasks or DEMO_TASKS
     del redis_url  # the cache tier is used by agents that opt in; this workflow keeps its KV in memory
     t0 = time.perf_counter()
-    code = asyncio.run(_run(quick, new_tokens, console, Path(report_dir), rounds, network, nats_url, nats_options))
+    code = asyncio.run(_run(quick, new_tokens, console, Path(report_dir), rounds, network, nats_url, nats_options,
+                            tasks))
     console.print(f"demo finished in {time.perf_counter() - t0:.0f} s")
     return code

@@ -27,16 +27,18 @@ SMOKE_POLICIES = ["full", "adaptive", "int8", "delta+int8", "tokens"]
 
 
 def run(*, quick: bool = False, smoke: bool = False, network: str | None = None, new_tokens: int | None = None,
-        rounds: int | None = None, **_: Any) -> dict[str, Any]:
-    """Run the suite: ``FULL_ROUNDS`` rounds (``--quick``: shorter contexts, the same rounds; smoke:
-    one round of a few policies on tiny random models)."""
+        rounds: int | None = None, tasks: int | None = None, **_: Any) -> dict[str, Any]:
+    """Run the suite: ``FULL_ROUNDS`` rounds of every policy over 2 tasks of the workflow, 16 tokens per
+    step (``--quick``: 1 task, 8 tokens, the same rounds; smoke: one round of a few policies on tiny
+    random models, in one process)."""
     t0 = time.perf_counter()
     rounds = rounds or (1 if smoke else FULL_ROUNDS)
     new_tokens = new_tokens or (2 if smoke else 8 if quick else 16)
+    tasks = tasks or (1 if smoke or quick else 2)
     console = Console(width=140)
     runs, rows, meta = asyncio.run(run_policies(quick=quick, new_tokens=new_tokens, console=console, rounds=rounds,
                                                 policies=SMOKE_POLICIES if smoke else None, network=network,
-                                                smoke=smoke))
+                                                smoke=smoke, tasks=tasks))
     render_table(rows, console)
     figures = compare(rows)
     print(f"adaptive / best static ({figures['best_static']}): {figures['adaptive_vs_best_static_rounds']}")
