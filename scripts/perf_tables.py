@@ -43,7 +43,7 @@ def header(data: Json, command: str) -> str:
     """The line that says where and how a table was measured."""
     cfg = data.get("config", {})
     machine = cfg.get("machine", {})
-    rounds = cfg.get("rounds") or (cfg.get("net") or {}).get("rounds")
+    rounds = cfg.get("rounds")
     bits = [f"`{command}`", f"{cfg.get('date', '?')}", f"{machine.get('platform', '?')}, {machine.get('cpus', '?')} cores"]
     if machine.get("load_avg"):
         bits.append(f"load average at the end {machine['load_avg'][0]}")
@@ -169,7 +169,8 @@ def e2e(d: Json) -> str:
 
 def scale(d: Json) -> str:
     r = d["results"]
-    rows = ["| agents | flat: p99 (ms), busiest scheduler CPU | groups of 64: p99 (ms), busiest scheduler CPU, "
+    size = d.get("config", {}).get("group_size", 64)
+    rows = [f"| agents | flat: p99 (ms), busiest scheduler CPU | groups of {size}: p99 (ms), busiest scheduler CPU, "
             "coordinator CPU |", "|---|---|---|"]
     for n in sorted(r["flat"], key=int):
         fl, hi = r["flat"][n], r["hier"][n]

@@ -175,12 +175,13 @@ def _cpu_seconds(pid: int) -> float:
         return float("nan")
 
 
-async def _run_config(mode: str, n: int, *, seconds: float, rate: float) -> dict[str, Any]:
+async def _run_config(mode: str, n: int, *, seconds: float, rate: float, clients: int = CLIENT_PROCESSES,
+                      warmup: float = WARMUP_S, group_size: int = GROUP_SIZE) -> dict[str, Any]:
     import nats
 
     from kvbus.app.local import NatsServer
 
-    n_groups = 1 if mode == "flat" else max(1, n // GROUP_SIZE)
+    n_groups = 1 if mode == "flat" else max(1, n // group_size)
     groups = [f"s{g}" for g in range(n_groups)]
     by_group: dict[str, list[str]] = {}
     for i in range(n):
@@ -202,7 +203,7 @@ async def _run_config(mode: str, n: int, *, seconds: float, rate: float) -> dict
         for p in scheds:
             await _wait_line(p, "group scheduler", 120)
         # Whole groups per client process where they fit, so a process's agents share connections.
-        chunks = [triples[i::CLIENT_PROCESSES] for i in range(CLIENT_PROCESSES)]
+        chunks = [triples[i::clients] for i in range(clients)]
         cl = [_spawn(["-m", "kvbus.app.bench.scale", "--client", server.url, str(i), str(rate), json.dumps(c)], env)
               for i, c in enumerate(chunks) if c]
         procs += cl
@@ -217,7 +218,7 @@ async def _run_config(mode: str, n: int, *, seconds: float, rate: float) -> dict
         await nc.subscribe(RESULT, cb=on_result)
         await nc.flush()
         start = time.time() + 0.5
-        count_from = start + WARMUP_S
+        count_from = start + warmup
         stop = count_from + seconds
         await nc.publish(GO, json.dumps({"start": start, "count_from": count_from, "stop": stop}).encode())
         await nc.flush()
@@ -257,15 +258,17 @@ def run(*, quick: bool = False, smoke: bool = False, nats_url: str | None = None
     """Flat and hierarchical at each size, in interleaved rounds; the growth and flat/hier ratios per round."""
     from kvbus.app.bench.rounds import FULL_ROUNDS, median, ratio, spread
 
-    sizes = [16, 64] if smoke else [64, 256] if quick else [64, 256, 1024]
-    window = seconds or (2.0 if smoke else 5.0 if quick else SECONDS)
+    sizes = [8, 16] if smoke else [64, 256] if quick else [64, 256, 1024]
+    window = seconds or (1.5 if smoke else 5.0 if quick else SECONDS)
     rounds = rounds or (1 if smoke else 2 if quick else FULL_ROUNDS)
+    clients, warmup, group_size = (1, 1.0, 8) if smoke else (CLIENT_PROCESSES, WARMUP_S, GROUP_SIZE)
     per: dict[str, dict[str, list[dict[str, Any]]]] = {"flat": {str(n): [] for n in sizes},
                                                        "hier": {str(n): [] for n in sizes}}
     for r in range(rounds):
         for n in sizes:
             for mode in ("flat", "hier"):
-                res = asyncio.run(_run_config(mode, n, seconds=window, rate=RATE_PER_AGENT))
+                res = asyncio.run(_run_config(mode, n, seconds=window, rate=RATE_PER_AGENT, clients=clients,
+                                              warmup=warmup, group_size=group_size))
                 per[mode][str(n)].append(res)
                 print(f"round {r + 1}/{rounds} {mode:5s} {n:5d} agents, {res['groups']:3d} groups, "
                       f"{res['achieved_per_s']:6.0f} transfers/s: request->grant p50 "
@@ -310,9 +313,9 @@ def run(*, quick: bool = False, smoke: bool = False, nats_url: str | None = None
         results[key] = value["median"]
         results[f"{key}_rounds"] = value
     results["rounds"] = rounds
-    config = {"network": "loopback", "sizes": sizes, "group_size": GROUP_SIZE, "seconds": window, "warmup_s": WARMUP_S,
+    config = {"network": "loopback", "sizes": sizes, "group_size": group_size, "seconds": window, "warmup_s": warmup,
               "rounds": rounds, "interleaving": "per round: for each size, flat then hier",
-              "rate_per_agent": RATE_PER_AGENT, "client_processes": CLIENT_PROCESSES,
+              "rate_per_agent": RATE_PER_AGENT, "client_processes": clients,
               "agents_per_connection": AGENTS_PER_CONNECTION, "cpus": os.cpu_count(),
               "how": "one nats-server and one coordinator process per configuration; each group scheduler its own "
                      "process (python -m kvbus.app.cli group-scheduler, max_active 1e6, no bandwidth budget, "
