@@ -11,8 +11,8 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from kvbus.config import redact_url
@@ -156,9 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _up(args: argparse.Namespace) -> None:
+    from kvbus.app.local import LocalServers
     from kvbus.coordinator import Coordinator
     from kvbus.group_scheduler import GroupScheduler
-    from kvbus.app.local import LocalServers
 
     groups = ["default"] if args.groups == 1 else [f"g{i}" for i in range(args.groups)]
     extra, creds = "", None

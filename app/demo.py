@@ -236,16 +236,16 @@ async def _run_inprocess(tasks: list[str], preamble: str, policies: list[str], n
                          nats_options: dict[str, Any] | None,
                          ) -> tuple[dict[str, list[RunResult]], list[dict[str, Any]], dict[str, Any]]:
     from kvbus.app.local import NatsServer
-    from kvbus.app.models import load_smollm2, random_model
+    from kvbus.app.models import load_smollm2
     from kvbus.app.workflow import BusTeam
-    from kvbus.app.workflow_remote import ARCHIVIST_MODEL, SMALL_MODEL
+    from kvbus.app.workflow_remote import archivist_model, small_model
     from kvbus.bus import Bus
     from kvbus.coordinator import Coordinator
     from kvbus.group_scheduler import GroupScheduler
 
     if smoke:
         vocab = 256
-        runner = random_model(vocab_size=vocab, **SMALL_MODEL)
+        runner = small_model(vocab)
 
         def encode(text: str) -> torch.Tensor:
             return torch.tensor([[b % vocab for b in text.encode()]], dtype=torch.int64)
@@ -255,7 +255,7 @@ async def _run_inprocess(tasks: list[str], preamble: str, policies: list[str], n
 
         def encode(text: str) -> torch.Tensor:
             return torch.tensor([tokenizer.encode(text, add_special_tokens=False)], dtype=torch.int64)
-    other = random_model(vocab_size=vocab, **ARCHIVIST_MODEL)
+    other = archivist_model(vocab)
     specs = local_agents(runner, other)
     flow = Workflow(specs, tasks, encode, new_tokens=new_tokens, preamble=preamble, nats_options=nats_options)
     server = None if nats_url else NatsServer().start()

@@ -31,7 +31,7 @@ def agreement(run: RunResult, reference: RunResult) -> float:
 
 def _one(r: RunResult, ref: RunResult | None) -> dict[str, Any]:
     lat = sorted(t.latency_s for t in r.transfers)
-    p99 = lat[min(len(lat) - 1, int(round(0.99 * (len(lat) - 1))))] if lat else 0.0
+    p99 = lat[min(len(lat) - 1, round(0.99 * (len(lat) - 1)))] if lat else 0.0
     return {"e2e_s": r.e2e_s, "transfers": len(r.transfers),
             "p50_ms": statistics.median(lat) * 1000 if lat else 0.0, "p99_ms": p99 * 1000,
             "bytes": sum(t.nbytes for t in r.transfers), "recompute_s": r.recompute_s,
@@ -90,6 +90,7 @@ def write_report(folder: Path, rows: list[dict[str, Any]], runs: Mapping[str, Ru
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
 
     by = _as_rounds(runs)
     folder.mkdir(parents=True, exist_ok=True)
@@ -140,7 +141,7 @@ def write_report(folder: Path, rows: list[dict[str, Any]], runs: Mapping[str, Ru
         ax.set_yticks(range(len(agents)), agents)
         ax.set_xlabel("time (s)")
         ax.set_title("adaptive run: transfers per sending agent, coloured by medium")
-        handles = [plt.Rectangle((0, 0), 1, 1, color=colour(m)) for m in media]
+        handles = [Rectangle((0, 0), 1, 1, color=colour(m)) for m in media]
         ax.legend(handles, media, fontsize=7, loc="upper right")
         fig.tight_layout()
         fig.savefig(folder / "timeline_adaptive.png", dpi=110)
@@ -161,13 +162,13 @@ def write_report(folder: Path, rows: list[dict[str, Any]], runs: Mapping[str, Ru
              "interleaved round(s), [min - max].", "",
              "| policy | E2E (s) | p50 / p99 per transfer (ms) | bytes moved (MB) | recompute (s) | peak KV (MB) | "
              "agreement with `full` | media |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        agree = "-" if r["agreement"] is None else f"{r['agreement']:.1%}"
-        sp = r.get("e2e_s_rounds") or {}
+    for row in rows:
+        agree = "-" if row["agreement"] is None else f"{row['agreement']:.1%}"
+        sp = row.get("e2e_s_rounds") or {}
         rng = f" [{sp['min']:.2f} - {sp['max']:.2f}]" if sp.get("n", 0) > 1 else ""
-        lines.append(f"| {r['policy']} | {r['e2e_s']:.2f}{rng} | {r['p50_ms']:.0f} / {r['p99_ms']:.0f} | "
-                     f"{r['bytes'] / 1e6:.1f} | {r['recompute_s']:.2f} | {r['peak_kv_bytes'] / 1e6:.0f} | {agree} | "
-                     f"{', '.join(r['media'])} |")
+        lines.append(f"| {row['policy']} | {row['e2e_s']:.2f}{rng} | {row['p50_ms']:.0f} / {row['p99_ms']:.0f} | "
+                     f"{row['bytes'] / 1e6:.1f} | {row['recompute_s']:.2f} | {row['peak_kv_bytes'] / 1e6:.0f} | "
+                     f"{agree} | {', '.join(row['media'])} |")
     lines += ["", "## Setup", "", "```json", json.dumps(meta, indent=2, default=str), "```", "",
               "![latency by policy](latency_by_policy.png)", "", "![bytes by medium](bytes_by_medium.png)", "",
               "![timeline](timeline_adaptive.png)", "", "![media over time](media_over_time.png)", ""]

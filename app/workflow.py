@@ -124,12 +124,15 @@ class LocalTeam(Team):
         self.ctx: dict[tuple[str, str], KVCache] = {}
 
     async def begin(self, policy: str, round_: int) -> None:
+        """Before a run: fresh agents for ``policy``."""
         self.ctx.clear()
 
     async def seed(self, agent: str, handle: str, tokens: torch.Tensor) -> None:
+        """Give ``agent`` a token-only context ``handle``."""
         self.ctx[(agent, handle)] = KVCache(tokens, self.specs[agent].runner.signature)
 
     async def extend(self, agent: str, src: str, tokens: torch.Tensor, n: int, dst: str) -> tuple[torch.Tensor, int]:
+        """``agent`` continues context ``src`` + ``tokens`` by ``n`` tokens into ``dst``."""
         base = self.ctx[(agent, src)]
         out = await asyncio.to_thread(extend_context, self.specs[agent].runner, base,
                                       torch.cat([base.tokens, tokens], dim=-1), n)
@@ -138,6 +141,7 @@ class LocalTeam(Team):
 
     async def transfer(self, round_: int, src: str, handle: str, dst: list[str], dst_handle: str, *,
                        foreign: bool = False) -> Moved:
+        """Move ``src``'s context ``handle`` to ``dst`` (stored as ``dst_handle``)."""
         kv = self.ctx[(src, handle)]
         for d in dst:
             self.ctx[(d, dst_handle)] = kv.token_only() if foreign else kv
@@ -156,6 +160,7 @@ class BusTeam(LocalTeam):
         self.mail: dict[str, Mailbox] = {}
 
     async def begin(self, policy: str, round_: int) -> None:
+        """Before a run: fresh agents for ``policy``."""
         await super().begin(policy, round_)
         tag = policy_tag(policy) + (f"-r{round_}" if round_ else "")
         self.agents = {}
@@ -167,6 +172,7 @@ class BusTeam(LocalTeam):
         self.mail = {name: Mailbox(a) for name, a in self.agents.items()}
 
     async def end(self) -> None:
+        """After a run: close its agents."""
         for m in self.mail.values():
             await m.close()
         for a in self.agents.values():
@@ -175,6 +181,7 @@ class BusTeam(LocalTeam):
 
     async def transfer(self, round_: int, src: str, handle: str, dst: list[str], dst_handle: str, *,
                        foreign: bool = False) -> Moved:
+        """Move ``src``'s context ``handle`` to ``dst`` (stored as ``dst_handle``)."""
         kv = self.ctx[(src, handle)]
         sender = self.agents[src]
         receivers = [self.agents[d] for d in dst]
@@ -345,8 +352,8 @@ class Workflow:
                 moved(m)
             for i, ex in enumerate(self.executors):
                 say(f"round {r + 1}: executor {i + 1} works")
-                tokens, nbytes = await team.extend(ex.name, "plan", self.encode(f"\nExecutor {i + 1}, do part {i + 1}:"),
-                                                   n, "work")
+                ask = self.encode(f"\nExecutor {i + 1}, do part {i + 1}:")
+                tokens, nbytes = await team.extend(ex.name, "plan", ask, n, "work")
                 out(ex.name, tokens)
                 hold(ex.name, nbytes)
             say(f"round {r + 1}: executors -> verifier (gather)")
@@ -382,7 +389,8 @@ def extend_context(runner: Any, kv: KVCache | None, tokens: torch.Tensor, n: int
     base = kv if kv is not None and kv.has_kv and _is_prefix(kv.tokens, tokens) else None
     ctx = KVCache(tokens, runner.signature, base.keys if base else [], base.values if base else [],
                   fidelity=base.fidelity if base else 1.0) if base is not None else KVCache(tokens, runner.signature)
-    return runner.continue_context(ctx, n)
+    out: KVCache = runner.continue_context(ctx, n)
+    return out
 
 
 def _is_prefix(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -25,9 +25,21 @@ from kvbus.kvcache import KVCache
 logger = logging.getLogger(__name__)
 
 OPS = "kvbus.app.workflow_remote"
-BUS = {"peer_timeout": 120.0, "grant_timeout": 300.0, "request_timeout": 30.0}
-ARCHIVIST_MODEL = {"n_layers": 4, "n_kv_heads": 2, "head_dim": 32, "name": "archivist-random-4x2x32"}
-SMALL_MODEL = {"n_layers": 2, "n_kv_heads": 2, "head_dim": 16, "name": "small-random-2x2x16"}
+ARCHIVIST = "archivist-random-4x2x32"
+
+
+def archivist_model(vocab_size: int) -> Any:
+    """The archivist's model: random weights, another shape than SmolLM2 (only tokens reach it)."""
+    from kvbus.app.models import random_model
+
+    return random_model(n_layers=4, n_kv_heads=2, head_dim=32, vocab_size=vocab_size, name=ARCHIVIST)
+
+
+def small_model(vocab_size: int) -> Any:
+    """A tiny random model for smoke runs."""
+    from kvbus.app.models import random_model
+
+    return random_model(n_layers=2, n_kv_heads=2, head_dim=16, vocab_size=vocab_size, name="small-random-2x2x16")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +80,7 @@ class RemoteTeam(Team):
         return cls(net, placements, by_name)
 
     async def begin(self, policy: str, round_: int) -> None:
+        """Before a run: fresh agents for ``policy``."""
         tag = f"{policy_tag(policy)}-r{round_}"
         self.names = {n: f"{n}-{tag}" for n in self.placements}
         self.medium = None if policy == "adaptive" else policy
@@ -76,17 +89,21 @@ class RemoteTeam(Team):
             priority=p.priority, link_bps=p.link_bps) for n, p in self.placements.items()))
 
     async def end(self) -> None:
+        """After a run: close its agents."""
         await asyncio.gather(*(w.call(f"{OPS}:wf_leave") for w in self.workers.values()))
 
     async def seed(self, agent: str, handle: str, tokens: torch.Tensor) -> None:
+        """Give ``agent`` a token-only context ``handle``."""
         await self.workers[agent].call(f"{OPS}:wf_seed", handle=handle, tokens=tokens.tolist())
 
     async def extend(self, agent: str, src: str, tokens: torch.Tensor, n: int, dst: str) -> tuple[torch.Tensor, int]:
+        """``agent`` continues context ``src`` + ``tokens`` by ``n`` tokens into ``dst``."""
         got = await self.workers[agent].call(f"{OPS}:wf_extend", src=src, tokens=tokens.tolist(), n=n, dst=dst)
         return torch.tensor(got["tokens"], dtype=torch.int64), int(got["nbytes"])
 
     async def transfer(self, round_: int, src: str, handle: str, dst: list[str], dst_handle: str, *,
                        foreign: bool = False) -> Moved:
+        """Move ``src``'s context ``handle`` to ``dst`` (stored as ``dst_handle``)."""
         medium = "tokens" if foreign and self.medium is not None else self.medium
         start = time.perf_counter() - self.t0
         receiving = [self.workers[d].submit(f"{OPS}:wf_receive", sender=self.names[src], handle=dst_handle)
@@ -110,14 +127,14 @@ class RemoteTeam(Team):
 
 async def wf_load(ctx: WorkerContext, *, model: str, vocab_size: int) -> dict[str, Any]:
     """Load this agent's model (SmolLM2, or the archivist's random model) and warm it up."""
-    from kvbus.app.models import load_smollm2, random_model
+    from kvbus.app.models import load_smollm2
 
     if model == "smollm2":
         runner, _ = await asyncio.to_thread(load_smollm2)
     elif model == "archivist":
-        runner = await asyncio.to_thread(random_model, vocab_size=vocab_size, **ARCHIVIST_MODEL)
+        runner = await asyncio.to_thread(archivist_model, vocab_size)
     elif model == "small":  # smoke runs: a tiny random model with SmolLM2's vocabulary
-        runner = await asyncio.to_thread(random_model, vocab_size=vocab_size, **SMALL_MODEL)
+        runner = await asyncio.to_thread(small_model, vocab_size)
     else:
         raise ValueError(f"model {model!r} must be smollm2, archivist or small")
     await asyncio.to_thread(runner.prefill, torch.tensor([[1, 2, 3]]))
@@ -131,7 +148,8 @@ async def wf_join(ctx: WorkerContext, *, url: str, name: str, group: str, role: 
     from kvbus.bus import Bus, BusConfig, EmulatedLink
 
     if "bus" not in ctx.state:
-        ctx.state["bus"] = await Bus.connect(url, config=BusConfig(**BUS))
+        ctx.state["bus"] = await Bus.connect(url, config=BusConfig(peer_timeout=120.0, grant_timeout=300.0,
+                                                                   request_timeout=30.0))
         ctx.on_close(ctx.state["bus"].close)
     link = EmulatedLink(link_bps, 0.0) if link_bps else None
     ctx.state["agent"] = await ctx.state["bus"].agent(name, group=group, role=role, priority=priority,

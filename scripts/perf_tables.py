@@ -44,7 +44,8 @@ def header(data: Json, command: str) -> str:
     cfg = data.get("config", {})
     machine = cfg.get("machine", {})
     rounds = cfg.get("rounds")
-    bits = [f"`{command}`", f"{cfg.get('date', '?')}", f"{machine.get('platform', '?')}, {machine.get('cpus', '?')} cores"]
+    bits = [f"`{command}`", f"{cfg.get('date', '?')}",
+            f"{machine.get('platform', '?')}, {machine.get('cpus', '?')} cores"]
     if machine.get("load_avg"):
         bits.append(f"load average at the end {machine['load_avg'][0]}")
     bits.append(f"network `{cfg.get('network', '?')}`")
@@ -72,7 +73,8 @@ def transport(d: Json) -> str:
                             ("`tracing_overhead`", "tracing_overhead", "{:.2f}")):
         rows.append(f"| {label} | {_f(by['64MB'].get(key), fmt)} | {_f(by['1MB'].get(key), fmt)} |")
     rows.append(f"| ratio per run vs nats-py / vs pipelined redis-py (64 MB) | "
-                f"{_sp(by['64MB'].get('ratio_vs_nats_py_runs'))} / {_sp(by['64MB'].get('ratio_vs_redis_pipelined_runs'))}"
+                f"{_sp(by['64MB'].get('ratio_vs_nats_py_runs'))} / "
+                f"{_sp(by['64MB'].get('ratio_vs_redis_pipelined_runs'))}"
                 f" | |")
     return "\n".join(rows)
 
@@ -83,14 +85,16 @@ def sched(d: Json) -> str:
     rows = ["| figure | wrr (kvbus) | fifo, same budget and concurrency | unscheduled (flows share the link) |",
             "|---|---|---|---|",
             "| critical p99 (ms), 64 KB every 200 ms under 4 x 8 MB bulk, 40 MB/s | "
-            + " | ".join(_sp(c[a].get("critical_p99_ms_rounds"), "{:.1f}") for a in ("wrr", "fifo", "unscheduled")) + " |",
+            + " | ".join(_sp(c[a].get("critical_p99_ms_rounds"), "{:.1f}")
+                         for a in ("wrr", "fifo", "unscheduled")) + " |",
             "| bulk throughput (MB/s) | " + " | ".join(_f(c[a].get("bulk_mb_s"), "{:.1f}")
                                                      for a in ("wrr", "fifo", "unscheduled")) + " |",
             "| Jain's fairness, W 2/3/4/6, 30 MB/s | " + " | ".join(_sp(f[a].get("jain_rounds"), "{:.3f}")
                                                                    for a in ("wrr", "fifo", "unscheduled")) + " |",
             "", "| ratio | measured |", "|---|---|",
             f"| `critical_p99_ratio_fifo_vs_wrr` | {_sp(r.get('critical_p99_ratio_fifo_vs_wrr_rounds'))} |",
-            f"| `critical_p99_ratio_unscheduled_vs_wrr` | {_sp(r.get('critical_p99_ratio_unscheduled_vs_wrr_rounds'))} |",
+            "| `critical_p99_ratio_unscheduled_vs_wrr` | "
+            f"{_sp(r.get('critical_p99_ratio_unscheduled_vs_wrr_rounds'))} |",
             f"| `jain_fairness` (wrr) | {_sp(r.get('jain_fairness_rounds'), '{:.3f}')} |",
             f"| `jitter_p99_over_p50` (wrr critical) | {_f(r.get('jitter_p99_over_p50'))} |",
             "| `decision_us_p99` 16 / 64 / 256 agents | " + " / ".join(
@@ -100,8 +104,9 @@ def sched(d: Json) -> str:
             "", "| preempt threshold | MB/s | urgent p50 / p99 (ms) | bulk p99 (s) | pauses (declined) |",
             "|---|---|---|---|---|"]
     for s in r.get("preempt_threshold_sweep", []):
-        rows.append(f"| {s['threshold']:.0%} | {_f(s['throughput_mb_s'], '{:.1f}')} | {_f(s['urgent_p50_ms'], '{:.0f}')}"
-                    f" / {_f(s['urgent_p99_ms'], '{:.0f}')} | {_f(s['bulk_p99_s'])} | {s['pauses_asked']} "
+        rows.append(f"| {s['threshold']:.0%} | {_f(s['throughput_mb_s'], '{:.1f}')} | "
+                    f"{_f(s['urgent_p50_ms'], '{:.0f}')} / {_f(s['urgent_p99_ms'], '{:.0f}')} | "
+                    f"{_f(s['bulk_p99_s'])} | {s['pauses_asked']} "
                     f"({s['pauses_declined']}) |")
     return "\n".join(rows)
 
@@ -152,7 +157,8 @@ def cachetier(d: Json) -> str:
 
 def e2e(d: Json) -> str:
     r = d["results"]
-    rows = ["| policy | E2E (s) | p50 / p99 per transfer (ms) | MB moved | recompute (s) | agreement with `full` | media |",
+    rows = ["| policy | E2E (s) | p50 / p99 per transfer (ms) | MB moved | recompute (s) | agreement with `full` "
+            "| media |",
             "|---|---|---|---|---|---|---|"]
     for row in r["rows"]:
         agree = "-" if row.get("agreement") is None else f"{row['agreement']:.1%}"
@@ -178,7 +184,7 @@ def scale(d: Json) -> str:
                     f"{_sp(hi.get('sched_overhead_p99_ms_rounds'))}, {_f(hi.get('scheduler_cpu_busiest'))}, "
                     f"{_f(hi.get('coordinator_cpu'))} ({hi.get('groups')} groups) |")
     ratios = [f"`{k[:-7]}` = {_sp(v)}" for k, v in r.items() if k.endswith("_rounds") and isinstance(v, dict)]
-    return "\n".join(rows + ["", "; ".join(ratios) + "."])
+    return "\n".join([*rows, "", "; ".join(ratios) + "."])
 
 
 def chaos(d: Json) -> str:

@@ -94,7 +94,7 @@ def test_build_and_tear_down_three_hosts() -> None:
         assert {tb.ns("nats"), tb.ns("a"), tb.ns("b"), tb.switch_ns} <= spaces
         # The root namespace got nothing: every device lives in the run's namespaces.
         root_links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
-        assert f"p0@" not in root_links and "brc" not in root_links
+        assert "p0@" not in root_links and "brc" not in root_links
         # Every host reaches every other over the bridge (TCP connect, a real handshake).
         server = tb.python("nats", "-c", "import socket,time\ns=socket.socket();s.bind(('0.0.0.0',7001));s.listen(8)\n"
                            "print('listening',flush=True)\nwhile True: s.accept()[0].close()", name="listener")
@@ -104,7 +104,8 @@ def test_build_and_tear_down_three_hosts() -> None:
             assert got.stdout.strip() == "ok", got.stderr
         # b's link has 5 ms of delay each way: a round trip to it cannot be shorter than 10 ms.
         echo = tb.python("b", "-c", "import socket\ns=socket.socket();s.bind(('0.0.0.0',7002));s.listen(1)\n"
-                         "print('listening',flush=True)\nc=s.accept()[0]\nwhile d:=c.recv(1): c.sendall(d)", name="echo")
+                         "print('listening',flush=True)\nc=s.accept()[0]\nwhile d:=c.recv(1): c.sendall(d)",
+                         name="echo")
         tb.wait_for_log(echo, "echo", "listening", host="b", timeout=30)
         got = _in(tb, "a", f"""
             import socket, time

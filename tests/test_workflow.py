@@ -10,11 +10,11 @@ import matplotlib.image as mpimg
 import pytest
 import torch
 
-from kvbus.bus import EmulatedLink
 from kvbus.app.demo import STATIC_POLICIES, summarise, write_report
-from kvbus.group_scheduler import GroupScheduler
 from kvbus.app.models import random_model
 from kvbus.app.workflow import AgentSpec, Workflow
+from kvbus.bus import EmulatedLink
+from kvbus.group_scheduler import GroupScheduler
 
 
 def encode(text: str) -> torch.Tensor:
@@ -75,8 +75,8 @@ async def test_workflow_under_each_policy_and_the_report(flow: Workflow, nats_ur
 async def test_workflow_on_a_server_that_wants_a_token(flow: Workflow) -> None:
     """`kvbus demo --nats-url` on a server of your own: the KVBUS_NATS_* identity reaches the
     workflow's connection, its schedulers' and its coordinator's (`run_policies` passes it)."""
-    from kvbus.coordinator import Coordinator
     from kvbus.app.local import NatsServer
+    from kvbus.coordinator import Coordinator
     from kvbus.net.auth import NatsAuth
 
     server = NatsServer(extra_config='authorization {\n  token: "wf-secret-token"\n}\n').start()
@@ -128,9 +128,8 @@ async def test_mailbox_serves_concurrent_waiters_by_sender(nats_url: str, schedu
 
     from kvbus.app.workflow import Mailbox
     from kvbus.bus import Bus
-
-    from tests.kvutil import random_kv
     from kvbus.signature import ModelSignature
+    from tests.kvutil import random_kv
 
     sig = ModelSignature("mb", n_layers=1, n_kv_heads=1, head_dim=8, dtype="float32", vocab_size=100)
     async with await Bus.connect(nats_url) as b:

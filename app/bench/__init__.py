@@ -24,6 +24,7 @@ SUITES: dict[str, str] = {
 
 
 def machine_info() -> dict[str, Any]:
+    """Python, torch, platform, cores, host name and load average of this machine."""
     import os
 
     import torch

@@ -46,10 +46,10 @@ import redis.asyncio as aioredis
 import torch
 
 from kvbus.app.bench.rounds import FULL_ROUNDS, spread
+from kvbus.app.local import RedisServer
 from kvbus.cachetier import CacheTier, CacheTierConfig, UtilityPolicy
 from kvbus.codecs import get_codec
 from kvbus.kvcache import KVCache
-from kvbus.app.local import RedisServer
 from kvbus.signature import ModelSignature
 
 SMOLLM2 = ModelSignature("smollm2-135m-shape", n_layers=30, n_kv_heads=3, head_dim=64, dtype="float32",
@@ -275,6 +275,7 @@ class ModelWork:
         self.seconds: list[float] = []
 
     async def __call__(self) -> None:
+        """Decode the tokens (in a thread) and record how long it took."""
         t = time.perf_counter()
         await asyncio.to_thread(self.runner.generate, self.context, self.tokens)
         self.seconds.append(time.perf_counter() - t)

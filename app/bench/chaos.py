@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
+from kvbus.app.local import NatsServer
 from kvbus.bus import Bus, BusConfig, TransferError
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
 from kvbus.kvcache import KVCache
-from kvbus.app.local import NatsServer
 from kvbus.protocol import CHUNK_INDEX_HEADER, CHUNK_SUM_HEADER
 from kvbus.signature import ModelSignature
 
@@ -46,6 +46,7 @@ CONFIG = BusConfig(chunk_size=256 * 1024, ack_timeout=0.3, peer_timeout=3.0, req
 
 
 def make_kv(nbytes: int, seed: int) -> KVCache:
+    """A random cache of about ``nbytes`` bytes."""
     n_tokens = max(1, nbytes // SIG.kv_bytes_per_token())
     g = torch.Generator().manual_seed(seed)
     shape = (1, SIG.n_kv_heads, n_tokens, SIG.head_dim)
@@ -55,6 +56,7 @@ def make_kv(nbytes: int, seed: int) -> KVCache:
 
 
 def kv_digest(kv: KVCache) -> str:
+    """A blake2b digest of a cache's tokens and every key and value byte."""
     h = hashlib.blake2b(digest_size=16)
     h.update(kv.tokens.contiguous().numpy().tobytes())
     for t in (*kv.keys, *kv.values):
@@ -74,6 +76,7 @@ class ChaosTransport:
         return getattr(self.inner, name)
 
     async def publish(self, subject: str, payload: Any, headers: dict[str, str] | None = None) -> None:
+        """Publish, now and then dropping, corrupting or forging a chunk."""
         if headers and CHUNK_INDEX_HEADER in headers:
             roll = self.rng.random()
             if roll < self.p_drop:
@@ -107,6 +110,7 @@ class Receiver:
         self.restarts = 0
 
     async def start(self) -> None:
+        """Register the receiving agent and drain its inbox."""
         self.agent = await self.bus.agent(self.name, group=GROUP, signature=SIG)
         self._drain = asyncio.create_task(self._collect(self.agent))
 
@@ -116,6 +120,7 @@ class Receiver:
             self.deliveries.append((self.name, d.transfer_id, kv_digest(d.kv)))
 
     async def stop(self) -> None:
+        """Close the receiving agent."""
         if self._drain is not None:
             self._drain.cancel()
         agent, self.agent = self.agent, None
@@ -126,6 +131,7 @@ class Receiver:
                 self.deliveries.append((self.name, d.transfer_id, kv_digest(d.kv)))
 
     async def restart(self, down_s: float) -> None:
+        """Leave for ``down_s`` seconds, then register again."""
         await self.stop()
         await asyncio.sleep(down_s)
         await self.start()
@@ -227,7 +233,7 @@ async def _chaos(transfers: int, seed: int, concurrency: int = 16) -> dict[str, 
         duplicated = sum(n - 1 for n in seen.values() if n > 1)
         delivered = sum(1 for tid in ok_ids if seen[tid] >= 1)
         lost = sum(1 for tid in ok_ids if seen[tid] == 0)
-        injected = collections.Counter()
+        injected: collections.Counter[str] = collections.Counter()
         for w in chaos:
             injected.update(w.counts)
         return {

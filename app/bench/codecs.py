@@ -32,8 +32,7 @@ from typing import Any
 
 import torch
 
-from kvbus.codecs import Encoded, get_codec
-from kvbus.codecs import _kernels
+from kvbus.codecs import Encoded, _kernels, get_codec
 from kvbus.codecs._select import kv_positions
 from kvbus.kvcache import KVCache
 from kvbus.signature import ModelSignature

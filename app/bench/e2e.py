@@ -36,7 +36,7 @@ def run(*, quick: bool = False, smoke: bool = False, network: str | None = None,
     new_tokens = new_tokens or (2 if smoke else 8 if quick else 16)
     tasks = tasks or (1 if smoke or quick else 2)
     console = Console(width=140)
-    runs, rows, meta = asyncio.run(run_policies(quick=quick, new_tokens=new_tokens, console=console, rounds=rounds,
+    _, rows, meta = asyncio.run(run_policies(quick=quick, new_tokens=new_tokens, console=console, rounds=rounds,
                                                 policies=SMOKE_POLICIES if smoke else None, network=network,
                                                 smoke=smoke, tasks=tasks))
     render_table(rows, console)

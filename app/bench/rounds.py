@@ -29,7 +29,8 @@ def spread(values: Iterable[float | None], *, digits: int = 4) -> dict[str, Any]
 
 def median(values: Iterable[float | None]) -> float | None:
     """The median of the finite values (None when there are none)."""
-    return spread(values, digits=12)["median"]
+    value = spread(values, digits=12)["median"]
+    return None if value is None else float(value)
 
 
 def pct(values: Sequence[float], q: float) -> float:

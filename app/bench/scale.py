@@ -67,7 +67,7 @@ def _percentile(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
     s = sorted(xs)
-    return s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))]
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
 def _tiny_kv() -> Any:
@@ -305,9 +305,11 @@ def run(*, quick: bool = False, smoke: bool = False, nats_url: str | None = None
         # (the deployment) this is what decides whether a loop keeps up; on a small machine the
         # latency above also carries every other process's CPU.
         f"busiest_scheduler_cpu_growth_hier_{lo}_to_{top}": per_round(
-            lambda i: ratio(field("hier", top, "scheduler_cpu_busiest", i), field("hier", lo, "scheduler_cpu_busiest", i))),
+            lambda i: ratio(field("hier", top, "scheduler_cpu_busiest", i),
+                            field("hier", lo, "scheduler_cpu_busiest", i))),
         f"busiest_scheduler_cpu_flat_over_hier_at_{top}": per_round(
-            lambda i: ratio(field("flat", top, "scheduler_cpu_busiest", i), field("hier", top, "scheduler_cpu_busiest", i))),
+            lambda i: ratio(field("flat", top, "scheduler_cpu_busiest", i),
+                            field("hier", top, "scheduler_cpu_busiest", i))),
     }
     for key, value in figures.items():
         results[key] = value["median"]

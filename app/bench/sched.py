@@ -86,6 +86,7 @@ class Schedulers:
         self.groups: dict[str, str] = {}
 
     async def start_workers(self) -> None:
+        """Start one worker process per arm."""
         names = ARMS
 
         async def one(arm: str) -> None:
@@ -101,6 +102,7 @@ class Schedulers:
             self.groups[group] = arm
 
     async def stats(self, group: str) -> dict[str, Any]:
+        """The counters of ``group``'s scheduler."""
         return dict(await self.workers[self.groups[group]].call("kvbus.app.testbed.ops:scheduler_stats", group=group))
 
     async def stop(self) -> None:
@@ -248,7 +250,8 @@ async def _run(*, quick: bool, smoke: bool, network: str | None, nats_url: str |
         results["critical"] = crit["arms"]
         results["jitter_p99_over_p50"] = crit["arms"]["wrr"]["jitter_p99_over_p50"]
         results["jitter"] = {f"{a}_{kind}": crit["arms"][a][key] for a in ARMS
-                             for kind, key in (("critical", "jitter_p99_over_p50"), ("bulk", "bulk_jitter_p99_over_p50"))}
+                             for kind, key in (("critical", "jitter_p99_over_p50"),
+                                               ("bulk", "bulk_jitter_p99_over_p50"))}
         fair = await _fairness(net, phase, tx, rx, rounds, fair_s)
         results["jain_fairness"] = fair["wrr"]["jain"]
         results["jain_fairness_rounds"] = fair["wrr"]["jain_rounds"]

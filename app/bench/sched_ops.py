@@ -50,10 +50,12 @@ class Spans:
         self.items: dict[str, list[tuple[float, float, int]]] = {}
 
     def add(self, who: str, t0: float, report: Any) -> None:
+        """Record one transfer of ``who`` that started at ``t0``."""
         self.items.setdefault(who, []).append((t0 + report.queued_s + report.encode_s, t0 + report.total_s,
                                                report.nbytes))
 
     def rate(self, who: str, a: float, b: float) -> float:
+        """Bytes per second ``who`` moved between ``a`` and ``b``."""
         total = 0.0
         for s, e, n in self.items.get(who, []):
             overlap = max(0.0, min(e, b) - max(s, a))
@@ -131,7 +133,9 @@ async def critical(ctx: WorkerContext, *, url: str, group: str, prefix: str, rx:
     bulk = await _agents(ctx, url, group, [f"{prefix}-b{i}" for i in range(n_bulk)])
     crit = await _agents(ctx, url, group, [f"{prefix}-c{i}" for i in range(n_crit)])
     bulk_kv, small_kv = _kv(ctx, bulk_bytes, 1), _kv(ctx, crit_bytes, 2)
-    spans, bulk_lat, crit_lat = Spans(), [], []
+    spans = Spans()
+    bulk_lat: list[float] = []
+    crit_lat: list[float] = []
     t_start = time.monotonic()
     stop = t_start + seconds
     try:
@@ -153,7 +157,7 @@ async def fairness(ctx: WorkerContext, *, url: str, group: str, prefix: str, rx:
     leaves out the start."""
     senders = await _agents(ctx, url, group, [f"{prefix}-s{i}" for i in range(len(priorities))], priorities)
     kv = _kv(ctx, nbytes, 3)
-    spans, lat = Spans(), []
+    spans, lat = Spans(), list[float]()
     t0 = time.monotonic()
     stop = t0 + seconds
     try:
@@ -171,7 +175,9 @@ async def urgent(ctx: WorkerContext, *, url: str, group: str, prefix: str, rx: s
     bulk = await _agents(ctx, url, group, [f"{prefix}-b{i}" for i in range(n_bulk)])
     (hot,) = await _agents(ctx, url, group, [f"{prefix}-u"])
     bulk_kv, urgent_kv = _kv(ctx, bulk_bytes, 4), _kv(ctx, urgent_bytes, 5)
-    spans, bulk_lat, urgent_lat = Spans(), [], []
+    spans = Spans()
+    bulk_lat: list[float] = []
+    urgent_lat: list[float] = []
     t0 = time.monotonic()
     stop = t0 + seconds
 

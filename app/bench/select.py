@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -39,15 +40,15 @@ from typing import Any
 
 import torch
 
+from kvbus.app.bench.rounds import FULL_ROUNDS, median, spread
+from kvbus.app.bench.select_quality import Quality
+from kvbus.app.local import NatsServer
 from kvbus.bus import Bus, BusConfig, EmulatedLink
 from kvbus.codecs import get_codec
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
 from kvbus.group_scheduler.cost_model import CostModel, Endpoint, Link
 from kvbus.group_scheduler.selection import AdaptiveSelector
 from kvbus.kvcache import KVCache
-from kvbus.app.bench.rounds import FULL_ROUNDS, median, spread
-from kvbus.app.bench.select_quality import Quality
-from kvbus.app.local import NatsServer
 from kvbus.signature import ModelSignature
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ CONTEXTS = (128, 1024, 2048)
 
 
 def make_kv(signature: ModelSignature, n_tokens: int, seed: int = 0) -> KVCache:
+    """A KV-like random cache (a few outlier channels, as real keys have)."""
     g = torch.Generator().manual_seed(seed)
     shape = (1, signature.n_kv_heads, n_tokens, signature.head_dim)
 
@@ -77,6 +79,7 @@ def make_kv(signature: ModelSignature, n_tokens: int, seed: int = 0) -> KVCache:
 
 @dataclass
 class Harness:
+    """The bench harness: buses, scheduler, model and quality figures."""
     url: str
     sched: GroupScheduler
     tx_bus: Bus
@@ -91,6 +94,7 @@ class Harness:
     n: int = 0
 
     async def pair(self, shape: str, mbit: float, latency_ms: float = 0.5) -> tuple[Any, Any]:
+        """A fresh sender (on the emulated link) and receiver."""
         self.n += 1
         link = EmulatedLink.mbit(mbit, latency_ms)
         tx = await self.tx_bus.agent(f"sel-tx{self.n}", group="select", runner=self.runner, link=link)
@@ -102,6 +106,7 @@ class Harness:
         return self.quality.loss_s(medium, n)
 
     async def once(self, tx: Any, rx: Any, kv: KVCache, medium: str | None) -> tuple[float, str, int]:
+        """One send of ``kv`` (fresh token ids); (latency, medium, bytes)."""
         # A fresh context each time (new token ids over the same tensors): the receiver holds no
         # prefix of it, so delta media cannot make a repeated send look free.
         self.n += 1
@@ -111,6 +116,7 @@ class Harness:
         return report.total_s, report.medium, report.nbytes
 
     def predict(self, shape: str, n: int, mbit: float, medium: str) -> float:
+        """The cost model's predicted latency of ``medium`` for this cell."""
         sig = self.runner.signature
         end = Endpoint(sig, model=self.model.default_model_costs)
         est = self.model.estimate(medium, n_tokens=n, kv_bytes=n * sig.kv_bytes_per_token(),
@@ -126,7 +132,8 @@ async def _cell(h: Harness, shape: str, n: int, mbit: float, rounds: int) -> dic
     preds = {m: h.predict(shape, n, mbit, m) for m in h.media}
     row["predicted"] = {m: (round(p, 4) if math.isfinite(p) else None) for m, p in preds.items()}
     best_pred = min(preds.values())
-    statics = [m for m in h.media if math.isfinite(preds[m]) and not (preds[m] > h.cap_s and preds[m] > 1.5 * best_pred)]
+    statics = [m for m in h.media
+               if math.isfinite(preds[m]) and not (preds[m] > h.cap_s and preds[m] > 1.5 * best_pred)]
     await h.once(tx, rx, kv, None)  # warm-up: the scheduler sees the link once
     lat: dict[str, list[float]] = {m: [] for m in ["adaptive", *statics]}
     obj: dict[str, list[float]] = {m: [] for m in ["adaptive", *statics]}
@@ -223,7 +230,7 @@ async def _switches(url: str, h: Harness, shape: str, n: int, hysteresis: float,
             center = _solve_crossover(report.decision.get("candidates", []), rate) or center
         await tx.close()
         await rx.close()
-        return sum(1 for a, b in zip(media, media[1:]) if a != b)
+        return sum(1 for a, b in itertools.pairwise(media) if a != b)
     finally:
         await sched.close()
 
@@ -242,7 +249,7 @@ def _solve_crossover(candidates: list[dict[str, Any]], mbit: float) -> float | N
                 continue
             rate = (a["bytes"] - b["bytes"]) / (other_b - other_a)
             if rate > 0:
-                return min(1e5, max(1.0, rate * 8 / 1e6))
+                return float(min(1e5, max(1.0, rate * 8 / 1e6)))
         break
     return None
 

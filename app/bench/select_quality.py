@@ -93,8 +93,8 @@ class Quality:
 
     def loss_s(self, medium: str, n: int) -> float:
         """The objective's penalty for ``medium`` at ``n`` tokens (measured fidelity and decode time)."""
-        f = self.of(medium, n)["fidelity"]
-        return self.loss_weight * OUTPUT_TOKENS * (1.0 - f) * self.decode_token_s
+        f = float(self.of(medium, n)["fidelity"])
+        return float(self.loss_weight * OUTPUT_TOKENS * (1.0 - f) * self.decode_token_s)
 
     def table(self) -> dict[str, dict[str, dict[str, float]]]:
         """Every measured fidelity: medium -> context length -> figures."""

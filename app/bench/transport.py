@@ -1,4 +1,4 @@
-"""`kvbus bench transport`: kvbus send/receive vs a plain nats-py loop vs Redis SET/GET.
+r"""`kvbus bench transport`: kvbus send/receive vs a plain nats-py loop vs Redis SET/GET.
 
 The same bytes (a Llama-3-8B-shaped bf16 KV-cache of 64 MB, and one of 1 MB) move between two
 OS processes on the same embedded servers three ways:
@@ -25,10 +25,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import threading
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -37,12 +37,12 @@ import redis.asyncio as aioredis
 import torch
 
 from kvbus import telemetry
+from kvbus.app.bench.rounds import spread
+from kvbus.app.local import NatsServer, RedisServer
 from kvbus.bus import Bus, BusConfig
 from kvbus.bus.stream import ChunkPlan
 from kvbus.codecs import get_codec
 from kvbus.kvcache import KVCache
-from kvbus.app.bench.rounds import spread
-from kvbus.app.local import NatsServer, RedisServer
 from kvbus.signature import ModelSignature
 
 LLAMA3_8B = ModelSignature("llama-3-8b-shape", n_layers=32, n_kv_heads=8, head_dim=128, dtype="bfloat16",
@@ -69,7 +69,7 @@ class OtlpSink:
         self.bytes = 0
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 sink.requests += 1
                 sink.bytes += len(body)
@@ -86,6 +86,7 @@ class OtlpSink:
         threading.Thread(target=self.server.serve_forever, daemon=True, name="kvbus-otlp-sink").start()
 
     def close(self) -> None:
+        """Count one export."""
         self.server.shutdown()
         self.server.server_close()
 

@@ -108,26 +108,32 @@ class NetnsNet(BenchNet):
         self.workers: list[Worker] = []
 
     def url(self, host: str) -> str:
+        """The NATS URL as ``host`` reaches it."""
         return self.nats_url
 
     async def worker(self, host: str, name: str, *, env: dict[str, str] | None = None) -> Worker:
+        """A worker process on ``host``."""
         w = await Worker.on_host(self.tb, host, name, env=env)
         self.workers.append(w)
         return w
 
     def set_link(self, target: str, **changes: float) -> None:
+        """Change a link now."""
         self.tb.set_link(target, **changes)
 
     def link(self, target: str) -> LinkSpec:
+        """The link as it is now."""
         return self.tb.links.get(target) or self.topology.link(target)
 
     def describe(self) -> dict[str, Any]:
+        """What the bench records in ``config``."""
         out = self.tb.describe()
         out["links_now"] = {t: {"rate_mbit": link.rate_mbit, "delay_ms": link.delay_ms, "jitter_ms": link.jitter_ms,
                                 "loss_pct": link.loss_pct} for t, link in self.tb.links.items()}
         return out
 
     async def close(self) -> None:
+        """Stop everything."""
         for w in self.workers:
             await w.close(timeout=10)
         self.tb.teardown()
@@ -190,18 +196,21 @@ class EmulatedNet(BenchNet):
         return None
 
     def url(self, host: str) -> str:
+        """The NATS URL as ``host`` reaches it."""
         route = self._route(host)
         if route is None:
             return self.nats_url
         return f"nats://127.0.0.1:{self._relays[route][1]}"
 
     async def worker(self, host: str, name: str, *, env: dict[str, str] | None = None) -> Worker:
+        """A worker process on ``host``."""
         self.topology.host(host)
         w = await Worker.local(name, folder=self.folder, env=env)
         self.workers.append(w)
         return w
 
     def set_link(self, target: str, **changes: float) -> None:
+        """Change a link now."""
         from dataclasses import replace
 
         new = replace(self.links[target], **changes)  # type: ignore[arg-type]
@@ -212,15 +221,18 @@ class EmulatedNet(BenchNet):
             relay[0].stdin.flush()
 
     def link(self, target: str) -> LinkSpec:
+        """The link as it is now."""
         return self.links[target]
 
     def describe(self) -> dict[str, Any]:
+        """What the bench records in ``config``."""
         return {"network": "emulated", "why": self.reason, "topology": self.topology.to_dict(),
                 "links": "paced TCP relays in user space for the links listed in relayed (rate and delay; no loss, "
                          "no kernel queue); every other path is loopback",
                 "relayed": sorted(self._relays)}
 
     async def close(self) -> None:
+        """Stop everything."""
         for w in self.workers:
             await w.close(timeout=10)
         for proc, _ in self._relays.values():

@@ -280,7 +280,8 @@ class Testbed:
         self.state.save()
 
     def spawn(self, host: str, argv: Sequence[str], *, name: str, env: Mapping[str, str] | None = None,
-              stdin: int | IO[Any] | None = subprocess.DEVNULL, stdout: int | IO[Any] | None = None) -> subprocess.Popen[Any]:
+              stdin: int | IO[Any] | None = subprocess.DEVNULL,
+              stdout: int | IO[Any] | None = None) -> subprocess.Popen[Any]:
         """Start ``argv`` in ``host``'s namespace as its own process (session); stdout and stderr go to
         ``<run folder>/<name>.log`` unless ``stdout`` is given (then only stderr does)."""
         log_path = self.folder / f"{name}.log"

@@ -144,7 +144,8 @@ def capabilities() -> Capabilities:
             return Capabilities(True, True, True, False, False, False, f"veth or bridge devices do not work: {exc}")
         htb = tc("qdisc", "add", "dev", "pb", "root", "handle", "1:", "htb", ns=probe, check=False).returncode == 0
         if not htb:
-            return Capabilities(True, True, True, False, False, False, "the kernel has no htb qdisc (CONFIG_NET_SCH_HTB)")
+            return Capabilities(True, True, True, False, False, False,
+                                "the kernel has no htb qdisc (CONFIG_NET_SCH_HTB)")
         netem = tc("qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms", ns=probe,
                    check=False).returncode == 0
         nfqueue = False

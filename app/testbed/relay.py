@@ -17,7 +17,6 @@ import sys
 import time
 from collections import deque
 
-
 #: Bytes a direction holds at most beyond what the link let through.
 QUEUE_BYTES = 256 * 1024
 

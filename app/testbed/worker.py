@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib
 import itertools
 import json
@@ -53,7 +54,7 @@ class WorkerContext:
         for fn in reversed(self._closers):
             try:
                 await fn()
-            except Exception:  # noqa: BLE001 - one failed close must not keep the others from running
+            except Exception:
                 logger.exception("worker clean-up failed")
         self._closers.clear()
 
@@ -92,7 +93,7 @@ async def serve() -> None:
             reply({"id": rid, "ok": True, "result": result})
         except asyncio.CancelledError:
             reply({"id": rid, "ok": False, "error": "cancelled"})
-        except Exception as exc:  # noqa: BLE001 - reported to the driver
+        except Exception as exc:
             logger.exception("operation %s failed", op)
             reply({"id": rid, "ok": False, "error": f"{type(exc).__name__}: {exc}",
                    "traceback": traceback.format_exc()[-3000:]})
@@ -214,11 +215,11 @@ class Worker:
             fut.set_exception(ProcessFailed(self.name, "worker", f"exited: {self._log_tail()}"))
             return fut
         self._futures[rid] = fut
-        fut.add_done_callback(lambda f, rid=rid: self._on_done(f, rid))
+        fut.add_done_callback(functools.partial(self._on_done, rid=rid))
         self._write({"id": rid, "op": op, "args": args})
         return fut
 
-    def _on_done(self, fut: asyncio.Future[Any], rid: int) -> None:
+    def _on_done(self, fut: asyncio.Future[Any], *, rid: int) -> None:
         if fut.cancelled() and self.proc.poll() is None:
             with contextlib.suppress(OSError, ValueError):
                 self._write({"cancel": rid})
