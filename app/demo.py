@@ -53,9 +53,9 @@ def static_policies() -> tuple[str, ...]:
 STATIC_POLICIES = static_policies()
 #: `kvbus demo` by default: rounds (each runs every policy once), tasks of the workflow, tokens per step.
 #: Eleven policies over a 20 Mbit/s uplink: the default is sized to finish in minutes.
-DEMO_ROUNDS = 3
+DEMO_ROUNDS = 2
 DEMO_TASKS = 1
-DEMO_TOKENS = 8
+DEMO_TOKENS = 4
 ROLES = (("coordinator", "coordinator", "plan", 3.0), ("verifier", "verifier", "plan", 2.0),
          ("executor1", "executor", "plan", 1.0), ("executor2", "executor", "remote", 1.0),
          ("archivist", "archivist", "remote", 0.5))
@@ -347,11 +347,11 @@ def run_demo(*, nats_url: str | None = None, redis_url: str | None = None, quick
     exit code. ``nats_url`` runs the workflow in this process on a server of your own instead.
 
     Defaults: `DEMO_TASKS` task(s), `DEMO_TOKENS` tokens per step, `DEMO_ROUNDS` rounds of every
-    policy (``quick``: 4 tokens, 2 rounds)."""
+    policy (``quick``: 2 tokens)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     console = Console(width=max(120, shutil.get_terminal_size((120, 40)).columns))
-    new_tokens = new_tokens or (4 if quick else DEMO_TOKENS)
-    rounds = rounds or (2 if quick else DEMO_ROUNDS)
+    new_tokens = new_tokens or (2 if quick else DEMO_TOKENS)
+    rounds = rounds or DEMO_ROUNDS
     tasks = tasks or DEMO_TASKS
     del redis_url  # the cache tier is used by agents that opt in; this workflow keeps its KV in memory
     t0 = time.perf_counter()

@@ -32,9 +32,7 @@ head_dim 64: 45 KB per token, 11.25 MB per 256-token block):
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import contextlib
 import statistics
 import subprocess
 import sys
@@ -199,47 +197,10 @@ async def _throughput_on(url: str, r: aioredis.Redis, n_tokens: int, reps: int) 
 # -- an emulated network link ----------------------------------------------------------------------
 
 
-class _Pacer:
-    """One direction of a link: bytes leave no faster than ``rate`` bytes/s (shared by all connections)."""
-
-    def __init__(self, rate: float) -> None:
-        self.rate = rate
-        self.free_at = 0.0
-
-    async def take(self, n: int) -> None:
-        now = time.monotonic()
-        self.free_at = max(self.free_at, now) + n / self.rate
-        await asyncio.sleep(self.free_at - now)
-
-
-async def _proxy(target_port: int, rate: float) -> None:
-    """A TCP relay to 127.0.0.1:``target_port`` that paces each direction to ``rate`` bytes/s."""
-    up, down = _Pacer(rate), _Pacer(rate)
-
-    async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, pacer: _Pacer) -> None:
-        try:
-            while data := await reader.read(256 * 1024):
-                await pacer.take(len(data))
-                writer.write(data)
-                await writer.drain()
-        except ConnectionError:
-            pass
-        finally:
-            writer.close()
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        target_reader, target_writer = await asyncio.open_connection("127.0.0.1", target_port)
-        await asyncio.gather(pump(reader, target_writer, up), pump(target_reader, writer, down))
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    print(f"port {server.sockets[0].getsockname()[1]}", flush=True)
-    async with server:
-        await server.serve_forever()
-
-
 def _start_proxy(target_port: int, rate: float) -> tuple[subprocess.Popen[bytes], int]:
-    proc = subprocess.Popen([sys.executable, "-m", "kvbus.app.bench.cachetier", "--proxy", str(target_port), str(rate)],
-                            stdout=subprocess.PIPE)
+    """A paced TCP relay (`kvbus.app.testbed.relay`) to the local Valkey: each direction at ``rate`` B/s."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvbus.app.testbed.relay", "127.0.0.1", str(target_port), str(rate),
+                             "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert proc.stdout is not None
     line = proc.stdout.readline().decode()
     if not line.startswith("port "):
@@ -391,7 +352,8 @@ async def _run(quick: bool, smoke: bool = False) -> dict[str, Any]:
     finally:
         await r.aclose()
         if proxy is not None:
-            proxy.terminate()
+            if proxy.stdin is not None:
+                proxy.stdin.close()  # the relay ends with its stdin
             proxy.wait(5)
         server.stop()
 
@@ -411,11 +373,3 @@ def run(*, quick: bool = False, smoke: bool = False, nats_url: str | None = None
           f"prefetch_hidden_stall_fraction {res['prefetch_hidden_stall_fraction']}  "
           f"peak_memory_vs_unmanaged {res['peak_memory_vs_unmanaged']}")
     return out
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--proxy", nargs=2, metavar=("TARGET_PORT", "BYTES_PER_SECOND"), required=True)
-    ns = parser.parse_args()
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_proxy(int(ns.proxy[0]), float(ns.proxy[1])))
