@@ -183,6 +183,33 @@ async def test_two_agents_in_two_namespaces_through_nats_in_a_third() -> None:
 
 
 @needs_testbed
+def test_links_change_on_schedule() -> None:
+    """The schedule's steps reach the kernel's queues in order (htb's rate on both ends of the link)."""
+    from kvbus.app.testbed.fabric import Testbed
+
+    topo = from_dict({**THREE_HOSTS, "schedule": [{"at_s": 0.2, "link": "host:b", "rate_mbit": 10},
+                                                  {"at_s": 0.6, "link": "host:b", "rate_mbit": 25, "delay_ms": 0}]})
+    with Testbed(topo) as tb:
+        assert tb.links["host:b"].rate_mbit == 40
+        seen = []
+        tb.start_schedule()
+        for _ in range(200):
+            rate = tb.links["host:b"].rate_mbit
+            if not seen or seen[-1] != rate:
+                seen.append(rate)
+            if rate == 25:
+                break
+            time.sleep(0.02)
+        tb.stop_schedule()
+        # In the schedule's order (a loaded machine may poll past the first step).
+        assert seen in ([40, 10, 25], [40, 25], [10, 25]), seen
+        for ns, dev in ((tb.ns("b"), "eth0"), (tb.switch_ns, f"p{2}")):
+            shown = subprocess.run(["tc", "-n", ns, "class", "show", "dev", dev], capture_output=True, text=True).stdout
+            assert "rate 25Mbit" in shown, shown
+        assert tb.links["host:b"].delay_ms == 0
+
+
+@needs_testbed
 def test_clean_removes_everything_after_the_builder_was_killed(tmp_path: Path) -> None:
     path = tmp_path / "three.toml"
     path.write_text(textwrap.dedent("""
