@@ -118,8 +118,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="two agents on SmolLM2 exchange a real KV-cache with each medium")
     _add_urls(demo)
-    demo.add_argument("--quick", action="store_true", help="shorter prompt and continuation")
-    demo.add_argument("--new-tokens", type=int, default=None, help="tokens B generates after the transfer")
+    demo.add_argument("--quick", action="store_true", help="shorter continuations (2 tokens per step)")
+    demo.add_argument("--new-tokens", type=int, default=None, help="tokens each agent generates per step")
+    demo.add_argument("--rounds", type=int, default=None, help="interleaved rounds of every policy (default 2)")
+    demo.add_argument("--tasks", type=int, default=None, help="tasks the workflow works through (default 1, up to 3)")
+    demo.add_argument(
+        "--network",
+        choices=("auto", "netns", "emulated"),
+        default=None,
+        help="the testbed (netns, needs root and iproute2), emulated links, or auto (default)",
+    )
 
     bench = sub.add_parser("bench", help="run a benchmark suite and write JSON")
     from kvbus.app.bench import SUITES
@@ -127,6 +135,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("suite", choices=sorted(SUITES), help="which suite")
     bench.add_argument("--json", dest="json_path", default=None, help="write the results to this file")
     bench.add_argument("--quick", action="store_true", help="fewer repetitions")
+    bench.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the smallest run of the suite (seconds; the test suite "
+        "runs it to check the JSON, its figures mean little)",
+    )
+    bench.add_argument(
+        "--network",
+        choices=("auto", "netns", "emulated"),
+        default=None,
+        help="links: the testbed (netns, needs root and iproute2), emulated, or auto (the testbed "
+        "when available; env KVBUS_BENCH_NETWORK)",
+    )
     bench.add_argument("--seconds", type=float, default=None, help="duration of the soak suite")
     _add_urls(bench, redis=False)
 
@@ -171,6 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     co = sub.add_parser("coordinator", help="run the coordinator")
     co.add_argument("--nats-url", default=os.environ.get("KVBUS_NATS_URL", "nats://127.0.0.1:4222"))
+
+    from kvbus.app.testbed.cli import add_parser as add_testbed
+
+    add_testbed(sub)
     return parser
 
 
@@ -319,6 +344,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 quick=args.quick,
                 new_tokens=args.new_tokens,
                 nats_options=options,
+                rounds=args.rounds,
+                network=args.network,
+                tasks=args.tasks,
             )
         elif args.command == "model-path":
             from kvbus.app.models import model_folder
@@ -333,11 +361,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             from kvbus.app.calibrate import run_calibrate
 
             return run_calibrate(quick=args.quick, out=args.out)
+        elif args.command == "testbed":
+            from kvbus.app.testbed.cli import run as run_testbed
+
+            return run_testbed(args)
         elif args.command == "bench":
             from kvbus.app.bench import run_suite
 
-            extra = {} if args.seconds is None else {"seconds": args.seconds}
-            return run_suite(args.suite, json_path=args.json_path, quick=args.quick, nats_url=args.nats_url, **extra)
+            extra: dict[str, Any] = {} if args.seconds is None else {"seconds": args.seconds}
+            if args.network:
+                extra["network"] = args.network
+            return run_suite(
+                args.suite,
+                json_path=args.json_path,
+                quick=args.quick,
+                smoke=args.smoke,
+                nats_url=args.nats_url,
+                **extra,
+            )
     except (ConfigError, NatsConnectError) as exc:
         # A wrong setting or a refused credential: one sentence, no traceback. Neither error
         # quotes a password, token or seed.

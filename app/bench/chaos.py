@@ -359,9 +359,11 @@ def _figures(
     }
 
 
-def run(*, quick: bool = False, transfers: int | None = None, seed: int = 1, **_: Any) -> dict[str, Any]:
-    """Run the chaos suite (``transfers`` defaults to 1000, 200 with ``quick``)."""
-    n = transfers or (200 if quick else 1000)
+def run(
+    *, quick: bool = False, smoke: bool = False, transfers: int | None = None, seed: int = 1, **_: Any
+) -> dict[str, Any]:
+    """Run the chaos suite (``transfers`` defaults to 1000, 200 with ``quick``, 30 for a smoke run)."""
+    n = transfers or (30 if smoke else 200 if quick else 1000)
     results = asyncio.run(_chaos(n, seed))
     print(
         f"chaos: {results['delivered']} delivered, {results['failed_with_error']} failed with an error, "

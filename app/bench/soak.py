@@ -151,9 +151,12 @@ async def _soak(seconds: float, agents: int) -> dict[str, Any]:
         server.stop()
 
 
-def run(*, quick: bool = False, seconds: float | None = None, agents: int = AGENTS, **_: Any) -> dict[str, Any]:
-    """Run the soak (``seconds`` defaults to 120, 20 with ``quick``)."""
-    s = seconds or (20.0 if quick else 120.0)
+def run(
+    *, quick: bool = False, smoke: bool = False, seconds: float | None = None, agents: int | None = None, **_: Any
+) -> dict[str, Any]:
+    """Run the soak (``seconds`` defaults to 120, 20 with ``quick``, 10 with 8 agents for a smoke run)."""
+    s = seconds or (10.0 if smoke else 20.0 if quick else 120.0)
+    agents = agents or (8 if smoke else AGENTS)
     results = asyncio.run(_soak(s, agents))
     print(
         f"soak: {results['agents']} agents, {results['transfers']} transfers in {results['seconds']} s, "
@@ -163,6 +166,12 @@ def run(*, quick: bool = False, seconds: float | None = None, agents: int = AGEN
     )
     return {
         "suite": "soak",
-        "config": {"seconds": s, "agents": agents, "keep_bases": CONFIG.keep_bases, "context_bytes": CONTEXT_BYTES},
+        "config": {
+            "network": "loopback",
+            "seconds": s,
+            "agents": agents,
+            "keep_bases": CONFIG.keep_bases,
+            "context_bytes": CONTEXT_BYTES,
+        },
         "results": results,
     }

@@ -1,4 +1,4 @@
-"""`kvbus bench transport`: kvbus send/receive vs a plain nats-py loop vs Redis SET/GET.
+r"""`kvbus bench transport`: kvbus send/receive vs a plain nats-py loop vs Redis SET/GET.
 
 The same bytes (a Llama-3-8B-shaped bf16 KV-cache of 64 MB, and one of 1 MB) move between two
 OS processes on the same embedded servers three ways:
@@ -8,7 +8,10 @@ OS processes on the same embedded servers three ways:
 (b) a plain nats-py publish/subscribe loop that publishes exactly the messages kvbus publishes
     (the same chunk plan over the same bytes) with the same credit window and acknowledgement
     interval, timed until the receiver has every chunk;
-(c) redis-py ``SET`` then a ``GET`` by the receiver process.
+(c) redis-py ``SET`` then a ``GET`` by the receiver process (one command each, the whole payload);
+(d) the loop a competent redis-py user writes for large values: the payload in chunks (1 MB or
+    4 MB), ``SET`` in pipelines of several chunks (no transaction), then the receiver ``GET``\ s them
+    in pipelines the same way; both chunkings run and the faster (by median) is the figure.
 
 Runs alternate between the three ways; the figure per way is the median of its runs. A fourth
 way, alternating with them, is (a) with tracing and metrics on in all three processes (spans
@@ -35,6 +38,7 @@ import redis.asyncio as aioredis
 import torch
 
 from kvbus import telemetry
+from kvbus.app.bench.rounds import spread
 from kvbus.app.local import NatsServer, RedisServer
 from kvbus.bus import Bus, BusConfig
 from kvbus.bus.chunking import ChunkPlan
@@ -54,6 +58,9 @@ LLAMA3_8B = ModelSignature(
 RAW_SUBJECT = "kvbus.app.bench.raw"
 CREDIT_SUBJECT = "kvbus.app.bench.raw.credit"
 REDIS_SUBJECT = "kvbus.app.bench.redis"
+REDIS_CHUNKED_SUBJECT = "kvbus.app.bench.redis.chunked"
+#: (chunk bytes, chunks per pipeline) of the pipelined redis-py loops.
+REDIS_PIPELINED = {"1MB_x8": (1 << 20, 8), "4MB_x4": (4 << 20, 4)}
 GROUP = "bench"
 #: The group, receiver and sender of the traced runs (their own scheduler and receiver process).
 TRACED_GROUP, TRACED_RX, TRACED_TX = "bench-otel", "bench-rx-otel", "bench-tx-otel"
@@ -156,9 +163,21 @@ async def _peer(nats_url: str, redis_url: str, chunk_size: int, window: int, ack
         data = await r.get(msg.data.decode())
         await nc.publish(msg.reply, str(len(data or b"")).encode())
 
+    async def on_redis_chunked(msg: Any) -> None:
+        prefix, n, per = msg.data.decode().split("|")
+        total = 0
+        keys = [f"{prefix}:{i}" for i in range(int(n))]
+        for lo in range(0, len(keys), int(per)):
+            async with r.pipeline(transaction=False) as pipe:
+                for k in keys[lo : lo + int(per)]:
+                    pipe.get(k)
+                total += sum(len(x or b"") for x in await pipe.execute())
+        await nc.publish(msg.reply, str(total).encode())
+
     if not traced:  # the traced receiver takes part in the kvbus runs only
         await nc.subscribe(RAW_SUBJECT, cb=on_raw, pending_bytes_limit=1 << 30)
         await nc.subscribe(REDIS_SUBJECT, cb=on_redis)
+        await nc.subscribe(REDIS_CHUNKED_SUBJECT, cb=on_redis_chunked)
     await nc.flush()
     print("ready", flush=True)
 
@@ -223,11 +242,29 @@ async def _redis_once(nc: Any, r: Any, payload: memoryview, key: str) -> float:
     return dt
 
 
-async def _run(quick: bool, nats_url: str | None) -> dict[str, Any]:
+async def _redis_pipelined_once(nc: Any, r: Any, payload: memoryview, key: str, chunk: int, per: int) -> float:
+    """The payload in ``chunk``-byte pieces, SET in pipelines of ``per``; the receiver GETs them likewise."""
+    pieces = [payload[lo : lo + chunk] for lo in range(0, payload.nbytes, chunk)]
+    keys = [f"{key}:{i}" for i in range(len(pieces))]
+    t = time.perf_counter()
+    for lo in range(0, len(pieces), per):
+        async with r.pipeline(transaction=False) as pipe:
+            for k, piece in zip(keys[lo : lo + per], pieces[lo : lo + per]):
+                pipe.set(k, piece)
+            await pipe.execute()
+    reply = await nc.request(REDIS_CHUNKED_SUBJECT, f"{key}|{len(pieces)}|{per}".encode(), timeout=60)
+    dt = time.perf_counter() - t
+    if int(reply.data) != payload.nbytes:
+        raise RuntimeError("pipelined redis GETs returned the wrong size")
+    await r.delete(*keys)
+    return dt
+
+
+async def _run(quick: bool, nats_url: str | None, smoke: bool = False) -> dict[str, Any]:
     cfg = BusConfig.from_env()
     chunk_size, window, ack_every = cfg.chunk_size, cfg.window, cfg.ack_every
     sizes = {"64MB": 64 * 1024 * 1024, "1MB": 1024 * 1024}
-    reps = {"64MB": 3 if quick else 7, "1MB": 10 if quick else 30}
+    reps = {"64MB": 1, "1MB": 2} if smoke else {"64MB": 3 if quick else 7, "1MB": 10 if quick else 30}
     nats_srv = None if nats_url else NatsServer().start()
     url = nats_url or nats_srv.url  # type: ignore[union-attr]
     redis_srv = RedisServer().start()
@@ -291,12 +328,20 @@ async def _run(quick: bool, nats_url: str | None) -> dict[str, Any]:
             flat = memoryview(b"".join(encoded.buffers))
             chunks = [flat[lo:hi] for lo, hi in plan.ranges]
             # Warm up every path once (connections, JIT-free first-touch allocations).
-            for _ in range(2):
+            for _ in range(1 if smoke else 2):
                 await _kvbus_once(agent, kv)
                 await _nats_once(nc, chunks, window)
                 await _redis_once(nc, r, payload, "kvbus-bench")
+                for cs, per in REDIS_PIPELINED.values():
+                    await _redis_pipelined_once(nc, r, payload, "kvbus-bench-p", cs, per)
                 await _traced_once(traced_agent, kv)
-            times: dict[str, list[float]] = {"kvbus": [], "nats_py": [], "redis": [], "kvbus_traced": []}
+            times: dict[str, list[float]] = {
+                "kvbus": [],
+                "nats_py": [],
+                "redis": [],
+                "kvbus_traced": [],
+                **{f"redis_pipelined_{k}": [] for k in REDIS_PIPELINED},
+            }
             for i in range(reps[label]):
                 # Traced and untraced runs back to back, in turn first (what ran before a run,
                 # a 64 MB Redis GET say, must not favour one of them).
@@ -307,7 +352,15 @@ async def _run(quick: bool, nats_url: str | None) -> dict[str, Any]:
                     times["kvbus_traced"].append(await _traced_once(traced_agent, kv))
                 times["nats_py"].append(await _nats_once(nc, chunks, window))
                 times["redis"].append(await _redis_once(nc, r, payload, "kvbus-bench"))
+                for name, (cs, per) in REDIS_PIPELINED.items():
+                    times[f"redis_pipelined_{name}"].append(
+                        await _redis_pipelined_once(nc, r, payload, "kvbus-bench-p", cs, per)
+                    )
             mbps = {k: kv.nbytes / statistics.median(v) / 1e6 for k, v in times.items()}
+            best_pipe = max(REDIS_PIPELINED, key=lambda k: mbps[f"redis_pipelined_{k}"])
+            mbps["redis_pipelined"] = mbps[f"redis_pipelined_{best_pipe}"]
+            # Per run (kvbus and the pipelined loop ran back to back): the ratio's spread.
+            per_run = [b / a for a, b in zip(times["kvbus"], times[f"redis_pipelined_{best_pipe}"])]
             results[label] = {
                 "bytes": kv.nbytes,
                 "kvbus_MBps": round(mbps["kvbus"], 1),
@@ -315,6 +368,12 @@ async def _run(quick: bool, nats_url: str | None) -> dict[str, Any]:
                 "redis_MBps": round(mbps["redis"], 1),
                 "ratio_vs_nats_py": round(mbps["kvbus"] / mbps["nats_py"], 3),
                 "ratio_vs_redis": round(mbps["kvbus"] / mbps["redis"], 3),
+                "redis_pipelined_MBps": round(mbps["redis_pipelined"], 1),
+                "redis_pipelined_loop": best_pipe,
+                "redis_pipelined_by_loop_MBps": {k: round(mbps[f"redis_pipelined_{k}"], 1) for k in REDIS_PIPELINED},
+                "ratio_vs_redis_pipelined": round(mbps["kvbus"] / mbps["redis_pipelined"], 3),
+                "ratio_vs_redis_pipelined_runs": spread(per_run, digits=3),
+                "ratio_vs_nats_py_runs": spread((b / a for a, b in zip(times["kvbus"], times["nats_py"])), digits=3),
                 "kvbus_traced_MBps": round(mbps["kvbus_traced"], 1),
                 "tracing_overhead": round(mbps["kvbus_traced"] / mbps["kvbus"], 3),
                 "runs": reps[label],
@@ -330,9 +389,19 @@ async def _run(quick: bool, nats_url: str | None) -> dict[str, Any]:
         return {
             "suite": "transport",
             "config": {
+                "network": "loopback",
                 "chunk_size": chunk_size,
                 "window": window,
                 "ack_every": ack_every,
+                "redis_baselines": {
+                    "redis": "one SET of the whole payload, then one GET (the naive loop)",
+                    "redis_pipelined": "chunked SETs in pipelines, then chunked GETs in "
+                    "pipelines; the faster of "
+                    + ", ".join(
+                        f"{k} ({c >> 20} MB chunks, {n} per pipeline)" for k, (c, n) in REDIS_PIPELINED.items()
+                    ),
+                },
+                "runs": reps,
                 "sizes": sizes,
                 "kv_shape": "llama-3-8b (32 layers, 8 kv heads, head_dim 128, bf16)",
                 "timing": "median of alternating runs, two processes, embedded nats-server and valkey",
@@ -340,6 +409,8 @@ async def _run(quick: bool, nats_url: str | None) -> dict[str, Any]:
             "results": {
                 "ratio_vs_nats_py": top["ratio_vs_nats_py"],
                 "ratio_vs_redis": top["ratio_vs_redis"],
+                "ratio_vs_redis_pipelined": top["ratio_vs_redis_pipelined"],
+                "redis_pipelined_MBps": top["redis_pipelined_MBps"],
                 "kvbus_MBps": top["kvbus_MBps"],
                 "nats_py_MBps": top["nats_py_MBps"],
                 "redis_MBps": top["redis_MBps"],
@@ -373,14 +444,16 @@ async def _traced_once(agent: Any, kv: KVCache) -> float:
         telemetry.set_enabled(False)
 
 
-def run(*, quick: bool = False, nats_url: str | None = None) -> dict[str, Any]:
-    """Run the suite, print a line per size, return the results (``kvbus bench transport``)."""
-    out = asyncio.run(_run(quick, nats_url))
+def run(*, quick: bool = False, smoke: bool = False, nats_url: str | None = None, **_: Any) -> dict[str, Any]:
+    """Run the suite (``smoke``: one timed run per size)."""
+    out = asyncio.run(_run(quick, nats_url, smoke))
     for label, row in out["results"]["by_size"].items():
         print(
             f"{label:>5}: kvbus {row['kvbus_MBps']:8.1f} MB/s  nats-py {row['nats_py_MBps']:8.1f} MB/s  "
-            f"redis {row['redis_MBps']:8.1f} MB/s  kvbus/nats-py {row['ratio_vs_nats_py']:.2f}  "
-            f"kvbus/redis {row['ratio_vs_redis']:.2f}  traced/untraced {row['tracing_overhead']:.3f}"
+            f"redis {row['redis_MBps']:8.1f} MB/s  redis pipelined {row['redis_pipelined_MBps']:8.1f} MB/s  "
+            f"kvbus/nats-py {row['ratio_vs_nats_py']:.2f}  kvbus/redis {row['ratio_vs_redis']:.2f}  "
+            f"kvbus/redis pipelined {row['ratio_vs_redis_pipelined']:.2f}  traced/untraced "
+            f"{row['tracing_overhead']:.3f}"
         )
     return out
 
