@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from enum import Enum
 from typing import Any
 
@@ -45,13 +46,16 @@ class Bus:
     @classmethod
     async def connect(
         cls,
-        url: str = "nats://127.0.0.1:4222",
+        url: str | Sequence[str] = "nats://127.0.0.1:4222",
         *,
         config: BusConfig | None = None,
         secure: bool = False,
         **nats_options: Any,
     ) -> Bus:
         """Connect to NATS at ``url`` (extra keyword arguments go to `nats.connect`).
+
+        ``url`` may name several servers (a comma-separated string or a list: every server of
+        a cluster); the bus connects to one and reconnects to a survivor when it dies.
 
         Args:
             secure: the server enforces per-agent permissions (`kvbus up --secure`,

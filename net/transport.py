@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+
+from kvbus.net.servers import reconnect_options, server_urls
 
 logger = logging.getLogger(__name__)
 
@@ -58,15 +60,21 @@ class NatsTransport:
         self.nc = nc
 
     @classmethod
-    async def connect(cls, url: str, **options: Any) -> NatsTransport:
+    async def connect(cls, url: str | Sequence[str], **options: Any) -> NatsTransport:
+        """Connect to one of the servers in ``url`` (a URL, a comma-separated list or a sequence).
+
+        The client reconnects for ever, to any server of the list (or of the cluster, which the
+        server tells it about), and notices a stopped server by its pings (`kvbus.net.servers`).
+        ``options`` go to `nats.connect` and win over these defaults.
+        """
+        servers = server_urls(url)
         opts: dict[str, Any] = {
             "name": "kvbus",
-            "max_reconnect_attempts": -1,
-            "reconnect_time_wait": 0.5,
             "pending_size": 64 * 1024 * 1024,
+            **reconnect_options(servers),
         }
         opts.update(options)
-        return cls(await nats.connect(url, **opts))
+        return cls(await nats.connect(servers, **opts))
 
     @property
     def max_payload(self) -> int:
