@@ -407,6 +407,12 @@ class ValkeyCluster:
         self._wait(deadline, lambda: self._state_ok_without(index), f"cluster ok without node {index}")
         return next(i for i in candidates if self.roles().get(i) == "master")
 
+    def wait_failover(self, index: int, timeout: float = FORM_TIMEOUT) -> None:
+        """After primary ``index`` died: wait until its slots are served again (``cluster_state:ok``
+        with every slot covered on every other running node)."""
+        deadline = time.monotonic() + timeout
+        self._wait(deadline, lambda: self._state_ok_without(index), f"cluster ok without node {index}")
+
     def _state_ok_without(self, index: int) -> bool:
         for i, n in enumerate(self.nodes):
             if i == index or not n.running:
