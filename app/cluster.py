@@ -42,7 +42,15 @@ class ClusterNatsServer(NatsServer):
     """One server of a `NatsCluster`: a `NatsServer` with a name, a route port and the routes."""
 
     def __init__(
-        self, *, server_name: str, port: int, cluster_port: int, http_port: int, routes: list[int], cluster_name: str
+        self,
+        *,
+        server_name: str,
+        port: int,
+        cluster_port: int,
+        http_port: int,
+        routes: list[int],
+        cluster_name: str,
+        extra_config: str = "",
     ) -> None:
         route_list = ", ".join(f"nats-route://127.0.0.1:{p}" for p in routes)
         extra = (
@@ -50,6 +58,7 @@ class ClusterNatsServer(NatsServer):
             f"http_port: {http_port}\n"
             f"cluster {{\n  name: {cluster_name}\n  host: 127.0.0.1\n  port: {cluster_port}\n"
             f"  routes: [{route_list}]\n  connect_retries: 120\n}}\n"
+            f"{extra_config}"
         )
         super().__init__(port=port, extra_config=extra)
         self.server_name = server_name
@@ -95,9 +104,10 @@ class NatsCluster:
     Args:
         size: servers (3 makes R3 buckets possible).
         name: the cluster's name (``cluster.name``).
+        extra_config: more nats-server configuration for every server (``kvbus up --secure``'s users).
     """
 
-    def __init__(self, size: int = 3, *, name: str = "kvbus") -> None:
+    def __init__(self, size: int = 3, *, name: str = "kvbus", extra_config: str = "") -> None:
         if size < 1:
             raise ValueError(f"a cluster has at least one server, not {size}")
         cluster_ports = [free_port() for _ in range(size)]
@@ -109,6 +119,7 @@ class NatsCluster:
                 http_port=free_port(),
                 routes=[p for j, p in enumerate(cluster_ports) if j != i],
                 cluster_name=name,
+                extra_config=extra_config,
             )
             for i in range(size)
         ]

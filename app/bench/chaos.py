@@ -16,6 +16,14 @@ against what its sender sent (a blake2b digest of the tokens and KV bytes). Figu
 sender as delivered but never received), ``duplicated`` (received more than once),
 ``corrupted`` (received with other bytes than were sent), ``crashed`` (a send raised anything
 but a `TransferError`). The goal is 0 for the last four.
+
+With ``nats_cluster=N`` (``kvbus bench chaos --nats-cluster 3``) the run uses a real N-server NATS
+cluster (`kvbus.app.cluster.NatsCluster`, buckets at R3) and every client is given every server;
+instead of restarting the one server, a random server is killed (SIGKILL) every few seconds and
+started again on its ports and store once it was down a moment (one at a time: R3 keeps a
+quorum). Extra figures: ``cluster_servers``, ``server_kills``, the transfer p99 overall and of the
+transfers in flight while a server was down, and the time from each kill to the next completed
+transfer (``resume_s``).
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from typing import Any
 
 import torch
 
+from kvbus.app.cluster import NatsCluster
 from kvbus.app.local import NatsServer
 from kvbus.bus import Bus, BusConfig, TransferError
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
@@ -139,12 +148,16 @@ class Receiver:
         self.restarts += 1
 
 
-async def _chaos(transfers: int, seed: int, concurrency: int = 16) -> dict[str, Any]:
+async def _chaos(transfers: int, seed: int, concurrency: int = 16, nats_cluster: int = 0) -> dict[str, Any]:
     rng = random.Random(seed)
-    server = NatsServer().start()
+    cluster = NatsCluster(nats_cluster).start() if nats_cluster > 1 else None
+    server = None if cluster is not None else NatsServer().start()
     buses: list[Bus] = []
+    timings: list[tuple[float, float]] = []  # (start, end) of every send, perf_counter
+    resumes: list[tuple[float, float]] = []  # per kill: seconds to reconnect its clients, to write control state
+    outages: list[tuple[float, float]] = []  # (kill, back) of every server kill
     try:
-        url = server.url
+        url = cluster.url if cluster is not None else server.url  # type: ignore[union-attr]
         sched_cfg = SchedulerConfig(max_active=16)
         sched = await GroupScheduler.connect(url, GROUP, config=sched_cfg)
         deliveries: list[tuple[str, str, str]] = []
@@ -181,6 +194,7 @@ async def _chaos(transfers: int, seed: int, concurrency: int = 16) -> dict[str, 
             rx = receivers[rng.randrange(len(receivers))]
             j = rng.randrange(len(pool))
             async with sem:
+                started = time.perf_counter()
                 try:
                     report = await tx.send(rx.name, pool[j], medium="full")
                     sent[report.transfer_id] = (rx.name, digests[j])
@@ -194,6 +208,7 @@ async def _chaos(transfers: int, seed: int, concurrency: int = 16) -> dict[str, 
                     crashed.append(f"{type(exc).__name__}: {exc}")
                 finally:
                     done += 1
+                    timings.append((started, time.perf_counter()))
 
         async def inject() -> None:
             nonlocal sched
@@ -204,6 +219,8 @@ async def _chaos(transfers: int, seed: int, concurrency: int = 16) -> dict[str, 
                     await rng.choice(receivers).restart(rng.uniform(0.05, 0.5))
                     faults["receiver_restarts"] += 1
                 elif roll < 0.8:
+                    if server is None:
+                        continue  # on a cluster, `kill_servers` kills the servers
                     server.kill()
                     await asyncio.sleep(rng.uniform(0.1, 1.0))
                     await asyncio.to_thread(server.start)
@@ -215,14 +232,34 @@ async def _chaos(transfers: int, seed: int, concurrency: int = 16) -> dict[str, 
                     sched = await GroupScheduler.connect(url, GROUP, config=sched_cfg)
                     faults["scheduler_restarts"] += 1
 
+        async def kill_servers() -> None:
+            assert cluster is not None
+            probes = []
+            while done < transfers:
+                await asyncio.sleep(rng.uniform(2.0, 5.0))
+                victim = rng.randrange(cluster.size)
+                port = cluster.servers[victim].port
+                on_victim = [b for b in buses if _server_port(b) == port]
+                killed = time.perf_counter()
+                cluster.kill(victim)
+                faults["server_kills"] = faults.get("server_kills", 0) + 1
+                probes.append(asyncio.create_task(_resume_after_kill(killed, port, on_victim, buses[0], resumes)))
+                await asyncio.sleep(rng.uniform(0.5, 2.0))
+                await asyncio.to_thread(cluster.restart, victim)
+                outages.append((killed, time.perf_counter()))
+            await asyncio.gather(*probes, return_exceptions=True)
+
         t0 = time.perf_counter()
-        injector = asyncio.create_task(inject())
+        injectors = [asyncio.create_task(inject())]
+        if cluster is not None:
+            injectors.append(asyncio.create_task(kill_servers()))
         await asyncio.gather(*(one(k) for k in range(transfers)))
-        injector.cancel()
-        try:
-            await injector
-        except asyncio.CancelledError:
-            pass
+        for injector in injectors:
+            injector.cancel()
+            try:
+                await injector
+            except asyncio.CancelledError:
+                pass
         elapsed = time.perf_counter() - t0
         await asyncio.sleep(0.5)
         for r in receivers:
@@ -250,27 +287,102 @@ async def _chaos(transfers: int, seed: int, concurrency: int = 16) -> dict[str, 
             "crash_samples": crashed[:5],
             "faults": {**faults, **dict(injected)},
             "seconds": round(elapsed, 2),
+            **(cluster_figures(cluster.size, timings, outages, resumes) if cluster is not None else {}),
         }
     finally:
         for b in buses:
             await b.close()
-        server.stop()
+        if server is not None:
+            server.stop()
+        if cluster is not None:
+            cluster.stop()
 
 
-def run(*, quick: bool = False, transfers: int | None = None, seed: int = 1, **_: Any) -> dict[str, Any]:
-    """Run the chaos suite (``transfers`` defaults to 1000, 200 with ``quick``)."""
+def _p99_ms(durations: list[float]) -> float | None:
+    if not durations:
+        return None
+    ordered = sorted(durations)
+    return round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1000, 1)
+
+
+def _server_port(bus: Bus) -> int | None:
+    url = getattr(getattr(bus.transport, "nc", None), "connected_url", None)
+    return url.port if url is not None else None
+
+
+async def _resume_after_kill(
+    killed: float, port: int, on_victim: list[Bus], probe: Bus, out: list[tuple[float, float]], limit_s: float = 30.0
+) -> None:
+    """Seconds from a kill until every client of the dead server is connected to a survivor, and
+    until control state can be written again (a put in the agent directory, whose stream may have
+    to elect a new leader)."""
+    reconnect = control = None
+    directory = await probe.directory()
+    while time.perf_counter() - killed < limit_s and (reconnect is None or control is None):
+        now = time.perf_counter()
+        if reconnect is None and all(_server_port(b) not in (None, port) for b in on_victim):
+            reconnect = now - killed
+        if control is None and directory is not None:
+            try:
+                await asyncio.wait_for(directory.put("chaos-probe", str(now).encode()), 1.0)
+                control = time.perf_counter() - killed
+            except Exception:  # noqa: BLE001 - not yet: the stream has no leader
+                pass
+        await asyncio.sleep(0.01)
+    out.append((reconnect if reconnect is not None else limit_s, control if control is not None else limit_s))
+
+
+def _median_max(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"median": None, "max": None}
+    return {"median": round(sorted(values)[len(values) // 2], 3), "max": round(max(values), 3)}
+
+
+def cluster_figures(
+    servers: int,
+    timings: list[tuple[float, float]],
+    outages: list[tuple[float, float]],
+    resumes: list[tuple[float, float]],
+) -> dict[str, Any]:
+    """The cluster run's figures: transfer p99 overall and while a server was down, time to resume."""
+    during = [end - start for start, end in timings if any(start < back and end > kill for kill, back in outages)]
+    return {
+        "cluster_servers": servers,
+        "server_kills": len(outages),
+        "transfer_p99_ms": _p99_ms([end - start for start, end in timings]),
+        "transfer_p99_during_failover_ms": _p99_ms(during),
+        "transfers_during_failover": len(during),
+        "resume_s": {
+            "reconnect": _median_max([r for r, _ in resumes]),
+            "control_state": _median_max([c for _, c in resumes]),
+        },
+    }
+
+
+def run(
+    *, quick: bool = False, transfers: int | None = None, seed: int = 1, nats_cluster: int = 0, **_: Any
+) -> dict[str, Any]:
+    """Run the chaos suite (``transfers`` defaults to 1000, 200 with ``quick``; ``nats_cluster``
+    servers in a real NATS cluster instead of one server)."""
     n = transfers or (200 if quick else 1000)
-    results = asyncio.run(_chaos(n, seed))
+    results = asyncio.run(_chaos(n, seed, nats_cluster=nats_cluster))
     print(
         f"chaos: {results['delivered']} delivered, {results['failed_with_error']} failed with an error, "
         f"{results['lost']} lost, {results['duplicated']} duplicated, {results['corrupted']} corrupted, "
         f"{results['crashed']} crashed; faults {results['faults']}"
     )
+    if nats_cluster > 1:
+        print(
+            f"chaos on a {results['cluster_servers']}-server cluster: {results['server_kills']} server kills; "
+            f"transfer p99 {results['transfer_p99_ms']} ms, {results['transfer_p99_during_failover_ms']} ms while a "
+            f"server was down; resume after a kill {results['resume_s']} s"
+        )
     return {
         "suite": "chaos",
         "config": {
             "transfers": n,
             "seed": seed,
+            "nats_cluster": nats_cluster,
             "bus": {"ack_timeout": CONFIG.ack_timeout, "peer_timeout": CONFIG.peer_timeout},
         },
         "results": results,
