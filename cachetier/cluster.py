@@ -106,7 +106,8 @@ def cluster_client(url: str, config: CacheTierConfig, retry: Any) -> RedisCluste
 
 
 class ClusterWriter:
-    """Writes records to their primaries, each batch followed by ``WAIT`` on the same connection.
+    """Writes records to their primaries, each batch followed by ``WAIT`` on the same connection;
+    reads them from their primaries, one pipeline per primary.
 
     One plain client per primary (by ``host:port``): a standalone pipeline runs on one
     connection, which is what ``WAIT`` counts.
@@ -229,6 +230,56 @@ class ClusterWriter:
             else:
                 out.append(None)
         return out
+
+    async def read(self, record_keys: Sequence[str], ttl: int) -> list[Any]:
+        """``HGETALL`` (and ``EXPIRE`` with ``ttl``) of each record on its primary, one pipeline per
+        primary at once: per record its fields, or the exception that kept it from being read.
+
+        A primary that is down or failing over fails only its own records (they miss and are
+        recomputed); the others are read as usual.
+        """
+        await self.client.initialize()
+        out: list[Any] = [None] * len(record_keys)
+        by_node: dict[str, tuple[ClusterNode, list[int]]] = {}
+        for i, rk in enumerate(record_keys):
+            try:
+                node = self.client.get_node_from_key(rk)
+            except RedisError as exc:
+                out[i] = exc
+                continue
+            if node is None:
+                out[i] = RemoteUnavailable(self.url, f"no node serves {rk}")
+                continue
+            by_node.setdefault(node.name, (node, []))[1].append(i)
+        results = await asyncio.gather(
+            *(self._read_node(node, [record_keys[i] for i in idx], ttl) for node, idx in by_node.values())
+        )
+        refresh = False
+        for (_, idx), replies in zip(by_node.values(), results):
+            for i, reply in zip(idx, replies):
+                out[i] = reply
+                refresh = refresh or isinstance(reply, (*REROUTE, RemoteUnavailable))
+        if refresh:
+            # The next call routes by the cluster's current view (a failover moved slots).
+            try:
+                await self.client.nodes_manager.initialize()
+            except (RedisError, OSError):
+                logger.debug("cluster topology refresh failed", exc_info=True)
+        return out
+
+    async def _read_node(self, node: ClusterNode, record_keys: Sequence[str], ttl: int) -> list[Any]:
+        client = self._node_client(node)
+        try:
+            async with client.pipeline(transaction=False) as pipe:
+                for rk in record_keys:
+                    pipe.hgetall(rk)
+                    if ttl:
+                        pipe.expire(rk, ttl)
+                replies = await pipe.execute(raise_on_error=False)
+        except (RedisError, OSError) as exc:
+            self._nodes.pop(node.name, None)
+            return [RemoteUnavailable(self.url, f"{node.name}: {type(exc).__name__}: {exc}")] * len(record_keys)
+        return list(replies[::2] if ttl else replies)
 
     async def close(self) -> None:
         """Close the per-node clients."""

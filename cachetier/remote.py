@@ -203,7 +203,16 @@ class RemoteStore:
         """
         if not record_keys:
             return []
-        replies = await self._pipeline(record_keys, lambda pipe, _, rk: pipe.hgetall(rk), ttl=self.config.remote_ttl)
+        replies: Sequence[Any]
+        if self.writer is not None:
+            # On a cluster: one pipeline per primary; a primary that is down misses only its records.
+            replies = await self.writer.read(record_keys, self.config.remote_ttl)
+            if all(isinstance(r, RemoteUnavailable) for r in replies):
+                raise replies[0]
+        else:
+            replies = await self._pipeline(
+                record_keys, lambda pipe, _, rk: pipe.hgetall(rk), ttl=self.config.remote_ttl
+            )
         out: list[dict[bytes, bytes]] = []
         for rk, reply in zip(record_keys, replies):
             if isinstance(reply, BaseException) or not isinstance(reply, dict):

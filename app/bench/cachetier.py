@@ -387,8 +387,13 @@ async def _run(quick: bool) -> dict[str, Any]:
         server.stop()
 
 
-def run(*, quick: bool = False, nats_url: str | None = None, **_: Any) -> dict[str, Any]:
-    """Run the suite (``nats_url`` is accepted for the common CLI and not used)."""
+def run(*, quick: bool = False, nats_url: str | None = None, redis_cluster: bool = False, **_: Any) -> dict[str, Any]:
+    """Run the suite (``nats_url`` is accepted for the common CLI and not used); with
+    ``redis_cluster``, its cluster variant (`kvbus.app.bench.cachetier_cluster`)."""
+    if redis_cluster:
+        from kvbus.app.bench.cachetier_cluster import run_cluster
+
+        return run_cluster(quick=quick)
     out = asyncio.run(_run(quick))
     res = out["results"]
     tp = res["throughput"]
