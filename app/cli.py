@@ -215,6 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--nats-url", default=_env_nats_url())
     st.add_argument("--group", default=os.environ.get("KVBUS_GROUP", "default"))
     st.add_argument("--bytes", type=int, default=4 << 20)
+    st.add_argument(
+        "--expect-replicas",
+        type=int,
+        default=0,
+        help="also check that every kvbus bucket has this many replicas, all current (needs --nats-monitor-url)",
+    )
+    st.add_argument("--nats-monitor-url", default=None, help="NATS monitoring endpoint, e.g. http://nats:8222")
 
     co = sub.add_parser("coordinator", help="run the coordinator")
     co.add_argument("--nats-url", default=_env_nats_url("nats://127.0.0.1:4222"), help="NATS server(s), comma-separated")
@@ -356,7 +363,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "coordinator":
             asyncio.run(_coordinator(args))
         elif args.command == "selftest":
-            return asyncio.run(_selftest(args.nats_url or _stack_nats_url(), args.group, args.bytes))
+            rc = asyncio.run(_selftest(args.nats_url or _stack_nats_url(), args.group, args.bytes))
+            if rc == 0 and args.expect_replicas:
+                from kvbus.app.selftest import check_bucket_replicas
+
+                if not args.nats_monitor_url:
+                    raise SystemExit("--expect-replicas needs --nats-monitor-url")
+                wait = float(os.environ.get("KVBUS_SELFTEST_REPLICAS_WAIT", "60") or 60)
+                rc = check_bucket_replicas(args.nats_monitor_url, args.expect_replicas, timeout=wait)
+            return rc
         elif args.command == "top":
             asyncio.run(_top(args.nats_url or _stack_nats_url(), args))
         elif args.command == "demo":

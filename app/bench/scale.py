@@ -26,6 +26,9 @@ How it runs on a small machine:
   of 64 keep that share flat however many agents there are; one group makes it grow with them.
 
 Run as ``kvbus bench scale --json out.json`` (``--quick``: 64 and 256 agents, shorter windows).
+With ``--nats-cluster N`` every configuration runs on a fresh N-server NATS cluster instead, the
+groups spread over its servers: group k's scheduler and client process k connect to server
+k mod N first (``KVBUS_NATS_PIN``), so requests and grants cross the routes between servers.
 """
 
 from __future__ import annotations
@@ -172,9 +175,16 @@ def _cpu_seconds(pid: int) -> float:
         return float("nan")
 
 
-async def _run_config(mode: str, n: int, *, seconds: float, rate: float) -> dict[str, Any]:
+def _pinned_url(urls: list[str], k: int) -> str:
+    """Every server, server ``k mod len(urls)`` first (with KVBUS_NATS_PIN=1: the one it prefers)."""
+    k %= len(urls)
+    return ",".join(urls[k:] + urls[:k])
+
+
+async def _run_config(mode: str, n: int, *, seconds: float, rate: float, nats_cluster: int = 0) -> dict[str, Any]:
     import nats
 
+    from kvbus.app.cluster import NatsCluster
     from kvbus.app.local import NatsServer
 
     n_groups = 1 if mode == "flat" else max(1, n // GROUP_SIZE)
@@ -193,12 +203,19 @@ async def _run_config(mode: str, n: int, *, seconds: float, rate: float) -> dict
         "KVBUS_SCHEDULER_PREEMPT": "false",
         "KVBUS_SCHEDULER_LEADER_TTL_S": "0",
     }
-    server = NatsServer().start()
+    server: NatsServer | NatsCluster
+    if nats_cluster > 1:
+        server = NatsCluster(nats_cluster).start()
+        urls = server.urls
+        env["KVBUS_NATS_PIN"] = "1"
+    else:
+        server = NatsServer().start()
+        urls = [server.url]
     procs: list[subprocess.Popen[str]] = []
     try:
         scheds = [
-            _spawn(["-m", "kvbus.app.cli", "group-scheduler", "--group", g, "--nats-url", server.url], env)
-            for g in groups
+            _spawn(["-m", "kvbus.app.cli", "group-scheduler", "--group", g, "--nats-url", _pinned_url(urls, k)], env)
+            for k, g in enumerate(groups)
         ]
         procs += scheds
         for p in scheds:
@@ -206,14 +223,14 @@ async def _run_config(mode: str, n: int, *, seconds: float, rate: float) -> dict
         # Whole groups per client process where they fit, so a process's agents share connections.
         chunks = [triples[i::CLIENT_PROCESSES] for i in range(CLIENT_PROCESSES)]
         cl = [
-            _spawn(["-m", "kvbus.app.bench.scale", "--client", server.url, str(i), str(rate), json.dumps(c)], env)
+            _spawn(["-m", "kvbus.app.bench.scale", "--client", _pinned_url(urls, i), str(i), str(rate), json.dumps(c)], env)
             for i, c in enumerate(chunks)
             if c
         ]
         procs += cl
         for p in cl:
             await _wait_line(p, "ready", 300)
-        nc = await nats.connect(server.url)
+        nc = await nats.connect(urls)
         inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
 
         async def on_result(msg: Any) -> None:
@@ -239,6 +256,8 @@ async def _run_config(mode: str, n: int, *, seconds: float, rate: float) -> dict
         return {
             "agents": n,
             "groups": n_groups,
+            "cluster_servers": len(urls),
+            "groups_per_server": [len(groups[k :: len(urls)]) for k in range(len(urls))],
             "client_processes": len(cl),
             "offered_per_s": n * rate,
             "transfers": len(overhead),
@@ -263,14 +282,22 @@ async def _run_config(mode: str, n: int, *, seconds: float, rate: float) -> dict
         server.stop()
 
 
-def run(*, quick: bool = False, nats_url: str | None = None, seconds: float | None = None, **_: Any) -> dict[str, Any]:
-    """Flat and hierarchical at each size; the growth and flat/hier ratios the issue asks for."""
+def run(
+    *,
+    quick: bool = False,
+    nats_url: str | None = None,
+    seconds: float | None = None,
+    nats_cluster: int = 0,
+    **_: Any,
+) -> dict[str, Any]:
+    """Flat and hierarchical at each size; the growth and flat/hier ratios the issue asks for
+    (on an ``nats_cluster``-server NATS cluster, groups spread over the servers, when given)."""
     sizes = [64, 256] if quick else [64, 256, 1024]
     window = seconds or (5.0 if quick else SECONDS)
     results: dict[str, Any] = {"flat": {}, "hier": {}}
     for n in sizes:
         for mode in ("flat", "hier"):
-            res = asyncio.run(_run_config(mode, n, seconds=window, rate=RATE_PER_AGENT))
+            res = asyncio.run(_run_config(mode, n, seconds=window, rate=RATE_PER_AGENT, nats_cluster=nats_cluster))
             results[mode][str(n)] = res
             print(
                 f"{mode:5s} {n:5d} agents, {res['groups']:3d} groups, {res['achieved_per_s']:6.0f} transfers/s: "
@@ -297,6 +324,7 @@ def run(*, quick: bool = False, nats_url: str | None = None, seconds: float | No
     )
     config = {
         "sizes": sizes,
+        "nats_cluster": nats_cluster,
         "group_size": GROUP_SIZE,
         "seconds": window,
         "warmup_s": WARMUP_S,
