@@ -224,7 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--nats-monitor-url", default=None, help="NATS monitoring endpoint, e.g. http://nats:8222")
 
     co = sub.add_parser("coordinator", help="run the coordinator")
-    co.add_argument("--nats-url", default=_env_nats_url("nats://127.0.0.1:4222"), help="NATS server(s), comma-separated")
+    co.add_argument(
+        "--nats-url", default=_env_nats_url("nats://127.0.0.1:4222"), help="NATS server(s), comma-separated"
+    )
     return parser
 
 
@@ -247,9 +249,10 @@ async def _up(args: argparse.Namespace) -> None:
         grants = [AgentGrant(n, groups[0], broadcasts_from=tuple(m for m in names if m != n)) for n in names]
         extra, creds = permissions_config(grants, groups)
         save_credentials(creds, CREDENTIALS_FILE)
-    with _embedded_clusters(args, extra) as (nats_url, redis_url), LocalServers(
-        nats_url=nats_url, redis_url=redis_url, nats_extra_config=extra
-    ) as servers:
+    with (
+        _embedded_clusters(args, extra) as (nats_url, redis_url),
+        LocalServers(nats_url=nats_url, redis_url=redis_url, nats_extra_config=extra) as servers,
+    ):
         # KVBUS_NATS_* (identity, TLS) is for a server given with --nats-url; the embedded one
         # has no authentication, or the --secure users.
         shared = await _nats_options(servers.nats_url) if args.nats_url else {}

@@ -75,7 +75,7 @@ class ClusterNatsServer(NatsServer):
         """
         url = f"http://127.0.0.1:{self.http_port}{path}"
         try:
-            with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 - loopback monitor port
+            with urllib.request.urlopen(url, timeout=timeout) as resp:
                 return json.loads(resp.read())
         except urllib.error.HTTPError as exc:  # /healthz answers 503 with a JSON body until it is ready
             return json.loads(exc.read() or b"{}")

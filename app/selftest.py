@@ -103,7 +103,7 @@ def check_bucket_replicas(monitor_url: str, expected: int, *, timeout: float = 6
     found: dict[str, tuple[int, str | None, bool]] = {}
     while True:
         try:
-            with urllib.request.urlopen(url, timeout=5) as resp:  # noqa: S310 - the chart's own monitor URL
+            with urllib.request.urlopen(url, timeout=5) as resp:
                 jsz = json.loads(resp.read())
             found = {}
             for account in jsz.get("account_details") or []:
@@ -128,7 +128,10 @@ def check_bucket_replicas(monitor_url: str, expected: int, *, timeout: float = 6
         peers = "every peer online" if complete else "a peer missing or offline"
         print(f"bucket {name}: {replicas} replica(s), leader {leader}, {peers}", flush=True)
     if not ok:
-        print(f"selftest FAILED: kvbus buckets should have {expected} replica(s), a leader, every peer online", file=sys.stderr)
+        print(
+            f"selftest FAILED: kvbus buckets should have {expected} replica(s), a leader, every peer online",
+            file=sys.stderr,
+        )
         return 1
     print(f"selftest OK: {len(found)} bucket(s) with {expected} replica(s)", flush=True)
     return 0

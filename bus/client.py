@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import warnings
 from collections.abc import Sequence
 from enum import Enum
@@ -42,6 +43,12 @@ class Bus:
         self.status = Status.CONNECTED
         self._agents: dict[str, Agent] = {}
         self._directory: Any = None
+        self._completed: dict[str, collections.OrderedDict[str, float]] = {}
+
+    def completed_ids(self, agent: str) -> collections.OrderedDict[str, float]:
+        """The ids of transfers delivered to ``agent`` on this bus (kept across the agent closing
+        and registering again, so a sender's repeated `Open` is never delivered twice)."""
+        return self._completed.setdefault(agent, collections.OrderedDict())
 
     @classmethod
     async def connect(

@@ -48,9 +48,9 @@ from urllib.parse import urlsplit
 
 import nats
 
-from kvbus.net.servers import server_urls
 from kvbus.config import from_env, redact_url
 from kvbus.errors import ConfigError, NatsConnectError
+from kvbus.net.servers import server_urls
 
 #: ``KVBUS_NATS_<FIELD>`` variables.
 ENV_SECTION = "NATS"

@@ -19,7 +19,7 @@ import pytest
 from kvbus.app.cluster import NatsCluster
 from kvbus.bus import Bus, BusConfig, TransferError
 from kvbus.coordinator import Coordinator
-from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
+from kvbus.group_scheduler import GroupScheduler
 from kvbus.net.buckets import BucketReplicasError, bucket_report, cluster_size, key_value, with_retry
 from kvbus.net.servers import server_urls
 from kvbus.protocol import AGENTS_BUCKET, CHUNK_INDEX_HEADER, COORD_BUCKET
@@ -156,7 +156,7 @@ async def drain(agent: Any, quiet_s: float = 2.0) -> list[Any]:
     while True:
         try:
             out.append(await agent.receive(timeout=quiet_s))
-        except Exception:  # noqa: BLE001 - a timeout ends the drain
+        except Exception:
             return out
 
 
@@ -249,7 +249,7 @@ async def test_stopped_server_comes_back_and_rejoins(cluster: NatsCluster, monke
             try:
                 entry = await (await watcher.jetstream().key_value(AGENTS_BUCKET)).get("st-while-away")
                 break
-            except Exception:  # noqa: BLE001 - not caught up yet
+            except Exception:
                 await asyncio.sleep(0.2)
         assert entry is not None and entry.value == b"x"
         await directory.delete("st-while-away")
@@ -266,3 +266,51 @@ async def cleanup_buses() -> AsyncIterator[list[Bus]]:
     yield buses
     for b in buses:
         await b.close()
+
+
+class RecordOpens:
+    """Transport wrapper: remembers the Open requests the sender made (subject, frame)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.opens: list[tuple[str, bytes]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def request(self, subject: str, payload: bytes, timeout: float) -> bytes:
+        if ".inbox." in subject:
+            self.opens.append((subject, bytes(payload)))
+        return bytes(await self.inner.request(subject, payload, timeout))
+
+
+@pytest.mark.parametrize("nbytes", [16 << 10, 1 << 20], ids=["inline", "streamed"])
+async def test_repeated_open_after_the_receiver_registers_again_is_not_delivered_twice(
+    nats_url: str, scheduler: GroupScheduler, nbytes: int
+) -> None:
+    """The reply to a delivered transfer's Open (or its last ack) can be lost when a server dies;
+    the sender then asks again with the same transfer id. A receiver that meanwhile closed and
+    registered again on the same bus must answer "done", not deliver it a second time (found by
+    `kvbus bench chaos --nats-cluster 3`: 3 duplicates in 1000 transfers)."""
+    from kvbus.protocol import OpenReply
+
+    tx_bus = await Bus.connect(nats_url, config=CLUSTER_CFG)
+    rx_bus = await Bus.connect(nats_url, config=CLUSTER_CFG)
+    try:
+        tx = await tx_bus.agent("again-tx", signature=SIG)
+        rx = await rx_bus.agent("again-rx", signature=SIG)
+        recorder = RecordOpens(tx._transport)
+        tx._transport = recorder
+        kv = kv_of_bytes(SIG, nbytes, seed=3)
+        report = await tx.send(rx.name, kv, medium="full")
+        assert (await rx.receive(timeout=10)).transfer_id == report.transfer_id
+        subject, frame = recorder.opens[0]
+        await rx.close()
+        rx = await rx_bus.agent("again-rx", signature=SIG)  # the same agent, back on the same bus
+        reply = OpenReply.decode(await rx_bus.transport.request(subject, frame, timeout=5))
+        assert reply.ok and reply.done
+        with pytest.raises(TimeoutError):
+            await rx.receive(timeout=1.0)
+    finally:
+        await tx_bus.close()
+        await rx_bus.close()

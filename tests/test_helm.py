@@ -968,7 +968,16 @@ def test_selftest_checks_bucket_replicas_on_a_real_cluster() -> None:
             line = sched.stdout.readline().decode()  # it prints one line once it serves
             assert line.startswith("group scheduler"), line
             monitor = f"http://127.0.0.1:{c.servers[2].http_port}"
-            base = [sys.executable, "-m", "kvbus.app.cli", "selftest", "--bytes", "65536", "--nats-monitor-url", monitor]
+            base = [
+                sys.executable,
+                "-m",
+                "kvbus.app.cli",
+                "selftest",
+                "--bytes",
+                "65536",
+                "--nats-monitor-url",
+                monitor,
+            ]
             ok = subprocess.run([*base, "--expect-replicas", "3"], env=env, capture_output=True, text=True, timeout=120)
             assert ok.returncode == 0, ok.stdout + ok.stderr
             assert "bucket kvbus_agents: 3 replica(s)" in ok.stdout
@@ -982,6 +991,32 @@ def test_selftest_checks_bucket_replicas_on_a_real_cluster() -> None:
             assert bad.returncode == 1 and "should have 1 replica(s)" in bad.stderr, bad.stdout + bad.stderr
         finally:
             _stop(sched)
+
+
+def test_redis_cluster_mode() -> None:
+    docs = render(files=(str(CHART / "ci" / "redis-cluster-values.yaml"),))
+    sts = one(docs, "StatefulSet", f"{RELEASE}-redis")
+    assert sts["spec"]["replicas"] == 6 and sts["spec"]["serviceName"] == f"{RELEASE}-redis-headless"
+    conf = one(docs, "ConfigMap", f"{RELEASE}-redis-config")["data"]["redis.conf"]
+    for line in ("cluster-enabled yes", "cluster-config-file /data/nodes.conf", "include /run/redis/announce.conf"):
+        assert line in conf
+    headless = one(docs, "Service", f"{RELEASE}-redis-headless")
+    assert headless["spec"]["clusterIP"] == "None"
+    assert {p["port"] for p in headless["spec"]["ports"]} == {6379, 16379}
+    job = one(docs, "Job", f"{RELEASE}-redis-cluster-create")
+    assert job["metadata"]["annotations"]["helm.sh/hook"] == "post-install,post-upgrade"
+    script = pod_spec(job)["containers"][0]["command"][-1]
+    assert "--cluster-replicas 1" in script and script.count(f"-headless.{NAMESPACE}.svc.cluster.local") == 6
+    # The password never is on a command line, and kvbus pods reach the cluster with the cluster client.
+    assert "REDIS_PASSWORD" not in script
+    for what, c in kvbus_containers(docs):
+        env = env_of(c)
+        if "KVBUS_REDIS_URL" in env:
+            assert env["KVBUS_REDIS_URL"].startswith("redis+cluster://:$(KVBUS_REDIS_PASSWORD)@"), what
+    standalone = render()
+    assert one(standalone, "StatefulSet", f"{RELEASE}-redis")["spec"]["replicas"] == 1
+    assert not [d for d in by_kind(standalone, "Job")]
+    assert "/redis/cluster/shards" in render_error("redis.mode=cluster", "redis.cluster.shards=2")
 
 
 def test_external_nats_and_redis() -> None:

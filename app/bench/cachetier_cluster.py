@@ -33,13 +33,13 @@ class _Confirmed(TierListener):
         self.lost: set[str] = set()
         self.hook: Any = None
 
-    def offloaded(self, keys: list[str]) -> None:  # noqa: D102 - TierListener's
+    def offloaded(self, keys: list[str]) -> None:
         self.confirmed.update(keys)
         if self.hook is not None:
             hook, self.hook = self.hook, None
             hook()
 
-    def missed(self, keys: list[str]) -> None:  # noqa: D102 - TierListener's
+    def missed(self, keys: list[str]) -> None:
         self.lost.update(keys)
 
 
@@ -48,7 +48,11 @@ async def _tier(url: str, kv: KVCache, listener: TierListener | None = None, **o
         block_tokens=BLOCK, key_prefix=f"kvbus:bench:{uuid.uuid4().hex[:8]}:", remote_ttl=0, codec="full", **options
     )
     return await CacheTier.connect(
-        url, signature=kv.signature, config=config, policy=UtilityPolicy(codec="full", drop_below=0.0), listener=listener
+        url,
+        signature=kv.signature,
+        config=config,
+        policy=UtilityPolicy(codec="full", drop_below=0.0),
+        listener=listener,
     )
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
+import io
 import logging
 import random
 import time
@@ -43,6 +44,7 @@ from kvbus.app.local import NatsServer
 from kvbus.bus import Bus, BusConfig, TransferError
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
 from kvbus.kvcache import KVCache
+from kvbus.net.buckets import key_value
 from kvbus.protocol import CHUNK_INDEX_HEADER, CHUNK_SUM_HEADER
 from kvbus.signature import ModelSignature
 
@@ -50,6 +52,8 @@ logger = logging.getLogger(__name__)
 
 SIG = ModelSignature("chaos-model", n_layers=4, n_kv_heads=4, head_dim=64, dtype="bfloat16", vocab_size=32000)
 GROUP = "chaos"
+#: The bucket the cluster run writes to after each server kill (to time the control plane's return).
+PROBE_BUCKET = "kvbus_chaos_probe"
 CONFIG = BusConfig(
     chunk_size=256 * 1024,
     ack_timeout=0.3,
@@ -235,6 +239,7 @@ async def _chaos(transfers: int, seed: int, concurrency: int = 16, nats_cluster:
         async def kill_servers() -> None:
             assert cluster is not None
             probes = []
+            probe_kv = await key_value(buses[0].transport.nc.jetstream(), PROBE_BUCKET)  # type: ignore[attr-defined]
             while done < transfers:
                 await asyncio.sleep(rng.uniform(2.0, 5.0))
                 victim = rng.randrange(cluster.size)
@@ -243,14 +248,14 @@ async def _chaos(transfers: int, seed: int, concurrency: int = 16, nats_cluster:
                 killed = time.perf_counter()
                 cluster.kill(victim)
                 faults["server_kills"] = faults.get("server_kills", 0) + 1
-                probes.append(asyncio.create_task(_resume_after_kill(killed, port, on_victim, buses[0], resumes)))
+                probes.append(asyncio.create_task(_resume_after_kill(killed, port, on_victim, probe_kv, resumes)))
                 await asyncio.sleep(rng.uniform(0.5, 2.0))
                 await asyncio.to_thread(cluster.restart, victim)
                 outages.append((killed, time.perf_counter()))
             await asyncio.gather(*probes, return_exceptions=True)
 
         t0 = time.perf_counter()
-        injectors = [asyncio.create_task(inject())]
+        injectors = [asyncio.create_task(inject()), asyncio.create_task(_watchdog(lambda: done))]
         if cluster is not None:
             injectors.append(asyncio.create_task(kill_servers()))
         await asyncio.gather(*(one(k) for k in range(transfers)))
@@ -305,26 +310,43 @@ def _p99_ms(durations: list[float]) -> float | None:
     return round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1000, 1)
 
 
+async def _watchdog(progress: Any, quiet_s: float = 120.0) -> None:
+    """Log the stack of every task when no send finished for ``quiet_s`` (a hang is a bug: every
+    send must end with a report or an error), once per stall."""
+    last, since, dumped = progress(), time.monotonic(), False
+    while True:
+        await asyncio.sleep(5.0)
+        now = progress()
+        if now != last:
+            last, since, dumped = now, time.monotonic(), False
+        elif not dumped and time.monotonic() - since > quiet_s:
+            dumped = True
+            out = io.StringIO()
+            for task in asyncio.all_tasks():
+                task.print_stack(limit=15, file=out)
+            logger.error("chaos: no send finished for %.0f s (%d done); tasks:\n%s", quiet_s, now, out.getvalue())
+
+
 def _server_port(bus: Bus) -> int | None:
     url = getattr(getattr(bus.transport, "nc", None), "connected_url", None)
     return url.port if url is not None else None
 
 
 async def _resume_after_kill(
-    killed: float, port: int, on_victim: list[Bus], probe: Bus, out: list[tuple[float, float]], limit_s: float = 30.0
+    killed: float, port: int, on_victim: list[Bus], probe: Any, out: list[tuple[float, float]], limit_s: float = 30.0
 ) -> None:
     """Seconds from a kill until every client of the dead server is connected to a survivor, and
-    until control state can be written again (a put in the agent directory, whose stream may have
-    to elect a new leader)."""
+    until control state can be written again (a put in an R3 bucket of its own, whose stream may
+    have to elect a new leader, as kvbus's own buckets do)."""
     reconnect = control = None
-    directory = await probe.directory()
+    directory = probe
     while time.perf_counter() - killed < limit_s and (reconnect is None or control is None):
         now = time.perf_counter()
         if reconnect is None and all(_server_port(b) not in (None, port) for b in on_victim):
             reconnect = now - killed
         if control is None and directory is not None:
             try:
-                await asyncio.wait_for(directory.put("chaos-probe", str(now).encode()), 1.0)
+                await asyncio.wait_for(directory.put("probe", str(now).encode()), 1.0)
                 control = time.perf_counter() - killed
             except Exception:  # noqa: BLE001 - not yet: the stream has no leader
                 pass

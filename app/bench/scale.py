@@ -223,7 +223,9 @@ async def _run_config(mode: str, n: int, *, seconds: float, rate: float, nats_cl
         # Whole groups per client process where they fit, so a process's agents share connections.
         chunks = [triples[i::CLIENT_PROCESSES] for i in range(CLIENT_PROCESSES)]
         cl = [
-            _spawn(["-m", "kvbus.app.bench.scale", "--client", _pinned_url(urls, i), str(i), str(rate), json.dumps(c)], env)
+            _spawn(
+                ["-m", "kvbus.app.bench.scale", "--client", _pinned_url(urls, i), str(i), str(rate), json.dumps(c)], env
+            )
             for i, c in enumerate(chunks)
             if c
         ]

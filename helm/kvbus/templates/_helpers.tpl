@@ -296,7 +296,9 @@ Redis.
 
 {{/* The Redis URL without credentials; empty when there is no Redis. */}}
 {{- define "kvbus.redis.url" -}}
-{{- if .Values.redis.enabled -}}
+{{- if and .Values.redis.enabled (eq .Values.redis.mode "cluster") -}}
+{{- printf "redis+cluster://%s.%s.svc.%s:%d" (default (include "kvbus.redis.fullname" .) .Values.redis.service.name) .Release.Namespace .Values.clusterDomain (int .Values.redis.port) -}}
+{{- else if .Values.redis.enabled -}}
 {{- printf "redis://%s.%s.svc.%s:%d/0" (default (include "kvbus.redis.fullname" .) .Values.redis.service.name) .Release.Namespace .Values.clusterDomain (int .Values.redis.port) -}}
 {{- else -}}
 {{- .Values.redis.external.url -}}
