@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import warnings
+from collections.abc import Sequence
 from enum import Enum
 from typing import Any
 
@@ -42,17 +44,26 @@ class Bus:
         self.status = Status.CONNECTED
         self._agents: dict[str, Agent] = {}
         self._directory: Any = None
+        self._completed: dict[str, collections.OrderedDict[str, float]] = {}
+
+    def completed_ids(self, agent: str) -> collections.OrderedDict[str, float]:
+        """The ids of transfers delivered to ``agent`` on this bus (kept across the agent closing
+        and registering again, so a sender's repeated `Open` is never delivered twice)."""
+        return self._completed.setdefault(agent, collections.OrderedDict())
 
     @classmethod
     async def connect(
         cls,
-        url: str = "nats://127.0.0.1:4222",
+        url: str | Sequence[str] = "nats://127.0.0.1:4222",
         *,
         config: BusConfig | None = None,
         secure: bool = False,
         **nats_options: Any,
     ) -> Bus:
         """Connect to NATS at ``url`` (extra keyword arguments go to `nats.connect`).
+
+        ``url`` may name several servers (a comma-separated string or a list: every server of
+        a cluster); the bus connects to one and reconnects to a survivor when it dies.
 
         Args:
             secure: the server enforces per-agent permissions (`kvbus up --secure`,

@@ -77,13 +77,19 @@ def decode_failure(exc: KVBusError) -> tuple[Reason, str]:
 class Receiver:
     """Receives contexts for one agent and puts them in its inbox."""
 
-    def __init__(self, endpoint: Endpoint, inbox: Inbox) -> None:
+    def __init__(
+        self, endpoint: Endpoint, inbox: Inbox, completed: collections.OrderedDict[str, float] | None = None
+    ) -> None:
         self._ep = endpoint
         self.inbox = inbox
         self.incoming = PartialTransfers(endpoint.config)
         """Streamed transfers being reassembled, by id, within the partial caps."""
-        self.completed: collections.OrderedDict[str, float] = collections.OrderedDict()
-        """Ids of delivered transfers (the last `COMPLETED_MEMORY`), for de-duplication."""
+        self.completed: collections.OrderedDict[str, float] = (
+            collections.OrderedDict() if completed is None else completed
+        )
+        """Ids of delivered transfers (the last `COMPLETED_MEMORY`), for de-duplication. The bus
+        passes the memory of the agent's name, so an agent that closes and registers again on the
+        same bus still answers a repeated `Open` of a transfer it delivered with "done"."""
         self.bases: dict[str, KVCache] = {}
         """Per sender: a private copy of the last context received from it (the base delta media
         decode against); deliveries never share its storage."""

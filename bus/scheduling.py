@@ -30,6 +30,7 @@ from kvbus.bus.errors import (
 from kvbus.bus.pacing import EmulatedLink
 from kvbus.errors import ReservationRefused, WireFormatError
 from kvbus.kvcache import KVCache
+from kvbus.net.buckets import with_retry
 from kvbus.net.transport import NoResponders
 from kvbus.protocol import (
     AgentRecord,
@@ -98,7 +99,9 @@ class SchedulerLink:
             return
         directory = await ep.bus.directory()
         if directory is not None:
-            await directory.put(ep.name, record.encode())
+            # The same put again is harmless: it is asked again while the bucket's stream elects
+            # a leader (a NATS server of the cluster died).
+            await with_retry(lambda: directory.put(ep.name, record.encode()), f"registering {ep.name}")
 
     async def close(self) -> None:
         """Fail the sends still waiting for a grant and remove the agent from the directory."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
@@ -75,7 +76,9 @@ class Coordinator(ReplicatedService):
         self._agents: Any = None
 
     @classmethod
-    async def connect(cls, url: str, *, nats_options: dict[str, Any] | None = None, **kwargs: Any) -> Coordinator:
+    async def connect(
+        cls, url: str | Sequence[str], *, nats_options: dict[str, Any] | None = None, **kwargs: Any
+    ) -> Coordinator:
         """Connect to NATS (``nats_options`` go to `nats.connect`: credentials, TLS, inbox prefix) and start."""
         opts = {"name": "kvbus-coordinator", **(nats_options or {})}
         coord = cls(await NatsTransport.connect(url, **opts), **kwargs)

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -137,7 +138,7 @@ class GroupScheduler(ReplicatedService):
 
     @classmethod
     async def connect(
-        cls, url: str, group: str, *, nats_options: dict[str, Any] | None = None, **kwargs: Any
+        cls, url: str | Sequence[str], group: str, *, nats_options: dict[str, Any] | None = None, **kwargs: Any
     ) -> GroupScheduler:
         """Connect to NATS (``nats_options`` go to `nats.connect`: credentials, TLS, inbox prefix) and start."""
         opts = {"name": f"kvbus-scheduler-{group}", **(nats_options or {})}

@@ -15,6 +15,8 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from kvbus.net.servers import reconnect_options, server_urls
+
 logger = logging.getLogger(__name__)
 
 #: Largest chunk kvbus puts in one NATS message, whatever the server's max_payload allows
@@ -101,17 +103,21 @@ class NatsTransport:
         """Monotonic time of the last reconnection (``-inf``: never reconnected)."""
 
     @classmethod
-    async def connect(cls, url: str, *, reconnect_grace_s: float = RECONNECT_GRACE_S, **options: Any) -> NatsTransport:
-        """Connect to the NATS server at ``url``; ``options`` override kvbus's nats-py defaults.
+    async def connect(
+        cls, url: str | Sequence[str], *, reconnect_grace_s: float = RECONNECT_GRACE_S, **options: Any
+    ) -> NatsTransport:
+        """Connect to one of the servers in ``url`` (a URL, a comma-separated list or a sequence).
 
-        The defaults reconnect forever (every 0.5 s) and buffer up to 64 MB while disconnected; a
-        ``reconnected_cb`` among ``options`` is still called.
+        The client reconnects for ever, to any server of the list (or of the cluster, which the
+        server tells it about), and notices a stopped server by its pings (`kvbus.net.servers`).
+        ``options`` go to `nats.connect` and win over these defaults; a ``reconnected_cb`` among
+        them is still called.
         """
+        servers = server_urls(url)
         opts: dict[str, Any] = {
             "name": "kvbus",
-            "max_reconnect_attempts": -1,
-            "reconnect_time_wait": 0.5,
             "pending_size": 64 * 1024 * 1024,
+            **reconnect_options(servers),
         }
         opts.update(options)
         theirs = opts.pop("reconnected_cb", None)
@@ -124,7 +130,7 @@ class NatsTransport:
                 await theirs()
 
         transport = cls(
-            await nats.connect(url, reconnected_cb=reconnected, **opts), reconnect_grace_s=reconnect_grace_s
+            await nats.connect(servers, reconnected_cb=reconnected, **opts), reconnect_grace_s=reconnect_grace_s
         )
         box.append(transport)
         return transport

@@ -394,8 +394,15 @@ async def _run(quick: bool, smoke: bool = False) -> dict[str, Any]:
         server.stop()
 
 
-def run(*, quick: bool = False, smoke: bool = False, nats_url: str | None = None, **_: Any) -> dict[str, Any]:
-    """Run the suite (``nats_url`` is accepted for the common CLI and not used)."""
+def run(
+    *, quick: bool = False, smoke: bool = False, nats_url: str | None = None, redis_cluster: bool = False, **_: Any
+) -> dict[str, Any]:
+    """Run the suite (``nats_url`` is accepted for the common CLI and not used); with
+    ``redis_cluster``, its cluster variant (`kvbus.app.bench.cachetier_cluster`)."""
+    if redis_cluster:
+        from kvbus.app.bench.cachetier_cluster import run_cluster
+
+        return run_cluster(quick=quick)
     out = asyncio.run(_run(quick, smoke))
     res = out["results"]
     tp = res["throughput"]

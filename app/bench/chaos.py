@@ -360,10 +360,22 @@ def _figures(
 
 
 def run(
-    *, quick: bool = False, smoke: bool = False, transfers: int | None = None, seed: int = 1, **_: Any
+    *,
+    quick: bool = False,
+    smoke: bool = False,
+    transfers: int | None = None,
+    seed: int = 1,
+    nats_cluster: int = 0,
+    **_: Any,
 ) -> dict[str, Any]:
-    """Run the chaos suite (``transfers`` defaults to 1000, 200 with ``quick``, 30 for a smoke run)."""
+    """Run the chaos suite (``transfers`` defaults to 1000, 200 with ``quick``, 30 for a smoke run);
+    with ``nats_cluster`` > 1, its cluster variant (`kvbus.app.bench.chaos_cluster`: a real NATS
+    cluster whose servers are killed at random)."""
     n = transfers or (30 if smoke else 200 if quick else 1000)
+    if nats_cluster > 1:
+        from kvbus.app.bench.chaos_cluster import run_cluster
+
+        return run_cluster(transfers=n, seed=seed, nats_cluster=nats_cluster)
     results = asyncio.run(_chaos(n, seed))
     print(
         f"chaos: {results['delivered']} delivered, {results['failed_with_error']} failed with an error, "

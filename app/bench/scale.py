@@ -33,6 +33,9 @@ headline ratio is taken per round and reported as median with min and max.
 
 Run as ``kvbus bench scale --json out.json`` (``--quick``: 64 and 256 agents, shorter windows, 2
 rounds).
+With ``--nats-cluster N`` every configuration runs on a fresh N-server NATS cluster instead, the
+groups spread over its servers: group k's scheduler and client process k connect to server
+k mod N first (``KVBUS_NATS_PIN``), so requests and grants cross the routes between servers.
 """
 
 from __future__ import annotations
@@ -179,6 +182,12 @@ def _cpu_seconds(pid: int) -> float:
         return float("nan")
 
 
+def _pinned_url(urls: list[str], k: int) -> str:
+    """Every server, server ``k mod len(urls)`` first (with KVBUS_NATS_PIN=1: the one it prefers)."""
+    k %= len(urls)
+    return ",".join(urls[k:] + urls[:k])
+
+
 async def _run_config(
     mode: str,
     n: int,
@@ -188,9 +197,11 @@ async def _run_config(
     clients: int = CLIENT_PROCESSES,
     warmup: float = WARMUP_S,
     group_size: int = GROUP_SIZE,
+    nats_cluster: int = 0,
 ) -> dict[str, Any]:
     import nats
 
+    from kvbus.app.cluster import NatsCluster
     from kvbus.app.local import NatsServer
 
     n_groups = 1 if mode == "flat" else max(1, n // group_size)
@@ -209,15 +220,22 @@ async def _run_config(
         "KVBUS_SCHEDULER_PREEMPT": "false",
         "KVBUS_SCHEDULER_LEADER_TTL_S": "0",
     }
-    server = NatsServer().start()
+    server: NatsServer | NatsCluster
+    if nats_cluster > 1:
+        server = NatsCluster(nats_cluster).start()
+        urls = server.urls
+        env["KVBUS_NATS_PIN"] = "1"
+    else:
+        server = NatsServer().start()
+        urls = [server.url]
     procs: list[subprocess.Popen[str]] = []
     try:
-        coord = _spawn(["-m", "kvbus.app.cli", "coordinator", "--nats-url", server.url], env)
+        coord = _spawn(["-m", "kvbus.app.cli", "coordinator", "--nats-url", ",".join(urls)], env)
         procs.append(coord)
         await _wait_line(coord, "coordinator on", 120)
         scheds = [
-            _spawn(["-m", "kvbus.app.cli", "group-scheduler", "--group", g, "--nats-url", server.url], env)
-            for g in groups
+            _spawn(["-m", "kvbus.app.cli", "group-scheduler", "--group", g, "--nats-url", _pinned_url(urls, k)], env)
+            for k, g in enumerate(groups)
         ]
         procs += scheds
         for p in scheds:
@@ -225,14 +243,16 @@ async def _run_config(
         # Whole groups per client process where they fit, so a process's agents share connections.
         chunks = [triples[i::clients] for i in range(clients)]
         cl = [
-            _spawn(["-m", "kvbus.app.bench.scale", "--client", server.url, str(i), str(rate), json.dumps(c)], env)
+            _spawn(
+                ["-m", "kvbus.app.bench.scale", "--client", _pinned_url(urls, i), str(i), str(rate), json.dumps(c)], env
+            )
             for i, c in enumerate(chunks)
             if c
         ]
         procs += cl
         for p in cl:
             await _wait_line(p, "ready", 300)
-        nc = await nats.connect(server.url)
+        nc = await nats.connect(urls)
         inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
 
         async def on_result(msg: Any) -> None:
@@ -258,6 +278,8 @@ async def _run_config(
         return {
             "agents": n,
             "groups": n_groups,
+            "cluster_servers": len(urls),
+            "groups_per_server": [len(groups[k :: len(urls)]) for k in range(len(urls))],
             "client_processes": len(cl),
             "offered_per_s": n * rate,
             "transfers": len(overhead),
@@ -290,6 +312,7 @@ def run(
     nats_url: str | None = None,
     seconds: float | None = None,
     rounds: int | None = None,
+    nats_cluster: int = 0,
     **_: Any,
 ) -> dict[str, Any]:
     """Flat and hierarchical at each size, in interleaved rounds; the growth and flat/hier ratios per round."""
@@ -315,6 +338,7 @@ def run(
                         clients=clients,
                         warmup=warmup,
                         group_size=group_size,
+                        nats_cluster=nats_cluster,
                     )
                 )
                 per[mode][str(n)].append(res)
@@ -389,6 +413,7 @@ def run(
     config = {
         "network": "loopback",
         "sizes": sizes,
+        "nats_cluster": nats_cluster,
         "group_size": group_size,
         "seconds": window,
         "warmup_s": warmup,
