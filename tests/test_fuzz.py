@@ -190,11 +190,26 @@ def _valid(kind: Any) -> Any:
         return None
     if isinstance(kind, type) and issubclass(kind, Reason):
         return ""
-    return {str: "x", bool: False, int: 1, float: 1.0, dict: {}, list: []}[kind]
+    return {str: "x", bool: False, int: 1, float: 1.0, dict: {}, list: [], bytes: b""}[kind]
 
 
 #: Field values a message needs beyond its types (checked in ``__post_init__``).
-_VALID_OVERRIDES = {"control": {"action": "rate"}}
+# Fields whose valid values are not the generic ones: a path offer is all or nothing (no direct
+# path offered here), path names come from `PATH_NAMES`.
+_NO_PATHS = {"host": "", "paths": []}
+_VALID_OVERRIDES = {
+    "control": {"action": "rate"},
+    "open": _NO_PATHS,
+    "open_reply": {
+        **_NO_PATHS,
+        "shm": "",
+        "tcp_host": "",
+        "tcp_port": 0,
+        "tls": False,
+        "token": "",
+        "token_ttl_s": 0.0,
+    },
+}
 
 
 def _numeric_fields(cls: type) -> list[str]:
