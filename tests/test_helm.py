@@ -910,7 +910,7 @@ def test_nats_cluster_and_tls() -> None:
         password = env["KVBUS_SELFTEST_SENDER_PASSWORD" if what.startswith("Pod/") else "KVBUS_NATS_PASSWORD"]
         assert password["secretKeyRef"]["name"] == "kvbus-nats-users", what
         assert env["SSL_CERT_FILE"] == "/etc/kvbus/nats-ca/ca.crt", what
-        assert c["image"] == "registry.example.com/ml/kvbus:0.1.0"
+        assert c["image"] == "registry.example.com/ml/kvbus:0.2.0"  # the pinned tag of ci/secure-values.yaml
 
 
 def _selftest_args(docs: list[dict[str, Any]]) -> list[str]:
