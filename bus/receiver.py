@@ -33,6 +33,7 @@ from kvbus.bus.errors import PayloadTooLarge
 from kvbus.bus.inbox import Inbox
 from kvbus.bus.incoming import IncomingTransfer
 from kvbus.bus.partials import PartialTransfers
+from kvbus.bus.paths import TransferSpec
 from kvbus.bus.types import Delivery
 from kvbus.codecs import Encoded, get_codec
 from kvbus.codecs.errors import CodecError, DecodeError, DeltaBaseMismatch, RecomputeUnavailable
@@ -45,6 +46,7 @@ from kvbus.protocol import (
     Reason,
     ack_subject,
     check_data_subject,
+    data_subject,
     check_name,
     subject_sender,
 )
@@ -134,7 +136,7 @@ class Receiver:
             return OpenReply(transfer_id=tid, ok=True, done=True)
         active = self.incoming.get(tid)
         if active is not None:
-            return OpenReply(transfer_id=tid, ok=True, next=active.next)
+            return self._status(active)
         restarted = self._restarted(open_msg)
         if restarted:
             logger.warning("transfer %s from %s: %s", tid, open_msg.src, restarted)
@@ -182,7 +184,32 @@ class Receiver:
         incoming.spans = (receive_span, telemetry.start("kvbus.reassemble", parent=receive_span))
         self.incoming.add(incoming)
         await incoming.start()
-        return OpenReply(transfer_id=tid, ok=True)
+        return self._offer(incoming, plan)
+
+    def _offer(self, incoming: IncomingTransfer, plan: ChunkPlan) -> OpenReply:
+        """The reply to a streamed transfer's first `Open`: the paths this receiver takes it on,
+        and for the direct ones a one-time token (NATS only for a broadcast's shared subject)."""
+        open_msg = incoming.open
+        tid = open_msg.transfer_id
+        plane = self._ep.bus.plane
+        if plane is None or open_msg.data_subject != data_subject(self._ep.name, open_msg.src, tid):
+            return OpenReply(transfer_id=tid, ok=True, paths=["nats"])
+        paths = plane.accepted_paths(open_msg.paths, open_msg.host)
+        incoming.paths = paths or ["nats"]
+        spec = TransferSpec.of(tid, open_msg.src, self._ep.name, plan.ranges, data_subject=open_msg.data_subject)
+        offer = plane.offer_direct(spec, incoming, paths)
+        if offer is None:
+            return OpenReply(transfer_id=tid, ok=True, paths=incoming.paths)
+        incoming.plane = plane
+        return OpenReply(transfer_id=tid, ok=True, paths=incoming.paths, **offer.reply_fields())
+
+    def _status(self, active: IncomingTransfer) -> OpenReply:
+        """The reply to a retried `Open` of a transfer under way: where it stands, and a fresh token
+        while no direct path is bound yet (the first reply may have been lost)."""
+        tid = active.open.transfer_id
+        offer = active.plane.reoffer(tid) if active.plane is not None and not active.via else None
+        fields = offer.reply_fields() if offer is not None else {}
+        return OpenReply(transfer_id=tid, ok=True, next=active.next, paths=active.paths, **fields)
 
     def _restarted(self, open_msg: Open) -> str:
         """Why this incarnation must refuse a retried `Open` of a transfer it does not know ('' when it may take it).
@@ -264,6 +291,7 @@ class Receiver:
                         "kvbus.chunks": incoming.count,
                         "kvbus.corrupt": incoming.corrupt,
                         "kvbus.duplicates": incoming.duplicates,
+                        "kvbus.path": ",".join(sorted(incoming.via)) or "nats",
                     }
                 )
                 verified = incoming.verify()
@@ -273,7 +301,7 @@ class Receiver:
                 return
             t0 = time.perf_counter()
             try:
-                delivery = await self._decode(incoming.opened(), incoming.assembly.result(), transfer_s)
+                delivery = await self._decode(incoming.opened(), incoming.buffers(), transfer_s)
             except KVBusError as exc:
                 telemetry.fail(receive_span, exc)
                 code, reason = decode_failure(exc)

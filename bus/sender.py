@@ -85,6 +85,8 @@ class Sender:
         """Per receiver: what it last got from this agent (delta bases)."""
         self.incarnations: collections.OrderedDict[str, str] = collections.OrderedDict()
         """Per receiver: the incarnation the last transfer to it met (retried Opens name it)."""
+        self.paths: collections.OrderedDict[str, str] = collections.OrderedDict()
+        """Per receiver: the data path the last transfer to it took (the next one likely takes it too)."""
 
     async def send(
         self, receivers: list[str], kv: KVCache, *, medium: str | None, deadline: float | None, critical: bool
@@ -140,7 +142,14 @@ class Sender:
             },
         ) as send_span:
             grant = await self._scheduler.request_grant(
-                transfer_id, receivers, kv, medium, deadline, critical, base_tokens=base_tokens
+                transfer_id,
+                receivers,
+                kv,
+                medium,
+                deadline,
+                critical,
+                base_tokens=base_tokens,
+                path=self.expected_path(receivers, kv),
             )
             t_grant = time.perf_counter()
             send_span.set_attribute("kvbus.medium", grant.medium)
@@ -181,6 +190,13 @@ class Sender:
                 telemetry.instruments().transfers.add(1, {"medium": sent_medium, "outcome": type(exc).__name__})
                 await self._scheduler.report_done(transfer_id, sent_medium, receivers, 0, 0.0, exc)
                 raise
+            path = out.path
+            send_span.set_attribute("kvbus.path", path)
+            if out.route is not None and out.route.used:
+                self.paths[receivers[0]] = out.route.used[0]
+                self.paths.move_to_end(receivers[0])
+                while len(self.paths) > INCARNATION_MEMORY:
+                    self.paths.popitem(last=False)
             failed = {rx: o.error for rx, o in outcomes.items() if o.error is not None}
             error = next(iter(failed.values())) if failed else None
             slowest_decode = max((o.decode_s for o in outcomes.values()), default=0.0)
@@ -192,6 +208,7 @@ class Sender:
                 t_done - t_grant,
                 error,
                 wire_s=max(0.0, t_done - t_enc - slowest_decode),
+                path=out.route.summary if out.route is not None else "nats",
             )
             fidelity, lossless = self._delivered(receivers, kv, codec, encoded)
             for rx, o in outcomes.items():
@@ -220,6 +237,8 @@ class Sender:
                 rate_bps=grant.rate_bps,
                 decision={**grant.decision, "reason": grant.reason, "observed_s": round(t_done - t_grant, 6)},
                 fidelity=fidelity,
+                path=path,
+                paths=tuple(out.paths_used),
             )
 
     async def _encode(self, codec: Codec, kv: KVCache, base: KVCache | None) -> Encoded:
@@ -260,6 +279,7 @@ class Sender:
             traceparent=telemetry.traceparent(),
             per_receiver_streams=ep.bus.secure,
             incarnations=self.incarnations,
+            plane=ep.bus.plane,
         )
         if out.plan.n_chunks > MAX_CHUNKS:
             raise PayloadTooLarge(f"payload in chunks of {chunk_size} bytes", out.plan.n_chunks, MAX_CHUNKS)
@@ -267,6 +287,18 @@ class Sender:
         if not out.open.inline and open_bytes > ep.transport.max_payload:
             raise PayloadTooLarge("open message", open_bytes, ep.transport.max_payload)
         return out
+
+    def expected_path(self, receivers: list[str], kv: KVCache) -> str:
+        """The data path a transfer of ``kv`` to ``receivers`` will likely take, for the cost model:
+        the one the last transfer to the receiver took, else the fastest this process allows.
+        Broadcasts and payloads small enough to ride in the `Open` go through NATS."""
+        plane = self._ep.bus.plane
+        if plane is None or len(receivers) != 1 or kv.nbytes <= self._ep.config.inline_limit:
+            return "nats"
+        known = self.paths.get(receivers[0])
+        if known:
+            return known
+        return plane.paths[0].kind.value if plane.paths else "nats"
 
     def _learn(self, out: OutgoingTransfer) -> None:
         """Remember the receivers' incarnations; one that restarted lost the bases we sent it."""

@@ -29,6 +29,7 @@ from kvbus.reasons import Reason
         "traceparent": OptStr,
         "fidelity": float,
         "base_tokens": int,
+        "path": str,
     },
 )
 @dataclass(frozen=True, slots=True)
@@ -53,6 +54,9 @@ class TransferRequest(Message):
     """The context's lineage: product of the fidelity factors of the lossy hops it took."""
     base_tokens: int = 0
     """Tokens of this context every receiver already holds from this sender (enables delta media)."""
+    path: str = ""
+    """The data path the sender expects the bytes to take (``shm``, ``tcp``, ``nats``; empty:
+    ``nats``): the cost model predicts the wire time from that path's link estimate."""
 
 
 @message("request_ack", {"transfer_id": str, "ok": bool, "reason": str, "code": Reason})
@@ -216,6 +220,7 @@ class FlowReservation(Message):
         "error": str,
         "dst": list,
         "wire_s": float,
+        "path": str,
     },
 )
 @dataclass(frozen=True, slots=True)
@@ -233,6 +238,9 @@ class TransferDone(Message):
     dst: list = field(default_factory=list)
     wire_s: float = 0.0
     """Time on the wire (transfer minus the slowest receiver's decode), for the link estimate."""
+    path: str = ""
+    """The data path the bytes took (empty: ``nats``; ``mixed``: a direct path failed and the
+    rest went on NATS, which feeds no link estimate)."""
 
 
 @message(
