@@ -110,6 +110,7 @@ class RxConnection(asyncio.BufferedProtocol):
             transport.abort()  # type: ignore[attr-defined]
             return
         self.listener.connections.add(self)
+        self.listener.accepted += 1
         sock = transport.get_extra_info("socket")
         if sock is not None:
             try:
@@ -301,6 +302,8 @@ class TcpListener:
         self.bind_timeout = bind_timeout
         self.max_connections = max_connections
         self.connections: set[RxConnection] = set()
+        self.accepted = 0
+        """Connections accepted so far (for tests and `kvbus top`)."""
         self._server: asyncio.Server | None = None
 
     async def start(self) -> None:

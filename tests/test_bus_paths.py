@@ -1,0 +1,335 @@
+"""The data plane inside the bus: real nats-server, real scheduler, a receiving agent in another
+OS process (`tests/peer.py`) or in this one.
+
+Each path delivers bit-exact across two processes (and the restriction to NATS is obeyed: no
+direct listener sees a connection); a direct path cut mid-transfer falls back to NATS and
+delivers exactly once; a receiver killed with SIGKILL mid-transfer on ``shm`` leaves no segment
+behind and the sender gets an error; a wrong or replayed token delivers nothing; a critical
+transfer still overtakes a bulk one on ``tcp``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvbus.bus import Bus, BusConfig, EmulatedLink, ReceiveTimeout, TransferError
+from kvbus.bus.chunking import ChunkSource, digest_chunks, digests_root
+from kvbus.bus.paths import PathsConfig
+from kvbus.bus.paths.direct import SocketChannel
+from kvbus.bus.paths.frames import HEADER_SIZE, FrameType, bind_payload, pack, unpack
+from kvbus.codecs import get_codec
+from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
+from kvbus.protocol import Open, OpenReply, ack_subject, data_subject, inbox_subject
+from tests.conftest import FAST
+from tests.kvutil import kv_of_bytes
+from tests.peer import SIG, kv_digest
+
+PEER = Path(__file__).with_name("peer.py")
+MB = 1 << 20
+
+
+class Peer:
+    """A receiving agent in another OS process (`tests/peer.py`)."""
+
+    def __init__(self, url: str, name: str, *extra: str) -> None:
+        self.name = name
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PEER), url, name, *extra], stdout=subprocess.PIPE, cwd=PEER.parent.parent
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if b"ready" not in line:
+            self.stop()
+            raise RuntimeError(f"peer {name} did not start: {line!r}")
+
+    async def line(self, timeout: float = 60.0) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        raw = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), timeout)
+        if not raw:
+            raise EOFError(f"peer {self.name} exited")
+        return dict(json.loads(raw))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+async def sender_bus(nats_url: str, scheduler: GroupScheduler, request: pytest.FixtureRequest) -> AsyncIterator[Bus]:
+    """A sending bus whose allowed paths the test names (``shm,tcp,nats`` by default)."""
+    allowed = getattr(request, "param", "shm,tcp,nats")
+    bus = await Bus.connect(nats_url, config=FAST, paths=PathsConfig(allowed=allowed, tcp_host="127.0.0.1"))
+    try:
+        yield bus
+    finally:
+        await bus.close()
+
+
+def memfd_count() -> int:
+    """Shared segments (memfd descriptors or mappings) this process holds."""
+    gc.collect()
+    fds = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            fds += "memfd:" in os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            pass
+    with open("/proc/self/maps") as f:
+        return fds + sum("memfd:" in line for line in f)
+
+
+def dev_shm() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+# -- each path, across two processes ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("sender_bus", "want"),
+    [("shm,tcp,nats", "shm"), ("tcp,nats", "tcp"), ("nats", "nats")],
+    indirect=["sender_bus"],
+    ids=["shm", "tcp-shm-disallowed", "nats-only"],
+)
+async def test_each_path_delivers_bit_exact_across_processes(nats_url: str, sender_bus: Bus, want: str) -> None:
+    name = f"paths-rx-{want}-{uuid.uuid4().hex[:6]}"
+    peer = Peer(nats_url, name)
+    try:
+        tx = await sender_bus.agent(f"paths-tx-{uuid.uuid4().hex[:6]}", signature=SIG)
+        for seed in (1, 2):  # the second reuses the connection (and, on shm, a pooled segment)
+            kv = kv_of_bytes(SIG, 12 * MB, seed=seed)
+            report = await tx.send(name, kv, medium="full")
+            got = await peer.line()
+            assert got["transfer_id"] == report.transfer_id
+            assert got["digest"] == kv_digest(kv)
+            assert report.path == want and report.paths == (want,)
+            assert report.retransmits == 0
+        accepted = got["accepted"]
+        plane = sender_bus.plane
+        assert plane is not None
+        if want == "nats":
+            # Restricted to NATS: not one connection to a direct listener, from either side.
+            assert accepted == {"tcp": 0, "shm": 0}
+            assert plane.shm is None and plane.tcp is None
+        elif want == "tcp":
+            assert accepted["shm"] == 0 and accepted["tcp"] == 1  # one connection, reused
+            assert plane.shm is None
+        else:
+            assert accepted["tcp"] == 0 and accepted["shm"] == 1
+    finally:
+        peer.stop()
+
+
+@pytest.mark.parametrize("sender_bus", ["tcp,nats"], indirect=True)
+async def test_a_receiver_restricted_to_nats_gets_every_byte_on_nats(nats_url: str, sender_bus: Bus) -> None:
+    name = f"paths-natsrx-{uuid.uuid4().hex[:6]}"
+    peer = Peer(nats_url, name, "--paths", "nats")
+    try:
+        tx = await sender_bus.agent(f"paths-tx-{uuid.uuid4().hex[:6]}", signature=SIG)
+        kv = kv_of_bytes(SIG, 6 * MB, seed=3)
+        report = await tx.send(name, kv, medium="full")
+        got = await peer.line()
+        assert got["digest"] == kv_digest(kv) and report.path == "nats"
+        assert got["accepted"] == {"tcp": 0, "shm": 0}
+        assert sender_bus.plane is not None and sender_bus.plane.tcp is not None
+        assert sender_bus.plane.tcp.connections == 0
+    finally:
+        peer.stop()
+
+
+# -- fall back ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("sender_bus", "path"), [("shm,tcp,nats", "shm"), ("tcp,nats", "tcp")], indirect=["sender_bus"], ids=["shm", "tcp"]
+)
+async def test_a_direct_path_cut_mid_transfer_falls_back_to_nats_and_delivers_once(
+    nats_url: str, sender_bus: Bus, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name = f"paths-cut-{path}-{uuid.uuid4().hex[:6]}"
+    peer = Peer(nats_url, name)
+    cut: list[int] = []
+    original = SocketChannel.send
+
+    async def send(self: SocketChannel, buffers: Any, fds: Any = ()) -> None:
+        frame = unpack(bytes(buffers[0][:HEADER_SIZE]), path) if buffers[0].nbytes >= HEADER_SIZE else None
+        if frame is not None and frame.type is FrameType.DATA and frame.index == 9 and not cut:
+            cut.append(frame.index)
+            self.sock.shutdown(socket.SHUT_RDWR)  # the connection dies under the transfer
+        await original(self, buffers, fds)
+
+    monkeypatch.setattr(SocketChannel, "send", send)
+    try:
+        tx = await sender_bus.agent(f"paths-tx-{uuid.uuid4().hex[:6]}", signature=SIG)
+        kv = kv_of_bytes(SIG, 24 * MB, seed=4)
+        report = await tx.send(name, kv, medium="full")
+        assert cut == [9]
+        assert report.paths == (path, "nats") and report.path == "nats"
+        got = await peer.line()
+        assert got["transfer_id"] == report.transfer_id and got["digest"] == kv_digest(kv)
+        # Exactly once: the next delivery is the next transfer, not the first one again.
+        monkeypatch.setattr(SocketChannel, "send", original)
+        marker = kv_of_bytes(SIG, 4 * MB, seed=5)
+        second = await tx.send(name, marker, medium="full")
+        got2 = await peer.line()
+        assert got2["transfer_id"] == second.transfer_id and got2["digest"] == kv_digest(marker)
+        assert second.path == path  # a new connection for the next transfer
+    finally:
+        peer.stop()
+
+
+async def test_a_receiver_killed_mid_transfer_on_shm_leaves_no_segment_and_fails_the_send(
+    nats_url: str, sender_bus: Bus
+) -> None:
+    name = f"paths-kill-{uuid.uuid4().hex[:6]}"
+    before_shm = dev_shm()
+    peer = Peer(nats_url, name, "--stall-at-chunk", "6")
+    try:
+        tx = await sender_bus.agent(f"paths-tx-{uuid.uuid4().hex[:6]}", signature=SIG)
+        baseline = memfd_count()
+        kv = kv_of_bytes(SIG, 40 * MB, seed=6)
+        send = asyncio.create_task(tx.send(name, kv, medium="full"))
+        stalled = await peer.line()
+        assert stalled["via"] == ["shm"]
+        assert memfd_count() > baseline  # the segment is shared right now
+        os.kill(peer.proc.pid, signal.SIGKILL)
+        with pytest.raises(TransferError):
+            await asyncio.wait_for(send, 60)
+        await asyncio.sleep(0.2)  # the session's close runs in the background
+        assert memfd_count() == baseline  # the sender let go of the segment: the kernel frees it
+        assert dev_shm() == before_shm  # and nothing was ever put in /dev/shm
+    finally:
+        peer.stop()
+
+
+# -- tokens ---------------------------------------------------------------------------------------------
+
+
+async def _open_by_hand(bus: Bus, rx: str, src: str, nbytes: int) -> tuple[Open, OpenReply]:
+    """Announce a transfer to ``rx`` as sender ``src`` would (an `Open` offering ``tcp``); its reply."""
+    encoded = get_codec("full").encode(kv_of_bytes(SIG, nbytes, seed=7))
+    source = ChunkSource(encoded.buffers, MB)
+    digests = digest_chunks([source.chunk(i) for i in range(source.n_chunks)])
+    tid = uuid.uuid4().hex
+    plane = bus.plane
+    assert plane is not None
+    msg = Open(
+        transfer_id=tid,
+        src=src,
+        codec=encoded.codec,
+        meta=encoded.meta,
+        sizes=[b.nbytes for b in source.buffers],
+        total=source.total,
+        chunk_size=MB,
+        n_chunks=source.n_chunks,
+        digest=digests_root(digests, source.total),
+        window=16,
+        data_subject=data_subject(rx, src, tid),
+        ack_subject=ack_subject(src, rx),
+        paths=["tcp", "nats"],
+        host=plane.host,
+        digests=digests,
+    )
+    data = await bus.transport.request(inbox_subject(rx, src), msg.frame(), timeout=5)
+    return msg, OpenReply.decode(data)
+
+
+async def _bind(host: str, port: int, token: str, tid: str) -> tuple[socket.socket, bytes]:
+    """Connect to a data listener and BIND stream 1 with ``token``; the first answer (b'' when closed)."""
+    loop = asyncio.get_running_loop()
+    sock = socket.create_connection((host, port))
+    sock.setblocking(False)
+    payload = bind_payload(token, tid)
+    await loop.sock_sendall(sock, pack(FrameType.BIND, 1, len(payload)) + payload)
+    try:
+        answer = await asyncio.wait_for(loop.sock_recv(sock, HEADER_SIZE), 10)
+    except ConnectionResetError:
+        answer = b""
+    return sock, answer
+
+
+async def test_a_wrong_or_replayed_token_delivers_nothing(bus: Bus) -> None:
+    rx = await bus.agent(f"paths-tok-{uuid.uuid4().hex[:6]}", signature=SIG)
+    msg, reply = await _open_by_hand(bus, rx.name, "paths-stranger", 3 * MB)
+    assert reply.ok and "tcp" in reply.paths and reply.offer is not None
+    offer = reply.offer
+    loop = asyncio.get_running_loop()
+    # A wrong token: the connection is closed before any byte is used, whatever follows it.
+    sock, answer = await _bind(offer.tcp_host, offer.tcp_port, secrets.token_hex(32), msg.transfer_id)
+    try:
+        data = b"\0" * MB
+        await loop.sock_sendall(sock, pack(FrameType.DATA, 1, len(data), index=0) + data)
+    except OSError:
+        pass  # already closed
+    sock.close()
+    assert answer == b""
+    # The right token binds once...
+    good, answer = await _bind(offer.tcp_host, offer.tcp_port, offer.token, msg.transfer_id)
+    assert unpack(answer, "tcp").type is FrameType.BOUND
+    # ...and a replay of it on another connection gets nothing.
+    replay, answer = await _bind(offer.tcp_host, offer.tcp_port, offer.token, msg.transfer_id)
+    replay.close()
+    good.close()
+    assert answer == b""
+    assert rx.partial_transfers == 1
+    incoming = rx._receiver.incoming.get(msg.transfer_id)
+    assert incoming is not None and incoming.count == 0  # not one chunk was taken
+    with pytest.raises(ReceiveTimeout):
+        await rx.receive(timeout=1.0)
+
+
+# -- scheduling on a direct path ------------------------------------------------------------------------
+
+
+async def test_a_critical_transfer_overtakes_a_bulk_one_on_tcp(nats_url: str) -> None:
+    group = f"g-tcp-{uuid.uuid4().hex[:6]}"
+    paths = PathsConfig(allowed="tcp,nats", tcp_host="127.0.0.1")
+    cfg = BusConfig(
+        chunk_size=256 * 1024, **{f: getattr(FAST, f) for f in ("ack_timeout", "peer_timeout", "request_timeout")}
+    )
+    sched = await GroupScheduler.connect(nats_url, group, config=SchedulerConfig())
+    tx_bus = await Bus.connect(nats_url, config=cfg, paths=paths)
+    rx_bus = await Bus.connect(nats_url, config=cfg, paths=paths)
+    try:
+        rx = await rx_bus.agent(f"{group}-rx", group=group, signature=SIG, link=EmulatedLink(16_000_000))
+        bulk_tx = await tx_bus.agent(f"{group}-bulk", group=group, signature=SIG)
+        crit_tx = await tx_bus.agent(f"{group}-crit", group=group, signature=SIG)
+        bulk_kv = kv_of_bytes(SIG, 16_000_000, seed=8)
+        crit_kv = kv_of_bytes(SIG, 4_000_000, seed=9)
+        bulk = asyncio.create_task(bulk_tx.send(rx.name, bulk_kv, medium="full"))
+        out = None
+        for _ in range(2000):
+            out = next(iter(bulk_tx._sender.outgoing.values()), None)
+            if out is not None and out.fraction_sent >= 0.05:
+                break
+            await asyncio.sleep(0.005)
+        assert out is not None and out.route is not None and out.route.path == "tcp"
+        crit_report = await crit_tx.send(rx.name, crit_kv, medium="full", critical=True)
+        bulk_report = await bulk
+        first, second = await rx.receive(timeout=10), await rx.receive(timeout=10)
+        assert first.transfer_id == crit_report.transfer_id  # the critical one overtook the bulk one
+        assert second.transfer_id == bulk_report.transfer_id
+        assert first.kv.equal(crit_kv) and second.kv.equal(bulk_kv)
+        assert bulk_report.path == "tcp" and crit_report.path == "tcp"
+        assert out.stats.pauses == 1 and out.stats.retransmits == 0
+        assert out.stats.chunks_sent == out.plan.n_chunks  # resumed where it stopped, on the same path
+        assert sched.state.preemptions == 1
+    finally:
+        await tx_bus.close()
+        await rx_bus.close()
+        await sched.close()
