@@ -98,7 +98,17 @@ class Bus:
         """
         if self.plane is None:
             plane = DataPlane(self.transport, config=self.paths_config, tls=self._data_tls)
-            await plane.start()
+            try:
+                await plane.start()
+            except OSError as exc:
+                if not self.paths_config.tcp_port:
+                    raise
+                # Another bus of this process holds the fixed port: this one listens on any port.
+                logger.warning("data port %d: %s; listening on a free port", self.paths_config.tcp_port, exc)
+                await plane.close()
+                config = dataclasses.replace(self.paths_config, tcp_port=0)
+                plane = DataPlane(self.transport, config=config, tls=self._data_tls)
+                await plane.start()
             self.plane = plane
             logger.info("data paths: %s", ",".join(p.kind.value for p in plane.paths))
         return self.plane
