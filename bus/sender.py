@@ -28,7 +28,7 @@ from opentelemetry.trace import SpanKind
 
 from kvbus import telemetry
 from kvbus.bus.chunking import fit_chunk_size
-from kvbus.bus.config import OFFLOAD_BYTES
+from kvbus.bus.config import DEFAULT_CHUNK_SIZE, HEADER_ROOM, OFFLOAD_BYTES
 from kvbus.bus.endpoint import Endpoint
 from kvbus.bus.errors import BusClosed, PayloadTooLarge, TransferRejected
 from kvbus.bus.outgoing import OutgoingTransfer
@@ -67,6 +67,13 @@ class SentBase:
     lossless base for a delta)."""
     fidelity: float
     """The lineage of the receiver's copy."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSize:
+    """Just the size of a payload, where `Sender.expected_path` needs no more."""
+
+    nbytes: int
 
 
 def _is_delta(codec: Codec) -> bool:
@@ -262,6 +269,17 @@ class Sender:
         ep = self._ep
         largest = ep.bus.chunk_size
         chunk_size = max(MIN_CHUNK_SIZE, min(grant.chunk_size or largest, largest))
+        direct = ep.bus.paths_config.direct_chunk_size
+        if (
+            direct
+            and not grant.chunk_size
+            and ep.config.chunk_size == DEFAULT_CHUNK_SIZE
+            and self.expected_path(receivers, KVCacheSize(encoded.nbytes)) in ("shm", "tcp")
+        ):
+            # Fewer, larger chunks on a direct path (each costs a wake-up on both sides), still
+            # small enough for NATS to carry should the transfer fall back.
+            largest = max(largest, min(direct, ep.transport.max_payload - HEADER_ROOM))
+            chunk_size = largest
         chunk_size = fit_chunk_size(encoded.sizes, chunk_size, max(largest, MIN_CHUNK_SIZE))
         out = OutgoingTransfer(
             ep.transport,
@@ -288,7 +306,7 @@ class Sender:
             raise PayloadTooLarge("open message", open_bytes, ep.transport.max_payload)
         return out
 
-    def expected_path(self, receivers: list[str], kv: KVCache) -> str:
+    def expected_path(self, receivers: list[str], kv: KVCache | KVCacheSize) -> str:
         """The data path a transfer of ``kv`` to ``receivers`` will likely take, for the cost model:
         the one the last transfer to the receiver took, else the fastest this process allows.
         Broadcasts and payloads small enough to ride in the `Open` go through NATS."""
