@@ -106,7 +106,9 @@ def dev_shm() -> set[str]:
     indirect=["sender_bus"],
     ids=["shm", "tcp-shm-disallowed", "nats-only"],
 )
-async def test_each_path_delivers_bit_exact_across_processes(nats_url: str, sender_bus: Bus, want: str) -> None:
+async def test_each_path_delivers_bit_exact_across_processes(
+    nats_url: str, sender_bus: Bus, want: str, scheduler: GroupScheduler
+) -> None:
     name = f"paths-rx-{want}-{uuid.uuid4().hex[:6]}"
     peer = Peer(nats_url, name)
     try:
@@ -119,6 +121,14 @@ async def test_each_path_delivers_bit_exact_across_processes(nats_url: str, send
             assert got["digest"] == kv_digest(kv)
             assert report.path == want and report.paths == (want,)
             assert report.retransmits == 0
+        # The scheduler learnt the link of the path the bytes took, and only that one.
+        for _ in range(500):
+            if scheduler.state.link(tx.name, name, want).known:
+                break
+            await asyncio.sleep(0.01)
+        assert scheduler.state.link(tx.name, name, want).known
+        others = [p for p in ("shm", "tcp", "nats") if p != want]
+        assert not any(scheduler.state.link(tx.name, name, p).known for p in others)
         accepted = got["accepted"]
         plane = sender_bus.plane
         assert plane is not None
@@ -333,3 +343,67 @@ async def test_a_critical_transfer_overtakes_a_bulk_one_on_tcp(nats_url: str) ->
         await tx_bus.close()
         await rx_bus.close()
         await sched.close()
+
+
+# -- the cost model sees each path's own link -------------------------------------------------------------
+
+
+def test_link_estimates_are_kept_per_path_and_the_prediction_uses_the_expected_one() -> None:
+    from kvbus.group_scheduler.selection import AdaptiveSelector
+    from kvbus.group_scheduler.state import GroupState, Pending
+    from kvbus.protocol import TransferRequest
+
+    state = GroupState("g")
+    state.link("a", "b", "shm").observe(5_000_000_000, 1.0)
+    state.link("a", "b", "nats").observe(500_000_000, 1.0)
+    selector = AdaptiveSelector()
+    assert selector.link(state, "a", "b", "shm").bandwidth_bps == 5e9  # not averaged with NATS
+    assert selector.link(state, "a", "b", "nats").bandwidth_bps == 5e8
+    assert selector.link(state, "a", "b", "").bandwidth_bps == 5e8  # an older sender: NATS
+    assert selector.link(state, "a", "b", "tcp").source != "estimate"  # nothing measured on tcp yet
+    predicted = {}
+    for path in ("shm", "nats"):
+        request = TransferRequest(
+            transfer_id=f"t-{path}",
+            src="a",
+            dst=["b"],
+            group="g",
+            n_tokens=4096,
+            nbytes=64 * MB,
+            signature=SIG.to_dict(),
+            medium="full",
+            path=path,
+        )
+        pending = Pending(request, {"b": SIG})
+        selector.select(state, pending)
+        assert pending.decision["path"] == path
+        predicted[path] = pending.predicted_s
+    assert predicted["shm"] < predicted["nats"]
+
+
+async def test_a_transfer_done_feeds_the_estimate_of_its_own_path(scheduler: GroupScheduler) -> None:
+    from kvbus.group_scheduler.state import Pending
+    from kvbus.protocol import TransferDone, TransferRequest
+
+    state = scheduler.state
+    for path, seconds in (("shm", 0.01), ("nats", 0.1), ("mixed", 0.05)):
+        tid = uuid.uuid4().hex
+        request = TransferRequest(
+            transfer_id=tid, src="est-a", dst=["est-b"], group="default", n_tokens=1, nbytes=64 * MB, signature={}
+        )
+        state.active[tid] = Pending(request, {"est-b": None})
+        done = TransferDone(
+            transfer_id=tid,
+            src="est-a",
+            ok=True,
+            medium="full",
+            nbytes=64 * MB,
+            seconds=seconds,
+            dst=["est-b"],
+            wire_s=seconds,
+            path=path,
+        )
+        scheduler.loop.finished(done)
+    assert state.link("est-a", "est-b", "shm").bandwidth_bps == pytest.approx(64 * MB / 0.01)
+    assert state.link("est-a", "est-b", "nats").bandwidth_bps == pytest.approx(64 * MB / 0.1)
+    assert not state.link("est-a", "est-b", "tcp").samples  # "mixed" (a fall back) fed no estimate
