@@ -245,7 +245,9 @@ class IncomingTransfer:
         except ValueError:
             announced = False
         if not announced or len(data) != self.verifier.chunk_len(index):
-            logger.warning("transfer %s: chunk %d on a direct path is not the announced one", self.open.transfer_id, index)
+            logger.warning(
+                "transfer %s: chunk %d on a direct path is not the announced one", self.open.transfer_id, index
+            )
             self._unmark(index)
             self.chunk_corrupt(index, PathKind.TCP)
             return

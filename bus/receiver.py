@@ -46,8 +46,8 @@ from kvbus.protocol import (
     Reason,
     ack_subject,
     check_data_subject,
-    data_subject,
     check_name,
+    data_subject,
     subject_sender,
 )
 from kvbus.signature import ModelSignature

@@ -172,8 +172,7 @@ class Route:
         if session is not None:
             try:
                 await session.close(completed=completed)
-            except Exception:  # noqa: BLE001 - closing is best effort
+            except Exception:
                 logger.debug("closing the %s session failed", session.kind.value, exc_info=True)
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
-

@@ -108,9 +108,7 @@ class AdaptiveSelector(MediumSelector):
     def select(self, state: GroupState, pending: Pending) -> Selection:
         """`choose` with the refusal's code."""
         decided = self.decide(state, pending)
-        pending.decision = (
-            {**decided.choice.record(), "path": pending.request.path or "nats"} if decided.choice else {}
-        )
+        pending.decision = {**decided.choice.record(), "path": pending.request.path or "nats"} if decided.choice else {}
         if decided.choice is not None:
             pending.predicted_s = decided.choice.estimate.total_s
         return Selection(decided.medium, decided.reason, decided.code)

@@ -421,9 +421,17 @@ def run(*, quick: bool = False, nats_url: str | None = None) -> dict[str, Any]:
             f"       path {row['path']}  "
             + "  ".join(f"{k[:-5]} {v:.2f}" for k, v in row.items() if k.endswith("_GBps"))
             + " GB/s  "
-            + "  ".join(f"{k} {row[k]}" for k in ("shm_ratio_vs_nats_py", "tcp_ratio_vs_nats_py",
-                                                   "nats_path_ratio_vs_nats_py", "tcp_vs_loopback_limit",
-                                                   "shm_vs_memcpy", "round_trips"))
+            + "  ".join(
+                f"{k} {row[k]}"
+                for k in (
+                    "shm_ratio_vs_nats_py",
+                    "tcp_ratio_vs_nats_py",
+                    "nats_path_ratio_vs_nats_py",
+                    "tcp_vs_loopback_limit",
+                    "shm_vs_memcpy",
+                    "round_trips",
+                )
+            )
         )
     return out
 
