@@ -54,6 +54,9 @@ from kvbus.signature import ModelSignature
 
 logger = logging.getLogger(__name__)
 
+#: Bytes per chunk a direct-path offer holds besides the partial's own bookkeeping (the
+#: `TransferSpec` ranges and the paths' chunk marks), counted against ``max_partial_overhead``.
+DIRECT_OVERHEAD_PER_CHUNK = 128
 #: Completed transfer ids remembered for de-duplication.
 COMPLETED_MEMORY = 4096
 #: A retried `Open` that names no incarnation is refused by an incarnation younger than the
@@ -179,6 +182,9 @@ class Receiver:
         except (ValueError, WireFormatError) as exc:
             return _refuse(tid, Reason.MALFORMED, str(exc))
         incoming = IncomingTransfer(ep.transport, open_msg, ep.name, ep.config, self.finish, plan)
+        if ep.bus.plane is not None and any(p != "nats" for p in open_msg.paths):
+            # A direct offer keeps the chunk layout once more (the path's `TransferSpec`).
+            incoming.overhead += DIRECT_OVERHEAD_PER_CHUNK * open_msg.n_chunks
         await self.incoming.make_room(incoming)
         receive_span = _receive_span(ep.name, open_msg)
         incoming.spans = (receive_span, telemetry.start("kvbus.reassemble", parent=receive_span))
