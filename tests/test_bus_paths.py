@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from kvbus.bus import Bus, BusConfig, EmulatedLink, ReceiveTimeout, TransferError
 from kvbus.bus.chunking import ChunkSource, digest_chunks, digests_root
@@ -407,3 +408,21 @@ async def test_a_transfer_done_feeds_the_estimate_of_its_own_path(scheduler: Gro
     assert state.link("est-a", "est-b", "shm").bandwidth_bps == pytest.approx(64 * MB / 0.01)
     assert state.link("est-a", "est-b", "nats").bandwidth_bps == pytest.approx(64 * MB / 0.1)
     assert not state.link("est-a", "est-b", "tcp").samples  # "mixed" (a fall back) fed no estimate
+
+
+def test_the_delta_base_is_copied_into_the_previous_one_and_never_aliases_the_delivery() -> None:
+    from kvbus.bus.receiver import base_copy
+
+    first = kv_of_bytes(SIG, 8 * MB, seed=10)
+    base = base_copy(first)
+    assert base.equal(first) and base.keys[0].data_ptr() != first.keys[0].data_ptr()
+    second = kv_of_bytes(SIG, 8 * MB, seed=11)
+    again = base_copy(second, base)
+    assert again.equal(second)
+    assert again.keys[0].data_ptr() == base.keys[0].data_ptr()  # the old base's memory, reused
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(again.values, second.values))
+    second.values[0].zero_()  # the application edits its delivery: the base does not change
+    assert not torch.equal(again.values[0], second.values[0])
+    longer = kv_of_bytes(SIG, 9 * MB, seed=12)
+    fresh = base_copy(longer, again)  # another layout: fresh memory
+    assert fresh.equal(longer) and fresh.keys[0].data_ptr() != again.keys[0].data_ptr()
