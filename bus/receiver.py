@@ -97,6 +97,8 @@ class Receiver:
         decode against); deliveries never share its storage."""
         self._handover: asyncio.Task[None] | None = None
         """The last delivery waiting for its base copy before it goes into the inbox (they go in order)."""
+        self._reading: collections.Counter[str] = collections.Counter()
+        """Per sender: decodes running in a thread with its base."""
         self.incarnation = secrets.token_hex(8)
         """This agent start's id, in every `OpenReply`: a retried `Open` for another is refused."""
         self.started = time.monotonic()
@@ -346,7 +348,11 @@ class Receiver:
         ):
             # A medium without KV is decoded by prefilling its tokens: that is the recompute.
             if heavy:
-                kv = await asyncio.to_thread(codec.decode, encoded, base=base, runner=ep.runner)
+                self._reading[open_msg.src] += 1  # the base must not be copied over meanwhile
+                try:
+                    kv = await asyncio.to_thread(codec.decode, encoded, base=base, runner=ep.runner)
+                finally:
+                    self._reading[open_msg.src] -= 1
             else:
                 kv = codec.decode(encoded, base=base, runner=ep.runner)
         kv = self._fit(kv, open_msg.codec)
@@ -414,7 +420,8 @@ class Receiver:
                 await asyncio.shield(before)
             if copy:
                 kv = delivery.kv
-                old = self.bases.get(delivery.sender)
+                # The old base's memory is reused unless a decode still reads it.
+                old = None if self._reading[delivery.sender] else self.bases.get(delivery.sender)
                 self.bases[delivery.sender] = (
                     await asyncio.to_thread(base_copy, kv, old) if kv.nbytes > OFFLOAD_BYTES else base_copy(kv, old)
                 )
