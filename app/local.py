@@ -3,21 +3,37 @@
 Each server gets a private temporary folder, a free port on the loopback interface, and is
 ready when its log says so. `stop()` terminates it (then kills it if it does not exit) and
 removes its folder.
+
+A server dies with the process that started it, ``kill -9`` included: `spawn` starts children
+with ``PR_SET_PDEATHSIG`` (the kernel kills the child when its parent goes), from one thread
+that lives as long as the process (the signal fires when the *thread* that forked exits, and a
+server started from a worker thread would otherwise die with that thread). The folder of a
+server whose owner died is removed by the next server started on the machine
+(`sweep_stale_folders`): each folder names its owner process in ``owner.json``.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import ctypes
+import json
 import logging
 import os
+import queue
 import re
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from kvbus.config import redact_url
 from kvbus.errors import MissingBinaryError, ServerStartError
@@ -29,6 +45,132 @@ NATS_MAX_PAYLOAD = 8 * 1024 * 1024
 #: Per-client pending bytes the server buffers before it calls a client a slow consumer.
 NATS_MAX_PENDING = 512 * 1024 * 1024
 START_TIMEOUT = 15.0
+
+
+#: Folders of embedded servers: ``kvbus-<server>-<random>`` in the temporary directory.
+FOLDER_PREFIX = "kvbus-"
+#: The file in a server's folder naming the process that owns it (and the server's process).
+OWNER_FILE = "owner.json"
+_PR_SET_PDEATHSIG = 1
+
+
+def _load_prctl() -> Any:
+    """libc's ``prctl`` (loaded before any fork: a child only calls it), or None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()
+
+
+def _die_with(parent: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child get SIGKILL when its parent dies (None off Linux)."""
+    prctl = _PRCTL
+    if prctl is None:
+        return None
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the line above took effect
+            os._exit(1)
+
+    return preexec
+
+
+class _Spawner:
+    """Forks children from one daemon thread that lives as long as the process, so that their
+    parent-death signal fires when the process dies, not when some worker thread ends."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._jobs: queue.SimpleQueue[tuple[list[str], dict[str, Any], concurrent.futures.Future[Any]]] = (
+            queue.SimpleQueue()
+        )
+
+    def popen(self, cmd: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():  # none yet, or we are a forked child
+                self._jobs = queue.SimpleQueue()
+                self._thread = threading.Thread(target=self._run, name="kvbus-spawner", daemon=True)
+                self._thread.start()
+            jobs = self._jobs
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        jobs.put((cmd, kwargs, future))
+        return future.result()  # type: ignore[no-any-return]
+
+    def _run(self) -> None:
+        jobs = self._jobs
+        while True:
+            cmd, kwargs, future = jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(subprocess.Popen(cmd, preexec_fn=_die_with(os.getpid()), **kwargs))  # noqa: PLW1509 - preexec_fn only calls prctl (loaded before the fork) and os functions
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                future.set_exception(exc)
+
+
+_SPAWNER = _Spawner()
+
+
+def spawn(cmd: list[str], **popen_kwargs: Any) -> subprocess.Popen[Any]:
+    """Start ``cmd`` (`subprocess.Popen` options as keywords) as a child that dies with this
+    process, ``kill -9`` included (``PR_SET_PDEATHSIG`` on Linux; elsewhere a plain child)."""
+    return _SPAWNER.popen(cmd, **popen_kwargs)
+
+
+def _start_time(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot, from /proc), or None if there is no such process.
+
+    Off Linux: ``"?"`` for a live process (a recycled pid then looks alive)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except FileNotFoundError:
+        return None
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return "?"
+
+
+def _alive(pid: object, start: object) -> bool:
+    """Whether process ``pid`` is the one that started at ``start`` and still runs (not a recycled pid)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    now = _start_time(pid)
+    return now is not None and (now == start or "?" in (now, start))
+
+
+def sweep_stale_folders(tmp: str | Path | None = None) -> list[Path]:
+    """Remove the folders of embedded servers whose owner process is gone (it was killed before
+    it could stop them); a server of such a folder that still runs is killed first. Folders of
+    live owners, and folders without an owner file, are left alone. Returns what was removed."""
+    removed = []
+    for folder in Path(tmp or tempfile.gettempdir()).glob(FOLDER_PREFIX + "*"):
+        try:
+            owner = json.loads((folder / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(owner, dict) or _alive(owner.get("pid"), owner.get("start")):
+            continue
+        server = owner.get("server_pid")
+        if isinstance(server, int) and _alive(server, owner.get("server_start")):
+            with contextlib.suppress(OSError):
+                os.kill(server, signal.SIGKILL)
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+        logger.info("removed %s (its owner, process %s, is gone)", folder, owner.get("pid"))
+    return removed
 
 
 def free_port() -> int:
@@ -73,10 +215,22 @@ class EmbeddedServer:
     ready_pattern: re.Pattern[str]
 
     def __init__(self) -> None:
-        self.workdir = Path(tempfile.mkdtemp(prefix=f"kvbus-{self.name}-"))
+        sweep_stale_folders()
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{self.name}-"))
         self.logfile = self.workdir / "server.log"
         self.port = 0
         self._proc: subprocess.Popen[bytes] | None = None
+        self._write_owner()
+
+    def _write_owner(self) -> None:
+        """Name this process (and the server's, once started) in the folder, for `sweep_stale_folders`."""
+        me = os.getpid()
+        owner: dict[str, Any] = {"pid": me, "start": _start_time(me)}
+        if self._proc is not None:
+            owner.update(server_pid=self._proc.pid, server_start=_start_time(self._proc.pid))
+        tmp = self.workdir / (OWNER_FILE + ".tmp")
+        tmp.write_text(json.dumps(owner))
+        tmp.replace(self.workdir / OWNER_FILE)
 
     # subclasses build the command line
     def _command(self) -> list[str]:
@@ -102,9 +256,9 @@ class EmbeddedServer:
         cmd = self._command()
         logger.info("starting %s: %s", self.name, " ".join(cmd))
         with open(self.workdir / "stdout.log", "ab") as out:
-            self._proc = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, cwd=self.workdir, start_new_session=True
-            )
+            # Its own session (a Ctrl-C meant for us does not reach it first), and it dies with us.
+            self._proc = spawn(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=self.workdir, start_new_session=True)
+        self._write_owner()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             text = self._log_text()

@@ -84,3 +84,54 @@ async def selftest(
     finally:
         for bus in dict.fromkeys(buses):
             await bus.close()
+
+
+def check_bucket_replicas(monitor_url: str, expected: int, *, timeout: float = 60.0) -> int:
+    """0 when every kvbus KV bucket (stream ``KV_kvbus_*``) the NATS monitoring endpoint at
+    ``monitor_url`` lists has ``expected`` replicas, a leader and no peer offline; else 1.
+
+    (How current each follower is only the stream's leader knows: the server that answers lists
+    its peers as it sees them, so that is shown, not required.)
+
+    Asked again until ``timeout`` (a bucket just upgraded catches up first). Prints what it found.
+    """
+    import json
+    import urllib.request
+
+    url = monitor_url.rstrip("/") + "/jsz?accounts=true&streams=true&config=true"
+    deadline = time.monotonic() + timeout
+    found: dict[str, tuple[int, str | None, bool]] = {}
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                jsz = json.loads(resp.read())
+            found = {}
+            for account in jsz.get("account_details") or []:
+                for stream in account.get("stream_detail") or []:
+                    name = str(stream.get("name", ""))
+                    if not name.startswith("KV_kvbus_"):
+                        continue
+                    cluster = stream.get("cluster") or {}
+                    peers = cluster.get("replicas") or []
+                    replicas = int((stream.get("config") or {}).get("num_replicas") or 1 + len(peers))
+                    offline = sum(1 for p in peers if p.get("offline"))
+                    complete = not cluster or (len(peers) + 1 == replicas and not offline)
+                    found[name[3:]] = (replicas, cluster.get("leader") or ("-" if not cluster else None), complete)
+            ok = bool(found) and all(r == expected and leader and full for r, leader, full in found.values())
+        except (OSError, ValueError) as exc:
+            ok, found = False, {}
+            print(f"selftest: NATS monitoring at {monitor_url} did not answer: {exc}", file=sys.stderr, flush=True)
+        if ok or time.monotonic() > deadline:
+            break
+        time.sleep(2.0)
+    for name, (replicas, leader, complete) in sorted(found.items()):
+        peers = "every peer online" if complete else "a peer missing or offline"
+        print(f"bucket {name}: {replicas} replica(s), leader {leader}, {peers}", flush=True)
+    if not ok:
+        print(
+            f"selftest FAILED: kvbus buckets should have {expected} replica(s), a leader, every peer online",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"selftest OK: {len(found)} bucket(s) with {expected} replica(s)", flush=True)
+    return 0

@@ -12,6 +12,7 @@ from rich.live import Live
 from rich.panel import Panel
 from rich.table import Table
 
+from kvbus.net.servers import server_urls
 from kvbus.protocol import COORD_GROUPS, sched_subject, unpackb
 
 
@@ -110,7 +111,7 @@ async def top(
 ) -> None:
     """Show the deployment on ``nats_url`` (``nats_options`` go to `nats.connect`: credentials, TLS)."""
     console = console or Console()
-    nc = await nats.connect(nats_url, **{"name": "kvbus-top", **(nats_options or {})})
+    nc = await nats.connect(server_urls(nats_url), **{"name": "kvbus-top", **(nats_options or {})})
     try:
         if once:
             snaps, notes = await collect(nc, groups)

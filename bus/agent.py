@@ -62,7 +62,7 @@ class Agent(Endpoint):
         self._scheduler = SchedulerLink(self)
         self._sender = Sender(self, self._scheduler)
         self._inbox = Inbox()
-        self._receiver = Receiver(self, self._inbox)
+        self._receiver = Receiver(self, self._inbox, bus.completed_ids(name))
         self._probes = Probes(self, lambda: self._scheduler.queue_size)
         self._subs: list[Any] = []
         self._tasks: list[asyncio.Task[None]] = []

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import warnings
+from collections.abc import Sequence
 from enum import Enum
 from typing import Any
 
+from kvbus import telemetry
 from kvbus.bus.agent import Agent
 from kvbus.bus.config import HEADER_ROOM, BusConfig
 from kvbus.bus.errors import BusClosed
@@ -62,11 +65,17 @@ class Bus:
         self.status = Status.CONNECTED
         self._agents: dict[str, Agent] = {}
         self._directory: Any = None
+        self._completed: dict[str, collections.OrderedDict[str, float]] = {}
+
+    def completed_ids(self, agent: str) -> collections.OrderedDict[str, float]:
+        """The ids of transfers delivered to ``agent`` on this bus (kept across the agent closing
+        and registering again, so a sender's repeated `Open` is never delivered twice)."""
+        return self._completed.setdefault(agent, collections.OrderedDict())
 
     @classmethod
     async def connect(
         cls,
-        url: str = "nats://127.0.0.1:4222",
+        url: str | Sequence[str] = "nats://127.0.0.1:4222",
         *,
         config: BusConfig | None = None,
         secure: bool = False,
@@ -75,6 +84,9 @@ class Bus:
         **nats_options: Any,
     ) -> Bus:
         """Connect to NATS at ``url`` (extra keyword arguments go to `nats.connect`).
+
+        ``url`` may name several servers (a comma-separated string or a list: every server of
+        a cluster); the bus connects to one and reconnects to a survivor when it dies.
 
         Args:
             secure: the server enforces per-agent permissions (`kvbus up --secure`,
@@ -85,7 +97,13 @@ class Bus:
             paths: the data paths transfers may take (default: ``KVBUS_PATHS_*``, all of them).
             data_tls: TLS of the ``tcp`` data path (`DataTls.from_auth` of the deployment's
                 `NatsAuth`); without it, the ``tcp`` path is plain TCP.
+
+        The first connect of a process also configures OpenTelemetry from the standard
+        variables (`kvbus.telemetry.setup`): traces when ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or
+        ``OTEL_TRACES_EXPORTER``) is set, a Prometheus endpoint when ``KVBUS_METRICS_PORT`` is;
+        tracer and meter providers the application installed before are kept.
         """
+        telemetry.setup()
         transport = await NatsTransport.connect(url, **nats_options)
         return cls(transport, config=config, secure=secure, paths=paths, data_tls=data_tls)
 

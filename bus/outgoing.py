@@ -92,6 +92,7 @@ class OutgoingTransfer:
         per_receiver_streams: bool = False,
         incarnations: dict[str, str] | None = None,
         plane: DataPlane | None = None,
+        trace_link: str | None = None,
     ) -> None:
         self.transport = transport
         self.transfer_id = transfer_id
@@ -127,6 +128,7 @@ class OutgoingTransfer:
             traceparent=traceparent,
             paths=list(paths["paths"]),  # type: ignore[call-overload]
             host=str(paths.get("host", "")),
+            trace_link=None if traceparent else trace_link,
         )
         """The `Open` of the first receiver (before its digests are known); each gets its own."""
         # Inline when small enough and the framed Open (header + payload) fits the server's max_payload.

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from nats.aio.msg import Msg
-from opentelemetry.trace import SpanKind, use_span
+from opentelemetry.trace import INVALID_SPAN, SpanKind
 
 from kvbus import telemetry
 from kvbus.bus.chunking import ChunkPlan, check_open_plan, split_inline
@@ -85,13 +85,19 @@ def decode_failure(exc: KVBusError) -> tuple[Reason, str]:
 class Receiver:
     """Receives contexts for one agent and puts them in its inbox."""
 
-    def __init__(self, endpoint: Endpoint, inbox: Inbox) -> None:
+    def __init__(
+        self, endpoint: Endpoint, inbox: Inbox, completed: collections.OrderedDict[str, float] | None = None
+    ) -> None:
         self._ep = endpoint
         self.inbox = inbox
         self.incoming = PartialTransfers(endpoint.config)
         """Streamed transfers being reassembled, by id, within the partial caps."""
-        self.completed: collections.OrderedDict[str, float] = collections.OrderedDict()
-        """Ids of delivered transfers (the last `COMPLETED_MEMORY`), for de-duplication."""
+        self.completed: collections.OrderedDict[str, float] = (
+            collections.OrderedDict() if completed is None else completed
+        )
+        """Ids of delivered transfers (the last `COMPLETED_MEMORY`), for de-duplication. The bus
+        passes the memory of the agent's name, so an agent that closes and registers again on the
+        same bus still answers a repeated `Open` of a transfer it delivered with "done"."""
         self.bases: dict[str, KVCache] = {}
         """Per sender: a private copy of the last context received from it (the base delta media
         decode against); deliveries never share its storage."""
@@ -192,7 +198,7 @@ class Receiver:
             incoming.overhead += DIRECT_OVERHEAD_PER_CHUNK * open_msg.n_chunks
         await self.incoming.make_room(incoming)
         receive_span = _receive_span(ep.name, open_msg)
-        incoming.spans = (receive_span, telemetry.start("kvbus.reassemble", parent=receive_span))
+        incoming.spans = (receive_span, telemetry.start("kvbus.reassemble", parent=receive_span, lazy=True))
         self.incoming.add(incoming)
         await incoming.start()
         return self._offer(incoming, plan)
@@ -256,7 +262,7 @@ class Receiver:
         if digest != open_msg.digest:
             return _refuse(tid, Reason.DIGEST_MISMATCH, "inline payload failed its checksum")
         t0 = time.perf_counter()
-        with use_span(_receive_span(self._ep.name, open_msg), end_on_exit=True) as receive_span:
+        with telemetry.using(_receive_span(self._ep.name, open_msg)) as receive_span:
             try:
                 delivery = await self._decode(open_msg, buffers, 0.0)
             except KVBusError as exc:
@@ -295,16 +301,17 @@ class Receiver:
             return  # dropped (evicted or the agent closed) after its last chunk came in: its sender knows
         transfer_s = time.perf_counter() - incoming.started
         receive_span, reassemble_span = incoming.spans
-        with use_span(receive_span, end_on_exit=True):
-            with use_span(reassemble_span, end_on_exit=True):
-                reassemble_span.set_attributes(
-                    {
-                        "kvbus.chunks": incoming.count,
-                        "kvbus.corrupt": incoming.corrupt,
-                        "kvbus.duplicates": incoming.duplicates,
-                        "kvbus.path": ",".join(sorted(incoming.via)) or "nats",
-                    }
-                )
+        with telemetry.using(receive_span):
+            with telemetry.using(reassemble_span, current=False):
+                if reassemble_span.is_recording():
+                    reassemble_span.set_attributes(
+                        {
+                            "kvbus.chunks": incoming.count,
+                            "kvbus.corrupt": incoming.corrupt,
+                            "kvbus.duplicates": incoming.duplicates,
+                            "kvbus.path": ",".join(sorted(incoming.via)) or "nats",
+                        }
+                    )
                 verified = incoming.verify()
             if not verified:  # every chunk passed its digest on arrival: cannot happen
                 logger.error("transfer %s: incomplete after reassembly", tid)
@@ -341,10 +348,10 @@ class Receiver:
         if self._handover is not None:
             await asyncio.shield(self._handover)  # the base copy of the last delivery is made
         base = self.bases.get(open_msg.src)
-        attributes = {"kvbus.medium": open_msg.codec, "kvbus.bytes": open_msg.total}
+        attributes = {"kvbus.medium": open_msg.codec, "kvbus.bytes": open_msg.total} if telemetry.tracing() else None
         with (
-            telemetry.span("kvbus.decode", attributes=attributes),
-            contextlib.nullcontext() if codec.needs_kv else telemetry.span("kvbus.recompute"),
+            telemetry.span("kvbus.decode", attributes=attributes, current=not codec.needs_kv, lazy=True),
+            contextlib.nullcontext() if codec.needs_kv else telemetry.span("kvbus.recompute", current=False, lazy=True),
         ):
             # A medium without KV is decoded by prefilling its tokens: that is the recompute.
             if heavy:
@@ -480,11 +487,17 @@ def _fresh_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def _receive_span(rx: str, open_msg: Open) -> Any:
-    """The receiver's ``kvbus.receive`` span, a child of the sender's via the Open's traceparent."""
+    """The receiver's ``kvbus.receive`` span: a child of the sender's via the Open's traceparent;
+    when the sender does not trace, a root span of its own, linked to the scheduler's decision."""
+    if not telemetry.tracing():
+        return INVALID_SPAN
+    links = None if open_msg.traceparent else telemetry.link_to(open_msg.trace_link)
     return telemetry.start(
         "kvbus.receive",
-        parent=open_msg.traceparent,
+        parent=open_msg.traceparent or telemetry.ROOT,
         kind=SpanKind.CONSUMER,
+        links=links,
+        lazy=True,  # nothing carries its context: made once the Open is answered
         attributes={
             telemetry.MESSAGING_SYSTEM: "nats",
             telemetry.MESSAGING_OPERATION: "receive",

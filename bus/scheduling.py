@@ -15,15 +15,22 @@ from collections.abc import Iterable
 from typing import Any
 
 from nats.aio.msg import Msg
-from opentelemetry.trace import use_span
 
 from kvbus import telemetry
 from kvbus.bus.control import TransferControls
 from kvbus.bus.endpoint import Endpoint
-from kvbus.bus.errors import BusClosed, SchedulerUnavailable, TransferRejected, TransferTimeout
+from kvbus.bus.errors import (
+    BusClosed,
+    ReceiverGone,
+    SchedulerUnavailable,
+    TransferError,
+    TransferRejected,
+    TransferTimeout,
+)
 from kvbus.bus.pacing import EmulatedLink
 from kvbus.errors import ReservationRefused, WireFormatError
 from kvbus.kvcache import KVCache
+from kvbus.net.buckets import with_retry
 from kvbus.net.transport import NoResponders
 from kvbus.protocol import (
     AgentRecord,
@@ -42,6 +49,9 @@ from kvbus.protocol import (
 
 logger = logging.getLogger(__name__)
 
+#: A done report sent right after a reconnection is sent again this much later (and later again).
+DONE_REPEATS_S = (0.5, 1.5)
+
 
 class SchedulerLink:
     """Talks to the agent's group scheduler on behalf of its sender and its registration."""
@@ -54,6 +64,8 @@ class SchedulerLink:
         self._scheduler_seen = False
         """Whether the group scheduler has answered this agent (a silent one is then waited for)."""
         self._shed_tasks: set[asyncio.Task[Any]] = set()
+        self._repeats: set[asyncio.Task[Any]] = set()
+        """Done reports said again after a reconnection."""
 
     @property
     def queue_size(self) -> int:
@@ -87,7 +99,9 @@ class SchedulerLink:
             return
         directory = await ep.bus.directory()
         if directory is not None:
-            await directory.put(ep.name, record.encode())
+            # The same put again is harmless: it is asked again while the bucket's stream elects
+            # a leader (a NATS server of the cluster died).
+            await with_retry(lambda: directory.put(ep.name, record.encode()), f"registering {ep.name}")
 
     async def close(self) -> None:
         """Fail the sends still waiting for a grant and remove the agent from the directory."""
@@ -153,8 +167,8 @@ class SchedulerLink:
                 traceparent=telemetry.traceparent(wait_span),
             )
             wait = deadline if deadline is not None else ep.config.grant_timeout
-            with use_span(wait_span, end_on_exit=False, record_exception=True, set_status_on_exception=True):
-                grant = await self._ask_scheduler(transfer_id, request.encode(), fut, wait)
+            with telemetry.using(wait_span, end=False):
+                grant = await self._ask_scheduler(transfer_id, request.encode(), fut, wait, receivers)
         except BaseException:
             wait_span.end()
             raise
@@ -162,9 +176,7 @@ class SchedulerLink:
             self._grants.pop(transfer_id, None)
         try:
             if not grant.medium:
-                raise TransferRejected(
-                    transfer_id, f"scheduler of {ep.group}", grant.reason, code=grant.code or Reason.OTHER
-                )
+                raise _refused(transfer_id, ep.group, receivers, grant.reason, grant.code)
             self.controls.granted(transfer_id)
             delay = grant.start_at - time.time()
             if grant.latency_s > 0:
@@ -172,7 +184,7 @@ class SchedulerLink:
                 # this one-way latency; real links need no such sleep.
                 delay = max(delay, 0.0) + 6 * grant.latency_s
             if delay > 0:
-                with use_span(wait_span, end_on_exit=False):
+                with telemetry.using(wait_span, end=False):
                     await asyncio.sleep(min(delay, ep.config.grant_timeout))
         finally:
             if wait_span.is_recording():
@@ -180,7 +192,9 @@ class SchedulerLink:
             wait_span.end()
         return grant
 
-    async def _ask_scheduler(self, transfer_id: str, payload: bytes, fut: asyncio.Future[Grant], wait: float) -> Grant:
+    async def _ask_scheduler(
+        self, transfer_id: str, payload: bytes, fut: asyncio.Future[Grant], wait: float, receivers: list[str]
+    ) -> Grant:
         ep = self._ep
         subject = sched_subject(ep.group, "request", ep.name)
         give_up = time.monotonic() + max(wait, ep.config.request_timeout)
@@ -209,9 +223,7 @@ class SchedulerLink:
             if isinstance(answer, Grant):
                 return answer
             if not answer.ok:
-                raise TransferRejected(
-                    transfer_id, f"scheduler of {ep.group}", answer.reason, code=answer.code or Reason.OTHER
-                )
+                raise _refused(transfer_id, ep.group, receivers, answer.reason, answer.code)
             # Queued: the grant comes on the ctl subject. Ask again if it takes long.
             await asyncio.wait({fut}, timeout=min(ep.config.regrant_interval, max(0.0, give_up - time.monotonic())))
 
@@ -240,10 +252,26 @@ class SchedulerLink:
             wire_s=wire_s,
             path=path,
         )
+        subject, data = sched_subject(ep.group, "done", ep.name), done.encode()
         try:
-            await ep.transport.publish(sched_subject(ep.group, "done", ep.name), done.encode())
+            await ep.transport.publish(subject, data)
         except Exception:
             logger.warning("could not report transfer %s done", transfer_id, exc_info=True)
+        settling = getattr(ep.transport, "settling", None)
+        if callable(settling) and settling():
+            # Just reconnected: the scheduler may not be subscribed again yet, and a lost report
+            # holds the pair's slot until its transfer_timeout. Saying it again costs nothing.
+            task = asyncio.create_task(self._report_again(subject, data), name=f"kvbus-done-{transfer_id}")
+            self._repeats.add(task)
+            task.add_done_callback(self._repeats.discard)
+
+    async def _report_again(self, subject: str, data: bytes) -> None:
+        for delay in DONE_REPEATS_S:
+            await asyncio.sleep(delay)
+            try:
+                await self._ep.transport.publish(subject, data)
+            except Exception:
+                logger.debug("could not repeat a done report", exc_info=True)
 
     # -- control messages -----------------------------------------------------------------------
 
@@ -341,3 +369,11 @@ class SchedulerLink:
                 ep.config.request_timeout,
             ) from None
         return ReservationReply.decode(data)
+
+
+def _refused(transfer_id: str, group: str, receivers: list[str], reason: str, code: Reason) -> TransferError:
+    """The error of a transfer the scheduler refused: `ReceiverGone` when a receiver left the group
+    (`Reason.RECEIVER_GONE`), else `TransferRejected` with the code."""
+    if code == Reason.RECEIVER_GONE:
+        return ReceiverGone(transfer_id, receivers[0] if len(receivers) == 1 else ",".join(receivers), reason)
+    return TransferRejected(transfer_id, f"scheduler of {group}", reason, code=code or Reason.OTHER)

@@ -31,7 +31,7 @@ from kvbus.bus.chunking import fit_chunk_size
 from kvbus.bus.config import DEFAULT_CHUNK_SIZE, HEADER_ROOM, OFFLOAD_BYTES
 from kvbus.bus.endpoint import Endpoint
 from kvbus.bus.errors import BusClosed, PayloadTooLarge, TransferRejected
-from kvbus.bus.outgoing import OutgoingTransfer
+from kvbus.bus.outgoing import OutgoingTransfer, StreamStats
 from kvbus.bus.scheduling import SchedulerLink
 from kvbus.bus.types import TransferReport
 from kvbus.codecs import Codec, Encoded, NonFiniteValues, get_codec
@@ -135,18 +135,11 @@ class Sender:
             inner = asked.inner.name  # type: ignore[union-attr]
             logger.info("transfer %s: no lossless base at %s for %s; sending %s", transfer_id, receivers, medium, inner)
             medium = inner
+        tracing = telemetry.tracing()  # span attributes are built only then
         with telemetry.span(
             "kvbus.send",
             kind=SpanKind.PRODUCER,
-            attributes={
-                telemetry.MESSAGING_SYSTEM: "nats",
-                telemetry.MESSAGING_OPERATION: "send",
-                telemetry.MESSAGING_DESTINATION: ",".join(receivers),
-                telemetry.MESSAGE_ID: transfer_id,
-                "kvbus.transfer_id": transfer_id,
-                "kvbus.src": ep.name,
-                "kvbus.context_bytes": kv.nbytes,
-            },
+            attributes=_send_attributes(transfer_id, ep.name, receivers, kv) if tracing else None,
         ) as send_span:
             grant = await self._scheduler.request_grant(
                 transfer_id,
@@ -159,13 +152,19 @@ class Sender:
                 path=self.expected_path(receivers, kv),
             )
             t_grant = time.perf_counter()
-            send_span.set_attribute("kvbus.medium", grant.medium)
+            if tracing:
+                send_span.set_attribute("kvbus.medium", grant.medium)
             sent_medium = grant.medium
             try:
                 codec = get_codec(grant.medium)
                 # What the receivers already hold from this agent (delta media send only the rest).
                 base = self.delta_base(receivers, kv) if base_tokens else None
-                with telemetry.span("kvbus.encode", attributes={"kvbus.medium": grant.medium}):
+                with telemetry.span(
+                    "kvbus.encode",
+                    attributes={"kvbus.medium": grant.medium} if tracing else None,
+                    current=False,
+                    lazy=True,
+                ):
                     try:
                         encoded = await self._encode(codec, kv, base)
                     except NonFiniteValues:
@@ -179,16 +178,15 @@ class Sender:
                 out = self._outgoing(transfer_id, receivers, grant, encoded)
                 self.outgoing[transfer_id] = out
                 try:
-                    with telemetry.span("kvbus.stream", attributes={"kvbus.rate_bps": grant.rate_bps}) as stream_span:
+                    # (Its counts are on kvbus.send; pause, resume and retransmit are its events.)
+                    with telemetry.span(
+                        "kvbus.stream",
+                        attributes={"kvbus.rate_bps": grant.rate_bps} if tracing else None,
+                        current=False,
+                        lazy=True,
+                    ) as stream_span:
                         out.span = stream_span
                         outcomes = await out.run()
-                        stream_span.set_attributes(
-                            {
-                                "kvbus.chunks": out.stats.chunks_sent,
-                                "kvbus.retransmits": out.stats.retransmits,
-                                "kvbus.pauses": out.stats.pauses,
-                            }
-                        )
                 finally:
                     self.outgoing.pop(transfer_id, None)
                     self._learn(out)
@@ -223,7 +221,10 @@ class Sender:
                     self.bases[rx] = SentBase(kv.tokens, lossless, fidelity)
                 elif isinstance(o.error, TransferRejected) and o.error.code is Reason.RECEIVER_RESTARTED:
                     self.bases.pop(rx, None)
-            _record_send(send_span, ep.name, grant, out, encoded.nbytes, t0, t_grant, t_done, error)
+            # Metrics and the span's results once the report is returned (off the transfer's path).
+            telemetry.later(
+                _record_send, send_span, ep.name, grant, out.stats, encoded.nbytes, t0, t_grant, t_done, error
+            )
             if error is not None:
                 error.failed = failed
                 raise error
@@ -298,6 +299,7 @@ class Sender:
             per_receiver_streams=ep.bus.secure,
             incarnations=self.incarnations,
             plane=ep.bus.plane,
+            trace_link=grant.traceparent,  # the scheduler's root span, for a sender that does not trace
         )
         if out.plan.n_chunks > MAX_CHUNKS:
             raise PayloadTooLarge(f"payload in chunks of {chunk_size} bytes", out.plan.n_chunks, MAX_CHUNKS)
@@ -389,11 +391,23 @@ class Sender:
         return common
 
 
+def _send_attributes(transfer_id: str, src: str, receivers: list[str], kv: KVCache) -> dict[str, Any]:
+    return {
+        telemetry.MESSAGING_SYSTEM: "nats",
+        telemetry.MESSAGING_OPERATION: "send",
+        telemetry.MESSAGING_DESTINATION: ",".join(receivers),
+        telemetry.MESSAGE_ID: transfer_id,
+        "kvbus.transfer_id": transfer_id,
+        "kvbus.src": src,
+        "kvbus.context_bytes": kv.nbytes,
+    }
+
+
 def _record_send(
     span: Any,
     agent: str,
     grant: Grant,
-    out: OutgoingTransfer,
+    stats: StreamStats,
     nbytes: int,
     t0: float,
     t_grant: float,
@@ -408,8 +422,8 @@ def _record_send(
         m.transfer_latency.record(t_done - t0, by_medium)
         m.transfer_bytes.add(nbytes, by_medium)
     m.queue_delay.record(t_grant - t0, {"agent": agent})
-    if out.stats.retransmits:
-        m.retransmits.add(out.stats.retransmits, {"agent": agent})
+    if stats.retransmits:
+        m.retransmits.add(stats.retransmits, {"agent": agent})
     if span.is_recording():
         predicted = grant.decision.get("predicted_s")
         span.set_attributes(
@@ -417,14 +431,12 @@ def _record_send(
                 telemetry.MESSAGE_BODY_SIZE: nbytes,
                 "kvbus.bytes": nbytes,
                 "kvbus.medium": grant.medium,
-                "kvbus.chunks": out.stats.chunks_sent,
-                "kvbus.retransmits": out.stats.retransmits,
-                "kvbus.pauses": out.stats.pauses,
-                "kvbus.rate_bps": grant.rate_bps,
+                "kvbus.chunks": stats.chunks_sent,
+                "kvbus.retransmits": stats.retransmits,
+                "kvbus.pauses": stats.pauses,
                 "kvbus.reason": grant.reason,
-                "kvbus.queued_s": t_grant - t0,
+                # (The queue wait is kvbus.grant.wait's length, the rate is on kvbus.stream.)
                 "kvbus.observed_s": t_done - t_grant,
-                "kvbus.total_s": t_done - t0,
                 **({"kvbus.predicted_s": float(predicted)} if isinstance(predicted, (int, float)) else {}),
             }
         )

@@ -54,6 +54,15 @@ class CacheTierConfig:
     """Seconds to wait for one reply from the remote tier."""
     retries: int = 2
     """Times a failed remote command is retried (with jittered backoff) before the tier gives up on it."""
+    cluster: bool = False
+    """Talk to a Redis Cluster (Valkey cluster mode) through redis-py's cluster client even when
+    the URL names one node (a ``redis+cluster://`` URL, or one with several hosts, implies it)."""
+    wait_replicas: int = -1
+    """Replicas that must have a block before its write counts (``WAIT``): a block is turned into a
+    stub (its memory freed) only then, so a primary's failover cannot lose it. -1: 1 on a cluster,
+    0 on a single server."""
+    wait_timeout_ms: int = 1000
+    """Milliseconds a write waits for ``wait_replicas`` replicas; a block not confirmed in time stays resident."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.block_tokens <= 1 << 16:
@@ -80,6 +89,10 @@ class CacheTierConfig:
                 raise ConfigError(f"{name} must be positive")
         if self.retries < 0:
             raise ConfigError(f"retries {self.retries} must not be negative")
+        if self.wait_replicas < -1:
+            raise ConfigError(f"wait_replicas {self.wait_replicas} must be -1 (auto) or more")
+        if self.wait_timeout_ms < 1:
+            raise ConfigError(f"wait_timeout_ms {self.wait_timeout_ms} must be positive")
 
     @property
     def high_bytes(self) -> int:

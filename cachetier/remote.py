@@ -2,7 +2,9 @@
 
 Any server that speaks the Redis protocol works (Redis, Valkey, KeyDB, managed services), by
 URL: ``redis://[[user]:password@]host:port/db`` or ``rediss://...`` for TLS (redis-py's URL
-options apply, e.g. ``?ssl_cert_reqs=none``).
+options apply, e.g. ``?ssl_cert_reqs=none``). A Redis Cluster (Valkey cluster mode) is reached
+with ``redis+cluster://host:port,host:port`` or a URL naming several hosts (`kvbus.cachetier.cluster`):
+redis-py's cluster client, and writes confirmed by a replica (``WAIT``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from kvbus.cachetier.cluster import ClusterWriter, cluster_client, is_cluster_url, wait_replicas
 from kvbus.cachetier.config import CacheTierConfig
 from kvbus.cachetier.errors import RemoteUnavailable
 from kvbus.cachetier.record import META_FIELD
@@ -49,8 +52,9 @@ def redact(url: str) -> str:
 class RemoteStore:
     """The remote tier of one agent: a redis-py asyncio client and the key layout.
 
-    A block's record is the hash ``{key_prefix}{codec}:{block key}``: tiers with the same
-    prefix on the same server share (and deduplicate) the blocks they store with the same codec.
+    A block's record is the hash ``{key_prefix}{codec}:{{block key}}`` (the block key is the hash
+    tag: on a cluster, a block's records share a slot): tiers with the same prefix on the same
+    server share (and deduplicate) the blocks they store with the same codec.
     """
 
     def __init__(self, url: str, config: CacheTierConfig) -> None:
@@ -64,16 +68,30 @@ class RemoteStore:
             # catches whatever types it is given; a bare OSError (socket level) must retry too.
             supported_errors=(RedisConnectionError, RedisTimeoutError, OSError),  # type: ignore[arg-type]
         )
+        self.cluster = config.cluster or is_cluster_url(url)
+        """Whether the server is a Redis Cluster (redis-py's cluster client)."""
+        self.wait_replicas = wait_replicas(config, self.cluster)
+        """Replicas that must have a record before its write counts (0: the primary's word)."""
+        self.client: Any
         try:
-            self.client = aioredis.Redis.from_url(
-                url,
-                socket_connect_timeout=config.connect_timeout,
-                socket_timeout=config.socket_timeout,
-                retry=retry,
-                decode_responses=False,
-            )
+            if self.cluster:
+                cluster_url = url if is_cluster_url(url) else url.replace("://", "+cluster://", 1)
+                self.client = cluster_client(cluster_url, config, retry)
+            else:
+                self.client = aioredis.Redis.from_url(
+                    url,
+                    socket_connect_timeout=config.connect_timeout,
+                    socket_timeout=config.socket_timeout,
+                    retry=retry,
+                    decode_responses=False,
+                )
         except (ValueError, RedisError) as exc:
             raise RemoteUnavailable(self.url, f"bad URL: {exc}") from None
+        self.writer: ClusterWriter | None = (
+            ClusterWriter(self.client, config, self.wait_replicas, self.url)
+            if self.cluster and self.wait_replicas
+            else None
+        )
 
     @classmethod
     async def connect(cls, url: str, config: CacheTierConfig) -> RemoteStore:
@@ -92,14 +110,16 @@ class RemoteStore:
 
     def record_key(self, codec: str, key: str) -> str:
         """The Redis key of the record of block ``key`` stored with ``codec``."""
-        return f"{self.config.key_prefix}{codec}:{key}"
+        return f"{self.config.key_prefix}{codec}:{{{key}}}"
 
     async def _pipeline(
-        self, record_keys: Sequence[str], command: Callable[[Any, int, str], object], *, ttl: int = 0
+        self, record_keys: Sequence[str], command: Callable[[Any, int, str], object], *, ttl: int = 0, wait: int = 0
     ) -> list[Any]:
         """Run ``command(pipe, i, record_key)`` for each record key in one pipeline, each followed by an
         ``EXPIRE`` of ``ttl`` seconds when ``ttl``; returns the replies of the commands (not those of
-        the ``EXPIRE`` commands), a refused command's as its exception.
+        the ``EXPIRE`` commands), a refused command's as its exception. With ``wait`` (one server:
+        a standalone pipeline is one connection) a ``WAIT wait`` ends the pipeline and a command
+        that fewer replicas confirmed counts as refused.
 
         Raises:
             RemoteUnavailable: the server could not be reached.
@@ -110,9 +130,16 @@ class RemoteStore:
                     command(pipe, i, rk)
                     if ttl:
                         pipe.expire(rk, ttl)
-                replies = await pipe.execute(raise_on_error=False)
+                if wait:
+                    pipe.execute_command("WAIT", wait, self.config.wait_timeout_ms)
+                replies: list[Any] = await pipe.execute(raise_on_error=False)
         except REMOTE_ERRORS as exc:
             raise RemoteUnavailable(self.url, _describe(exc)) from None
+        if wait:
+            acked = replies.pop()
+            if not isinstance(acked, int) or acked < wait:
+                short = RemoteUnavailable(self.url, f"{acked} of {wait} replica(s) confirmed in time")
+                replies = [r if isinstance(r, BaseException) else short for r in replies]
         return replies[::2] if ttl else replies
 
     async def metas(self, record_keys: Sequence[str]) -> list[bytes | None]:
@@ -142,11 +169,17 @@ class RemoteStore:
         """
         if not records:
             return []
-        replies = await self._pipeline(
-            [rk for rk, _ in records],
-            lambda pipe, i, rk: pipe.hset(rk, mapping=dict(records[i][1])),
-            ttl=self.config.remote_ttl,
-        )
+        replies: Sequence[Any]
+        if self.writer is not None:
+            # On a cluster: each primary's records, then WAIT, on one connection to it.
+            replies = await self.writer.write(records, self.config.remote_ttl)
+        else:
+            replies = await self._pipeline(
+                [rk for rk, _ in records],
+                lambda pipe, i, rk: pipe.hset(rk, mapping=dict(records[i][1])),
+                ttl=self.config.remote_ttl,
+                wait=self.wait_replicas,
+            )
         confirmed = []
         for (rk, _), reply in zip(records, replies):
             ok = not isinstance(reply, BaseException)
@@ -172,7 +205,16 @@ class RemoteStore:
         """
         if not record_keys:
             return []
-        replies = await self._pipeline(record_keys, lambda pipe, _, rk: pipe.hgetall(rk), ttl=self.config.remote_ttl)
+        replies: Sequence[Any]
+        if self.writer is not None:
+            # On a cluster: one pipeline per primary; a primary that is down misses only its records.
+            replies = await self.writer.read(record_keys, self.config.remote_ttl)
+            if all(isinstance(r, RemoteUnavailable) for r in replies):
+                raise replies[0]
+        else:
+            replies = await self._pipeline(
+                record_keys, lambda pipe, _, rk: pipe.hgetall(rk), ttl=self.config.remote_ttl
+            )
         out: list[dict[bytes, bytes]] = []
         for rk, reply in zip(record_keys, replies):
             if isinstance(reply, BaseException) or not isinstance(reply, dict):
@@ -182,7 +224,9 @@ class RemoteStore:
         return out
 
     async def close(self) -> None:
-        """Close the Redis connection pool."""
+        """Close the connections to the server(s)."""
+        if self.writer is not None:
+            await self.writer.close()
         await self.client.aclose()
 
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -75,7 +76,9 @@ class Coordinator(ReplicatedService):
         self._agents: Any = None
 
     @classmethod
-    async def connect(cls, url: str, *, nats_options: dict[str, Any] | None = None, **kwargs: Any) -> Coordinator:
+    async def connect(
+        cls, url: str | Sequence[str], *, nats_options: dict[str, Any] | None = None, **kwargs: Any
+    ) -> Coordinator:
         """Connect to NATS (``nats_options`` go to `nats.connect`: credentials, TLS, inbox prefix) and start."""
         opts = {"name": "kvbus-coordinator", **(nats_options or {})}
         coord = cls(await NatsTransport.connect(url, **opts), **kwargs)
@@ -101,8 +104,8 @@ class Coordinator(ReplicatedService):
         """Heartbeats and leaves reach every serving replica; requests go to one (a queue group)."""
         q = "kvbus-coordinator"
         return [
-            Endpoint(COORD_REGISTER, self._on_heartbeat),
-            Endpoint(COORD_LEAVE, self._on_leave),
+            Endpoint(f"{COORD_REGISTER}.*", self._on_heartbeat),
+            Endpoint(f"{COORD_LEAVE}.*", self._on_leave),
             Endpoint(COORD_GROUPS, self._on_groups, q),
             Endpoint(COORD_LEASE, self._on_lease, q),
             Endpoint(COORD_RESERVE, self._on_reserve, q),
@@ -165,15 +168,21 @@ class Coordinator(ReplicatedService):
                     )
             except WireFormatError:
                 logger.warning("coordinator state %s is malformed; ignored", key)
+        # A group that stopped heartbeating while no coordinator ran is gone: it does not come back.
+        await self.expire_groups()
 
     # -- membership -------------------------------------------------------------------------------------
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         try:
             hb = GroupHeartbeat.decode(msg.data)
-        except WireFormatError:
-            logger.warning("malformed group heartbeat dropped")
+            _check_group_subject(msg.subject, hb.group)
+        except (WireFormatError, ValueError) as exc:
+            logger.warning("group heartbeat dropped: %s", exc)
             return
+        # When it was heard is the coordinator's clock, never what the message says (a heartbeat
+        # dated in the future would keep a group alive for ever).
+        hb = replace(hb, ts=time.time())
         if hb.group not in self.groups:
             logger.info("group %s joined (scheduler %s)", hb.group, hb.scheduler)
         self.groups[hb.group] = hb
@@ -182,20 +191,37 @@ class Coordinator(ReplicatedService):
     async def _on_leave(self, msg: Msg) -> None:
         try:
             leave = GroupLeave.decode(msg.data)
-        except WireFormatError:
+            _check_group_subject(msg.subject, leave.group)
+        except (WireFormatError, ValueError) as exc:
+            logger.warning("group leave dropped: %s", exc)
             return
-        self.groups.pop(leave.group, None)
-        self.leases.pop(leave.group, None)
-        await self._delete(f"group.{leave.group}")
-        await self._delete(f"lease.{leave.group}")
+        await self._forget_group(leave.group)
         logger.info("group %s left", leave.group)
+
+    async def _forget_group(self, group: str) -> None:
+        """Drop a group, its lease and their durable records."""
+        self.groups.pop(group, None)
+        self.leases.pop(group, None)
+        await self._delete(f"group.{group}")
+        await self._delete(f"lease.{group}")
 
     def live_groups(self) -> dict[str, GroupHeartbeat]:
         """Groups whose scheduler was heard from within ``group_ttl_s``."""
         now = time.time()
         return {g: hb for g, hb in self.groups.items() if now - hb.ts <= self.config.group_ttl_s}
 
+    async def expire_groups(self, now: float | None = None) -> list[str]:
+        """Forget the groups not heard from for ``group_ttl_s`` (with their leases and durable
+        records): they take no more placements and hold no share. Returns their names."""
+        now = time.time() if now is None else now
+        gone = [g for g, hb in self.groups.items() if now - hb.ts > self.config.group_ttl_s]
+        for g in gone:
+            await self._forget_group(g)
+            logger.info("group %s expired (no heartbeat for %.0f s)", g, self.config.group_ttl_s)
+        return gone
+
     async def _on_groups(self, msg: Msg) -> None:
+        await self.expire_groups()
         body = {
             g: {"scheduler": hb.scheduler, "agents": hb.agents, "age_s": round(time.time() - hb.ts, 3)}
             for g, hb in self.live_groups().items()
@@ -321,6 +347,7 @@ class Coordinator(ReplicatedService):
 
     async def place(self, agent: str, talks_to: list[str]) -> PlacementReply:
         """The group of the agents it talks to most, else the least loaded live group."""
+        await self.expire_groups()
         live = self.live_groups()
         if not live:
             return PlacementReply(agent, "", "no live group")
@@ -351,6 +378,13 @@ class Coordinator(ReplicatedService):
             if span is not None:
                 span.set_attributes({"kvbus.group": reply.group, "kvbus.reason": reply.reason})
             await self.transport.reply(msg, reply.encode())
+
+
+def _check_group_subject(subject: str, group: str) -> None:
+    """Raise `WireFormatError` unless ``subject`` is ``group``'s own (`group_subject`): in secure mode a
+    scheduler may publish only on its own group's, so a message cannot speak for another group."""
+    if subject.rsplit(".", 1)[-1] != group:
+        raise WireFormatError("group message", f"group {group!r} came on the subject {subject[:200]!r}")
 
 
 def _reservation_rate(req: ReservationRequest) -> float:

@@ -50,6 +50,18 @@ class SchedulerConfig:
     directory_watch_ttl: float = 30.0
     """Seconds an entry kept current by the directory watch is trusted without a lookup (a
     bound on staleness should the watch stall unnoticed)."""
+    # -- what one request may cost ------------------------------------------------------------
+    max_receivers: int = 256
+    """Most receivers one request may name; more is refused at once with `Reason.TOO_LARGE`."""
+    lookup_batch: int = 16
+    """Most directory lookups one request may cause (its names the cache does not know, looked up
+    together in one batch); a request with more unknown names is refused without any lookup."""
+    admit_timeout_s: float = 1.0
+    """Longest the directory lookups of one request may take; then it is refused with
+    `Reason.UNAVAILABLE` (other requests are admitted meanwhile: a request waiting for its
+    lookups never holds up the others)."""
+    max_admitting: int = 64
+    """Requests that may wait for directory lookups at once; more are refused with `Reason.UNAVAILABLE`."""
     selector: str = "adaptive"
     """How media are chosen: ``adaptive`` (the cost model) or ``static`` (requested, else full/tokens)."""
     hysteresis: float = 0.15
@@ -126,6 +138,10 @@ class SchedulerConfig:
             raise ConfigError(f"hysteresis {self.hysteresis} must be in [0, 1)")
         if self.probe_ttl_s <= 0:
             raise ConfigError("probe_ttl_s must be positive")
+        if self.max_receivers < 1 or self.lookup_batch < 1 or self.max_admitting < 1:
+            raise ConfigError("max_receivers, lookup_batch and max_admitting must be at least 1")
+        if not 0 < self.admit_timeout_s < float("inf"):
+            raise ConfigError(f"admit_timeout_s {self.admit_timeout_s} must be a positive number of seconds")
         if not 0 <= self.preempt_threshold <= 1:
             raise ConfigError(f"preempt_threshold {self.preempt_threshold} must be within 0..1")
         if self.preempt_ratio <= 1:

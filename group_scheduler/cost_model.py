@@ -17,6 +17,10 @@ prefers compact payloads and, where available, media that leave less resident (s
 The figures per medium come from the calibration profile (`kvbus calibrate`), never from
 constants here; the defaults below are only a fallback when no profile can be loaded, and are
 labelled as such in every decision.
+
+A receiver that cannot recompute (no model runner: its directory record says ``recompute``
+false) is never given ``tokens`` or ``summary`` for a context with KV while a KV medium fits
+it, unless the sender insists on that medium.
 """
 
 from __future__ import annotations
@@ -116,6 +120,9 @@ class Endpoint:
     memory_pressure: float = 0.0
     """0..1: how far the agent's cache is past its high watermark."""
     model: ModelCosts = field(default_factory=ModelCosts)
+    recompute: bool = True
+    """Whether it can rebuild KV from tokens (it has a model runner). A receiver that cannot is
+    not given ``tokens`` or ``summary`` for a context with KV, unless the sender insists."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,6 +308,7 @@ class CostModel:
         lineage: float = 1.0,
         current: str | None = None,
         base_tokens: int = 0,
+        requested: bool = False,
     ) -> Choice:
         """The medium with the lowest predicted latency.
 
@@ -311,6 +319,8 @@ class CostModel:
             current: the medium this pair used last; kept unless another is predicted at least
                 ``hysteresis`` faster.
             base_tokens: tokens of this context the receiver already holds (enables delta media).
+            requested: the sender insists on ``candidates`` (then a receiver that cannot
+                recompute may still be given a token medium).
         """
         cfg = self.config
         ests = [
@@ -325,6 +335,20 @@ class CostModel:
             )
             for m in dict.fromkeys(candidates)
         ]
+        # Tokens would reach a receiver with no model to rebuild the KV from them: only when no KV
+        # medium fits it at all (then tokens are all it can take), or the sender insists.
+        if (
+            not receiver.recompute
+            and kv_bytes > 0
+            and not requested
+            and any(e.usable and self.figures[e.medium].needs_kv for e in ests)
+        ):
+            ests = [
+                replace(e, usable=False, why_not="receiver cannot recompute (no model runner)")
+                if e.usable and not self.figures[e.medium].needs_kv
+                else e
+                for e in ests
+            ]
         pool = [e for e in ests if e.usable]
         if not pool:
             raise ValueError("no usable medium among " + ", ".join(e.medium for e in ests))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from nats.js.errors import KeyNotFoundError
@@ -84,30 +85,51 @@ class Directory:
                 self.live = False
             await asyncio.sleep(REWATCH_S)
 
+    def cached(self, agent: str) -> AgentRecord | None:
+        """An agent's record from the cache, when the cache may be trusted for it (kept current by
+        the watch, or looked up within ``directory_ttl``); None otherwise (then ask `lookup_many`)."""
+        hit = self.cache.get(agent)
+        ttl = self.config.directory_watch_ttl if self.live else self.config.directory_ttl
+        if hit is not None and hit[1] is not None and time.monotonic() - hit[0] < ttl:
+            return hit[1]
+        return None
+
     async def lookup(self, agent: str) -> AgentRecord | None:
         """An agent's record: from the cache the watch keeps current, else a lookup cached for
         ``directory_ttl``; None when it has none."""
-        now = time.monotonic()
-        hit = self.cache.get(agent)
-        ttl = self.config.directory_watch_ttl if self.live else self.config.directory_ttl
-        if hit is not None and now - hit[0] < ttl and hit[1] is not None:
-            return hit[1]
+        record = self.cached(agent)
+        if record is not None:
+            return record
+        return (await self.lookup_many([agent])).get(agent)
+
+    async def lookup_many(self, agents: Sequence[str]) -> dict[str, AgentRecord | None]:
+        """The records of ``agents`` from the bucket, looked up together (one round trip of latency,
+        however many), and remembered; None for an agent that has none."""
         bucket = await self.bucket()
         if bucket is None:
-            return None
+            return dict.fromkeys(agents)
+        names = list(dict.fromkeys(agents))
+        now = time.monotonic()
+        records = await asyncio.gather(*(self._get(bucket, name) for name in names))
+        return {name: self.remember(name, record, now) for name, record in zip(names, records)}
+
+    @staticmethod
+    async def _get(bucket: Any, agent: str) -> AgentRecord | None:
         try:
             entry = await bucket.get(agent)
-            record = AgentRecord.decode(entry.value) if entry.value else None
+            return AgentRecord.decode(entry.value) if entry.value else None
         except KeyNotFoundError:
-            record = None
+            return None
         except WireFormatError:
             logger.warning("directory entry of %s is malformed", agent)
-            record = None
-        return self.remember(agent, record, now)
+            return None
 
     def remember(self, agent: str, record: AgentRecord | None, now: float) -> AgentRecord | None:
         """Cache ``agent``'s record and what the group state learns from it."""
         self.cache[agent] = (now, record)
+        left = self.state.left.get(agent)
+        if record is not None and left is not None and record.ts > left:
+            self.state.returned(agent)  # registered again after it left: a new incarnation
         if record is not None and record.group != self.group:
             self.state.remote[agent] = record.group
         else:

@@ -18,3 +18,17 @@ class WrongSender(KVBusError, ValueError):
         self.claimed = claimed
         self.sender = sender
         super().__init__(f"a message for agent {claimed!r} came on the subject of {sender!r}")
+
+
+class TooManyReceivers(KVBusError, ValueError):
+    """A request names more receivers than the scheduler takes in one request (``max_receivers``).
+
+    Attributes:
+        count: how many it names.
+        limit: the most a request may name.
+    """
+
+    def __init__(self, count: int, limit: int) -> None:
+        self.count = count
+        self.limit = limit
+        super().__init__(f"a request names {count} receivers; at most {limit} are allowed (max_receivers)")

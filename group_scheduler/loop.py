@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from nats.aio.msg import Msg
+from opentelemetry.trace import Span
 
 from kvbus import telemetry
 from kvbus.errors import WireFormatError
@@ -28,7 +29,7 @@ from kvbus.group_scheduler.reservations import ReservationTable
 from kvbus.group_scheduler.state import GroupState, Pending
 from kvbus.net.rpc import RpcClient
 from kvbus.net.transport import NoResponders, Transport
-from kvbus.protocol import PATH_NAMES, Control, ControlReply, Grant, TransferDone, agent_subject
+from kvbus.protocol import PATH_NAMES, Control, ControlReply, Grant, Reason, TransferDone, agent_subject
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,8 @@ class GrantLoop:
         """Set to make the loop look again now (an event changed what it waits for)."""
         self.side_tasks: set[asyncio.Task[Any]] = set()
         """Pauses waiting for their senders' answers."""
+        self._refusals: list[Decision] = []
+        """Refusals decided outside a pass (an agent left), sent by the next one."""
 
     @property
     def reservations(self) -> ReservationTable | None:
@@ -138,6 +141,28 @@ class GrantLoop:
                     policy.released(p)
         return refusals
 
+    def departed(self, name: str) -> int:
+        """``name`` left the group: its running transfers are released, its own queued ones
+        withdrawn, and the queued ones to it refused with `Reason.RECEIVER_GONE` (sent by the next
+        pass, which this wakes). Returns how many were refused."""
+        state, policy = self.state, self.policy
+        refused = 0
+        for p in list(state.queue):
+            if name != p.src and name not in p.dst:
+                continue
+            state.drop(p)
+            policy.withdrawn(state, p)
+            if name != p.src:
+                why = f"receiver {name!r} left the group (it closed)"
+                self._refusals.append(Decision(p, "", 0.0, why, code=Reason.RECEIVER_GONE))
+                refused += 1
+        for tid, p in list(state.active.items()):
+            if name == p.src or name in p.dst:
+                del state.active[tid]
+                policy.released(p)
+        self.wake.set()
+        return refused
+
     async def schedule_once(self, replies: dict[str, Msg] | None = None) -> int:
         """One scheduling pass: expire, ask the policy (`decide`, then `adjust` with the new grants
         active), send grants and controls; returns how many were granted.
@@ -149,7 +174,10 @@ class GrantLoop:
         now = time.monotonic()
         self.slices += 1
         decisions = self._expire(now)
-        expired = len(decisions)
+        if self._refusals:
+            decisions += self._refusals
+            self._refusals = []
+        expired = len(decisions)  # refusals of transfers already out of the queue
         decisions += self.policy.decide(state, now)
         # All state changes first, then the messages: a pass that runs while this one awaits
         # its sends sees a consistent state. New grants are active before `adjust` looks.
@@ -177,9 +205,9 @@ class GrantLoop:
                 latency_s=latency,
                 sched_s=max(0.0, wall - req.ts),
                 code=decision.code,
+                traceparent=_record_decision(pending, decision, rate, wall, now),
             )
             data = grant.encode()
-            _record_decision(pending, decision, rate, wall, now)
             if decision.medium:
                 pending.granted_at = now
                 pending.medium = decision.medium
@@ -277,23 +305,45 @@ class GrantLoop:
         self.wake.set()
 
 
-def _record_decision(pending: Pending, decision: Decision, rate: float, wall: float, now: float) -> None:
-    """The ``kvbus.schedule`` span of one decided transfer: a child of the sender's grant wait
-    (the request's ``traceparent``), from the request's arrival to the decision."""
+def _record_decision(pending: Pending, decision: Decision, rate: float, wall: float, now: float) -> str | None:
+    """The ``kvbus.schedule`` span of one decided transfer, from the request's arrival to the decision.
+
+    A child of the sender's grant wait (the request's ``traceparent``), made `later` (after the
+    grant is out); when the sender does not trace, a root span of its own, started now: its
+    ``traceparent`` is returned for the grant to carry, so that the receiver's span can link to it.
+    """
+    if not telemetry.tracing():
+        return None
     parent = pending.request.traceparent
-    if not parent:
-        return
     arrived_ns = int((wall - max(0.0, now - pending.arrived)) * 1e9)
-    span = telemetry.start(
-        "kvbus.schedule",
-        parent=parent,
-        start_time=arrived_ns,
-        attributes={"kvbus.transfer_id": pending.transfer_id, "kvbus.medium": decision.medium, "kvbus.rate_bps": rate},
-    )
+    if parent:
+        telemetry.later(_decision_span, pending, decision, rate, now, None, parent, arrived_ns, time.time_ns())
+        return None
+    span = telemetry.start("kvbus.schedule", parent=telemetry.ROOT, start_time=arrived_ns)
+    telemetry.later(_decision_span, pending, decision, rate, now, span, None, arrived_ns, time.time_ns())
+    return telemetry.traceparent(span)
+
+
+def _decision_span(
+    pending: Pending,
+    decision: Decision,
+    rate: float,
+    now: float,
+    span: Span | None,
+    parent: str | None,
+    start_ns: int,
+    end_ns: int,
+) -> None:
+    """Record the decision on its span (``span``: started already; else made now, a child of ``parent``)."""
+    if span is None:
+        span = telemetry.start("kvbus.schedule", parent=parent, start_time=start_ns)
     if span.is_recording():
         choice = pending.decision or {}
         span.set_attributes(
             {
+                "kvbus.transfer_id": pending.transfer_id,
+                "kvbus.medium": decision.medium,
+                "kvbus.rate_bps": rate,
                 "kvbus.group": pending.request.group,
                 "kvbus.src": pending.src,
                 "kvbus.dst": ",".join(pending.dst),
@@ -304,4 +354,4 @@ def _record_decision(pending: Pending, decision: Decision, rate: float, wall: fl
                 "kvbus.candidates": json.dumps(choice.get("candidates", []), separators=(",", ":"), default=str),
             }
         )
-    span.end()
+    span.end(end_time=end_ns)

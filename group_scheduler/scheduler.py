@@ -17,6 +17,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -42,23 +43,27 @@ from kvbus.group_scheduler.reservations import (
 )
 from kvbus.group_scheduler.selection import default_selector
 from kvbus.group_scheduler.snapshot import snapshot
-from kvbus.group_scheduler.state import GroupState
+from kvbus.group_scheduler.state import GroupState, Pending
 from kvbus.net.buckets import transport_bucket
 from kvbus.net.service import Endpoint, ReplicatedService, bounded, replica_name
 from kvbus.net.transport import NatsTransport, Transport
 from kvbus.protocol import (
     COORD_BUCKET,
     COORD_REGISTER,
+    AgentLeave,
     AgentRecord,
     FlowReservation,
+    Grant,
     GroupHeartbeat,
     Probe,
     Reason,
     RequestAck,
     ReservationReply,
     TransferDone,
+    TransferRequest,
     agent_subject,
     check_name,
+    group_subject,
     packb,
     sched_subject,
 )
@@ -102,7 +107,7 @@ class GroupScheduler(ReplicatedService):
         self.admission = admission or local
         self.directory = Directory(transport, self.state, self.config)
         """The agent directory cache."""
-        self.requests = RequestAdmission(self.directory, self.state, self.config.probe_ttl_s)
+        self.requests = RequestAdmission(self.directory, self.state, self.config)
         """Checks requests before they are queued."""
         self.loop = GrantLoop(transport, self.state, self.policy, self.config)
         """The time-slice loop: decisions -> grants and controls."""
@@ -122,6 +127,10 @@ class GroupScheduler(ReplicatedService):
         """The group's inter-group bandwidth lease from the coordinator."""
         self._tasks: list[asyncio.Task[None]] = []
         self._probe_sub: Any = None
+        self._leave_sub: Any = None
+        self._admitting: dict[str, bool] = {}
+        """Requests waiting for their directory lookups: transfer id -> asked again meanwhile."""
+        self._admit_tasks: set[asyncio.Task[None]] = set()
 
     def _lease_changed(self) -> None:
         self.policy.changed()
@@ -129,7 +138,7 @@ class GroupScheduler(ReplicatedService):
 
     @classmethod
     async def connect(
-        cls, url: str, group: str, *, nats_options: dict[str, Any] | None = None, **kwargs: Any
+        cls, url: str | Sequence[str], group: str, *, nats_options: dict[str, Any] | None = None, **kwargs: Any
     ) -> GroupScheduler:
         """Connect to NATS (``nats_options`` go to `nats.connect`: credentials, TLS, inbox prefix) and start."""
         opts = {"name": f"kvbus-scheduler-{group}", **(nats_options or {})}
@@ -187,6 +196,8 @@ class GroupScheduler(ReplicatedService):
             await self.store.restore(self.reservations, self.config.reservation_headroom)
         # Probes reach every replica, so a standby's S(t) is warm when it takes over.
         self._probe_sub = await self.transport.subscribe(sched_subject(self.group, "probe", "*"), self._on_probe)
+        # So do leaves: a standby must not keep a departed agent either.
+        self._leave_sub = await self.transport.subscribe(sched_subject(self.group, "leave", "*"), self._on_leave)
         self._tasks = [
             asyncio.create_task(self.loop.run(), name=f"kvbus-sched-{self.group}"),
             asyncio.create_task(self._heartbeat(), name=f"kvbus-sched-hb-{self.group}"),
@@ -222,34 +233,79 @@ class GroupScheduler(ReplicatedService):
 
     async def closed_down(self) -> None:
         """Stop the background tasks and the probe subscription."""
-        tasks = [*self._tasks, *self.loop.side_tasks]
+        tasks = [*self._tasks, *self.loop.side_tasks, *self._admit_tasks]
         for task in tasks:
             task.cancel()
         for task in tasks:
             await bounded(task, "stop a background task")
-        if self._probe_sub is not None:
-            await bounded(self._probe_sub.unsubscribe(), "unsubscribe")
+        for sub in (self._probe_sub, self._leave_sub):
+            if sub is not None:
+                await bounded(sub.unsubscribe(), "unsubscribe")
 
     # -- handlers --------------------------------------------------------------------------------
 
     async def _on_request(self, msg: Msg) -> None:
         try:
-            req = parse_request(msg)
+            req = parse_request(msg, self.config.max_receivers)
         except (WireFormatError, ValueError) as exc:
             ack = RequestAck(transfer_id="", ok=False, reason=f"bad request: {exc}", code=refusal_code(exc))
             await self.transport.reply(msg, ack.encode())
             return
-        known = self.state.find(req.transfer_id)
+        tid = req.transfer_id
+        known = self.state.find(tid)
         if known is not None:
             # Asked again (the reply or the grant went astray, or the sender checks after a
             # failover): one entry per transfer id, the grant again if it has one.
-            answer = known.grant or RequestAck(req.transfer_id, ok=True, reason="queued").encode()
+            answer = known.grant or RequestAck(tid, ok=True, reason="queued").encode()
             await self.transport.reply(msg, answer)
             return
-        pending = await self.requests.admit(req)
+        if tid in self._admitting:
+            # Still waiting for its lookups: the answer follows on the sender's ctl subject.
+            self._admitting[tid] = True
+            await self.transport.reply(msg, RequestAck(tid, ok=True, reason="queued").encode())
+            return
+        pending = self.requests.admit_now(req)
+        if pending is not None:
+            await self._queue(msg, req, pending)
+            return
+        # Its receivers need a directory lookup: done aside (bounded in time), so that the
+        # requests behind it are answered meanwhile; the handler takes requests one at a time.
+        if len(self._admitting) >= self.config.max_admitting:
+            busy = Refusal(Reason.UNAVAILABLE, "too many requests are waiting for directory lookups; ask again later")
+            await self._queue(msg, req, busy)
+            return
+        self._admitting[tid] = False
+        task = asyncio.create_task(self._admit_aside(msg, req), name=f"kvbus-admit-{tid}")
+        self._admit_tasks.add(task)
+        task.add_done_callback(self._admit_tasks.discard)
+
+    async def _admit_aside(self, msg: Msg, req: TransferRequest) -> None:
+        try:
+            try:
+                pending = await self.requests.admit(req)
+            finally:
+                asked_again = self._admitting.pop(req.transfer_id, False)
+            await self._queue(msg, req, pending, asked_again=asked_again)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("group %s: admitting transfer %s failed", self.group, req.transfer_id)
+
+    async def _queue(
+        self, msg: Msg, req: TransferRequest, pending: Pending | Refusal, *, asked_again: bool = False
+    ) -> None:
+        """Answer an admitted request: its refusal, or queue it and decide at once.
+
+        ``asked_again``: the sender asked again while it was being admitted (its first request may
+        have timed out), so a refusal or a grant also goes to its ctl subject.
+        """
+        tid = req.transfer_id
         if isinstance(pending, Refusal):
-            ack = RequestAck(req.transfer_id, ok=False, reason=pending.reason, code=pending.code)
+            ack = RequestAck(tid, ok=False, reason=pending.reason, code=pending.code)
             await self.transport.reply(msg, ack.encode())
+            if asked_again:
+                refusal = Grant(tid, "", reason=pending.reason, code=pending.code)
+                await self.transport.publish(agent_subject(req.src, "ctl"), refusal.encode())
             return
         self.state.queue.append(pending)
         self.policy.queued(self.state, pending)
@@ -257,10 +313,10 @@ class GroupScheduler(ReplicatedService):
             await self.inter.ensure(req.traceparent)  # granted within the lease, not before one is in force
         # Decide now: a transfer that can start at once gets its grant as the reply (one round
         # trip instead of two); otherwise the reply says "queued" and the grant follows on ctl.
-        replies = {req.transfer_id: msg}
+        replies = {} if asked_again else {tid: msg}
         await self.loop.schedule_once(replies)
-        if req.transfer_id in replies:
-            await self.transport.reply(msg, RequestAck(req.transfer_id, ok=True, reason="queued").encode())
+        if asked_again or tid in replies:
+            await self.transport.reply(msg, RequestAck(tid, ok=True, reason="queued").encode())
         self.loop.wake.set()  # the loop's next deadline may have moved (a slice's reallocation, aging)
 
     async def _on_done(self, msg: Msg) -> None:
@@ -271,6 +327,26 @@ class GroupScheduler(ReplicatedService):
             logger.warning("done message dropped: %s", exc)
             return
         self.loop.finished(done)
+
+    async def _on_leave(self, msg: Msg) -> None:
+        """An agent closed and said so: drop it at once, refuse transfers to it from now on."""
+        try:
+            leave = AgentLeave.decode(msg.data)
+            check_sender(msg, leave.agent)
+        except (WireFormatError, ValueError) as exc:
+            logger.info("group %s: leave message dropped: %s", self.group, exc)
+            return
+        if leave.group != self.group:
+            return
+        self.state.depart(leave.agent, leave.ts)
+        refused = self.loop.departed(leave.agent)
+        logger.info(
+            "group %s: agent %s left (%s)%s",
+            self.group,
+            leave.agent,
+            leave.reason[:200] or "closed",
+            f"; {refused} queued transfer(s) to it refused" if refused else "",
+        )
 
     async def _on_register(self, msg: Msg) -> None:
         """An agent's record, sent to us because it has no JetStream rights (secure mode): we write it."""
@@ -283,6 +359,7 @@ class GroupScheduler(ReplicatedService):
         except (WireFormatError, ValueError) as exc:
             logger.info("group %s: registration refused: %s", self.group, exc)
             return
+        self.state.returned(record.name)  # registering again after it left: a new incarnation
         try:
             await self.directory.write(record)
             await self.transport.reply(msg, b"ok")
@@ -320,7 +397,7 @@ class GroupScheduler(ReplicatedService):
             try:
                 if self.serving:  # a standby is not the group's scheduler (yet)
                     hb = GroupHeartbeat(group=self.group, scheduler=self.name, agents=len(self.state.agents))
-                    await self.transport.publish(COORD_REGISTER, hb.encode())
+                    await self.transport.publish(group_subject(COORD_REGISTER, self.group), hb.encode())
             except asyncio.CancelledError:
                 raise
             except Exception:

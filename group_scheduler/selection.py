@@ -93,12 +93,16 @@ class AdaptiveSelector(MediumSelector):
             return Link(declared, 2 * state.declared_latency(src, dst), "configured")
         return Link(self.default_bandwidth_bps, 0.0, "default")
 
-    def endpoint(self, state: GroupState, name: str, signature: ModelSignature | None) -> Endpoint:
-        """An agent as the cost model sees it: its model, compute load and memory pressure."""
+    def endpoint(
+        self, state: GroupState, name: str, signature: ModelSignature | None, *, recompute: bool = True
+    ) -> Endpoint:
+        """An agent as the cost model sees it: its model, compute load, memory pressure and whether
+        it can recompute KV from tokens."""
         agent = state.agents.get(name)
         load = agent.compute_load if agent else 0.0
         pressure = agent.memory_pressure if agent else 0.0
-        return Endpoint(signature, load, pressure, getattr(self.model, "default_model_costs", ModelCosts()))
+        costs = getattr(self.model, "default_model_costs", ModelCosts())
+        return Endpoint(signature, load, pressure, costs, recompute=recompute)
 
     def choose(self, state: GroupState, pending: Pending) -> tuple[str, str]:
         """The medium with the lowest predicted latency (recorded on ``pending``), and why."""
@@ -132,10 +136,11 @@ class AdaptiveSelector(MediumSelector):
                         kv_bytes=req.nbytes,
                         link=self.link(state, req.src, rx, req.path),
                         sender=sender,
-                        receiver=self.endpoint(state, rx, sig),
+                        receiver=self.endpoint(state, rx, sig, recompute=pending.recompute.get(rx, True)),
                         lineage=req.fidelity,
                         current=None if req.medium else self.last.get((req.src, rx)),
                         base_tokens=req.base_tokens,
+                        requested=bool(req.medium),
                     )
                 )
             except ValueError:

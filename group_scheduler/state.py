@@ -14,6 +14,10 @@ from functools import cached_property
 from kvbus.protocol import Probe, TransferRequest
 from kvbus.signature import ModelSignature
 
+#: Departed agents remembered (beyond that the oldest are forgotten: a transfer to one is then
+#: refused as to an unknown agent, once its directory record is gone).
+MAX_LEFT = 4096
+
 
 @dataclass
 class AgentState:
@@ -98,6 +102,9 @@ class Pending:
     """The request's deadline on the monotonic clock, or None."""
     grant: bytes = b""
     """The encoded grant, re-sent if the sender asks again (its first copy was lost)."""
+    recompute: dict[str, bool] = field(default_factory=dict)
+    """Per receiver, whether its directory record says it can rebuild KV from tokens (has a model
+    runner); a receiver missing here is assumed able to (simulations, benchmarks)."""
     # -- running-transfer state kept by the weighted policy ----------------------------------
     paused: bool = False
     """Told to pause (and not declined)."""
@@ -164,6 +171,10 @@ class GroupState:
     """Cap on the summed rate of the inter-group transfers: the coordinator's lease (0 = no cap)."""
     n_down: int = 0
     """How many agents are marked down."""
+    left: dict[str, float] = field(default_factory=dict)
+    """Agents that said they left (closed), with the wall-clock time their leave message carries:
+    transfers to them are refused with `Reason.RECEIVER_GONE` until they come back (a probe, or a
+    directory record written after that time). Bounded by `MAX_LEFT` (the oldest are forgotten)."""
     _seen_floor: float = field(default=float("-inf"), repr=False)
     """A lower bound of the live agents' ``last_seen``: probes only move ``last_seen`` forward, so
     until ``now - _seen_floor`` passes the TTL no agent can have expired and the liveness check
@@ -175,6 +186,7 @@ class GroupState:
 
     def on_probe(self, probe: Probe, now: float | None = None) -> AgentState:
         """Record a probe: the agent's figures, liveness and declared link; returns its state."""
+        self.left.pop(probe.agent, None)
         agent = self.agents.setdefault(probe.agent, AgentState(probe.agent))
         if agent.down:
             self.n_down -= 1
@@ -243,6 +255,23 @@ class GroupState:
         self.n_down += len(gone)
         self._seen_floor = floor
         return gone
+
+    def depart(self, name: str, when: float) -> bool:
+        """``name`` left the group (it closed and said so at wall-clock time ``when``): forget its
+        probes at once (it is not "marked down" later) and remember that it left. Returns whether
+        the group knew it (from probes)."""
+        agent = self.agents.pop(name, None)
+        if agent is not None and agent.down:
+            self.n_down -= 1
+        self.left.pop(name, None)
+        self.left[name] = when
+        while len(self.left) > MAX_LEFT:
+            del self.left[next(iter(self.left))]
+        return agent is not None
+
+    def returned(self, name: str) -> None:
+        """An agent that had left is back (a new incarnation registered)."""
+        self.left.pop(name, None)
 
     def is_down(self, name: str) -> bool:
         """Whether agent ``name`` is known and marked down."""

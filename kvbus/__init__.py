@@ -47,7 +47,7 @@ from kvbus.net.auth import NatsAuth
 from kvbus.protocol import Reason
 from kvbus.signature import ModelSignature
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     # the client

@@ -15,6 +15,9 @@ message may come from, never from what it says:
   the addressees of a transfer, broadcasts included, can read its data;
 - only group schedulers may publish on ``kvbus.agent.*.ctl`` (grants, pause/resume), and
   replies (grants given as replies, `OpenReply`) are allowed only to requests the replier received;
+- only a group's scheduler may publish its heartbeats and its leave
+  (``kvbus.coord.{register,leave}.<group>``): no agent, and no other group's scheduler, can
+  announce a group to the coordinator or take it away;
 - schedulers and the coordinator may use JetStream (the directory and the coordinator's state).
 
 Passwords are random and returned to the caller; nothing here logs them.
@@ -29,7 +32,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvbus.protocol import AGENT_TO_SCHED, ack_subject, check_name, data_subject, inbox_subject, sched_subject
+from kvbus.protocol import (
+    AGENT_TO_SCHED,
+    COORD_GROUPS,
+    COORD_LEASE,
+    COORD_LEAVE,
+    COORD_REGISTER,
+    COORD_RESERVE,
+    COORD_UNRESERVE,
+    ack_subject,
+    check_name,
+    data_subject,
+    group_subject,
+    inbox_subject,
+    sched_subject,
+)
 
 
 @dataclass(frozen=True)
@@ -85,11 +102,12 @@ class Credentials:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Credentials:
-        """Credentials from `to_dict`'s data (missing roles are empty)."""
+        """The credentials `to_dict` wrote."""
+        coordinator = data.get("coordinator", ("", ""))
         return cls(
             agents={k: (v[0], v[1]) for k, v in data.get("agents", {}).items()},
             schedulers={k: (v[0], v[1]) for k, v in data.get("schedulers", {}).items()},
-            coordinator=tuple(data.get("coordinator", ("", ""))),
+            coordinator=(str(coordinator[0]), str(coordinator[1])),
         )
 
     def __repr__(self) -> str:
@@ -137,13 +155,19 @@ def agent_permissions(grant: AgentGrant) -> dict[str, object]:
 
 
 def scheduler_permissions(group: str) -> dict[str, object]:
-    """The nats-server permissions of ``group``'s scheduler: its group's subjects, the directory and its buckets."""
+    """A group scheduler's user: grants and controls to any agent, the coordinator's requests, and
+    heartbeats and leaves only on its own group's subjects (it cannot announce another group)."""
     g = check_name("group", group)
     return {
         "publish": {
             "allow": [
                 "kvbus.agent.*.ctl",
-                "kvbus.coord.>",
+                group_subject(COORD_REGISTER, g),
+                group_subject(COORD_LEAVE, g),
+                COORD_LEASE,
+                COORD_RESERVE,
+                COORD_UNRESERVE,
+                COORD_GROUPS,
                 "$JS.API.>",
                 "$KV.kvbus_agents.>",
                 "$KV.kvbus_coord.>",

@@ -50,6 +50,7 @@ import nats
 
 from kvbus.config import from_env, redact_url
 from kvbus.errors import ConfigError, NatsConnectError
+from kvbus.net.servers import server_urls
 
 #: ``KVBUS_NATS_<FIELD>`` variables.
 ENV_SECTION = "NATS"
@@ -279,7 +280,7 @@ async def check_connection(
         "error_cb": record,
     }
     try:
-        nc = await asyncio.wait_for(nats.connect(url, **opts), 3 * timeout)
+        nc = await asyncio.wait_for(nats.connect(server_urls(url), **opts), 3 * timeout)
     except Exception as exc:  # noqa: BLE001 - every failure is explained below
         cause = seen[-1] if isinstance(exc, nats.errors.NoServersError) and seen else exc
         error = explain_connect_error(url, cause)

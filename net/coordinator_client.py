@@ -24,6 +24,7 @@ from kvbus.protocol import (
     ReservationCancel,
     ReservationReply,
     ReservationRequest,
+    group_subject,
     unpackb,
 )
 
@@ -101,4 +102,4 @@ class CoordinatorClient:
 
     async def leave(self, group: str, scheduler: str = "") -> None:
         """Deregister a group (its lease goes to the others at once)."""
-        await self.transport.publish(COORD_LEAVE, GroupLeave(group, scheduler).encode())
+        await self.transport.publish(group_subject(COORD_LEAVE, group), GroupLeave(group, scheduler).encode())

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import re
 import sys
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
@@ -13,6 +14,8 @@ import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+
+from kvbus.net.servers import reconnect_options, server_urls
 
 logger = logging.getLogger(__name__)
 
@@ -77,26 +80,67 @@ class Transport(Protocol):
         ...
 
 
-class NatsTransport:
-    """`Transport` over a nats-py connection."""
+#: After this client reconnects, a request that finds no responder is asked again (within its
+#: timeout) for this long: the other clients reconnect on their own schedule (every 0.5 s, each
+#: with its own phase), so right after a server restart a live peer may not have subscribed again
+#: yet, and "no responders" then does not mean it is gone.
+RECONNECT_GRACE_S = 2.0
 
-    def __init__(self, nc: Client) -> None:
+
+class NatsTransport:
+    """`Transport` over a nats-py connection.
+
+    Args:
+        nc: the connection.
+        reconnect_grace_s: how long after a reconnection "no responders" is asked again
+            rather than believed (`RECONNECT_GRACE_S`).
+    """
+
+    def __init__(self, nc: Client, *, reconnect_grace_s: float = RECONNECT_GRACE_S) -> None:
         self.nc = nc
+        self.reconnect_grace_s = reconnect_grace_s
+        self.reconnected_at = float("-inf")
+        """Monotonic time of the last reconnection (``-inf``: never reconnected)."""
 
     @classmethod
-    async def connect(cls, url: str, **options: Any) -> NatsTransport:
-        """Connect to the NATS server at ``url``; ``options`` override kvbus's nats-py defaults.
+    async def connect(
+        cls, url: str | Sequence[str], *, reconnect_grace_s: float = RECONNECT_GRACE_S, **options: Any
+    ) -> NatsTransport:
+        """Connect to one of the servers in ``url`` (a URL, a comma-separated list or a sequence).
 
-        The defaults reconnect forever (every 0.5 s) and buffer up to 64 MB while disconnected.
+        The client reconnects for ever, to any server of the list (or of the cluster, which the
+        server tells it about), and notices a stopped server by its pings (`kvbus.net.servers`).
+        ``options`` go to `nats.connect` and win over these defaults; a ``reconnected_cb`` among
+        them is still called.
         """
+        servers = server_urls(url)
         opts: dict[str, Any] = {
             "name": "kvbus",
-            "max_reconnect_attempts": -1,
-            "reconnect_time_wait": 0.5,
             "pending_size": 64 * 1024 * 1024,
+            **reconnect_options(servers),
         }
         opts.update(options)
-        return cls(await nats.connect(url, **opts))
+        theirs = opts.pop("reconnected_cb", None)
+        box: list[NatsTransport] = []
+
+        async def reconnected() -> None:
+            if box:
+                box[0].reconnected_at = time.monotonic()
+            if theirs is not None:
+                await theirs()
+
+        transport = cls(
+            await nats.connect(servers, reconnected_cb=reconnected, **opts), reconnect_grace_s=reconnect_grace_s
+        )
+        box.append(transport)
+        return transport
+
+    def settling(self) -> bool:
+        """Whether the connection is down or came back within ``reconnect_grace_s`` (then peers
+        may still be reconnecting, and a missing responder may be one of them)."""
+        if self.nc.is_reconnecting or not self.nc.is_connected:
+            return True
+        return time.monotonic() - self.reconnected_at < self.reconnect_grace_s
 
     @property
     def max_payload(self) -> int:
@@ -163,22 +207,33 @@ class NatsTransport:
             await nc._flush_pending()
 
     async def request(self, subject: str, payload: bytes, timeout: float) -> bytes:
-        """Send a request and return the reply's payload, with nats-py's errors mapped to ours.
+        """Send a request and return the reply's payload; "no responders" while the connection is
+        `settling` after a reconnection is asked again (within ``timeout``), not believed.
 
         Raises:
-            NoResponders: nobody is subscribed.
+            NoResponders: nobody is subscribed (and the connection was not just re-established).
             TimeoutError: nobody replied in time.
         """
-        try:
-            msg = await self.nc.request(subject, payload, timeout=timeout)
-        except nats.errors.NoRespondersError:
-            raise NoResponders(subject) from None
-        except nats.errors.TimeoutError:
-            raise TimeoutError(f"no reply on {subject} within {timeout} s") from None
-        return msg.data
+        give_up = time.monotonic() + timeout
+        backoff = 0.05
+        while True:
+            left = give_up - time.monotonic()
+            try:
+                msg = await self.nc.request(subject, payload, timeout=max(left, 0.001))
+            except nats.errors.NoRespondersError:
+                left = give_up - time.monotonic()
+                if left <= backoff or not self.settling():
+                    raise NoResponders(subject) from None
+                logger.debug("no responder on %s right after a reconnection; asking again", subject)
+                await asyncio.sleep(backoff)
+                backoff = min(2 * backoff, 0.5)
+                continue
+            except nats.errors.TimeoutError:
+                raise TimeoutError(f"no reply on {subject} within {timeout} s") from None
+            return msg.data
 
     async def subscribe(self, subject: str, handler: Handler, *, queue: str = "") -> Subscription:
-        """Subscribe ``handler`` to ``subject`` with pending limits big enough for bursts of chunks."""
+        """Call ``handler`` for each message on ``subject`` (one of a ``queue`` group, if given)."""
         return await self.nc.subscribe(
             subject,
             queue=queue,

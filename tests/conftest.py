@@ -1,10 +1,20 @@
-"""Fixtures: real servers on free ports, a group scheduler, connected buses."""
+"""Fixtures: real servers on free ports, a group scheduler, connected buses.
+
+The session runs in a temporary directory of its own (``TMPDIR``, inherited by every process it
+starts), and checks at the end that it left no embedded server running and no server folder
+behind (`pytest_sessionfinish`).
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+import time
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
+import psutil
 import pytest
 
 from kvbus.app.local import NatsServer, RedisServer
@@ -13,6 +23,14 @@ from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+#: This session's temporary directory: what the servers it starts (in this process or in the
+#: processes it starts) leave behind shows there, apart from other runs on the same machine.
+SESSION_TMP = Path(tempfile.mkdtemp(prefix="pytest-kvbus-session-"))
+os.environ["TMPDIR"] = str(SESSION_TMP)
+tempfile.tempdir = str(SESSION_TMP)
+#: Server binaries whose processes must not outlive the session.
+SERVER_NAMES = ("nats-server", "valkey-server", "redis-server")
 
 
 @pytest.fixture(scope="session")
@@ -77,3 +95,43 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+def _leftovers() -> tuple[list[psutil.Process], list[Path]]:
+    """Embedded servers still running from this session's folders, and the folders left."""
+    procs = []
+    for proc in psutil.process_iter(["name"]):
+        try:
+            if any(n in (proc.info["name"] or "") for n in SERVER_NAMES) and proc.cwd().startswith(str(SESSION_TMP)):
+                procs.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return procs, sorted(SESSION_TMP.glob("kvbus-*"))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if it left an embedded server running or a server folder behind (after the
+    session fixtures are gone; a server whose parent was killed gets a moment to die with it)."""
+    deadline = time.monotonic() + 10
+    procs, folders = _leftovers()
+    while procs and time.monotonic() < deadline:
+        time.sleep(0.2)
+        procs, folders = _leftovers()
+    if not procs and not folders:
+        return
+    lines = [f"  process {p.pid} ({p.info['name']})" for p in procs]
+    lines += [f"  folder {f}" for f in folders]
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line("the test session left servers or folders behind:\n" + "\n".join(lines), red=True)
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(SESSION_TMP, ignore_errors=True)

@@ -3,8 +3,9 @@
 ``python tests/telemetry_peer.py rx URL NAME GROUP``: receives; prints ``ready``, then one JSON line
 per delivery. ``python tests/telemetry_peer.py tx URL NAME GROUP TO NBYTES``: sends one context of
 about NBYTES to TO, prints the report as JSON, then ``sent`` and waits for stdin to close (so the
-test can scrape its metrics endpoint). Both configure telemetry from the ``OTEL_*`` and
-``KVBUS_METRICS_PORT`` variables and flush spans before they exit.
+test can scrape its metrics endpoint). Telemetry comes from the ``OTEL_*`` and
+``KVBUS_METRICS_PORT`` variables alone (`Bus.connect` configures it); both flush spans before
+they exit.
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ async def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    telemetry.setup(service_name=f"kvbus-test-{sys.argv[1]}")
     try:
         asyncio.run(main(sys.argv[1:]))
     except KeyboardInterrupt:

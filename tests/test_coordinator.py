@@ -16,8 +16,9 @@ from kvbus.app.local import NatsServer
 from kvbus.bus import Bus
 from kvbus.coordinator import Coordinator, CoordinatorClient, CoordinatorConfig, weighted_max_min
 from kvbus.errors import ReservationRefused, WireFormatError
+from kvbus.net.rpc import Retry
 from kvbus.net.transport import NatsTransport
-from kvbus.protocol import COORD_GROUPS, COORD_REGISTER, GroupHeartbeat
+from kvbus.protocol import COORD_GROUPS, COORD_LEAVE, COORD_REGISTER, GroupHeartbeat, GroupLeave, group_subject
 from tests.peer import SIG
 
 CFG = CoordinatorConfig(
@@ -119,7 +120,7 @@ async def test_state_survives_a_coordinator_restart(nats: NatsServer) -> None:
     try:
         client = CoordinatorClient(t)
         await client.reserve("ga", "heartbeat", period_s=1.0, size_bytes=100, deadline_s=0.5, reservation_id="r1")
-        await t.publish(COORD_REGISTER, GroupHeartbeat("ga", "sched-a", agents=3).encode())
+        await t.publish(group_subject(COORD_REGISTER, "ga"), GroupHeartbeat("ga", "sched-a", agents=3).encode())
         await t.flush()
         await asyncio.sleep(0.1)
         await first.close()
@@ -127,7 +128,10 @@ async def test_state_survives_a_coordinator_restart(nats: NatsServer) -> None:
         try:
             assert "r1" in second.reservations
             assert "ga" in second.groups and second.groups["ga"].agents == 3
-            assert (await client.groups())["ga"]["scheduler"] == "sched-a"
+            # Retried: under load the 0.6 s test lease can lapse and be won again, and between the
+            # two nobody serves (a real scheduler's client retries the same way).
+            retrying = CoordinatorClient(t, retry=Retry(attempts=5))
+            assert (await retrying.groups())["ga"]["scheduler"] == "sched-a"
         finally:
             await second.close()
     finally:
@@ -162,13 +166,13 @@ async def test_new_agents_go_to_a_group_added_at_run_time(coord: Coordinator, na
     bus = await Bus.connect(nats.url)
     try:
         client = CoordinatorClient(t)
-        await t.publish(COORD_REGISTER, GroupHeartbeat("g0", "s0", agents=10).encode())
+        await t.publish(group_subject(COORD_REGISTER, "g0"), GroupHeartbeat("g0", "s0", agents=10).encode())
         await t.flush()
         await asyncio.sleep(0.05)
         assert (await client.place("new1")).group == "g0"
         await bus.agent("peer-in-g0", group="g0", signature=SIG)
         # A group is added while everything runs: new agents go there (least loaded) ...
-        await t.publish(COORD_REGISTER, GroupHeartbeat("g1", "s1", agents=0).encode())
+        await t.publish(group_subject(COORD_REGISTER, "g1"), GroupHeartbeat("g1", "s1", agents=0).encode())
         await t.flush()
         await asyncio.sleep(0.05)
         placed = await client.place("new2")
@@ -193,5 +197,103 @@ async def test_a_groups_reply_that_is_not_a_map_is_a_wire_format_error(nats: Nat
         await t.flush()
         with pytest.raises(WireFormatError, match="expected a map"):
             await CoordinatorClient(t).groups()
+    finally:
+        await t.close()
+
+
+# -- membership: forged and silent groups (issue 18, finding 11) ----------------------------------------------
+
+
+async def _heartbeat(
+    t: NatsTransport, group: str, agents: int, *, on: str | None = None, ts: float | None = None
+) -> None:
+    hb = GroupHeartbeat(group, f"sched-{group}", agents=agents, **({} if ts is None else {"ts": ts}))
+    await t.publish(group_subject(COORD_REGISTER, on or group), hb.encode())
+    await t.flush()
+
+
+async def _until(predicate: object, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def test_a_forged_heartbeat_expires_and_does_not_survive_a_restart(nats: NatsServer) -> None:
+    """A heartbeat for a group that does not exist, dated far in the future and claiming no agents,
+    takes placements only until it expires (the coordinator's clock decides, not the message);
+    then its placement weight is gone, and a restarted coordinator does not bring it back."""
+    cfg = CoordinatorConfig(
+        **{**{f: getattr(CFG, f) for f in ("capacity_bps", "epoch_s", "leader_ttl_s")}, "group_ttl_s": 1.0}
+    )
+    first = await Coordinator.connect(nats.url, config=cfg)
+    t = await NatsTransport.connect(nats.url)
+    try:
+        client = CoordinatorClient(t)
+        await _heartbeat(t, "ghost", 0, ts=9e10)
+        await _heartbeat(t, "real", 50)
+        await _until(lambda: {"ghost", "real"} <= set(first.groups), "both heartbeats")
+        assert first.groups["ghost"].ts < time.time() + 1  # dated by the coordinator, not by the message
+        assert (await client.place("a1")).group == "ghost"  # least loaded while it is live
+        # The real group keeps heartbeating; the ghost never again.
+        for _ in range(8):
+            await asyncio.sleep(0.25)
+            await _heartbeat(t, "real", 50)
+        placed = await client.place("a2")
+        assert placed.group == "real", placed
+        assert "ghost" not in (await client.groups()) and "ghost" not in first.groups
+        await first.close()
+        second = await Coordinator.connect(nats.url, config=cfg)
+        try:
+            assert "ghost" not in second.groups
+            await _heartbeat(t, "real", 50)
+            assert (await client.place("a3")).group == "real"
+        finally:
+            await second.close()
+    finally:
+        await t.close()
+
+
+async def test_a_group_that_went_silent_while_no_coordinator_ran_does_not_come_back(nats: NatsServer) -> None:
+    cfg = CoordinatorConfig(
+        **{**{f: getattr(CFG, f) for f in ("capacity_bps", "epoch_s", "leader_ttl_s")}, "group_ttl_s": 0.5}
+    )
+    first = await Coordinator.connect(nats.url, config=cfg)
+    t = await NatsTransport.connect(nats.url)
+    try:
+        await _heartbeat(t, "gone", 1)
+        await _until(lambda: "gone" in first.groups, "the heartbeat")
+        await first.close()
+        await asyncio.sleep(1.0)  # longer than group_ttl_s: it stopped heartbeating meanwhile
+        second = await Coordinator.connect(nats.url, config=cfg)
+        try:
+            assert "gone" not in second.groups
+            assert (await CoordinatorClient(t).place("a")).group == ""
+        finally:
+            await second.close()
+        third = await Coordinator.connect(nats.url, config=cfg)  # and it was deleted, not just skipped
+        try:
+            assert "gone" not in third.groups
+        finally:
+            await third.close()
+    finally:
+        await t.close()
+
+
+async def test_a_heartbeat_or_leave_for_another_group_is_dropped(coord: Coordinator, nats: NatsServer) -> None:
+    """Group messages count only on their own group's subject (in secure mode a scheduler may
+    publish only there)."""
+    t = await NatsTransport.connect(nats.url)
+    try:
+        await _heartbeat(t, "g-victim", 3)
+        await _until(lambda: "g-victim" in coord.groups, "the victim's heartbeat")
+        await _heartbeat(t, "g-forged", 0, on="g-mallory")
+        await t.publish(group_subject(COORD_LEAVE, "g-mallory"), GroupLeave("g-victim", "x").encode())
+        await t.flush()
+        await _heartbeat(t, "g-marker", 1)  # same connection: handled after the two above
+        await _until(lambda: "g-marker" in coord.groups, "the marker")
+        await asyncio.sleep(0.2)  # the leave has its own subscription: let it be handled too
+        assert "g-forged" not in coord.groups and "g-victim" in coord.groups
     finally:
         await t.close()

@@ -22,17 +22,20 @@ import pytest
 from kvbus.app.local import NatsServer
 from kvbus.bus import Bus, BusConfig, TransferError
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
+from kvbus.net.transport import NatsTransport, NoResponders
 from kvbus.protocol import CHUNK_INDEX_HEADER
 from tests.kvutil import kv_of_bytes
 from tests.peer import SIG, kv_digest
 
 PEER = Path(__file__).with_name("peer.py")
+#: Generous timeouts: a restart is repaired however loaded the machine is; what a short restart
+#: must not do (fail a transfer whose receiver is alive) is then not a matter of timing.
 RESTART = BusConfig(
     ack_timeout=0.5,
-    peer_timeout=8.0,
+    peer_timeout=30.0,
     request_timeout=2.0,
-    grant_timeout=20.0,
-    partial_timeout=10.0,
+    grant_timeout=60.0,
+    partial_timeout=40.0,
     regrant_interval=0.3,
 )
 
@@ -48,12 +51,15 @@ def own_nats() -> Iterator[NatsServer]:
 
 
 class KillServerAt:
-    """Transport wrapper: kills nats-server as chunk ``at`` of a transfer is published, restarts it shortly after."""
+    """Transport wrapper: kills nats-server as chunk ``at`` of a transfer is published, restarts it
+    ``down_s`` later (in a thread: the agents' event loop goes on meanwhile, as it would in a
+    process of its own)."""
 
     def __init__(self, inner: Any, server: NatsServer, at: int, down_s: float) -> None:
         self.inner, self.server, self.at, self.down_s = inner, server, at, down_s
         self.fired = asyncio.Event()
         self.restarted = asyncio.Event()
+        self._restart: asyncio.Task[None] | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -62,11 +68,12 @@ class KillServerAt:
         if not self.fired.is_set() and headers and headers.get(CHUNK_INDEX_HEADER) == str(self.at):
             self.fired.set()
             self.server.kill()
-            asyncio.get_running_loop().call_later(self.down_s, self._restart)
+            self._restart = asyncio.create_task(self._restart_later())
         await self.inner.publish(subject, payload, headers)
 
-    def _restart(self) -> None:
-        self.server.start()
+    async def _restart_later(self) -> None:
+        await asyncio.sleep(self.down_s)
+        await asyncio.to_thread(self.server.start)
         self.restarted.set()
 
 
@@ -84,7 +91,8 @@ async def test_nats_restart_mid_transfer_delivers_once_or_fails_loudly(own_nats:
         tx._transport = killer
         kvs = [kv_of_bytes(SIG, 12 << 20, seed=i) for i in range(3)]
         results = await asyncio.gather(*(tx.send(rx.name, kv, medium="full") for kv in kvs), return_exceptions=True)
-        assert killer.fired.is_set() and killer.restarted.is_set()
+        assert killer.fired.is_set()
+        await asyncio.wait_for(killer.restarted.wait(), 60)
         assert own_nats.port == port  # restarted on the same port: clients reconnect by themselves
         for r in results:
             # Either a report or one of our errors, never anything else (a crash, a hang).
@@ -102,9 +110,12 @@ async def test_nats_restart_mid_transfer_delivers_once_or_fails_loudly(own_nats:
         ok_ids = {r.transfer_id for r in results if not isinstance(r, BaseException)}
         assert ok_ids <= set(ids)  # every reported success arrived
         if down_s < RESTART.request_timeout / 2:
-            # A blip shorter than a request timeout is repaired; a longer outage may fail every
-            # transfer in flight (an Open or status request times out), but loudly.
-            assert ok_ids, "no transfer survived a short restart of the server"
+            # A blip shorter than a request timeout is repaired: every transfer arrives once, and
+            # no live receiver is taken for gone because it reconnected after its sender (a
+            # "no responders" right after a reconnection is asked again). A longer outage may
+            # fail transfers in flight, but loudly.
+            failed = [r for r in results if isinstance(r, BaseException)]
+            assert not failed, f"a short restart of the server failed transfers: {failed}"
         # After the restart the bus works as before.
         kv = kv_of_bytes(SIG, 4 << 20, seed=9)
         report = await tx.send(rx.name, kv, medium="full")
@@ -114,6 +125,38 @@ async def test_nats_restart_mid_transfer_delivers_once_or_fails_loudly(own_nats:
         await tx_bus.close()
         await rx_bus.close()
         await sched.close()
+
+
+async def test_no_responders_right_after_a_reconnection_is_asked_again(own_nats: NatsServer) -> None:
+    """The cause of the short-restart failures: after a server restart each client reconnects on
+    its own schedule, so a sender back first found "no responders" on a receiver that had not
+    subscribed again yet and took it for gone. Right after its own reconnection a request is asked
+    again (within its timeout) until the responder is back; otherwise no responder is at once an
+    error, as before."""
+    requester = await NatsTransport.connect(own_nats.url, reconnect_grace_s=30.0)
+    try:
+        with pytest.raises(NoResponders):  # never reconnected: believed at once
+            await requester.request("kvbus.test.late", b"x", timeout=5.0)
+        own_nats.kill()
+        await asyncio.to_thread(own_nats.start)
+        while requester.reconnected_at == float("-inf"):
+            await asyncio.sleep(0.02)
+        asked = asyncio.create_task(requester.request("kvbus.test.late", b"ping", timeout=20.0))
+        await asyncio.sleep(0.3)
+        assert not asked.done()  # no responder yet: still asking, not failed
+        responder = await NatsTransport.connect(own_nats.url)  # the peer that reconnects late
+        try:
+
+            async def answer(msg: Any) -> None:
+                await responder.reply(msg, b"pong:" + msg.data)
+
+            await responder.subscribe("kvbus.test.late", answer)
+            await responder.flush()
+            assert await asyncio.wait_for(asked, 20) == b"pong:ping"
+        finally:
+            await responder.close()
+    finally:
+        await requester.close()
 
 
 async def test_unanswered_open_is_asked_again_and_delivered_once(nats_url: str, scheduler: GroupScheduler) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -34,11 +35,16 @@ from kvbus.protocol import (
     MAX_CHUNKS,
     MAX_CONTROL_BYTES,
     ROOT_SUM_HEADER,
+    AnyValue,
+    ListOf,
+    Num,
     Open,
+    Reason,
     ack_subject,
     agent_subject,
     data_subject,
     decode_message,
+    field_types,
     inbox_subject,
     message_types,
     sched_subject,
@@ -141,6 +147,171 @@ def test_control_message_decoders(cases: int) -> None:
 
     _run(cases, _message_bytes(), check)
     _only_kvbus_errors(lambda: MESSAGES[0].decode(b"\x00" * (MAX_CONTROL_BYTES + 1)))
+
+
+# -- numeric edge values in every field of every message ------------------------------------------------
+
+#: What a hostile peer puts where a number belongs (2**64 itself does not fit msgpack: see below).
+EDGE_NUMBERS = [
+    math.nan,
+    math.inf,
+    -math.inf,
+    -0.0,
+    -1,
+    -1.5,
+    -(2**63),
+    2**63 - 1,
+    2**63,
+    2**64 - 1,
+    2**53 + 1,
+    1e300,
+    -1e300,
+    5e-324,
+    0,
+    1,
+    True,
+]
+EDGE_VALUES = (
+    st.sampled_from(EDGE_NUMBERS)
+    | st.sampled_from(EDGE_NUMBERS).map(lambda x: [x])
+    | st.sampled_from(EDGE_NUMBERS).map(lambda x: {"x": x, "nested": [1.0, {"y": x}]})
+)
+
+
+def _valid(kind: Any) -> Any:
+    """A value every decoder accepts for a field of this wire type."""
+    if isinstance(kind, Num):
+        return kind.kind(max(kind.lo, min(kind.hi, 1)))
+    if isinstance(kind, ListOf):
+        return [_valid(kind.element)] if isinstance(kind.element, Num) else ["a"]
+    if isinstance(kind, tuple):
+        return _valid(kind[0])
+    if kind is AnyValue:
+        return None
+    if isinstance(kind, type) and issubclass(kind, Reason):
+        return ""
+    return {str: "x", bool: False, int: 1, float: 1.0, dict: {}, list: [], bytes: b""}[kind]
+
+
+#: Field values a message needs beyond its types (checked in ``__post_init__``).
+# Fields whose valid values are not the generic ones: a path offer is all or nothing (no direct
+# path offered here), path names come from `PATH_NAMES`.
+_NO_PATHS = {"host": "", "paths": []}
+_VALID_OVERRIDES = {
+    "control": {"action": "rate"},
+    "open": _NO_PATHS,
+    "open_reply": {
+        **_NO_PATHS,
+        "shm": "",
+        "tcp_host": "",
+        "tcp_port": 0,
+        "tls": False,
+        "token": "",
+        "token_ttl_s": 0.0,
+    },
+}
+
+
+def _numeric_fields(cls: type) -> list[str]:
+    """Fields where a number can go: numbers, lists, maps and any-value fields."""
+    out = []
+    for name, kind in field_types(cls).items():
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if any(isinstance(k, (Num, ListOf)) or k in (int, float, dict, list, AnyValue) for k in kinds):
+            out.append(name)
+    return out
+
+
+def _all_finite(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            return False
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return True
+
+
+def _edge_bodies() -> st.SearchStrategy[tuple[type, dict[str, Any]]]:
+    def build(cls: type) -> st.SearchStrategy[tuple[type, dict[str, Any]]]:
+        body = {name: _valid(kind) for name, kind in field_types(cls).items()}
+        body.update(_VALID_OVERRIDES.get(cls.TYPE, {}))
+        body.update({"t": cls.TYPE, "v": 1})
+        names = _numeric_fields(cls)
+        if not names:
+            return st.just((cls, body))
+        edits = st.dictionaries(st.sampled_from(names), EDGE_VALUES, min_size=1, max_size=3)
+        return edits.map(lambda e: (cls, {**body, **e}))
+
+    return st.sampled_from(MESSAGES).flatmap(build)
+
+
+def _check_decoded(msg: Any) -> None:
+    """What came out of a decoder: every number finite and within its field's declared range."""
+    for name, kind in field_types(type(msg)).items():
+        value = getattr(msg, name)
+        assert _all_finite(value), f"{type(msg).__name__}.{name} = {value!r} is not finite"
+        spec = kind.element if isinstance(kind, ListOf) and isinstance(kind.element, Num) else kind
+        if isinstance(spec, Num):
+            for v in value if isinstance(kind, ListOf) else [value]:
+                if v is None:
+                    assert spec.optional, f"{type(msg).__name__}.{name} is None"
+                    continue
+                assert not isinstance(v, bool) and isinstance(v, (int, float)), (name, v)
+                assert spec.lo <= v <= spec.hi or (spec.inf and v == math.inf), f"{name} = {v!r} outside {spec}"
+
+
+def test_every_numeric_field_declares_its_range() -> None:
+    """No message has a bare int or float field: each number says what range it may take."""
+    bare = [
+        f"{cls.TYPE}.{name}"
+        for cls in MESSAGES
+        for name, kind in field_types(cls).items()
+        if any(k in (int, float) for k in (kind if isinstance(kind, tuple) else (kind,)))
+    ]
+    assert not bare, f"numeric fields without a declared range: {bare}"
+
+
+def test_numbers_beyond_msgpack_do_not_reach_the_wire() -> None:
+    """2**64 cannot be encoded at all: a peer cannot send it, only the largest uint64 (fuzzed above)."""
+    with pytest.raises(OverflowError):
+        msgpack.packb({"t": "request", "n_tokens": 2**64})
+
+
+@pytest.mark.parametrize("cases", BUDGETS)
+def test_numeric_edge_values_in_every_message(cases: int) -> None:
+    """NaN, infinities, negatives and huge integers in every numeric field (and inside lists and
+    maps) of every message type: each decodes to in-range finite numbers or raises a `KVBusError`."""
+    seen: set[str] = set()
+
+    def check(item: tuple[type, dict[str, Any]]) -> None:
+        cls, body = item
+        seen.add(cls.TYPE)
+        data = msgpack.packb(body, use_bin_type=True)
+        for decode in (
+            lambda: cls.decode(data),
+            lambda: decode_message(data, *MESSAGES),
+            lambda: Open.unframe(len(data).to_bytes(4, "big") + data) if cls is Open else cls.decode(data),
+        ):
+            try:
+                msg = decode()
+            except KVBusError:
+                continue
+            _check_decoded(msg if not isinstance(msg, tuple) else msg[0])
+
+    _run(cases, _edge_bodies(), check)
+    assert seen == {cls.TYPE for cls in MESSAGES}, f"message types never fuzzed: {set(m.TYPE for m in MESSAGES) - seen}"
+
+
+def test_a_valid_body_of_every_message_decodes() -> None:
+    """The fuzzer's starting point is valid, so what it refuses is the edge value, not the body."""
+    for cls in MESSAGES:
+        body = {name: _valid(kind) for name, kind in field_types(cls).items()}
+        body.update({**_VALID_OVERRIDES.get(cls.TYPE, {}), "t": cls.TYPE, "v": 1})
+        _check_decoded(cls.decode(msgpack.packb(body, use_bin_type=True)))
 
 
 # -- chunk frames --------------------------------------------------------------------------------------

@@ -36,6 +36,8 @@ RELEASE = "kvbus"
 NAMESPACE = "agents"
 #: Kubernetes version the manifests are validated against (kubernetes-validate's schemas).
 K8S_VERSION = "1.35"
+#: The development switch: one NATS server (the real-server tests below run one nats-server on loopback).
+SINGLE = "nats.replicas=1"
 
 
 def _find_helm() -> str | None:
@@ -626,9 +628,18 @@ def test_otlp_endpoint_in_every_kvbus_pod(variant: str, endpoint: str, protocol:
         assert env["OTEL_EXPORTER_OTLP_PROTOCOL"] == protocol, what
         assert env["OTEL_SERVICE_NAME"].startswith("kvbus-"), what
         assert "k8s.pod.name=$(KVBUS_POD_NAME)" in env["OTEL_RESOURCE_ATTRIBUTES"], what
+    # Agent pods (envFrom the client ConfigMap, as NOTES says) export where the kvbus pods do.
+    client = one(docs, "ConfigMap", f"{RELEASE}-client")["data"]
+    assert client["OTEL_EXPORTER_OTLP_ENDPOINT"] == endpoint and client["OTEL_EXPORTER_OTLP_PROTOCOL"] == protocol
     if variant.startswith("jaeger"):
         jaeger = one(docs, "Service", f"{RELEASE}-jaeger")
         assert {p["port"] for p in jaeger["spec"]["ports"]} == {4317, 4318, 16686}
+        # That endpoint is a Jaeger port that speaks the protocol, and the container listens on it.
+        port = next(p for p in jaeger["spec"]["ports"] if p["port"] == int(endpoint.rsplit(":", 1)[1]))
+        assert port["targetPort"] == ("otlp-grpc" if protocol == "grpc" else "otlp-http")
+        (container,) = one(docs, "Deployment", f"{RELEASE}-jaeger")["spec"]["template"]["spec"]["containers"]
+        assert port["targetPort"] in {p["name"] for p in container["ports"]}
+        assert {"name": "COLLECTOR_OTLP_ENABLED", "value": "true"} in container["env"]
 
 
 def test_no_tracing_without_an_endpoint() -> None:
@@ -899,7 +910,122 @@ def test_nats_cluster_and_tls() -> None:
         password = env["KVBUS_SELFTEST_SENDER_PASSWORD" if what.startswith("Pod/") else "KVBUS_NATS_PASSWORD"]
         assert password["secretKeyRef"]["name"] == "kvbus-nats-users", what
         assert env["SSL_CERT_FILE"] == "/etc/kvbus/nats-ca/ca.crt", what
-        assert c["image"] == "registry.example.com/ml/kvbus:0.1.0"
+        assert c["image"] == "registry.example.com/ml/kvbus:0.2.0"  # the pinned tag of ci/secure-values.yaml
+
+
+def _selftest_args(docs: list[dict[str, Any]]) -> list[str]:
+    return list(_container(docs, "Pod", f"{RELEASE}-selftest")["args"])
+
+
+def test_nats_defaults_to_a_3_server_cluster_with_buckets_at_r3() -> None:
+    docs = render()
+    sts = one(docs, "StatefulSet", f"{RELEASE}-nats")
+    assert sts["spec"]["replicas"] == 3
+    parsed = parse_nats_conf(nats_conf(docs))
+    assert len(parsed["cluster"]["routes"]) == 3
+    assert one(docs, "PodDisruptionBudget", f"{RELEASE}-nats")["spec"]["maxUnavailable"] == 1
+    # Schedulers and the coordinator have budgets too: a drain never takes every replica at once.
+    pdbs = {d["metadata"]["name"] for d in by_kind(docs, "PodDisruptionBudget")}
+    assert {f"{RELEASE}-nats", f"{RELEASE}-coordinator", f"{RELEASE}-sched-g0"} <= pdbs, pdbs
+    for what, c in kvbus_containers(docs):
+        assert env_of(c)["KVBUS_BUCKET_REPLICAS"] == "3", what
+    args = _selftest_args(docs)
+    assert "--expect-replicas=3" in args
+    assert f"--nats-monitor-url=http://{RELEASE}-nats-headless.{NAMESPACE}.svc.cluster.local:8222" in args
+
+
+@pytest.mark.parametrize(
+    ("sets", "replicas"),
+    [((SINGLE,), "1"), (("nats.replicas=5",), "3"), (("nats.replicas=5", "nats.jetstream.bucketReplicas=5"), "5")],
+    ids=["single-server-development", "five-servers", "five-servers-r5"],
+)
+def test_bucket_replicas_follow_the_nats_servers(sets: tuple[str, ...], replicas: str) -> None:
+    docs = render(*sets)
+    for what, c in kvbus_containers(docs):
+        assert env_of(c)["KVBUS_BUCKET_REPLICAS"] == replicas, what
+    assert f"--expect-replicas={replicas}" in _selftest_args(docs)
+    if sets == (SINGLE,):
+        assert "cluster" not in parse_nats_conf(nats_conf(docs))
+        assert not [d for d in by_kind(docs, "PodDisruptionBudget") if d["metadata"]["name"] == f"{RELEASE}-nats"]
+
+
+def test_bucket_check_is_off_for_an_external_nats_or_when_disabled() -> None:
+    docs = render("nats.enabled=false", "nats.external.url=nats://nats.example:4222")
+    assert not any(a.startswith("--expect-replicas") for a in _selftest_args(docs))
+    for what, c in kvbus_containers(docs):
+        assert "KVBUS_BUCKET_REPLICAS" not in env_of(c), what  # kvbus follows the cluster it finds
+    docs = render("test.checkBucketReplicas=false")
+    assert not any(a.startswith("--expect-replicas") for a in _selftest_args(docs))
+    assert "/nats/jetstream/bucketReplicas" in render_error("nats.jetstream.bucketReplicas=7")
+
+
+def test_selftest_checks_bucket_replicas_on_a_real_cluster() -> None:
+    """`kvbus selftest --expect-replicas` (what `helm test` runs) against a real 3-server cluster:
+    passes at 3, fails at 1 (the buckets must have exactly what the chart asks)."""
+    from kvbus.app.cluster import NatsCluster
+
+    with NatsCluster(3) as c:
+        env = {**os.environ, "KVBUS_NATS_URL": c.url}
+        sched = subprocess.Popen(
+            [sys.executable, "-m", "kvbus.app.cli", "group-scheduler", "--group", "default"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            assert sched.stdout is not None
+            line = sched.stdout.readline().decode()  # it prints one line once it serves
+            assert line.startswith("group scheduler"), line
+            monitor = f"http://127.0.0.1:{c.servers[2].http_port}"
+            base = [
+                sys.executable,
+                "-m",
+                "kvbus.app.cli",
+                "selftest",
+                "--bytes",
+                "65536",
+                "--nats-monitor-url",
+                monitor,
+            ]
+            ok = subprocess.run([*base, "--expect-replicas", "3"], env=env, capture_output=True, text=True, timeout=120)
+            assert ok.returncode == 0, ok.stdout + ok.stderr
+            assert "bucket kvbus_agents: 3 replica(s)" in ok.stdout
+            bad = subprocess.run(
+                [*base, "--expect-replicas", "1"],
+                env={**env, "KVBUS_SELFTEST_REPLICAS_WAIT": "1"},
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert bad.returncode == 1 and "should have 1 replica(s)" in bad.stderr, bad.stdout + bad.stderr
+        finally:
+            _stop(sched)
+
+
+def test_redis_cluster_mode() -> None:
+    docs = render(files=(str(CHART / "ci" / "redis-cluster-values.yaml"),))
+    sts = one(docs, "StatefulSet", f"{RELEASE}-redis")
+    assert sts["spec"]["replicas"] == 6 and sts["spec"]["serviceName"] == f"{RELEASE}-redis-headless"
+    conf = one(docs, "ConfigMap", f"{RELEASE}-redis-config")["data"]["redis.conf"]
+    for line in ("cluster-enabled yes", "cluster-config-file /data/nodes.conf", "include /run/redis/announce.conf"):
+        assert line in conf
+    headless = one(docs, "Service", f"{RELEASE}-redis-headless")
+    assert headless["spec"]["clusterIP"] == "None"
+    assert {p["port"] for p in headless["spec"]["ports"]} == {6379, 16379}
+    job = one(docs, "Job", f"{RELEASE}-redis-cluster-create")
+    assert job["metadata"]["annotations"]["helm.sh/hook"] == "post-install,post-upgrade"
+    script = pod_spec(job)["containers"][0]["command"][-1]
+    assert "--cluster-replicas 1" in script and script.count(f"-headless.{NAMESPACE}.svc.cluster.local") == 6
+    # The password never is on a command line, and kvbus pods reach the cluster with the cluster client.
+    assert "REDIS_PASSWORD" not in script
+    for what, c in kvbus_containers(docs):
+        env = env_of(c)
+        if "KVBUS_REDIS_URL" in env:
+            assert env["KVBUS_REDIS_URL"].startswith("redis+cluster://:$(KVBUS_REDIS_PASSWORD)@"), what
+    standalone = render()
+    assert one(standalone, "StatefulSet", f"{RELEASE}-redis")["spec"]["replicas"] == 1
+    assert not [d for d in by_kind(standalone, "Job")]
+    assert "/redis/cluster/shards" in render_error("redis.mode=cluster", "redis.cluster.shards=2")
 
 
 def test_external_nats_and_redis() -> None:
@@ -963,6 +1089,12 @@ def test_notes_tell_how_to_connect_an_agent_and_open_jaeger(variant: str) -> Non
         )
     if variant == "jaeger":
         assert f"port-forward svc/{RELEASE}-jaeger 16686:16686" in notes
+        # How an agent pod exports to it: the client ConfigMap's variables and a service name.
+        assert f"configMapRef:\n           name: {RELEASE}-client" in notes and "OTEL_SERVICE_NAME" in notes
+        assert f"port-forward svc/{RELEASE}-jaeger 4318:4318" in notes
+        assert "OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318 OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf" in notes
+    elif variant == "external":
+        assert f"name: {RELEASE}-client" in notes and "4318:4318" not in notes
     elif variant == "default":
         assert "Tracing is off" in notes and "--set groups.count=2" in notes
         assert (
@@ -1144,7 +1276,7 @@ async def test_chart_users_on_a_real_server(tmp_path: Path) -> None:
     from tests.kvutil import kv_of_bytes, random_kv
     from tests.peer import SIG
 
-    docs = render(_agents_value([("alice", "g0", ()), ("bob", "g0", ("alice",)), ("carol", "g0", ())]))
+    docs = render(_agents_value([("alice", "g0", ()), ("bob", "g0", ("alice",)), ("carol", "g0", ())]), SINGLE)
     port, monitor = free_port(), free_port()
     server, secret = _chart_nats(docs, tmp_path, port, monitor)
     url = f"nats://127.0.0.1:{port}"
@@ -1278,7 +1410,7 @@ def _chart_services(docs: list[dict[str, Any]], tmp_path: Path) -> Iterator[tupl
                     )
                 )
         _wait_for_subscriptions(
-            monitor, {"kvbus.sched.g0.request.*", "kvbus.coord.register"}, tmp_path, procs=tuple(procs)
+            monitor, {"kvbus.sched.g0.request.*", "kvbus.coord.register.*"}, tmp_path, procs=tuple(procs)
         )
         yield port, secret
         logs = "".join((tmp_path / f).read_text() for f in ("coordinator.log", "group-scheduler.log", "nats.log"))
@@ -1299,7 +1431,7 @@ async def test_chart_service_pods_on_a_real_server(tmp_path: Path) -> None:
     from tests.kvutil import kv_of_bytes
     from tests.peer import SIG
 
-    docs = render(_agents_value([("alice", "g0", ()), ("bob", "g0", ())]))
+    docs = render(_agents_value([("alice", "g0", ()), ("bob", "g0", ())]), SINGLE)
     with _chart_services(docs, tmp_path) as (port, secret):
         buses = [
             await Bus.connect(
@@ -1326,7 +1458,7 @@ async def test_chart_service_pods_on_a_real_server(tmp_path: Path) -> None:
 def test_helm_test_pod_on_a_real_server(tmp_path: Path) -> None:
     """`kvbus selftest` (what `helm test` runs) with its pod's environment, against the chart's
     nats.conf, coordinator and scheduler: its 4 MB context arrives bit-exact."""
-    docs = render()
+    docs = render(SINGLE)
     with _chart_services(docs, tmp_path) as (port, secret):
         env = _pod_env(_container(docs, "Pod", f"{RELEASE}-selftest"), secret, port)
         env.pop("KVBUS_REDIS_URL", None)
@@ -1392,8 +1524,8 @@ async def test_adding_an_agent_is_a_hot_reload_on_a_real_server(tmp_path: Path) 
     from kvbus.app.local import free_port
 
     interval = "nats.reloader.intervalSeconds=1"
-    old_docs = render(_agents_value([("alice", "g0", ())]), interval)
-    new_docs = render(_agents_value([("alice", "g0", ()), ("bob", "g0", ())]), interval)
+    old_docs = render(_agents_value([("alice", "g0", ())]), interval, SINGLE)
+    new_docs = render(_agents_value([("alice", "g0", ()), ("bob", "g0", ())]), interval, SINGLE)
     for kind, name in NATS_SERVER_DOCS:
         assert one(old_docs, kind, name) == one(new_docs, kind, name), f"{kind}/{name} changed"
     port, monitor = free_port(), free_port()
@@ -1471,7 +1603,7 @@ async def test_existing_secret_users_on_a_real_server(tmp_path: Path) -> None:
 
     from kvbus.app.local import free_port
 
-    docs = render(_agents_value([("alice", "g0", ())]), "nats.auth.existingSecret=kvbus-nats-users")
+    docs = render(_agents_value([("alice", "g0", ())]), "nats.auth.existingSecret=kvbus-nats-users", SINGLE)
     existing = {u["user"]: secrets.token_urlsafe(24) for u in nats_users(docs)}
     port, monitor = free_port(), free_port()
     server, secret = _chart_nats(docs, tmp_path, port, monitor, existing_secret=existing)

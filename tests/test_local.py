@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import nats
+import psutil
 import pytest
 import redis
 
-from kvbus.app.local import NATS_MAX_PAYLOAD, NatsServer, RedisServer
+from kvbus.app.local import NATS_MAX_PAYLOAD, NatsServer, RedisServer, spawn, sweep_stale_folders
 from kvbus.errors import MissingBinaryError
 
 
@@ -85,3 +89,110 @@ def test_kvbus_up_starts_the_stack_and_ctrl_c_stops_it() -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+# -- what kvbus starts dies with it (issue 18, finding 14) ----------------------------------------------------
+
+
+def _ready_up(tmp_path: Path) -> subprocess.Popen[str]:
+    """`kvbus up` (one group, one replica each), once it says it is up."""
+    env = {**os.environ, "KVBUS_STACK_FILE": str(tmp_path / "stack.json")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvbus.app.cli", "up", "--replicas", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 60
+    lines = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        lines.append(line)
+        if "Ctrl-C" in line or not line:
+            break
+    assert "kvbus is up" in "".join(lines), "".join(lines)
+    return proc
+
+
+def test_kvbus_up_killed_with_sigkill_takes_its_servers_along(tmp_path: Path) -> None:
+    """kill -9 of `kvbus up`: its nats-server and valkey-server die with it (parent-death signal);
+    their folders stay until the next embedded server starts, which removes them."""
+    proc = _ready_up(tmp_path)
+    try:
+        servers = psutil.Process(proc.pid).children(recursive=True)
+        names = sorted(p.name() for p in servers)
+        assert any("nats-server" in n for n in names) and any(("valkey" in n or "redis" in n) for n in names), names
+        folders = [Path(p.cwd()) for p in servers]
+        assert all(f.name.startswith("kvbus-") and f.exists() for f in folders), folders
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        _, alive = psutil.wait_procs(servers, timeout=15)
+        assert not alive, f"servers outlived `kvbus up`: {alive}"
+        assert all(f.exists() for f in folders)  # nobody removed them yet
+        later = NatsServer()  # the next server on this machine cleans up after the dead one
+        try:
+            assert not any(f.exists() for f in folders), [f for f in folders if f.exists()]
+        finally:
+            later.stop()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_child_started_from_a_worker_thread_dies_with_the_process_not_the_thread(tmp_path: Path) -> None:
+    """The parent-death signal fires when the thread that forked exits: `spawn` forks from a
+    thread that lives as long as the process, so a server started from a short-lived thread lives
+    on until its process dies."""
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import sys, threading, time\n"
+        "from kvbus.app.local import spawn\n"
+        "out = []\n"
+        "t = threading.Thread(target=lambda: out.append(spawn(['sleep', '300'])))\n"
+        "t.start(); t.join()\n"
+        "print(out[0].pid, flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        child = psutil.Process(int(parent.stdout.readline()))
+        time.sleep(0.5)  # the forking thread is long gone by now
+        assert child.is_running() and child.status() != psutil.STATUS_ZOMBIE
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        _, alive = psutil.wait_procs([child], timeout=10)
+        assert not alive
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
+def test_spawn_from_this_process_keeps_working_across_threads() -> None:
+    procs: list[subprocess.Popen[bytes]] = []
+    threads = [threading.Thread(target=lambda: procs.append(spawn(["true"]))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(p.wait(10) for p in procs) == [0, 0, 0, 0]
+
+
+def test_sweep_leaves_live_owners_and_unowned_folders_alone(tmp_path: Path) -> None:
+    mine = NatsServer()  # not started: its folder names this (live) process as its owner
+    try:
+        foreign = tmp_path / "kvbus-something"
+        foreign.mkdir()
+        dead = tmp_path / "kvbus-nats-server-dead"
+        dead.mkdir()
+        (dead / "owner.json").write_text('{"pid": 2147483646, "start": "1"}')
+        recycled = tmp_path / "kvbus-nats-server-recycled"  # our pid, but another start time
+        recycled.mkdir()
+        (recycled / "owner.json").write_text(f'{{"pid": {os.getpid()}, "start": "1"}}')
+        assert sorted(sweep_stale_folders(tmp_path)) == [dead, recycled]
+        assert foreign.exists() and not dead.exists() and not recycled.exists()
+        assert mine.workdir not in sweep_stale_folders(mine.workdir.parent) and mine.workdir.exists()
+    finally:
+        mine.stop()

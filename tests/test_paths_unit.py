@@ -477,16 +477,64 @@ def _appender(out: list[Any]) -> Any:
     return append
 
 
+class _CuttableLink:
+    """A TCP relay to a server that the test can cut and restore on the same port: the client
+    behind it is disconnected while the server and its other clients stay up."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> None:
+        """Listen (on the port of the first start, after a cut)."""
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def cut(self) -> None:
+        """Stop listening and drop every relayed connection."""
+        assert self._server is not None
+        self._server.close()
+        for w in self._writers:
+            w.transport.abort()
+        self._writers.clear()
+        await self._server.wait_closed()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self._writers += [writer, up_writer]
+
+        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(1 << 20):
+                    dst.write(data)
+                    await dst.drain()
+            except OSError:
+                pass
+            finally:
+                dst.transport.abort()
+
+        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+
+
 async def test_publish_views_while_the_server_is_down_goes_out_after_the_reconnect() -> None:
+    # The sender alone loses its server (a relay between them is cut); the subscriber stays
+    # connected, so what the sender buffered while disconnected must arrive once it reconnects.
+    # (Killing the server instead raced: the sender could flush its buffer before the
+    # subscriber had subscribed again, and core NATS drops a message nobody is subscribed to.)
     server = NatsServer().start()
+    link = _CuttableLink(server.port)
     try:
-        tx, rx = await NatsTransport.connect(server.url), await NatsTransport.connect(server.url)
+        await link.start()
+        rx = await NatsTransport.connect(server.url)
+        tx = await NatsTransport.connect(f"nats://127.0.0.1:{link.port}")
         got: list[Any] = []
         await rx.subscribe("kvbus.test.reconnect", _appender(got))
         await rx.flush()
         payload = os.urandom(4 * MB)
-        server.kill()
-        for _ in range(100):
+        await link.cut()
+        for _ in range(250):
             if not tx.nc.is_connected:
                 break
             await asyncio.sleep(0.02)
@@ -494,7 +542,7 @@ async def test_publish_views_while_the_server_is_down_goes_out_after_the_reconne
         await tx.publish_views(
             "kvbus.test.reconnect", [memoryview(payload)[:MB], memoryview(payload)[MB:]], headers={"Kvbus-Chunk": "0"}
         )
-        server.start()
+        await link.start()
         for _ in range(500):
             if got:
                 break

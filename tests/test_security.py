@@ -208,6 +208,43 @@ async def test_agent_cannot_pose_as_another_sender(stack: dict[str, Any]) -> Non
     assert got.sender == "alice" and got.kv.equal(kv)
 
 
+async def test_only_a_groups_scheduler_may_announce_it_to_the_coordinator(
+    secure_server: tuple[NatsServer, Credentials], stack: dict[str, Any]
+) -> None:
+    """Heartbeats and group leaves: an agent may publish neither; a scheduler only its own group's."""
+    from kvbus.net.transport import NatsTransport
+    from kvbus.protocol import COORD_LEAVE, COORD_REGISTER, GroupHeartbeat, GroupLeave, group_subject
+
+    server, creds = secure_server
+    mallory, errors = stack["buses"]["mallory"].transport, stack["errors"]["mallory"]
+    forged = GroupHeartbeat("default", "forged", agents=0).encode()
+    await mallory.publish(group_subject(COORD_REGISTER, "default"), forged)
+    await _wait_for(errors, "kvbus.coord.register.default")
+    await mallory.publish(COORD_REGISTER, forged)
+    await _wait_for(errors, '"kvbus.coord.register"')
+    await mallory.publish(group_subject(COORD_LEAVE, "default"), GroupLeave("default").encode())
+    await _wait_for(errors, "kvbus.coord.leave.default")
+
+    sched_errors: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        sched_errors.append(str(exc))
+
+    sched = await NatsTransport.connect(server.url, error_cb=on_error, **creds.scheduler_options("default"))
+    try:
+        await sched.publish(group_subject(COORD_REGISTER, "other"), GroupHeartbeat("other", "s").encode())
+        await _wait_for(sched_errors, "kvbus.coord.register.other")
+        await sched.publish(group_subject(COORD_LEAVE, "other"), GroupLeave("other").encode())
+        await _wait_for(sched_errors, "kvbus.coord.leave.other")
+        refused = len(sched_errors)
+        await sched.publish(group_subject(COORD_REGISTER, "default"), GroupHeartbeat("default", "s").encode())
+        await sched.flush()  # a round trip: a refusal would come before its answer
+        await asyncio.sleep(0.2)
+        assert len(sched_errors) == refused, sched_errors  # its own group's subject is allowed
+    finally:
+        await sched.close()
+
+
 async def test_secure_agents_register_through_their_scheduler(stack: dict[str, Any]) -> None:
     record = await stack["sched"].lookup("carol")
     assert record is not None and record.group == "default"

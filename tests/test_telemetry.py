@@ -1,7 +1,8 @@
 """Observability: one trace per transfer across OS processes, Prometheus metrics, `kvbus top`.
 
-A test OTLP/HTTP receiver (http.server) decodes what the real OTLP exporters of the sender, the
-group scheduler and the receiver processes send it.
+A test OTLP/HTTP receiver (`tests.otlp`) decodes what the real OTLP exporters of the sender, the
+group scheduler and the receiver processes send it. (`test_telemetry_agents.py` runs agents as a
+user writes them, with nothing but the variables.)
 """
 
 from __future__ import annotations
@@ -12,24 +13,18 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
 from opentelemetry.trace import SpanKind
 
 from kvbus import telemetry
 from kvbus.config import redact_url
+from tests.otlp import OtlpReceiver
 
 HERE = Path(__file__).parent
 PEER = str(HERE / "telemetry_peer.py")
@@ -40,88 +35,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-@dataclass
-class SpanRecord:
-    service: str
-    name: str
-    trace_id: str
-    span_id: str
-    parent_id: str
-    kind: int
-    attributes: dict[str, Any]
-    events: list[str]
-
-
-class OtlpReceiver:
-    """A minimal OTLP/HTTP trace endpoint: decodes ``ExportTraceServiceRequest`` bodies."""
-
-    def __init__(self) -> None:
-        self.spans: list[SpanRecord] = []
-        self.lock = threading.Lock()
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                if self.path.endswith("/v1/traces"):
-                    receiver.add(ExportTraceServiceRequest.FromString(body))
-                reply = ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(reply)))
-                self.end_headers()
-                self.wfile.write(reply)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def add(self, req: ExportTraceServiceRequest) -> None:
-        for rs in req.resource_spans:
-            service = next((a.value.string_value for a in rs.resource.attributes if a.key == "service.name"), "")
-            for ss in rs.scope_spans:
-                for s in ss.spans:
-                    attrs = {a.key: _value(a.value) for a in s.attributes}
-                    with self.lock:
-                        self.spans.append(
-                            SpanRecord(
-                                service,
-                                s.name,
-                                s.trace_id.hex(),
-                                s.span_id.hex(),
-                                s.parent_span_id.hex(),
-                                s.kind,
-                                attrs,
-                                [e.name for e in s.events],
-                            )
-                        )
-
-    def wait_for(self, names: set[str], trace_id: str | None = None, timeout: float = 15.0) -> list[SpanRecord]:
-        end = time.monotonic() + timeout
-        while True:
-            with self.lock:
-                got = [s for s in self.spans if trace_id is None or s.trace_id == trace_id]
-            if names <= {s.name for s in got} or time.monotonic() > end:
-                return got
-            time.sleep(0.05)
-
-    def __enter__(self) -> OtlpReceiver:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def _value(v: Any) -> Any:
-    kind = v.WhichOneof("value")
-    return getattr(v, kind) if kind else None
 
 
 def _env(otlp: str, service: str, metrics_port: int | None = None) -> dict[str, str]:
@@ -167,9 +80,15 @@ def _readline(p: subprocess.Popen[str], want: str, timeout: float = 20.0) -> lis
     raise TimeoutError(f"no {want!r} in {lines}")
 
 
-def _scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        return r.read().decode()
+def _scrape(port: int, until: str = "", timeout: float = 15.0) -> str:
+    """The Prometheus page on ``port`` (once it contains ``until``, or at the timeout)."""
+    end = time.monotonic() + timeout
+    while True:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            page = r.read().decode()
+        if until in page or time.monotonic() > end:
+            return page
+        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +142,8 @@ def transfer(nats_url: str) -> Iterator[dict[str, Any]]:
                 "delivered": delivered,
                 "spans": spans,
                 "otlp": otlp,
-                "metrics": {"sender": _scrape(tx_port), "scheduler": _scrape(sched_port)},
+                # The done report reaches the scheduler after the sender printed its report.
+                "metrics": {"sender": _scrape(tx_port), "scheduler": _scrape(sched_port, until="kvbus_link_bandwidth")},
             }
         finally:
             _stop(procs)

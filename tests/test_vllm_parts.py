@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 import uuid
 
 import msgpack
@@ -383,11 +382,11 @@ async def test_a_pull_answered_with_another_context_fails(nats_url: str, schedul
         await liar.send(req.requester, wrong, medium="full")
 
     sub = await bus.transport.subscribe(subject("vparts-liar", "pull"), on_pull)  # type: ignore[attr-defined]
+    await bus.transport.flush()  # type: ignore[attr-defined]  # subscribed before the pull asks (no "no responder")
     try:
-        t0 = time.monotonic()
+        # Refused for what it is, not by the timeout (which would say so).
         with pytest.raises(LoadFailed, match="another context"):
             await b.pull("vparts-liar", want.tokens, 24, timeout=10)
-        assert time.monotonic() - t0 < 10  # refused at once, not by the timeout
     finally:
         await sub.unsubscribe()
         await b.close()

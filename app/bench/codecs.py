@@ -170,12 +170,21 @@ def bench_cache(kv: KVCache, specs: tuple[str, ...], runs: int) -> dict[str, dic
     return out
 
 
-def run(*, quick: bool = False, **options: Any) -> dict[str, Any]:
-    """Run the suite; returns ``{"suite": "codecs", "config": {...}, "results": {...}}``."""
-    caches = {"llama3-8b-512": (LLAMA3_8B, 512), "smollm2-512": (SMOLLM2, 512)}
+class _SkipOther(Exception):
+    """Internal: a smoke run leaves out the other kernel mode."""
+
+
+def run(*, quick: bool = False, smoke: bool = False, **options: Any) -> dict[str, Any]:
+    """Run the suite; returns ``{"suite": "codecs", "config": {...}, "results": {...}}``.
+
+    ``smoke``: the same keys from 64-token caches, one run each, without the other kernel mode
+    (compiling takes seconds); its figures mean nothing.
+    """
+    n512 = 64 if smoke else 512
+    caches = {"llama3-8b-512": (LLAMA3_8B, n512), "smollm2-512": (SMOLLM2, n512)}
     if not quick:
         caches["llama3-8b-4096"] = (LLAMA3_8B, 4096)
-    runs = 3 if quick else 7
+    runs = 1 if smoke else 3 if quick else 7
     default_compile = _kernels.compile_enabled()
     by_cache: dict[str, Any] = {}
     compiled: dict[str, Any] = {}
@@ -187,6 +196,8 @@ def run(*, quick: bool = False, **options: Any) -> dict[str, Any]:
             )
             by_cache[label] = bench_cache(kv, SPECS, runs if n <= 512 else max(2, runs // 2))
         # the quantisers with the other kernel mode, on the Llama 512 cache
+        if smoke:
+            raise _SkipOther()
         _kernels.set_compile(not default_compile)
         kv = make_kv(LLAMA3_8B, 512)
         t0 = time.perf_counter()
@@ -196,12 +207,15 @@ def run(*, quick: bool = False, **options: Any) -> dict[str, Any]:
         other = "compiled" if not default_compile else "eager"
         print(f"llama3-8b-512, kernels {other} (first calls took {warm:.1f} s):", flush=True)
         compiled = {"mode": other, "first_call_s": round(warm, 1), "llama3-8b-512": bench_cache(kv, ("int8",), runs)}
+    except _SkipOther:
+        compiled = {"mode": "compiled" if not default_compile else "eager", "skipped": "smoke run"}
     finally:
         _kernels.set_compile(None)
     top = by_cache["llama3-8b-512"]
     return {
         "suite": "codecs",
         "config": {
+            "network": "none",
             "caches": {
                 k: {
                     "model": s.model,

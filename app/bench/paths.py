@@ -350,9 +350,9 @@ class _Bench:
         return time.perf_counter() - t
 
 
-async def _run(quick: bool, nats_url: str | None) -> dict[str, Any]:
-    sizes = {"64MB": 64 * MB} if quick else {"64MB": 64 * MB, "512MB": 512 * MB}
-    reps = 3 if quick else 5
+async def _run(quick: bool, nats_url: str | None, smoke: bool = False) -> dict[str, Any]:
+    sizes = {"4MB": 4 * MB} if smoke else {"64MB": 64 * MB} if quick else {"64MB": 64 * MB, "512MB": 512 * MB}
+    reps = 1 if smoke else 3 if quick else 5
     server = None if nats_url else NatsServer().start()
     url = nats_url or server.url  # type: ignore[union-attr]
     rx = await asyncio.create_subprocess_exec(
@@ -429,9 +429,9 @@ async def _run(quick: bool, nats_url: str | None) -> dict[str, Any]:
             server.stop()
 
 
-def run(*, quick: bool = False, nats_url: str | None = None) -> dict[str, Any]:
-    """Run the suite; prints one line per size."""
-    out = asyncio.run(_run(quick, nats_url))
+def run(*, quick: bool = False, smoke: bool = False, nats_url: str | None = None, **_: Any) -> dict[str, Any]:
+    """Run the suite; prints one line per size (``smoke``: 4 MB, one timed round)."""
+    out = asyncio.run(_run(quick, nats_url, smoke))
     for label, row in out["results"]["by_size"].items():
         print(f"{label:>6}: " + "  ".join(f"{w} {row[f'{w}_GBps']:.2f}" for w in WAYS) + " GB/s")
         print("        " + "  ".join(f"{k} {v}" for k, v in row.items() if not k.endswith("GBps") and k != "runs_s"))

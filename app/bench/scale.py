@@ -11,8 +11,11 @@ agents, as in a real team: every agent asks for a transfer to its group neighbou
 
 How it runs on a small machine:
 
-- every configuration gets a fresh nats-server; every group scheduler is its own OS process
-  (``python -m kvbus.app.cli group-scheduler``, ``max_active`` high, no bandwidth budget);
+- every configuration gets a fresh nats-server and a coordinator (``python -m kvbus.app.cli
+  coordinator``, its own OS process); every group scheduler is its own OS process (``python -m
+  kvbus.app.cli group-scheduler``, ``max_active`` high, no bandwidth budget) and announces its
+  group to the coordinator every ``heartbeat_s`` (the default 2 s), as in a deployment, so
+  the hierarchy's cost at the top (the coordinator's CPU, ``coordinator_cpu``) is measured too;
 - the agents are real `kvbus.bus.Agent` objects (registered in the directory, probing, receiving
   grants on their ctl subjects), many per OS process (``CLIENT_PROCESSES`` processes, 64 agents per
   NATS connection). They are *light*: each transfer runs the bus client's own request -> grant ->
@@ -25,7 +28,14 @@ How it runs on a small machine:
   completion of its group passes through it, so it saturates when that share reaches 1. Groups
   of 64 keep that share flat however many agents there are; one group makes it grow with them.
 
-Run as ``kvbus bench scale --json out.json`` (``--quick``: 64 and 256 agents, shorter windows).
+Configurations run in interleaved rounds (flat 64, hier 64, flat 256, ..., then again), and each
+headline ratio is taken per round and reported as median with min and max.
+
+Run as ``kvbus bench scale --json out.json`` (``--quick``: 64 and 256 agents, shorter windows, 2
+rounds).
+With ``--nats-cluster N`` every configuration runs on a fresh N-server NATS cluster instead, the
+groups spread over its servers: group k's scheduler and client process k connect to server
+k mod N first (``KVBUS_NATS_PIN``), so requests and grants cross the routes between servers.
 """
 
 from __future__ import annotations
@@ -60,7 +70,7 @@ def _percentile(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
     s = sorted(xs)
-    return s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))]
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
 def _tiny_kv() -> Any:
@@ -172,12 +182,29 @@ def _cpu_seconds(pid: int) -> float:
         return float("nan")
 
 
-async def _run_config(mode: str, n: int, *, seconds: float, rate: float) -> dict[str, Any]:
+def _pinned_url(urls: list[str], k: int) -> str:
+    """Every server, server ``k mod len(urls)`` first (with KVBUS_NATS_PIN=1: the one it prefers)."""
+    k %= len(urls)
+    return ",".join(urls[k:] + urls[:k])
+
+
+async def _run_config(
+    mode: str,
+    n: int,
+    *,
+    seconds: float,
+    rate: float,
+    clients: int = CLIENT_PROCESSES,
+    warmup: float = WARMUP_S,
+    group_size: int = GROUP_SIZE,
+    nats_cluster: int = 0,
+) -> dict[str, Any]:
     import nats
 
+    from kvbus.app.cluster import NatsCluster
     from kvbus.app.local import NatsServer
 
-    n_groups = 1 if mode == "flat" else max(1, n // GROUP_SIZE)
+    n_groups = 1 if mode == "flat" else max(1, n // group_size)
     groups = [f"s{g}" for g in range(n_groups)]
     by_group: dict[str, list[str]] = {}
     for i in range(n):
@@ -193,27 +220,39 @@ async def _run_config(mode: str, n: int, *, seconds: float, rate: float) -> dict
         "KVBUS_SCHEDULER_PREEMPT": "false",
         "KVBUS_SCHEDULER_LEADER_TTL_S": "0",
     }
-    server = NatsServer().start()
+    server: NatsServer | NatsCluster
+    if nats_cluster > 1:
+        server = NatsCluster(nats_cluster).start()
+        urls = server.urls
+        env["KVBUS_NATS_PIN"] = "1"
+    else:
+        server = NatsServer().start()
+        urls = [server.url]
     procs: list[subprocess.Popen[str]] = []
     try:
+        coord = _spawn(["-m", "kvbus.app.cli", "coordinator", "--nats-url", ",".join(urls)], env)
+        procs.append(coord)
+        await _wait_line(coord, "coordinator on", 120)
         scheds = [
-            _spawn(["-m", "kvbus.app.cli", "group-scheduler", "--group", g, "--nats-url", server.url], env)
-            for g in groups
+            _spawn(["-m", "kvbus.app.cli", "group-scheduler", "--group", g, "--nats-url", _pinned_url(urls, k)], env)
+            for k, g in enumerate(groups)
         ]
         procs += scheds
         for p in scheds:
             await _wait_line(p, "group scheduler", 120)
         # Whole groups per client process where they fit, so a process's agents share connections.
-        chunks = [triples[i::CLIENT_PROCESSES] for i in range(CLIENT_PROCESSES)]
+        chunks = [triples[i::clients] for i in range(clients)]
         cl = [
-            _spawn(["-m", "kvbus.app.bench.scale", "--client", server.url, str(i), str(rate), json.dumps(c)], env)
+            _spawn(
+                ["-m", "kvbus.app.bench.scale", "--client", _pinned_url(urls, i), str(i), str(rate), json.dumps(c)], env
+            )
             for i, c in enumerate(chunks)
             if c
         ]
         procs += cl
         for p in cl:
             await _wait_line(p, "ready", 300)
-        nc = await nats.connect(server.url)
+        nc = await nats.connect(urls)
         inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
 
         async def on_result(msg: Any) -> None:
@@ -222,7 +261,7 @@ async def _run_config(mode: str, n: int, *, seconds: float, rate: float) -> dict
         await nc.subscribe(RESULT, cb=on_result)
         await nc.flush()
         start = time.time() + 0.5
-        count_from = start + WARMUP_S
+        count_from = start + warmup
         stop = count_from + seconds
         await nc.publish(GO, json.dumps({"start": start, "count_from": count_from, "stop": stop}).encode())
         await nc.flush()
@@ -239,6 +278,8 @@ async def _run_config(mode: str, n: int, *, seconds: float, rate: float) -> dict
         return {
             "agents": n,
             "groups": n_groups,
+            "cluster_servers": len(urls),
+            "groups_per_server": [len(groups[k :: len(urls)]) for k in range(len(urls))],
             "client_processes": len(cl),
             "offered_per_s": n * rate,
             "transfers": len(overhead),
@@ -253,6 +294,7 @@ async def _run_config(mode: str, n: int, *, seconds: float, rate: float) -> dict
             "client_start_lag_p99_ms": max(g["lag_p99_ms"] for g in got),
             "scheduler_cpu_busiest": max(sched_cpu),
             "scheduler_cpu_total": sum(sched_cpu),
+            "coordinator_cpu": (cpu1[coord.pid] - cpu0[coord.pid]) / seconds,
             "client_cpu_total": client_cpu,
         }
     finally:
@@ -263,49 +305,127 @@ async def _run_config(mode: str, n: int, *, seconds: float, rate: float) -> dict
         server.stop()
 
 
-def run(*, quick: bool = False, nats_url: str | None = None, seconds: float | None = None, **_: Any) -> dict[str, Any]:
-    """Flat and hierarchical at each size; the growth and flat/hier ratios the issue asks for."""
-    sizes = [64, 256] if quick else [64, 256, 1024]
-    window = seconds or (5.0 if quick else SECONDS)
+def run(
+    *,
+    quick: bool = False,
+    smoke: bool = False,
+    nats_url: str | None = None,
+    seconds: float | None = None,
+    rounds: int | None = None,
+    nats_cluster: int = 0,
+    **_: Any,
+) -> dict[str, Any]:
+    """Flat and hierarchical at each size, in interleaved rounds; the growth and flat/hier ratios per round."""
+    from kvbus.app.bench.rounds import FULL_ROUNDS, median, ratio, spread
+
+    sizes = [8, 16] if smoke else [64, 256] if quick else [64, 256, 1024]
+    window = seconds or (1.5 if smoke else 5.0 if quick else SECONDS)
+    rounds = rounds or (1 if smoke else 2 if quick else FULL_ROUNDS)
+    clients, warmup, group_size = (1, 1.0, 8) if smoke else (CLIENT_PROCESSES, WARMUP_S, GROUP_SIZE)
+    per: dict[str, dict[str, list[dict[str, Any]]]] = {
+        "flat": {str(n): [] for n in sizes},
+        "hier": {str(n): [] for n in sizes},
+    }
+    for r in range(rounds):
+        for n in sizes:
+            for mode in ("flat", "hier"):
+                res = asyncio.run(
+                    _run_config(
+                        mode,
+                        n,
+                        seconds=window,
+                        rate=RATE_PER_AGENT,
+                        clients=clients,
+                        warmup=warmup,
+                        group_size=group_size,
+                        nats_cluster=nats_cluster,
+                    )
+                )
+                per[mode][str(n)].append(res)
+                print(
+                    f"round {r + 1}/{rounds} {mode:5s} {n:5d} agents, {res['groups']:3d} groups, "
+                    f"{res['achieved_per_s']:6.0f} transfers/s: request->grant p50 "
+                    f"{res['sched_overhead_p50_ms']:7.2f} ms  p99 {res['sched_overhead_p99_ms']:8.2f} ms  busiest "
+                    f"scheduler {res['scheduler_cpu_busiest']:.2f} CPU  coordinator {res['coordinator_cpu']:.2f} CPU"
+                    f"  errors {res['errors']}",
+                    flush=True,
+                )
+    numeric = (
+        "sched_overhead_p50_ms",
+        "sched_overhead_p99_ms",
+        "sched_overhead_max_ms",
+        "client_seen_p50_ms",
+        "client_seen_p99_ms",
+        "client_start_lag_p99_ms",
+        "scheduler_cpu_busiest",
+        "scheduler_cpu_total",
+        "coordinator_cpu",
+        "client_cpu_total",
+        "achieved_per_s",
+    )
     results: dict[str, Any] = {"flat": {}, "hier": {}}
-    for n in sizes:
-        for mode in ("flat", "hier"):
-            res = asyncio.run(_run_config(mode, n, seconds=window, rate=RATE_PER_AGENT))
-            results[mode][str(n)] = res
-            print(
-                f"{mode:5s} {n:5d} agents, {res['groups']:3d} groups, {res['achieved_per_s']:6.0f} transfers/s: "
-                f"request->grant p50 {res['sched_overhead_p50_ms']:7.2f} ms  p99 "
-                f"{res['sched_overhead_p99_ms']:8.2f} ms  busiest scheduler {res['scheduler_cpu_busiest']:.2f} "
-                f"CPU  errors {res['errors']}",
-                flush=True,
+    for mode in ("flat", "hier"):
+        for n in sizes:
+            runs = per[mode][str(n)]
+            row = {k: v for k, v in runs[-1].items() if k not in numeric}
+            row.update({k: median(x[k] for x in runs) for k in numeric})
+            row["sched_overhead_p99_ms_rounds"] = spread(x["sched_overhead_p99_ms"] for x in runs)
+            row["errors"] = sum(x["errors"] for x in runs)
+            row["transfers"] = sum(x["transfers"] for x in runs)
+            results[mode][str(n)] = row
+    lo, top = str(sizes[0]), str(sizes[-1])
+
+    def per_round(fn: Any) -> dict[str, Any]:
+        return spread(fn(i) for i in range(rounds))
+
+    def field(mode: str, n: str, key: str, i: int) -> float:
+        return float(per[mode][n][i][key])
+
+    figures = {
+        f"hier_growth_{lo}_to_{top}": per_round(
+            lambda i: ratio(
+                field("hier", top, "sched_overhead_p99_ms", i), field("hier", lo, "sched_overhead_p99_ms", i)
             )
-    top = str(sizes[-1])
-    results["hier_growth_64_to_" + top] = (
-        results["hier"][top]["sched_overhead_p99_ms"] / results["hier"]["64"]["sched_overhead_p99_ms"]
-    )
-    results["flat_over_hier_at_" + top] = (
-        results["flat"][top]["sched_overhead_p99_ms"] / results["hier"][top]["sched_overhead_p99_ms"]
-    )
-    # Capacity: the share of one core the busiest scheduler needs. With one core per scheduler
-    # (the deployment) this is what decides whether a loop keeps up; on a small machine the
-    # latency above also carries every other process's CPU.
-    results["busiest_scheduler_cpu_growth_hier_64_to_" + top] = (
-        results["hier"][top]["scheduler_cpu_busiest"] / results["hier"]["64"]["scheduler_cpu_busiest"]
-    )
-    results["busiest_scheduler_cpu_flat_over_hier_at_" + top] = (
-        results["flat"][top]["scheduler_cpu_busiest"] / results["hier"][top]["scheduler_cpu_busiest"]
-    )
+        ),
+        f"flat_over_hier_at_{top}": per_round(
+            lambda i: ratio(
+                field("flat", top, "sched_overhead_p99_ms", i), field("hier", top, "sched_overhead_p99_ms", i)
+            )
+        ),
+        # Capacity: the share of one core the busiest scheduler needs. With one core per scheduler
+        # (the deployment) this is what decides whether a loop keeps up; on a small machine the
+        # latency above also carries every other process's CPU.
+        f"busiest_scheduler_cpu_growth_hier_{lo}_to_{top}": per_round(
+            lambda i: ratio(
+                field("hier", top, "scheduler_cpu_busiest", i), field("hier", lo, "scheduler_cpu_busiest", i)
+            )
+        ),
+        f"busiest_scheduler_cpu_flat_over_hier_at_{top}": per_round(
+            lambda i: ratio(
+                field("flat", top, "scheduler_cpu_busiest", i), field("hier", top, "scheduler_cpu_busiest", i)
+            )
+        ),
+    }
+    for key, value in figures.items():
+        results[key] = value["median"]
+        results[f"{key}_rounds"] = value
+    results["rounds"] = rounds
     config = {
+        "network": "loopback",
         "sizes": sizes,
-        "group_size": GROUP_SIZE,
+        "nats_cluster": nats_cluster,
+        "group_size": group_size,
         "seconds": window,
-        "warmup_s": WARMUP_S,
+        "warmup_s": warmup,
+        "rounds": rounds,
+        "interleaving": "per round: for each size, flat then hier",
         "rate_per_agent": RATE_PER_AGENT,
-        "client_processes": CLIENT_PROCESSES,
+        "client_processes": clients,
         "agents_per_connection": AGENTS_PER_CONNECTION,
         "cpus": os.cpu_count(),
-        "how": "one nats-server per configuration; each group scheduler its own process "
-        "(python -m kvbus.app.cli group-scheduler, max_active 1e6, no bandwidth budget); agents are "
+        "how": "one nats-server and one coordinator process per configuration; each group scheduler its own "
+        "process (python -m kvbus.app.cli group-scheduler, max_active 1e6, no bandwidth budget, "
+        "heartbeats to the coordinator every 2 s); agents are "
         f"real bus Agents (registered, probing every second), {CLIENT_PROCESSES} client processes; "
         f"each agent asks for a transfer to its group neighbour at Poisson times, {RATE_PER_AGENT}/s "
         "on average, running the bus client's request -> grant -> done exchange without the data "

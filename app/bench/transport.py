@@ -1,4 +1,4 @@
-"""`kvbus bench transport`: kvbus send/receive vs a plain nats-py loop vs Redis SET/GET.
+r"""`kvbus bench transport`: kvbus send/receive vs a plain nats-py loop vs Redis SET/GET.
 
 The same bytes (a Llama-3-8B-shaped bf16 KV-cache of 64 MB, and one of 1 MB) move between two
 OS processes on the same embedded servers three ways:
@@ -8,7 +8,10 @@ OS processes on the same embedded servers three ways:
 (b) a plain nats-py publish/subscribe loop that publishes exactly the messages kvbus publishes
     (the same chunk plan over the same bytes) with the same credit window and acknowledgement
     interval, timed until the receiver has every chunk;
-(c) redis-py ``SET`` then a ``GET`` by the receiver process.
+(c) redis-py ``SET`` then a ``GET`` by the receiver process (one command each, the whole payload);
+(d) the loop a competent redis-py user writes for large values: the payload in chunks (1 MB or
+    4 MB), ``SET`` in pipelines of several chunks (no transaction), then the receiver ``GET``\ s them
+    in pipelines the same way; both chunkings run and the faster (by median) is the figure.
 
 The data plane (`kvbus.app.bench.transport_paths`): (a) is the bus on the path it picks (two
 agents of one host: ``shm``); the same sends from buses allowed ``tcp,nats`` and ``nats`` only
@@ -20,9 +23,9 @@ trips (requests) one 1 MB ``send`` makes.
 
 Runs alternate between the three ways; the figure per way is the median of its runs. A fourth
 way, alternating with them, is (a) with tracing and metrics on in all three processes (spans
-exported over OTLP/HTTP to a local endpoint the benchmark runs, metrics on Prometheus
-endpoints), through a second scheduler and receiver process: ``results.tracing_overhead`` is
-its throughput over (a)'s.
+exported over OTLP/HTTP to a local endpoint the benchmark runs in a process of its own, as a
+collector would be; metrics on Prometheus endpoints), through a second scheduler and receiver
+process: ``results.tracing_overhead`` is its throughput over (a)'s.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import json
 import os
 import statistics
 import subprocess
@@ -45,6 +49,7 @@ import torch
 from kvbus import telemetry
 from kvbus.app.bench import transport_paths as tp
 from kvbus.app.bench.paths import _socket_server
+from kvbus.app.bench.rounds import spread
 from kvbus.app.local import NatsServer, RedisServer
 from kvbus.bus import Bus, BusConfig
 from kvbus.bus.chunking import ChunkPlan
@@ -65,41 +70,71 @@ LLAMA3_8B = ModelSignature(
 RAW_SUBJECT = "kvbus.app.bench.raw"
 CREDIT_SUBJECT = "kvbus.app.bench.raw.credit"
 REDIS_SUBJECT = "kvbus.app.bench.redis"
+REDIS_CHUNKED_SUBJECT = "kvbus.app.bench.redis.chunked"
+#: (chunk bytes, chunks per pipeline) of the pipelined redis-py loops.
+REDIS_PIPELINED = {"1MB_x8": (1 << 20, 8), "4MB_x4": (4 << 20, 4)}
 GROUP = "bench"
 #: The group, receiver and sender of the traced runs (their own scheduler and receiver process).
 TRACED_GROUP, TRACED_RX, TRACED_TX = "bench-otel", "bench-rx-otel", "bench-tx-otel"
 
 
 class OtlpSink:
-    """A local OTLP/HTTP endpoint that accepts and counts exports (what a collector would receive)."""
+    """A local OTLP/HTTP endpoint that accepts and counts exports, in a process of its own (where
+    a collector would be: its work must not count against the traced processes)."""
 
     def __init__(self) -> None:
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-        sink = self
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvbus.app.bench.transport", "--sink"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        self.url = self.proc.stdout.readline().strip()
+        if not self.url.startswith("http://"):
+            raise RuntimeError("the OTLP sink did not start")
         self.requests = 0
         self.bytes = 0
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                sink.requests += 1
-                sink.bytes += len(body)
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True, name="kvbus-otlp-sink").start()
-
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        """Stop it; ``requests`` and ``bytes`` then say what it received."""
+        if self.proc.poll() is not None:
+            return
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.close()
+        counts = json.loads(self.proc.stdout.readline() or "{}")
+        self.requests, self.bytes = int(counts.get("requests", 0)), int(counts.get("bytes", 0))
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def _sink() -> None:
+    """The sink's process: print its URL, count what it is sent, print the counts when stdin closes."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    counts = {"requests": 0, "bytes": 0}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            counts["requests"] += 1
+            counts["bytes"] += len(body)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True, name="kvbus-otlp-sink").start()
+    print(f"http://127.0.0.1:{server.server_address[1]}", flush=True)
+    sys.stdin.read()
+    server.shutdown()
+    print(json.dumps(counts), flush=True)
 
 
 def make_kv(nbytes: int, signature: ModelSignature = LLAMA3_8B, seed: int = 0) -> KVCache:
@@ -118,11 +153,7 @@ def make_kv(nbytes: int, signature: ModelSignature = LLAMA3_8B, seed: int = 0) -
 
 async def _peer(nats_url: str, redis_url: str, chunk_size: int, window: int, ack_every: int) -> None:
     traced = bool(os.environ.get("KVBUS_BENCH_TRACED"))
-    bus = await Bus.connect(
-        nats_url,
-        config=BusConfig(chunk_size=chunk_size, window=window, ack_every=ack_every),
-        paths=PathsConfig.from_env(tcp_host="127.0.0.1"),
-    )
+    bus = await Bus.connect(nats_url, config=BusConfig(chunk_size=chunk_size, window=window, ack_every=ack_every))
     agent = await bus.agent(
         TRACED_RX if traced else "bench-rx", group=TRACED_GROUP if traced else GROUP, signature=LLAMA3_8B
     )
@@ -144,9 +175,21 @@ async def _peer(nats_url: str, redis_url: str, chunk_size: int, window: int, ack
         data = await r.get(msg.data.decode())
         await nc.publish(msg.reply, str(len(data or b"")).encode())
 
+    async def on_redis_chunked(msg: Any) -> None:
+        prefix, n, per = msg.data.decode().split("|")
+        total = 0
+        keys = [f"{prefix}:{i}" for i in range(int(n))]
+        for lo in range(0, len(keys), int(per)):
+            async with r.pipeline(transaction=False) as pipe:
+                for k in keys[lo : lo + int(per)]:
+                    pipe.get(k)
+                total += sum(len(x or b"") for x in await pipe.execute())
+        await nc.publish(msg.reply, str(total).encode())
+
     if not traced:  # the traced receiver takes part in the kvbus runs only
         await nc.subscribe(RAW_SUBJECT, cb=on_raw, pending_bytes_limit=1 << 30)
         await nc.subscribe(REDIS_SUBJECT, cb=on_redis)
+        await nc.subscribe(REDIS_CHUNKED_SUBJECT, cb=on_redis_chunked)
         await tp.serve_reqrep(nc)
     await nc.flush()
     print(f"ready {_socket_server([bytearray()])}", flush=True)
@@ -212,11 +255,29 @@ async def _redis_once(nc: Any, r: Any, payload: memoryview, key: str) -> float:
     return dt
 
 
-async def _run(quick: bool, nats_url: str | None) -> dict[str, Any]:
+async def _redis_pipelined_once(nc: Any, r: Any, payload: memoryview, key: str, chunk: int, per: int) -> float:
+    """The payload in ``chunk``-byte pieces, SET in pipelines of ``per``; the receiver GETs them likewise."""
+    pieces = [payload[lo : lo + chunk] for lo in range(0, payload.nbytes, chunk)]
+    keys = [f"{key}:{i}" for i in range(len(pieces))]
+    t = time.perf_counter()
+    for lo in range(0, len(pieces), per):
+        async with r.pipeline(transaction=False) as pipe:
+            for k, piece in zip(keys[lo : lo + per], pieces[lo : lo + per]):
+                pipe.set(k, piece)
+            await pipe.execute()
+    reply = await nc.request(REDIS_CHUNKED_SUBJECT, f"{key}|{len(pieces)}|{per}".encode(), timeout=60)
+    dt = time.perf_counter() - t
+    if int(reply.data) != payload.nbytes:
+        raise RuntimeError("pipelined redis GETs returned the wrong size")
+    await r.delete(*keys)
+    return dt
+
+
+async def _run(quick: bool, nats_url: str | None, smoke: bool = False) -> dict[str, Any]:
     cfg = BusConfig.from_env()
     chunk_size, window, ack_every = cfg.chunk_size, cfg.window, cfg.ack_every
     sizes = {"64MB": 64 * 1024 * 1024, "1MB": 1024 * 1024}
-    reps = {"64MB": 3 if quick else 7, "1MB": 10 if quick else 30}
+    reps = {"64MB": 1, "1MB": 2} if smoke else {"64MB": 3 if quick else 7, "1MB": 10 if quick else 30}
     nats_srv = None if nats_url else NatsServer().start()
     url = nats_url or nats_srv.url  # type: ignore[union-attr]
     redis_srv = RedisServer().start()
@@ -308,12 +369,14 @@ async def _run(quick: bool, nats_url: str | None) -> dict[str, Any]:
 
             # Warm up every path once (connections, JIT-free first-touch allocations).
             warm: dict[str, list[float]] = collections.defaultdict(list)
-            for _ in range(2):
+            for _ in range(1 if smoke else 2):
                 await _kvbus_once(agent, kv)
                 await nats_baseline()
-                await _redis_once(nc, r, payload, "kvbus-bench")
-                await _traced_once(traced_agent, kv)
                 await ways(warm)
+                await _redis_once(nc, r, payload, "kvbus-bench")
+                for cs, per in REDIS_PIPELINED.values():
+                    await _redis_pipelined_once(nc, r, payload, "kvbus-bench-p", cs, per)
+                await _traced_once(traced_agent, kv)
             times: dict[str, list[float]] = collections.defaultdict(list)
             for i in range(reps[label]):
                 # Traced and untraced runs back to back, in turn first (what ran before a run,
@@ -325,11 +388,19 @@ async def _run(quick: bool, nats_url: str | None) -> dict[str, Any]:
                     times["kvbus_traced"].append(await _traced_once(traced_agent, kv))
                 times["nats_py"].append(await nats_baseline())
                 times["redis"].append(await _redis_once(nc, r, payload, "kvbus-bench"))
+                for name, (cs, per) in REDIS_PIPELINED.items():
+                    times[f"redis_pipelined_{name}"].append(
+                        await _redis_pipelined_once(nc, r, payload, "kvbus-bench-p", cs, per)
+                    )
                 await ways(times)
             round_trips, picked = await tp.count_round_trips(agent, "bench-rx", kv)
             times["kvbus_shm"] = times["kvbus"]
-            mbps = {k: kv.nbytes / statistics.median(v) / 1e6 for k, v in times.items()}
             medians = {k: statistics.median(v) for k, v in times.items()}
+            mbps = {k: kv.nbytes / statistics.median(v) / 1e6 for k, v in times.items()}
+            best_pipe = max(REDIS_PIPELINED, key=lambda k: mbps[f"redis_pipelined_{k}"])
+            mbps["redis_pipelined"] = mbps[f"redis_pipelined_{best_pipe}"]
+            # Per run (kvbus and the pipelined loop ran back to back): the ratio's spread.
+            per_run = [b / a for a, b in zip(times["kvbus"], times[f"redis_pipelined_{best_pipe}"])]
             results[label] = {
                 "bytes": kv.nbytes,
                 "kvbus_MBps": round(mbps["kvbus"], 1),
@@ -337,6 +408,12 @@ async def _run(quick: bool, nats_url: str | None) -> dict[str, Any]:
                 "redis_MBps": round(mbps["redis"], 1),
                 "ratio_vs_nats_py": round(mbps["kvbus"] / mbps["nats_py"], 3),
                 "ratio_vs_redis": round(mbps["kvbus"] / mbps["redis"], 3),
+                "redis_pipelined_MBps": round(mbps["redis_pipelined"], 1),
+                "redis_pipelined_loop": best_pipe,
+                "redis_pipelined_by_loop_MBps": {k: round(mbps[f"redis_pipelined_{k}"], 1) for k in REDIS_PIPELINED},
+                "ratio_vs_redis_pipelined": round(mbps["kvbus"] / mbps["redis_pipelined"], 3),
+                "ratio_vs_redis_pipelined_runs": spread(per_run, digits=3),
+                "ratio_vs_nats_py_runs": spread((b / a for a, b in zip(times["kvbus"], times["nats_py"])), digits=3),
                 "kvbus_traced_MBps": round(mbps["kvbus_traced"], 1),
                 "tracing_overhead": round(mbps["kvbus_traced"] / mbps["kvbus"], 3),
                 "runs": reps[label],
@@ -354,13 +431,24 @@ async def _run(quick: bool, nats_url: str | None) -> dict[str, Any]:
         await r.aclose()
         telemetry.set_enabled(True)
         await asyncio.to_thread(telemetry.shutdown)  # flush this process's spans to the sink
+        sink.close()
         top = results["64MB"]
         return {
             "suite": "transport",
             "config": {
+                "network": "loopback",
                 "chunk_size": chunk_size,
                 "window": window,
                 "ack_every": ack_every,
+                "redis_baselines": {
+                    "redis": "one SET of the whole payload, then one GET (the naive loop)",
+                    "redis_pipelined": "chunked SETs in pipelines, then chunked GETs in "
+                    "pipelines; the faster of "
+                    + ", ".join(
+                        f"{k} ({c >> 20} MB chunks, {n} per pipeline)" for k, (c, n) in REDIS_PIPELINED.items()
+                    ),
+                },
+                "runs": reps,
                 "sizes": sizes,
                 "kv_shape": "llama-3-8b (32 layers, 8 kv heads, head_dim 128, bf16)",
                 "timing": "median of alternating runs, two processes, embedded nats-server and valkey",
@@ -368,6 +456,8 @@ async def _run(quick: bool, nats_url: str | None) -> dict[str, Any]:
             "results": {
                 "ratio_vs_nats_py": top["ratio_vs_nats_py"],
                 "ratio_vs_redis": top["ratio_vs_redis"],
+                "ratio_vs_redis_pipelined": top["ratio_vs_redis_pipelined"],
+                "redis_pipelined_MBps": top["redis_pipelined_MBps"],
                 "kvbus_MBps": top["kvbus_MBps"],
                 "nats_py_MBps": top["nats_py_MBps"],
                 "redis_MBps": top["redis_MBps"],
@@ -409,29 +499,24 @@ async def _traced_once(agent: Any, kv: KVCache) -> float:
         telemetry.set_enabled(False)
 
 
-def run(*, quick: bool = False, nats_url: str | None = None) -> dict[str, Any]:
-    out = asyncio.run(_run(quick, nats_url))
+def run(*, quick: bool = False, smoke: bool = False, nats_url: str | None = None, **_: Any) -> dict[str, Any]:
+    """Run the suite (``smoke``: one timed run per size)."""
+    out = asyncio.run(_run(quick, nats_url, smoke))
     for label, row in out["results"]["by_size"].items():
         print(
             f"{label:>5}: kvbus {row['kvbus_MBps']:8.1f} MB/s  nats-py {row['nats_py_MBps']:8.1f} MB/s  "
-            f"redis {row['redis_MBps']:8.1f} MB/s  kvbus/nats-py {row['ratio_vs_nats_py']:.2f}  "
-            f"kvbus/redis {row['ratio_vs_redis']:.2f}  traced/untraced {row['tracing_overhead']:.3f}"
+            f"redis {row['redis_MBps']:8.1f} MB/s  redis pipelined {row['redis_pipelined_MBps']:8.1f} MB/s  "
+            f"kvbus/nats-py {row['ratio_vs_nats_py']:.2f}  kvbus/redis {row['ratio_vs_redis']:.2f}  "
+            f"kvbus/redis pipelined {row['ratio_vs_redis_pipelined']:.2f}  traced/untraced "
+            f"{row['tracing_overhead']:.3f}"
         )
+        keys = ("shm_ratio_vs_nats_py", "tcp_ratio_vs_nats_py", "nats_path_ratio_vs_nats_py")
+        keys += ("tcp_vs_loopback_limit", "shm_vs_memcpy", "round_trips")
         print(
             f"       path {row['path']}  "
             + "  ".join(f"{k[:-5]} {v:.2f}" for k, v in row.items() if k.endswith("_GBps"))
             + " GB/s  "
-            + "  ".join(
-                f"{k} {row[k]}"
-                for k in (
-                    "shm_ratio_vs_nats_py",
-                    "tcp_ratio_vs_nats_py",
-                    "nats_path_ratio_vs_nats_py",
-                    "tcp_vs_loopback_limit",
-                    "shm_vs_memcpy",
-                    "round_trips",
-                )
-            )
+            + "  ".join(f"{k} {row[k]}" for k in keys)
         )
     return out
 
@@ -439,8 +524,11 @@ def run(*, quick: bool = False, nats_url: str | None = None) -> dict[str, Any]:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--peer", nargs=5, metavar=("NATS", "REDIS", "CHUNK", "WINDOW", "ACK_EVERY"))
+    parser.add_argument("--sink", action="store_true", help="run the OTLP sink")
     ns = parser.parse_args()
-    if ns.peer:
+    if ns.sink:
+        _sink()
+    elif ns.peer:
         url, rurl, cs, w, ae = ns.peer
         telemetry.setup("kvbus-bench-peer")  # on when the OTEL_* variables say so (the traced peer)
         try:

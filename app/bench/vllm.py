@@ -166,7 +166,7 @@ def _median(rows: list[dict[str, Any]], key: str) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def run(*, quick: bool = False, nats_url: str | None = None, **_: Any) -> dict[str, Any]:
+def run(*, quick: bool = False, smoke: bool = False, nats_url: str | None = None, **_: Any) -> dict[str, Any]:
     """Run the suite (see the module docstring); starts its own nats-server unless ``nats_url``."""
     import tempfile
 
@@ -176,7 +176,8 @@ def run(*, quick: bool = False, nats_url: str | None = None, **_: Any) -> dict[s
     from kvbus.integrations.vllm.loop import LoopThread
 
     reps = 1 if quick else 3
-    new_tokens = 8 if quick else 16
+    new_tokens = 4 if smoke else 8 if quick else 16
+    lengths = LENGTHS[:1] if smoke else LENGTHS  # smoke: the JSON's shape, from the shortest prompt
     server = None if nats_url else NatsServer().start()
     url = nats_url or server.url  # type: ignore[union-attr]
     logs = Path(tempfile.mkdtemp(prefix="kvbus-bench-vllm-"))
@@ -200,7 +201,7 @@ def run(*, quick: bool = False, nats_url: str | None = None, **_: Any) -> dict[s
             engine.generate([text_prompt(300, 5000)], max_tokens=4, kv_transfer_params={"kvbus_skip": True})
         index_ms = _index_lookup_ms(url, loop)
         for rep in range(reps):
-            for length in LENGTHS:
+            for length in lengths:
                 row = _measure(a, b, ctl, length, rep, new_tokens)
                 rows.append(row)
                 print(
@@ -227,7 +228,7 @@ def run(*, quick: bool = False, nats_url: str | None = None, **_: Any) -> dict[s
         "push_media_chosen": sorted({str(r.get("push_medium")) for r in rows}),
         "output_agreement": {},
     }
-    for length in LENGTHS:
+    for length in lengths:
         rs = [r for r in rows if r["length"] == length]
         rec = _median(rs, "recompute_ttft_s")
         med = {m: _median(rs, f"{m}_ttft_s") for m in ("pull", "pull_int8", "push")}
@@ -256,7 +257,7 @@ def run(*, quick: bool = False, nats_url: str | None = None, **_: Any) -> dict[s
     return {
         "suite": "vllm",
         "config": {
-            "lengths": list(LENGTHS),
+            "lengths": list(lengths),
             "reps": reps,
             "new_tokens": new_tokens,
             "block_size": BLOCK,

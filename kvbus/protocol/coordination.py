@@ -6,11 +6,30 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from kvbus.protocol.wire import Message, OptStr, message
+from kvbus.protocol.wire import (
+    MAX_BYTES,
+    MAX_COUNT,
+    MAX_EPOCH_S,
+    MAX_PRIORITY,
+    MAX_RATE_BPS,
+    MAX_SECONDS,
+    ListOf,
+    Message,
+    OptStr,
+    float_in,
+    int_in,
+    message,
+)
 from kvbus.reasons import Reason
 
+#: The ranges of this module's numeric fields (see `kvbus.protocol.wire.Num`).
+EPOCH = float_in(0.0, MAX_EPOCH_S)
+SECONDS = float_in(0.0, MAX_SECONDS)
+RATE = float_in(0.0, MAX_RATE_BPS)
+PRIORITY = float_in(0.0, MAX_PRIORITY)
 
-@message("group", {"group": str, "scheduler": str, "agents": int, "ts": float})
+
+@message("group", {"group": str, "scheduler": str, "agents": int_in(0, MAX_COUNT), "ts": EPOCH})
 @dataclass(frozen=True, slots=True)
 class GroupHeartbeat(Message):
     """A group scheduler announces itself to the coordinator."""
@@ -31,7 +50,7 @@ class GroupLeave(Message):
 
 
 @message(
-    "lease_request", {"group": str, "scheduler": str, "demand_bps": float, "priority": float, "traceparent": OptStr}
+    "lease_request", {"group": str, "scheduler": str, "demand_bps": RATE, "priority": PRIORITY, "traceparent": OptStr}
 )
 @dataclass(frozen=True, slots=True)
 class LeaseRequest(Message):
@@ -47,7 +66,7 @@ class LeaseRequest(Message):
     """The transfer that made the group ask (W3C trace context): the coordinator's span joins its trace."""
 
 
-@message("lease", {"group": str, "share_bps": float, "expires_at": float, "epoch_s": float, "capacity_bps": float})
+@message("lease", {"group": str, "share_bps": RATE, "expires_at": EPOCH, "epoch_s": SECONDS, "capacity_bps": RATE})
 @dataclass(frozen=True, slots=True)
 class LeaseGrant(Message):
     """The coordinator's answer: the group's share until ``expires_at`` (epoch seconds)."""
@@ -65,9 +84,9 @@ class LeaseGrant(Message):
         "reservation_id": str,
         "group": str,
         "who": str,
-        "period_s": float,
-        "size_bytes": int,
-        "deadline_s": float,
+        "period_s": SECONDS,
+        "size_bytes": int_in(0, MAX_BYTES),
+        "deadline_s": SECONDS,
         "traceparent": OptStr,
     },
 )
@@ -85,7 +104,7 @@ class ReservationRequest(Message):
     traceparent: str | None = None
 
 
-@message("reserve_reply", {"reservation_id": str, "ok": bool, "reason": str, "rate_bps": float, "code": Reason})
+@message("reserve_reply", {"reservation_id": str, "ok": bool, "reason": str, "rate_bps": RATE, "code": Reason})
 @dataclass(frozen=True, slots=True)
 class ReservationReply(Message):
     """Admitted (with the rate set aside) or refused with the reason."""
@@ -106,7 +125,7 @@ class ReservationCancel(Message):
     reservation_id: str
 
 
-@message("place", {"agent": str, "talks_to": list, "traceparent": OptStr})
+@message("place", {"agent": str, "talks_to": ListOf(str, max_len=1 << 12), "traceparent": OptStr})
 @dataclass(frozen=True, slots=True)
 class PlacementRequest(Message):
     """Which group should this agent join? ``talks_to`` names the agents it exchanges most with."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from kvbus.errors import WireFormatError
-from kvbus.protocol.wire import Message, OptStr, message
+from kvbus.protocol.wire import MAX_BYTES, MAX_COUNT, MAX_SECONDS, ListOf, Message, OptStr, float_in, int_in, message
 from kvbus.reasons import Reason
 
 #: Largest codec metadata map inside an `Open` (real ones take well under 1 KB; the bound keeps
@@ -77,12 +77,12 @@ class OpenOverLimit(WireFormatError):
         "src": str,
         "codec": str,
         "meta": dict,
-        "sizes": list,
-        "total": int,
-        "chunk_size": int,
-        "n_chunks": int,
+        "sizes": ListOf(int_in(0, MAX_BYTES)),
+        "total": int_in(0, MAX_BYTES),
+        "chunk_size": int_in(1, MAX_BYTES),
+        "n_chunks": int_in(0, MAX_COUNT),
         "digest": str,
-        "window": int,
+        "window": int_in(1, 1 << 16),
         "data_subject": str,
         "ack_subject": str,
         "inline": bool,
@@ -91,8 +91,9 @@ class OpenOverLimit(WireFormatError):
         "host": str,
         "digests": bytes,
         "incarnation": str,
-        "attempt": int,
-        "retry_age": float,
+        "attempt": int_in(0, 1 << 20),
+        "retry_age": float_in(0.0, MAX_SECONDS),
+        "trace_link": OptStr,
     },
 )
 @dataclass(frozen=True, slots=True)
@@ -122,6 +123,10 @@ class Open(Message):
     ack_subject: str
     inline: bool = False
     traceparent: str | None = None
+    """The sender's ``kvbus.send`` span: the receiver's spans are its children."""
+    trace_link: str | None = None
+    """When the sender does not trace: the scheduler's root ``kvbus.schedule`` span (the grant's
+    ``traceparent``), which the receiver's own root span links to."""
     paths: list = field(default_factory=list)
     """The data paths the sender may use (names from `PATH_NAMES`), fastest first; empty: an
     older sender, NATS only. The receiver offers direct paths only from this list."""
@@ -224,16 +229,16 @@ class Open(Message):
         "ok": bool,
         "reason": str,
         "done": bool,
-        "decode_s": float,
-        "next": int,
+        "decode_s": float_in(0.0, MAX_SECONDS),
+        "next": int_in(0, MAX_COUNT),
         "code": Reason,
         "host": str,
         "shm": str,
         "tcp_host": str,
-        "tcp_port": int,
+        "tcp_port": int_in(0, 65535),
         "tls": bool,
         "token": str,
-        "token_ttl_s": float,
+        "token_ttl_s": float_in(0.0, MAX_TOKEN_TTL_S),
         "paths": list,
         "incarnation": str,
     },
@@ -380,13 +385,13 @@ class PathOffer:
     {
         "transfer_id": str,
         "rx": str,
-        "next": int,
-        "received": int,
-        "missing": list,
+        "next": int_in(0, MAX_COUNT),
+        "received": int_in(0, MAX_COUNT),
+        "missing": ListOf(int_in(0, MAX_COUNT)),
         "done": bool,
         "ok": bool,
         "reason": str,
-        "decode_s": float,
+        "decode_s": float_in(0.0, MAX_SECONDS),
         "code": Reason,
     },
 )

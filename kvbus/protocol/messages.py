@@ -8,8 +8,30 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from kvbus.errors import WireFormatError
-from kvbus.protocol.wire import AnyValue, Message, OptFloat, OptStr, message
+from kvbus.protocol.wire import (
+    MAX_BYTES,
+    MAX_COUNT,
+    MAX_EPOCH_S,
+    MAX_PRIORITY,
+    MAX_RATE_BPS,
+    MAX_SECONDS,
+    AnyValue,
+    ListOf,
+    Message,
+    OptStr,
+    float_in,
+    int_in,
+    message,
+)
 from kvbus.reasons import Reason
+
+#: The ranges of this module's numeric fields (see `kvbus.protocol.wire.Num`).
+EPOCH = float_in(0.0, MAX_EPOCH_S)
+SECONDS = float_in(0.0, MAX_SECONDS)
+LATENCY = float_in(0.0, 3600.0)
+RATE = float_in(0.0, MAX_RATE_BPS)
+FRACTION = float_in(0.0, 1.0)
+PRIORITY = float_in(0.0, MAX_PRIORITY)
 
 
 @message(
@@ -17,18 +39,18 @@ from kvbus.reasons import Reason
     {
         "transfer_id": str,
         "src": str,
-        "dst": list,
+        "dst": ListOf(str),
         "group": str,
-        "n_tokens": int,
-        "nbytes": int,
+        "n_tokens": int_in(0, MAX_COUNT),
+        "nbytes": int_in(0, MAX_BYTES),
         "signature": dict,
         "medium": OptStr,
-        "deadline": OptFloat,
+        "deadline": float_in(0.0, MAX_EPOCH_S, optional=True),
         "critical": bool,
-        "ts": float,
+        "ts": EPOCH,
         "traceparent": OptStr,
-        "fidelity": float,
-        "base_tokens": int,
+        "fidelity": FRACTION,
+        "base_tokens": int_in(0, MAX_COUNT),
         "path": str,
     },
 )
@@ -76,15 +98,16 @@ class RequestAck(Message):
     {
         "transfer_id": str,
         "medium": str,
-        "rate_bps": float,
-        "start_at": float,
-        "chunk_size": int,
-        "window": int,
+        "rate_bps": RATE,
+        "start_at": EPOCH,
+        "chunk_size": int_in(0, 1 << 30),
+        "window": int_in(0, 1 << 16),
         "reason": str,
         "decision": dict,
-        "latency_s": float,
-        "sched_s": float,
+        "latency_s": LATENCY,
+        "sched_s": SECONDS,
         "code": Reason,
+        "traceparent": OptStr,
     },
 )
 @dataclass(frozen=True, slots=True)
@@ -114,11 +137,21 @@ class Grant(Message):
     scheduler: the scheduling overhead without the way back (0 when not known)."""
     code: Reason = Reason.NONE
     """Why it was refused, as a code to match on (`reason` is for people)."""
+    traceparent: str | None = None
+    """The scheduler's ``kvbus.schedule`` span when it is a root (the request carried no trace
+    context): a sender that does not trace passes it on as the `Open`'s ``trace_link``."""
 
 
 @message(
     "control",
-    {"transfer_id": str, "action": str, "reason": str, "rate_bps": float, "max_fraction": float, "nbytes": int},
+    {
+        "transfer_id": str,
+        "action": str,
+        "reason": str,
+        "rate_bps": RATE,
+        "max_fraction": FRACTION,
+        "nbytes": int_in(0, MAX_BYTES),
+    },
 )
 @dataclass(frozen=True, slots=True)
 class Control(Message):
@@ -154,7 +187,8 @@ class Control(Message):
 
 
 @message(
-    "control_reply", {"transfer_id": str, "action": str, "ok": bool, "fraction": float, "reason": str, "code": Reason}
+    "control_reply",
+    {"transfer_id": str, "action": str, "ok": bool, "fraction": FRACTION, "reason": str, "code": Reason},
 )
 @dataclass(frozen=True, slots=True)
 class ControlReply(Message):
@@ -178,13 +212,13 @@ class ControlReply(Message):
     {
         "reservation_id": str,
         "src": str,
-        "dst": list,
+        "dst": ListOf(str),
         "group": str,
-        "period_s": float,
-        "size_bytes": int,
-        "deadline_s": float,
+        "period_s": SECONDS,
+        "size_bytes": int_in(0, MAX_BYTES),
+        "deadline_s": SECONDS,
         "cancel": bool,
-        "ts": float,
+        "ts": EPOCH,
     },
 )
 @dataclass(frozen=True, slots=True)
@@ -215,11 +249,11 @@ class FlowReservation(Message):
         "src": str,
         "ok": bool,
         "medium": str,
-        "nbytes": int,
-        "seconds": float,
+        "nbytes": int_in(0, MAX_BYTES),
+        "seconds": SECONDS,
         "error": str,
-        "dst": list,
-        "wire_s": float,
+        "dst": ListOf(str),
+        "wire_s": SECONDS,
         "path": str,
     },
 )
@@ -248,14 +282,14 @@ class TransferDone(Message):
     {
         "agent": str,
         "group": str,
-        "queue_size": int,
-        "cache_bytes": int,
-        "compute_load": float,
-        "role_priority": float,
+        "queue_size": int_in(0, MAX_COUNT),
+        "cache_bytes": int_in(0, MAX_BYTES),
+        "compute_load": FRACTION,
+        "role_priority": PRIORITY,
         "role": str,
-        "ts": float,
-        "link_bps": float,
-        "latency_s": float,
+        "ts": EPOCH,
+        "link_bps": RATE,
+        "latency_s": LATENCY,
     },
 )
 @dataclass(frozen=True, slots=True)
@@ -281,11 +315,11 @@ class Probe(Message):
         "name": str,
         "group": str,
         "role": str,
-        "priority": float,
+        "priority": PRIORITY,
         "signature": AnyValue,
-        "ts": float,
-        "link_bps": float,
-        "latency_s": float,
+        "ts": EPOCH,
+        "link_bps": RATE,
+        "latency_s": LATENCY,
         "recompute": bool,
     },
 )
@@ -308,7 +342,7 @@ class AgentRecord(Message):
     """Whether the agent has a model to rebuild KV from tokens."""
 
 
-@message("leave_agent", {"agent": str, "group": str, "reason": str, "ts": float})
+@message("leave_agent", {"agent": str, "group": str, "reason": str, "ts": EPOCH})
 @dataclass(frozen=True, slots=True)
 class AgentLeave(Message):
     """An agent closed: its scheduler drops it at once and refuses new transfers to it."""

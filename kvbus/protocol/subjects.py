@@ -21,7 +21,9 @@ Subjects (``<x>`` are names: letters, digits, ``-`` and ``_``):
                                        addressee may read it, only the sender publish it)
 ``kvbus.bcast.<sender>.<transfer>``    sender -> receivers: chunk messages of a broadcast (not secure mode:
                                        published once, NATS fans it out)
-``kvbus.coord.*``                      group schedulers <-> coordinator
+``kvbus.coord.register.<group>``       group scheduler -> coordinator: `GroupHeartbeat` (its own group only)
+``kvbus.coord.leave.<group>``          group scheduler -> coordinator: `GroupLeave`
+``kvbus.coord.*``                      group schedulers <-> coordinator: leases, reservations, placement
 =====================================  ========================================================
 """
 
@@ -112,11 +114,22 @@ def check_data_subject(subject: str, src: str, rx: str, transfer_id: str, *, bro
 
 
 COORD_REGISTER = "kvbus.coord.register"
+"""Group heartbeats go to ``kvbus.coord.register.<group>`` (`group_subject`)."""
 COORD_GROUPS = "kvbus.coord.groups"
 COORD_LEAVE = "kvbus.coord.leave"
+"""A group leaves on ``kvbus.coord.leave.<group>`` (`group_subject`)."""
 COORD_LEASE = "kvbus.coord.lease"
 COORD_RESERVE = "kvbus.coord.reserve"
 COORD_UNRESERVE = "kvbus.coord.unreserve"
 COORD_PLACE = "kvbus.coord.place"
 #: JetStream KV bucket of the coordinator's durable state (groups, leases, reservations, tickets).
 COORD_BUCKET = "kvbus_coord"
+
+
+def group_subject(base: str, group: str) -> str:
+    """The per-group form of a coordinator subject (`COORD_REGISTER`, `COORD_LEAVE`): ``<base>.<group>``.
+
+    In secure mode a group scheduler may publish only on its own group's (so it cannot announce,
+    or remove, another group); the coordinator drops a message whose group is not the subject's.
+    """
+    return f"{base}.{check_name('group', group)}"

@@ -207,6 +207,24 @@ Usage: include "kvbus.nats.env" (list $ "sched-g0" "_INBOX.sched-g0")
   value: {{ include "kvbus.nats.url" $root | quote }}
 {{- end }}
 {{- include "kvbus.nats.caEnv" $root }}
+{{- include "kvbus.buckets.env" $root }}
+{{- end -}}
+
+{{/* Replicas of kvbus's JetStream KV buckets: nats.jetstream.bucketReplicas, else min(3, nats.replicas)
+(the chart's NATS) or nothing (an external NATS: kvbus then follows the cluster it finds). */}}
+{{- define "kvbus.buckets.replicas" -}}
+{{- $n := int .Values.nats.jetstream.bucketReplicas -}}
+{{- if and (not $n) .Values.nats.enabled -}}{{- $n = min 3 (int .Values.nats.replicas) -}}{{- end -}}
+{{- if $n -}}{{- $n -}}{{- end -}}
+{{- end -}}
+
+{{/* KVBUS_BUCKET_REPLICAS for a kvbus container (the servers advertise no client URLs in the chart,
+so kvbus cannot count them itself). */}}
+{{- define "kvbus.buckets.env" -}}
+{{- with include "kvbus.buckets.replicas" . }}
+- name: KVBUS_BUCKET_REPLICAS
+  value: {{ . | quote }}
+{{- end }}
 {{- end -}}
 
 {{/*
@@ -278,7 +296,9 @@ Redis.
 
 {{/* The Redis URL without credentials; empty when there is no Redis. */}}
 {{- define "kvbus.redis.url" -}}
-{{- if .Values.redis.enabled -}}
+{{- if and .Values.redis.enabled (eq .Values.redis.mode "cluster") -}}
+{{- printf "redis+cluster://%s.%s.svc.%s:%d" (default (include "kvbus.redis.fullname" .) .Values.redis.service.name) .Release.Namespace .Values.clusterDomain (int .Values.redis.port) -}}
+{{- else if .Values.redis.enabled -}}
 {{- printf "redis://%s.%s.svc.%s:%d/0" (default (include "kvbus.redis.fullname" .) .Values.redis.service.name) .Release.Namespace .Values.clusterDomain (int .Values.redis.port) -}}
 {{- else -}}
 {{- .Values.redis.external.url -}}

@@ -47,10 +47,13 @@ only on subjects ending in (data: carrying) the agent's own name, reads only und
 {{- toJson (dict "publish" (dict "allow" $publish) "subscribe" (dict "allow" $subscribe) "allow_responses" true) -}}
 {{- end -}}
 
-{{/* kvbus.security.scheduler_permissions for a group name, as JSON. */}}
+{{/* kvbus.security.scheduler_permissions for a group name, as JSON: heartbeats and leaves
+only on its own group's coordinator subjects. */}}
 {{- define "kvbus.nats.schedulerPermissions" -}}
-{{- $publish := list "kvbus.agent.*.ctl" "kvbus.coord.>" "$JS.API.>" "$KV.kvbus_agents.>"
-  "$KV.kvbus_coord.>" (printf "$KV.kvbus_sched_reservations.%s.>" .) (printf "_INBOX.sched-%s.>" .) -}}
+{{- $publish := list "kvbus.agent.*.ctl" (printf "kvbus.coord.register.%s" .) (printf "kvbus.coord.leave.%s" .)
+  "kvbus.coord.lease" "kvbus.coord.reserve" "kvbus.coord.unreserve" "kvbus.coord.groups"
+  "$JS.API.>" "$KV.kvbus_agents.>" "$KV.kvbus_coord.>" (printf "$KV.kvbus_sched_reservations.%s.>" .)
+  (printf "_INBOX.sched-%s.>" .) -}}
 {{- $subscribe := list (printf "kvbus.sched.%s.>" .) (printf "_INBOX.sched-%s.>" .) "$KV.kvbus_agents.>"
   (printf "$KV.kvbus_sched_reservations.%s.>" .) -}}
 {{- toJson (dict "publish" (dict "allow" $publish) "subscribe" (dict "allow" $subscribe) "allow_responses" true) -}}

@@ -19,11 +19,41 @@ save ""
 appendonly no
 save ""
 {{- end }}
+{{- if eq $redis.mode "cluster" }}
+# A Redis Cluster node: its identity in /data/nodes.conf; it announces its pod IP (for the other
+# nodes' CLUSTER MEET) and its stable DNS name (for clients), both written at start into
+# /run/redis/announce.conf. The other shards serve while one fails over; any replica may take over
+# (kvbus writes blocks with WAIT, so a confirmed block is on the replica).
+cluster-enabled yes
+cluster-config-file /data/nodes.conf
+cluster-node-timeout {{ int $redis.cluster.nodeTimeoutMs }}
+cluster-require-full-coverage no
+cluster-replica-validity-factor 0
+cluster-preferred-endpoint-type hostname
+include /run/redis/announce.conf
+{{- end }}
 {{- if $redis.auth.enabled }}
 # The password is written at start from the Secret (REDIS_PASSWORD) into this file.
 include /run/redis/auth.conf
+{{- if eq $redis.mode "cluster" }}
+# Replicas log in to their primary with it too.
+include /run/redis/masterauth.conf
+{{- end }}
 {{- end }}
 {{- with $redis.extraConfig }}
 {{ . }}
 {{- end }}
+{{- end -}}
+
+
+{{/* The nodes of a Redis Cluster (mode: cluster): "<pod>.<headless>.<ns>.svc.<domain>" each. */}}
+{{- define "kvbus.redis.clusterHosts" -}}
+{{- $redis := .Values.redis -}}
+{{- $name := include "kvbus.redis.fullname" . -}}
+{{- $n := mul (int $redis.cluster.shards) (add1 (int $redis.cluster.replicasPerShard)) -}}
+{{- $hosts := list -}}
+{{- range $i := until (int $n) -}}
+{{- $hosts = append $hosts (printf "%s-%d.%s-headless.%s.svc.%s" $name $i $name $.Release.Namespace $.Values.clusterDomain) -}}
+{{- end -}}
+{{- join " " $hosts -}}
 {{- end -}}

@@ -1,0 +1,135 @@
+"""The dynamic cases of `kvbus bench select`: a link that follows a bandwidth trace (adaptive against
+every static medium over the whole trace), and how often a pair switches medium on a link that
+jitters around the crossover of its two best media, with and without hysteresis."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import json
+import math
+from importlib import resources
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvbus.bus import EmulatedLink
+from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
+from kvbus.group_scheduler.cost_model import CostModel
+
+if TYPE_CHECKING:
+    from kvbus.app.bench.select import Harness
+
+
+def _trace() -> list[tuple[int, float]]:
+    data = json.loads(resources.files("kvbus.data").joinpath("bandwidth_trace.json").read_text())
+    return [(int(p["transfers"]), float(p["mbit"])) for p in data["phases"]]
+
+
+async def fluctuating(h: Harness, shape: str, n: int, quick: bool) -> dict[str, Any]:
+    """The shipped bandwidth trace (``kvbus/data/bandwidth_trace.json``) replayed on one pair, once
+    with adaptive and once per static medium: the sum of latency plus quality penalty over it."""
+    trace = _trace()
+    if quick:
+        trace = [(max(2, k // 2), mbit) for k, mbit in trace]
+    kv = h.quality.context(n)
+    totals: dict[str, float] = {}
+    chosen: list[str] = []
+    for medium in [None, *h.media]:
+        label = medium or "adaptive"
+        if medium is not None and max(h.predict(shape, n, mbit, medium) for _, mbit in trace) > 4 * h.cap_s:
+            continue
+        tx, rx = await h.pair(shape, trace[0][1])
+        total = 0.0
+        for count, mbit in trace:
+            await tx.set_link(EmulatedLink.mbit(mbit, 0.5))
+            await asyncio.sleep(0.05)
+            for _ in range(count):
+                lat, used, _ = await h.once(tx, rx, kv, medium)
+                total += lat + h.loss_s(used, n)
+                if medium is None:
+                    chosen.append(used)
+        totals[label] = round(total, 3)
+        await tx.close()
+        await rx.close()
+    best_static = min((v, k) for k, v in totals.items() if k != "adaptive")
+    return {
+        "shape": shape,
+        "tokens": n,
+        "trace_mbit": [m for _, m in trace],
+        "totals_s": totals,
+        "best_static": best_static[1],
+        "adaptive_media": chosen,
+        "fluctuating_adaptive_vs_best_static": round(totals["adaptive"] / best_static[0], 3),
+    }
+
+
+async def switches(url: str, h: Harness, shape: str, n: int, hysteresis: float, samples: int) -> int:
+    """Switches of one pair's medium over a link whose rate jitters +-10 % around the crossover of
+    the two best media. The crossover is re-solved from every decision record (the predicted
+    terms of each candidate), so the link stays where the choice is closest even as the
+    scheduler's estimates and the agents' load move it."""
+    sched = await GroupScheduler.connect(
+        url, f"hyst{int(hysteresis * 100)}", config=SchedulerConfig(hysteresis=hysteresis)
+    )
+    try:
+        sig = h.runner.signature
+        center = _crossover(h, shape, n)
+        g = torch.Generator().manual_seed(3)
+        tx = await h.tx_bus.agent(
+            f"hyst-tx{int(hysteresis * 100)}", group=sched.group, runner=h.runner, link=EmulatedLink.mbit(center)
+        )
+        rx = await h.rx_bus.agent(f"hyst-rx{int(hysteresis * 100)}", group=sched.group, runner=h.runner)
+        kv = h.quality.context(n)
+        media = []
+        for _ in range(samples):
+            rate = center * (1 + 0.1 * (2 * float(torch.rand(1, generator=g)) - 1))
+            await tx.set_link(EmulatedLink.mbit(rate))
+            await asyncio.sleep(0.02)
+            h.n += 1
+            fresh = dataclasses.replace(kv, tokens=(kv.tokens + h.n) % sig.vocab_size)
+            report = await tx.send(rx.name, fresh)
+            await rx.receive(timeout=600)
+            media.append(report.medium)
+            center = _solve_crossover(report.decision.get("candidates", []), rate) or center
+        await tx.close()
+        await rx.close()
+        return sum(1 for a, b in itertools.pairwise(media) if a != b)
+    finally:
+        await sched.close()
+
+
+def _solve_crossover(candidates: list[dict[str, Any]], mbit: float) -> float | None:
+    """The link rate (Mbit/s) at which the two best candidates of a decision would cost the same."""
+    bps = mbit * 1e6 / 8
+    usable = sorted((c for c in candidates if c.get("total_s") is not None), key=lambda c: c["total_s"])
+    for i, a in enumerate(usable):
+        for b in usable[i + 1 : i + 3]:
+            if a["bytes"] == b["bytes"]:
+                continue
+            other_a = a["total_s"] - a["bytes"] / bps
+            other_b = b["total_s"] - b["bytes"] / bps
+            if other_b == other_a:
+                continue
+            rate = (a["bytes"] - b["bytes"]) / (other_b - other_a)
+            if rate > 0:
+                return float(min(1e5, max(1.0, rate * 8 / 1e6)))
+        break
+    return None
+
+
+def _crossover(h: Harness, shape: str, n: int) -> float:
+    """A link rate (Mbit/s) where the two best media are predicted within a few percent (by a fresh
+    model, as the hysteresis runs' schedulers start without learned corrections)."""
+    fresh = CostModel(h.model.figures, config=h.model.config)
+    fresh.default_model_costs = h.model.default_model_costs
+    probe = dataclasses.replace(h, model=fresh)
+    best_gap, best_rate = math.inf, 100.0
+    for i in range(120):
+        mbit = 10 ** (1 + 3 * i / 119)
+        preds = sorted(probe.predict(shape, n, mbit, m) for m in h.media)
+        gap = (preds[1] - preds[0]) / preds[0] if len(preds) > 1 and preds[0] > 0 else math.inf
+        if gap < best_gap and preds[0] < h.cap_s:
+            best_gap, best_rate = gap, mbit
+    return best_rate

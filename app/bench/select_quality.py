@@ -1,0 +1,105 @@
+"""What `kvbus bench select` judges with, measured here and not taken from the calibration profile
+the selector uses: real SmolLM2 contexts of held-out text (``data/select_heldout.txt``, written
+for this bench, not among the calibration texts), the fidelity of each medium on them, and the
+model's decode time per token on this machine now.
+
+The fidelity of a medium at a context length is measured as calibration defines it (top-1
+agreement times exp(-KL) of the next-token predictions over the following 32 tokens of the text,
+against the lossless context) but on other text, at the cell's context length, with the codec
+run here end to end; the penalty a medium pays in the objective is
+``loss_weight * output_tokens * (1 - fidelity) * decode_token_s``, all three measured or set here.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from importlib import resources
+from typing import Any
+
+import torch
+
+from kvbus.app.calibrate import _wire, compare
+from kvbus.codecs import get_codec
+from kvbus.kvcache import KVCache
+
+#: Tokens of the continuation the predictions are scored on.
+FOLLOWING = 32
+#: Tokens the receiver is expected to generate after a transfer (the cost model's default too).
+OUTPUT_TOKENS = 128
+
+
+def heldout_ids(tokenizer: Any) -> torch.Tensor:
+    """The held-out text as token ids ``[1, n]``."""
+    text = resources.files("kvbus.app.bench").joinpath("data").joinpath("select_heldout.txt").read_text()
+    return torch.tensor([tokenizer.encode(text, add_special_tokens=False)], dtype=torch.int64)
+
+
+class Quality:
+    """Real contexts, measured fidelity per (medium, context length) and the measured decode time."""
+
+    def __init__(self, runner: Any, tokenizer: Any, *, loss_weight: float = 1.0) -> None:
+        self.runner = runner
+        self.ids = heldout_ids(tokenizer)
+        self.loss_weight = loss_weight
+        self._contexts: dict[int, tuple[KVCache, torch.Tensor, torch.Tensor]] = {}
+        self.fidelity: dict[tuple[str, int], dict[str, float]] = {}
+        t = time.perf_counter()
+        kv = runner.prefill(self.ids[:, :64])
+        runner.generate(kv, 4)  # warm-up
+        t = time.perf_counter()
+        new = runner.generate(kv, 16)
+        self.decode_token_s = (time.perf_counter() - t) / max(1, new.shape[-1])
+        self.measured_at = time.strftime("%Y-%m-%dT%H:%M:%S")
+
+    @property
+    def max_context(self) -> int:
+        """The longest context the held-out text gives (with its following tokens)."""
+        return int(self.ids.shape[-1]) - FOLLOWING
+
+    def context(self, n: int) -> KVCache:
+        """The first ``n`` tokens of the held-out text, prefilled by the model (a real KV-cache)."""
+        return self._entry(n)[0]
+
+    def _entry(self, n: int) -> tuple[KVCache, torch.Tensor, torch.Tensor]:
+        if n > self.max_context:
+            raise ValueError(f"the held-out text has {self.max_context} tokens of context at most, not {n}")
+        if n not in self._contexts:
+            kv = self.runner.prefill(self.ids[:, :n])
+            following = self.ids[:, n : n + FOLLOWING]
+            self._contexts[n] = (kv, following, self.runner.score(kv, following))
+        return self._contexts[n]
+
+    def of(self, medium: str, n: int) -> dict[str, float]:
+        """``{"top1", "kl", "fidelity"}`` of ``medium`` at context length ``n`` (measured once)."""
+        codec = get_codec(medium)
+        key = (codec.name, n)
+        if key not in self.fidelity:
+            kv, following, ref = self._entry(n)
+            if codec.lossless:
+                self.fidelity[key] = {"top1": 1.0, "kl": 0.0, "fidelity": 1.0}
+            else:
+                out = codec.decode(_wire(codec.encode(kv, runner=self.runner)), runner=self.runner)
+                self.fidelity[key] = self.score(out, n, ref=ref, following=following)
+        return self.fidelity[key]
+
+    def score(
+        self, got: KVCache, n: int, *, ref: torch.Tensor | None = None, following: torch.Tensor | None = None
+    ) -> dict[str, float]:
+        """Fidelity of a received context ``got`` against the lossless context of length ``n``."""
+        if ref is None or following is None:
+            _, following, ref = self._entry(n)
+        kl, top1, _ = compare(ref, self.runner.score(got, following), following)
+        return {"top1": round(top1, 4), "kl": round(kl, 6), "fidelity": round(top1 * math.exp(-kl), 4)}
+
+    def loss_s(self, medium: str, n: int) -> float:
+        """The objective's penalty for ``medium`` at ``n`` tokens (measured fidelity and decode time)."""
+        f = float(self.of(medium, n)["fidelity"])
+        return float(self.loss_weight * OUTPUT_TOKENS * (1.0 - f) * self.decode_token_s)
+
+    def table(self) -> dict[str, dict[str, dict[str, float]]]:
+        """Every measured fidelity: medium -> context length -> figures."""
+        out: dict[str, dict[str, dict[str, float]]] = {}
+        for (medium, n), figs in sorted(self.fidelity.items()):
+            out.setdefault(medium, {})[str(n)] = figs
+        return out

