@@ -23,7 +23,6 @@ import time
 from typing import Any
 
 import torch
-
 from nats.aio.msg import Msg
 from opentelemetry.trace import INVALID_SPAN, SpanKind
 

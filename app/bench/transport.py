@@ -347,7 +347,7 @@ async def _run(quick: bool, nats_url: str | None, smoke: bool = False) -> dict[s
         for label, nbytes in sizes.items():
             kv = make_kv(nbytes)
             encoded = get_codec("full").encode(kv)
-            payload = memoryview(torch.cat([t.reshape(-1) for t in kv.keys + kv.values]).view(torch.uint8).numpy())
+            payload = memoryview(torch.cat([t.reshape(-1) for t in kv.keys + kv.values]).view(torch.uint8).numpy().data)
             # The plain loop sends exactly the messages kvbus sends: the same chunk plan over the same bytes.
             plan = ChunkPlan(encoded.sizes, min(chunk_size, bus.chunk_size))
             flat = memoryview(b"".join(encoded.buffers))
@@ -356,23 +356,12 @@ async def _run(quick: bool, nats_url: str | None, smoke: bool = False) -> dict[s
             src = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
             dst = torch.empty_like(src)
 
-            async def nats_baseline() -> float:
-                # One small transfer's baseline is one plain request carrying its bytes.
-                return await (tp.reqrep_once(nc, payload) if small else _nats_once(nc, chunks, window))
-
-            async def ways(times: dict[str, list[float]]) -> None:
-                for path, a in path_agents.items():
-                    if path != "shm":
-                        times[f"kvbus_{path}"].append(await _kvbus_once(a, kv))
-                times["socket"].append(await sockets.once(payload))
-                times["memcpy"].append(tp.memcpy_once(src, dst))
-
             # Warm up every path once (connections, JIT-free first-touch allocations).
             warm: dict[str, list[float]] = collections.defaultdict(list)
             for _ in range(1 if smoke else 2):
                 await _kvbus_once(agent, kv)
-                await nats_baseline()
-                await ways(warm)
+                await _nats_baseline(nc, payload, small, chunks, window)
+                await _path_ways(warm, path_agents, kv, sockets, payload, (src, dst))
                 await _redis_once(nc, r, payload, "kvbus-bench")
                 for cs, per in REDIS_PIPELINED.values():
                     await _redis_pipelined_once(nc, r, payload, "kvbus-bench-p", cs, per)
@@ -386,13 +375,13 @@ async def _run(quick: bool, nats_url: str | None, smoke: bool = False) -> dict[s
                 times["kvbus"].append(await _kvbus_once(agent, kv))
                 if not i % 2:
                     times["kvbus_traced"].append(await _traced_once(traced_agent, kv))
-                times["nats_py"].append(await nats_baseline())
+                times["nats_py"].append(await _nats_baseline(nc, payload, small, chunks, window))
                 times["redis"].append(await _redis_once(nc, r, payload, "kvbus-bench"))
                 for name, (cs, per) in REDIS_PIPELINED.items():
                     times[f"redis_pipelined_{name}"].append(
                         await _redis_pipelined_once(nc, r, payload, "kvbus-bench-p", cs, per)
                     )
-                await ways(times)
+                await _path_ways(times, path_agents, kv, sockets, payload, (src, dst))
             round_trips, picked = await tp.count_round_trips(agent, "bench-rx", kv)
             times["kvbus_shm"] = times["kvbus"]
             medians = {k: statistics.median(v) for k, v in times.items()}
@@ -490,6 +479,27 @@ async def _run(quick: bool, nats_url: str | None, smoke: bool = False) -> dict[s
             nats_srv.stop()
 
 
+async def _nats_baseline(nc: Any, payload: memoryview, small: bool, chunks: list[memoryview], window: int) -> float:
+    """The plain nats-py figure: one request carrying a small payload, else the credit loop."""
+    return await (tp.reqrep_once(nc, payload) if small else _nats_once(nc, chunks, window))
+
+
+async def _path_ways(
+    times: dict[str, list[float]],
+    agents: dict[str, Any],
+    kv: KVCache,
+    sockets: tp.SocketLoop,
+    payload: memoryview,
+    copy: tuple[torch.Tensor, torch.Tensor],
+) -> None:
+    """One round of the data-path ways: the bus restricted to tcp and to NATS, the socket loop, memcpy."""
+    for path, agent in agents.items():
+        if path != "shm":
+            times[f"kvbus_{path}"].append(await _kvbus_once(agent, kv))
+    times["socket"].append(await sockets.once(payload))
+    times["memcpy"].append(tp.memcpy_once(*copy))
+
+
 async def _traced_once(agent: Any, kv: KVCache) -> float:
     """One kvbus run with this process's tracing and metrics on (its peers have them on too)."""
     telemetry.set_enabled(True)
@@ -510,7 +520,7 @@ def run(*, quick: bool = False, smoke: bool = False, nats_url: str | None = None
             f"kvbus/redis pipelined {row['ratio_vs_redis_pipelined']:.2f}  traced/untraced "
             f"{row['tracing_overhead']:.3f}"
         )
-        keys = ("shm_ratio_vs_nats_py", "tcp_ratio_vs_nats_py", "nats_path_ratio_vs_nats_py")
+        keys: tuple[str, ...] = ("shm_ratio_vs_nats_py", "tcp_ratio_vs_nats_py", "nats_path_ratio_vs_nats_py")
         keys += ("tcp_vs_loopback_limit", "shm_vs_memcpy", "round_trips")
         print(
             f"       path {row['path']}  "
