@@ -110,7 +110,7 @@ class OutgoingTransfer:
         )
         # Direct paths carry transfers to one receiver; a broadcast's bytes go through NATS.
         self.plane = plane if plane is not None and len(self.receivers) == 1 else None
-        paths: dict[str, object] = self.plane.open_fields() if self.plane is not None else {"paths": ["nats"]}
+        paths = [p.kind.value for p in self.plane.paths] if self.plane is not None else ["nats"]
         self.open = Open(
             transfer_id=transfer_id,
             src=src,
@@ -126,8 +126,8 @@ class OutgoingTransfer:
             ack_subject=ack_subject(src, self.receivers[0]),
             inline=False,
             traceparent=traceparent,
-            paths=list(paths["paths"]),  # type: ignore[call-overload]
-            host=str(paths.get("host", "")),
+            paths=paths,
+            host=self.plane.host if self.plane is not None else "",
             trace_link=None if traceparent else trace_link,
         )
         """The `Open` of the first receiver (before its digests are known); each gets its own."""
