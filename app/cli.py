@@ -137,6 +137,7 @@ def _add_urls(p: argparse.ArgumentParser, redis: bool = True) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``kvbus`` argument parser: global ``-v`` and one sub-command per verb, each with its options."""
     parser = argparse.ArgumentParser(
         prog="kvbus", description="Move context (tokens and KV-caches) between LLM agents."
     )
@@ -381,6 +382,13 @@ async def _coordinator(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``kvbus`` command line (``argv``, default ``sys.argv[1:]``) and return its exit code.
+
+    Configures logging from ``-v`` and telemetry for the long-running verbs, then dispatches to
+    the verb. Returns the verb's own code where it has one (selftest, demo, calibrate, testbed,
+    bench), 2 for a model ``model-path`` cannot find or for a configuration or NATS connection
+    error (each printed as one line), and 0 otherwise, including after Ctrl-C or SIGTERM.
+    """
     args = build_parser().parse_args(argv)
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 from kvbus.bus.config import BusConfig
@@ -53,3 +54,34 @@ class Endpoint:
         self.transport: Transport = bus.transport
         """The NATS connection the parts send and reply on (the bus's)."""
         self.config: BusConfig = bus.config
+        self.prefill = PrefillSpeed()
+        """The prefill speed this agent measured on its own recomputes (reported in its probes)."""
+
+
+class PrefillSpeed:
+    """An agent's measured prefill speed, tokens/s: an exponentially weighted mean of the
+    recomputes it did (``tokens`` and ``summary`` deliveries), 0 until one was measured.
+
+    The scheduler's cost model uses it instead of the calibrated figure scaled by the reported
+    load: it already is the speed under the load the agent really has.
+    """
+
+    __slots__ = ("tokens_per_s",)
+
+    #: Weight of the newest measurement.
+    ALPHA = 0.3
+    #: Recomputes of fewer tokens are dominated by fixed costs and say little about the speed.
+    MIN_TOKENS = 16
+
+    def __init__(self) -> None:
+        self.tokens_per_s = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """Count a recompute of ``tokens`` tokens that took ``seconds``."""
+        if tokens < self.MIN_TOKENS or not 0.0 < seconds < math.inf:
+            return
+        speed = tokens / seconds
+        if self.tokens_per_s == 0.0:
+            self.tokens_per_s = speed
+        else:
+            self.tokens_per_s += self.ALPHA * (speed - self.tokens_per_s)

@@ -67,6 +67,7 @@ class Probes:
             role=ep.role,
             link_bps=link.bandwidth_bps,
             latency_s=link.latency_s,
+            prefill_tps=ep.prefill.tokens_per_s,
         )
 
     async def publish(self) -> None:

@@ -361,6 +361,11 @@ class Receiver:
                     self._reading[open_msg.src] -= 1
             else:
                 kv = codec.decode(encoded, base=base, runner=ep.runner)
+        decode_s = time.perf_counter() - t0
+        if not codec.needs_kv and kv.has_kv:
+            # A medium without KV was decoded by prefilling: that is this agent's real prefill speed.
+            held = base.seq_len if base is not None and base.has_kv else 0
+            ep.prefill.observe(kv.seq_len - held, decode_s)
         kv = self._fit(kv, open_msg.codec)
         return Delivery(
             transfer_id=open_msg.transfer_id,
@@ -369,7 +374,7 @@ class Receiver:
             medium=open_msg.codec,
             nbytes=open_msg.total,
             transfer_s=transfer_s,
-            decode_s=time.perf_counter() - t0,
+            decode_s=decode_s,
         )
 
     def _fit(self, kv: KVCache, medium: str) -> KVCache:

@@ -197,7 +197,11 @@ class SchedulerLink:
     ) -> Grant:
         ep = self._ep
         subject = sched_subject(ep.group, "request", ep.name)
-        give_up = time.monotonic() + max(wait, ep.config.request_timeout)
+        started = time.monotonic()
+        give_up = started + max(wait, ep.config.request_timeout)
+        # A scheduler that never answered is given `request_timeout` to appear: one that is
+        # starting, or whose first leader election waits on JetStream, has no responder yet.
+        first_contact_until = started + ep.config.request_timeout
         backoff = 0.05
         while True:
             left = give_up - time.monotonic()
@@ -209,9 +213,9 @@ class SchedulerLink:
             try:
                 data = await ep.transport.request(subject, payload, timeout=min(ep.config.request_timeout, left))
             except NoResponders:
-                if not self._scheduler_seen:
+                if not self._scheduler_seen and time.monotonic() + backoff >= first_contact_until:
                     raise SchedulerUnavailable(transfer_id, ep.group) from None
-                # Its scheduler is gone (restarting, failing over): ask again shortly.
+                # No scheduler yet, or it is gone (restarting, failing over): ask again shortly.
                 await asyncio.wait({fut}, timeout=min(backoff, left))
                 backoff = min(2 * backoff, ep.config.regrant_interval)
                 continue

@@ -123,6 +123,9 @@ class Endpoint:
     recompute: bool = True
     """Whether it can rebuild KV from tokens (it has a model runner). A receiver that cannot is
     not given ``tokens`` or ``summary`` for a context with KV, unless the sender insists."""
+    prefill_measured: bool = False
+    """``model.prefill_tokens_per_s`` was measured by the agent under its real load: the prefill
+    terms take it as it is, not scaled by ``compute_load`` again."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,10 +285,10 @@ class CostModel:
         dec = raw / (fig.decode_gbps * 1e9) / _free(receiver.compute_load)
         recompute = 0.0
         if kind == "tokens":
-            recompute = new_tokens / receiver.model.prefill_tokens_per_s / _free(receiver.compute_load)
+            recompute = new_tokens / receiver.model.prefill_tokens_per_s / _prefill_free(receiver)
         elif kind == "summary":
             write = fig.summary_tokens * sender.model.decode_token_s / _free(sender.compute_load)
-            read = fig.summary_tokens / receiver.model.prefill_tokens_per_s / _free(receiver.compute_load)
+            read = fig.summary_tokens / receiver.model.prefill_tokens_per_s / _prefill_free(receiver)
             recompute = write + read
         comp = enc + dec + recompute
         fidelity = fig.fidelity
@@ -380,6 +383,12 @@ class CostModel:
             return
         ratio = min(4.0, max(0.25, observed_s / (predicted_s / self.bias.get(medium, 1.0))))
         self.bias[medium] = (1 - weight) * self.bias.get(medium, 1.0) + weight * ratio
+
+
+def _prefill_free(endpoint: Endpoint) -> float:
+    """The load factor of ``endpoint``'s prefill: 1 for a measured speed (measured under its real
+    load already), else `_free` of its reported load."""
+    return 1.0 if endpoint.prefill_measured else _free(endpoint.compute_load)
 
 
 def _free(load: float) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvbus.codecs import get_codec
 from kvbus.group_scheduler.config import SchedulerConfig
@@ -102,7 +102,10 @@ class AdaptiveSelector(MediumSelector):
         load = agent.compute_load if agent else 0.0
         pressure = agent.memory_pressure if agent else 0.0
         costs = getattr(self.model, "default_model_costs", ModelCosts())
-        return Endpoint(signature, load, pressure, costs, recompute=recompute)
+        measured = agent.prefill_tps if agent else 0.0
+        if measured > 0:
+            costs = replace(costs, prefill_tokens_per_s=measured)
+        return Endpoint(signature, load, pressure, costs, recompute=recompute, prefill_measured=measured > 0)
 
     def choose(self, state: GroupState, pending: Pending) -> tuple[str, str]:
         """The medium with the lowest predicted latency (recorded on ``pending``), and why."""

@@ -37,12 +37,15 @@ class AgentState:
     """No probe for longer than the probe TTL: its queued transfers were refused."""
     last_shed: float = -1e18
     """Monotonic time of the last ``shed`` hint sent to it."""
+    prefill_tps: float = 0.0
+    """Its measured prefill speed, tokens/s (0: none measured; the calibrated figure applies)."""
 
     def update(self, probe: Probe, now: float | None = None) -> None:
         """Take the figures of ``probe``; the agent is seen (at ``now``) and up."""
         self.queue_size = probe.queue_size
         self.cache_bytes = probe.cache_bytes
         self.compute_load = probe.compute_load
+        self.prefill_tps = probe.prefill_tps
         self.role_priority = probe.role_priority
         self.role = probe.role
         self.last_seen = time.monotonic() if now is None else now

@@ -337,6 +337,27 @@ async def test_unknown_receiver_and_missing_scheduler(bus: Bus) -> None:
         await orphan.send("tx-lonely", random_kv(SIG, 2))
 
 
+async def test_a_scheduler_that_comes_up_after_the_first_request_still_grants_it(bus: Bus, nats_url: str) -> None:
+    """A scheduler that is starting (or whose first leader election waits on JetStream) has no
+    responder for a moment; a send in that moment waits for it, within `request_timeout`,
+    instead of failing with `SchedulerUnavailable` (a test's scheduler lost its first campaign to
+    a slow bucket under load, and the first sends of the module failed)."""
+    from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
+
+    tx = await bus.agent("tx-early", group="late-scheduler", signature=SIG)
+    rx = await bus.agent("rx-early", group="late-scheduler", signature=SIG)
+    send = asyncio.create_task(tx.send(rx.name, random_kv(SIG, 2), medium="full"))
+    await asyncio.sleep(0.3)  # the request has found no responder at least once
+    assert not send.done()
+    sched = await GroupScheduler.connect(nats_url, "late-scheduler", config=SchedulerConfig(max_active=2))
+    try:
+        report = await asyncio.wait_for(send, 30)
+        assert report.dst == (rx.name,)
+        assert (await rx.receive(timeout=10)).transfer_id == report.transfer_id
+    finally:
+        await sched.close()
+
+
 async def test_receiver_killed_mid_transfer_fails_the_send(bus: Bus, nats_url: str) -> None:
     dying = Peer(nats_url, "peer-dying", "--die-at-chunk", "3")
     try:

@@ -124,13 +124,13 @@ async def _failover(cluster: ValkeyCluster, n_contexts: int, n_tokens: int) -> d
         cluster.kill(second)
         outcomes = await asyncio.gather(*(tier.get(kv.tokens) for kv in contexts), return_exceptions=True)
         fetch_wrong = clear_misses = other = 0
-        for kv, got in zip(contexts, outcomes):
-            if isinstance(got, BlockUnavailable):
+        for kv, outcome in zip(contexts, outcomes):
+            if isinstance(outcome, BlockUnavailable):
                 clear_misses += 1
-            elif isinstance(got, BaseException):
+            elif isinstance(outcome, BaseException):
                 other += 1
             else:
-                fetch_wrong += int(not got.equal(kv))
+                fetch_wrong += int(not outcome.equal(kv))
         writer = tier.remote.writer if tier.remote is not None else None
         return {
             "contexts": n_contexts,

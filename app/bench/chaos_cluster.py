@@ -71,6 +71,7 @@ CONFIG = BusConfig(
 
 
 def make_kv(nbytes: int, seed: int) -> KVCache:
+    """A random cache of about ``nbytes`` KV bytes (at least one token), reproducible from ``seed``."""
     n_tokens = max(1, nbytes // SIG.kv_bytes_per_token())
     g = torch.Generator().manual_seed(seed)
     shape = (1, SIG.n_kv_heads, n_tokens, SIG.head_dim)
@@ -80,10 +81,11 @@ def make_kv(nbytes: int, seed: int) -> KVCache:
 
 
 def kv_digest(kv: KVCache) -> str:
+    """A hex blake2b digest of the cache's tokens and the raw bytes of its keys and values."""
     h = hashlib.blake2b(digest_size=16)
     h.update(kv.tokens.contiguous().numpy().tobytes())
     for t in (*kv.keys, *kv.values):
-        h.update(memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()))
+        h.update(t.contiguous().view(-1).view(torch.uint8).numpy().data)
     return h.hexdigest()
 
 
@@ -99,6 +101,12 @@ class ChaosTransport:
         return getattr(self.inner, name)
 
     async def publish(self, subject: str, payload: Any, headers: dict[str, str] | None = None) -> None:
+        """Publish through the inner transport; a chunk message may first be dropped, corrupted or forged.
+
+        Forged chunks have one byte flipped and a checksum header recomputed over the flipped bytes
+        (so only the end-to-end digest can catch them); corrupted ones keep the original checksum.
+        Each injection is counted in ``counts``. Other messages pass through untouched.
+        """
         if headers and CHUNK_INDEX_HEADER in headers:
             roll = self.rng.random()
             if roll < self.p_drop:
@@ -132,6 +140,7 @@ class Receiver:
         self.restarts = 0
 
     async def start(self) -> None:
+        """Open a fresh agent under this name and start collecting its deliveries."""
         self.agent = await self.bus.agent(self.name, group=GROUP, signature=SIG)
         self._drain = asyncio.create_task(self._collect(self.agent))
 
@@ -141,6 +150,7 @@ class Receiver:
             self.deliveries.append((self.name, d.transfer_id, kv_digest(d.kv)))
 
     async def stop(self) -> None:
+        """Stop collecting, close the agent, and record what was still in its inbox."""
         if self._drain is not None:
             self._drain.cancel()
         agent, self.agent = self.agent, None
@@ -150,6 +160,7 @@ class Receiver:
                 self.deliveries.append((self.name, d.transfer_id, kv_digest(d.kv)))
 
     async def restart(self, down_s: float) -> None:
+        """Stop, stay down for ``down_s`` seconds, start again, and count the restart."""
         await self.stop()
         await asyncio.sleep(down_s)
         await self.start()
@@ -280,7 +291,7 @@ async def _chaos(transfers: int, seed: int, concurrency: int = 16, nats_cluster:
         duplicated = sum(n - 1 for n in seen.values() if n > 1)
         delivered = sum(1 for tid in ok_ids if seen[tid] >= 1)
         lost = sum(1 for tid in ok_ids if seen[tid] == 0)
-        injected = collections.Counter()
+        injected: collections.Counter[str] = collections.Counter()
         for w in chaos:
             injected.update(w.counts)
         return {

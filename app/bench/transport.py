@@ -347,7 +347,7 @@ async def _run(quick: bool, nats_url: str | None, smoke: bool = False) -> dict[s
         for label, nbytes in sizes.items():
             kv = make_kv(nbytes)
             encoded = get_codec("full").encode(kv)
-            payload = memoryview(torch.cat([t.reshape(-1) for t in kv.keys + kv.values]).view(torch.uint8).numpy().data)
+            payload = torch.cat([t.reshape(-1) for t in kv.keys + kv.values]).view(torch.uint8).numpy().data
             # The plain loop sends exactly the messages kvbus sends: the same chunk plan over the same bytes.
             plan = ChunkPlan(encoded.sizes, min(chunk_size, bus.chunk_size))
             flat = memoryview(b"".join(encoded.buffers))

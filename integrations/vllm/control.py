@@ -62,6 +62,7 @@ class AsyncControl:
 
     @classmethod
     async def connect(cls, nats_url: str) -> AsyncControl:
+        """Connect to ``nats_url`` with the ``KVBUS_NATS_*`` identity and TLS of the environment."""
         from kvbus.net.auth import NatsAuth
         from kvbus.net.transport import NatsTransport
 
@@ -105,6 +106,7 @@ class AsyncControl:
             await asyncio.sleep(0.05)
 
     async def close(self) -> None:
+        """Stop every `watch` subscription (best effort) and close the NATS connection."""
         for sub in self._subs:
             try:
                 await sub.unsubscribe()
@@ -122,6 +124,7 @@ class KVBusControl:
 
     @property
     def events(self) -> list[Event]:
+        """A copy of the events collected so far (oldest first, the last 10,000 at most)."""
         return list(self._control.events)
 
     def push(
@@ -143,6 +146,7 @@ class KVBusControl:
         return self._loop.run(self._control.wait_event(predicate, timeout=timeout, since=since), timeout + 5)
 
     def close(self) -> None:
+        """Close the control's connection, then stop its event-loop thread."""
         try:
             self._loop.run(self._control.close(), 10.0)
         finally:

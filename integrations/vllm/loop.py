@@ -47,6 +47,7 @@ class LoopThread:
 
     @property
     def alive(self) -> bool:
+        """Whether the thread runs and the loop is open (so `submit` and `run` accept work)."""
         return self._thread.is_alive() and not self.loop.is_closed()
 
     def in_loop(self) -> bool:

@@ -75,6 +75,11 @@ class LookupRequest(Message):
 
     @classmethod
     def from_map(cls, body: object) -> LookupRequest:
+        """`Message.from_map`, plus: ``tokens`` are valid token ids and ``limit`` is within ``0..len(tokens)``.
+
+        Raises:
+            WireFormatError: a field check failed.
+        """
         msg = _decode_fields(cls, body)
         check_tokens("vllm.lookup message", msg.tokens)
         if not 0 <= msg.limit <= len(msg.tokens):
@@ -95,6 +100,11 @@ class LookupReply(Message):
 
     @classmethod
     def from_map(cls, body: object) -> LookupReply:
+        """`Message.from_map`, plus: the counts are within ``0..MAX_TOKENS`` and remote tokens name a valid holder.
+
+        Raises:
+            WireFormatError: a field check failed.
+        """
         msg = _decode_fields(cls, body)
         for name in ("local", "remote", "tier"):
             if not 0 <= getattr(msg, name) <= MAX_TOKENS:
@@ -115,6 +125,11 @@ class HaveRequest(Message):
 
     @classmethod
     def from_map(cls, body: object) -> HaveRequest:
+        """`Message.from_map`, plus: ``tokens`` are valid token ids (see `check_tokens`).
+
+        Raises:
+            WireFormatError: a field check failed.
+        """
         msg = _decode_fields(cls, body)
         check_tokens("vllm.have message", msg.tokens)
         return msg
@@ -123,10 +138,17 @@ class HaveRequest(Message):
 @message("vllm.have.reply", {"tokens": int})
 @dataclass(frozen=True, slots=True)
 class HaveReply(Message):
+    """The number of leading tokens the asked agent holds (whole blocks; 0 if none)."""
+
     tokens: int
 
     @classmethod
     def from_map(cls, body: object) -> HaveReply:
+        """`Message.from_map`, plus: ``tokens`` is within ``0..MAX_TOKENS``.
+
+        Raises:
+            WireFormatError: a field check failed.
+        """
         msg = _decode_fields(cls, body)
         if not 0 <= msg.tokens <= MAX_TOKENS:
             raise WireFormatError("vllm.have.reply message", f"tokens {msg.tokens} is out of range")
@@ -145,6 +167,12 @@ class PullRequest(Message):
 
     @classmethod
     def from_map(cls, body: object) -> PullRequest:
+        """`Message.from_map`, plus: a 1-64 character ``pull_id``, a valid requester name, valid token ids and
+        a medium of at most 128 characters.
+
+        Raises:
+            WireFormatError: a field check failed.
+        """
         msg = _decode_fields(cls, body)
         what = "vllm.pull message"
         if not 1 <= len(msg.pull_id) <= 64:
@@ -187,6 +215,11 @@ class PushRequest(Message):
 
     @classmethod
     def from_map(cls, body: object) -> PushRequest:
+        """`Message.from_map`, plus: ``to`` holds 1-64 valid agent names and ``tokens`` are valid token ids.
+
+        Raises:
+            WireFormatError: a field check failed.
+        """
         msg = _decode_fields(cls, body)
         what = "vllm.push message"
         if not 1 <= len(msg.to) <= 64:

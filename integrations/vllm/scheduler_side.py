@@ -107,6 +107,12 @@ class SchedulerSide:
     # -- lookups ----------------------------------------------------------------------------------
 
     def on_new_request(self, request: Any) -> None:
+        """vLLM's hook for a request that just arrived: note its prompt, push targets and medium.
+
+        The targets are the config's ``push_to`` plus the agents named in
+        ``kv_transfer_params[PUSH_PARAM]`` (without duplicates or this agent); the medium is
+        ``kv_transfer_params[MEDIUM_PARAM]`` when it names a known codec, else the config's.
+        """
         params = getattr(request, "kv_transfer_params", None) or {}
         targets = list(self.config.push_to)
         extra = params.get(PUSH_PARAM) if isinstance(params, dict) else None
@@ -142,6 +148,15 @@ class SchedulerSide:
             return LookupReply()
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """vLLM's hook: how many tokens past ``num_computed_tokens`` kvbus can load, and whether asynchronously.
+
+        Asks the worker's agent (one lookup per request and start, kept until the allocation) for
+        the longest prefix, up to the last block vLLM lets match, held by its own store, by
+        another agent or by the cache tier, and offers the best of the three. The flag is True
+        unless the engine's own store holds that prefix (a synchronous load before the forward).
+        ``(0, False)`` for a request with ``kvbus_skip``, one whose kvbus load failed before, or no
+        hit beyond what is computed.
+        """
         rid = request.request_id
         params = getattr(request, "kv_transfer_params", None) or {}
         if rid in self._failed or (isinstance(params, dict) and params.get(SKIP_PARAM)):
@@ -161,6 +176,12 @@ class SchedulerSide:
         return best - num_computed_tokens, reply.local < best
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """vLLM's hook after it allocated the request's blocks: plan the load for the next step's metadata.
+
+        The ``num_external_tokens`` tokens after the lookup's start come from the engine's own store
+        if it holds them, else from the holding agent, else from the cache tier, into the blocks
+        vLLM allocated for them. Nothing is planned when vLLM took no external tokens.
+        """
         rid = request.request_id
         hit = self._hits.pop(rid, None)
         if num_external_tokens <= 0 or hit is None:
@@ -201,6 +222,13 @@ class SchedulerSide:
     # -- the step's plan ---------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: Any) -> KVBusConnectorMetadata:
+        """vLLM's per-step hook: the `KVBusConnectorMetadata` the workers act on in this step.
+
+        It carries the loads planned since the last step, a save for each request's whole prompt
+        blocks computed by the end of this step, and a push for each request with targets once its
+        prompt is computed. Follows new, running and resumed requests' block ids and forgets the
+        finished requests.
+        """
         meta = KVBusConnectorMetadata(loads=list(self._loads.values()))
         self._loads.clear()
         scheduled = scheduler_output.num_scheduled_tokens
@@ -250,6 +278,11 @@ class SchedulerSide:
     # -- outcomes ---------------------------------------------------------------------------------
 
     def update_connector_output(self, connector_output: Any) -> None:
+        """vLLM's hook with the workers' outcome of a step: note which kvbus loads failed or finished.
+
+        A request with a load block in ``invalid_block_ids`` is marked failed (vLLM recomputes those
+        tokens; kvbus never offers it tokens again); one in ``finished_recving`` is done loading.
+        """
         invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
         done = set(getattr(connector_output, "finished_recving", None) or ())
         for rid, blocks in list(self._inflight_blocks.items()):
@@ -265,6 +298,13 @@ class SchedulerSide:
                 self._inflight_blocks.pop(rid, None)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hook when a request ends: forget it; returns ``(False, kv_transfer_params)``.
+
+        False: kvbus holds none of the request's blocks past it (saves were copied in the step).
+        The params (None for a request this side never saw) say under ``"kvbus"`` what kvbus did:
+        the agent, the tokens loaded (0 if the load failed), their source, whether the load failed
+        and the agents the prompt was pushed to.
+        """
         rid = request.request_id
         state = self._reqs.get(rid)
         params = None

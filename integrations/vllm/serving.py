@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 
 async def send_reply(client: KVBusClient, msg: Any, payload: bytes) -> None:
+    """Reply ``payload`` to request ``msg``; a reply that cannot be sent is only logged (debug)."""
     assert client.bus is not None
     try:
         await client.bus.transport.reply(msg, payload)
@@ -43,6 +44,11 @@ async def send_reply(client: KVBusClient, msg: Any, payload: bytes) -> None:
 
 
 async def on_lookup(client: KVBusClient, msg: Any) -> None:
+    """Answer the scheduler's ``lookup``: a `LookupReply` of what kvbus can deliver for the prefix.
+
+    A malformed request or a failing lookup is logged and answered with an empty reply (no hit:
+    the engine prefills).
+    """
     from kvbus.integrations.vllm.protocol import LookupReply
 
     try:
@@ -58,6 +64,10 @@ async def on_lookup(client: KVBusClient, msg: Any) -> None:
 
 
 async def on_have(client: KVBusClient, msg: Any) -> None:
+    """Answer a peer's ``have``: a `HaveReply` of the leading tokens held here, once pending saves are in.
+
+    A malformed request is logged and answered with 0 tokens.
+    """
     try:
         req = HaveRequest.decode(msg.data)
     except WireFormatError as exc:
@@ -69,6 +79,11 @@ async def on_have(client: KVBusClient, msg: Any) -> None:
 
 
 async def on_pull(client: KVBusClient, msg: Any) -> None:
+    """Answer a peer's ``pull``: accept it and start `serve_pull`, or refuse it with the reason.
+
+    Accepted only when this agent holds all of the requested tokens (after pending saves) and
+    they are a non-empty whole number of blocks; a refusal says how many it holds.
+    """
     try:
         req = PullRequest.decode(msg.data)
     except WireFormatError as exc:
@@ -87,6 +102,11 @@ async def on_pull(client: KVBusClient, msg: Any) -> None:
 
 
 async def serve_pull(client: KVBusClient, req: PullRequest, ids: torch.Tensor) -> None:
+    """Send an accepted pull's KV to the requester as a kvbus transfer and emit a ``serve`` event.
+
+    On failure the event says why, and a `PullOutcome` on the requester's ``pulled`` subject
+    tells it not to wait for the transfer.
+    """
     assert client.agent is not None and client.bus is not None
     n = int(ids.shape[1])
     t0 = time.perf_counter()
@@ -160,6 +180,7 @@ async def push(client: KVBusClient, to: list[str], tokens: list[int], medium: st
 
 
 async def on_push(client: KVBusClient, msg: Any) -> None:
+    """Answer a ``push`` request: run `push` and reply its `PushReply` (``ok`` False, with why, if it went wrong)."""
     try:
         req = PushRequest.decode(msg.data)
     except WireFormatError as exc:

@@ -120,9 +120,11 @@ class WorkerSide:
 
     @property
     def active(self) -> bool:
+        """Whether kvbus is on: the layout was learnt and the agent joined (else loads fail and saves are skipped)."""
         return self.client is not None and self.layout is not None and self.loop is not None
 
     def shutdown(self) -> None:
+        """vLLM's shutdown hook: close the kvbus client (the agent leaves the bus) and stop the loop."""
         if self.loop is None:
             return
         if self.client is not None:
@@ -135,6 +137,13 @@ class WorkerSide:
     # -- loads ------------------------------------------------------------------------------------
 
     def start_load_kv(self, meta: KVBusConnectorMetadata) -> None:
+        """vLLM's before-the-forward hook: carry out the step's loads.
+
+        A local load is read from the store and written into its blocks now. A pull from the
+        holding agent or a cache-tier load is started on the loop; `get_finished` writes it when
+        it arrives. A load that cannot be done (kvbus off, or a local load that fails) is reported
+        for recompute instead.
+        """
         for spec in meta.loads:
             if not self.active:
                 self._fail(spec, "kvbus is not connected")
@@ -186,6 +195,7 @@ class WorkerSide:
         return done
 
     def take_errors(self) -> set[int]:
+        """The block ids of loads that failed since the last call (vLLM recomputes them); clears the set."""
         errors, self._errors = self._errors, set()
         return errors
 
@@ -262,6 +272,13 @@ class WorkerSide:
     # -- saves and pushes -------------------------------------------------------------------------
 
     def wait_for_save(self, meta: KVBusConnectorMetadata) -> None:
+        """vLLM's after-the-forward hook: copy the step's finished prompt blocks out and start the pushes.
+
+        Each save's blocks are read from every layer into a `KVCache` (with the fidelity of what
+        was loaded into that request) now, while vLLM still owns the blocks; storing and indexing
+        it runs in the background on the loop. Each push is submitted after the saves and logged
+        when it ends. Nothing happens while kvbus is off.
+        """
         if not self.active or (not meta.saves and not meta.pushes):
             return
         assert self.client is not None and self.loop is not None and self.layout is not None

@@ -290,6 +290,7 @@ class TransferDone(Message):
         "ts": EPOCH,
         "link_bps": RATE,
         "latency_s": LATENCY,
+        "prefill_tps": float_in(0.0, 1e9),
     },
 )
 @dataclass(frozen=True, slots=True)
@@ -307,6 +308,9 @@ class Probe(Message):
     link_bps: float = 0.0
     """Declared (or emulated) link capacity, bytes/s (0 = unknown)."""
     latency_s: float = 0.0
+    prefill_tps: float = 0.0
+    """The agent's measured prefill speed, tokens/s, from the recomputes it did lately, under the
+    load it really had (0 = none measured yet: the scheduler uses the calibrated figure)."""
 
 
 @message(
