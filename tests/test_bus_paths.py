@@ -426,3 +426,75 @@ def test_the_delta_base_is_copied_into_the_previous_one_and_never_aliases_the_de
     longer = kv_of_bytes(SIG, 9 * MB, seed=12)
     fresh = base_copy(longer, again)  # another layout: fresh memory
     assert fresh.equal(longer) and fresh.keys[0].data_ptr() != again.keys[0].data_ptr()
+
+
+# -- a sender killed mid-transfer, TLS ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("allowed", ["shm,tcp,nats", "tcp,nats"], ids=["shm", "tcp"])
+async def test_a_sender_killed_mid_transfer_leaves_nothing_and_delivers_nothing(
+    nats_url: str, bus: Bus, allowed: str
+) -> None:
+    rx = await bus.agent(f"paths-victim-{uuid.uuid4().hex[:6]}", signature=SIG)
+    baseline = memfd_count()
+    name = f"paths-doomed-{uuid.uuid4().hex[:6]}"
+    proc = subprocess.Popen(
+        [sys.executable, str(PEER.with_name("sender_peer.py")), nats_url, name, rx.name, "40", "3", allowed],
+        stdout=subprocess.PIPE,
+        cwd=PEER.parent.parent,
+    )
+    try:
+        assert proc.stdout is not None
+        assert b"ready" in await asyncio.to_thread(proc.stdout.readline)
+        stalled = json.loads(await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60))
+        assert stalled["path"] == allowed.split(",")[0]
+        assert rx.partial_transfers == 1
+        if stalled["path"] == "shm":
+            assert memfd_count() > baseline  # the receiver maps the sender's segment right now
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        # The receiver drops the partial once it makes no progress (FAST: 2 s), and the memory with it.
+        for _ in range(1000):
+            if not rx.partial_transfers:
+                break
+            await asyncio.sleep(0.02)
+        assert rx.partial_transfers == 0
+        with pytest.raises(ReceiveTimeout):
+            await rx.receive(timeout=0.5)
+        await asyncio.sleep(0.2)
+        assert memfd_count() == baseline  # no mapping of the dead sender's segment is left
+        plane = bus.plane
+        assert plane is not None and plane.registry is not None and len(plane.registry) == 0
+        if plane.tcp is not None and plane.tcp.listener is not None:
+            assert not plane.tcp.listener.connections  # its connection is gone too
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+async def test_the_tcp_path_speaks_tls_with_the_deployments_certificates(
+    nats_url: str, scheduler: GroupScheduler, tmp_path: Path
+) -> None:
+    from kvbus.bus.paths import DataTls
+    from tests.test_paths import agent_pki
+
+    ca, cert, key, _ = agent_pki(tmp_path)
+    tls = DataTls(ca=str(ca), cert=str(cert), key=str(key))
+    paths = PathsConfig(allowed="tcp,nats", tcp_host="127.0.0.1")
+    tx_bus = await Bus.connect(nats_url, config=FAST, paths=paths, data_tls=tls)
+    rx_bus = await Bus.connect(nats_url, config=FAST, paths=paths, data_tls=tls)
+    plain_bus = await Bus.connect(nats_url, config=FAST, paths=paths)
+    try:
+        rx = await rx_bus.agent(f"paths-tls-rx-{uuid.uuid4().hex[:6]}", signature=SIG)
+        tx = await tx_bus.agent(f"paths-tls-tx-{uuid.uuid4().hex[:6]}", signature=SIG)
+        kv = kv_of_bytes(SIG, 12 * MB, seed=14)
+        report = await tx.send(rx.name, kv, medium="full")
+        assert report.path == "tcp" and (await rx.receive(timeout=10)).kv.equal(kv)
+        # A sender without the certificates does not use the TLS listener: its bytes go on NATS.
+        plain = await plain_bus.agent(f"paths-plain-tx-{uuid.uuid4().hex[:6]}", signature=SIG)
+        report = await plain.send(rx.name, kv, medium="full")
+        assert report.path == "nats" and (await rx.receive(timeout=10)).kv.equal(kv)
+    finally:
+        for b in (plain_bus, tx_bus, rx_bus):
+            await b.close()
