@@ -13,11 +13,12 @@ import json
 import sys
 import time
 
+from kvutil import kv_of_bytes  # this folder is on the path (the script runs from it)
+from peer import SIG
+
 from kvbus.bus import Bus
 from kvbus.bus.paths import PathsConfig
 from kvbus.bus.route import Route
-from kvutil import kv_of_bytes  # this folder is on the path (the script runs from it)
-from peer import SIG
 
 
 async def main() -> None:
