@@ -29,7 +29,7 @@ import torch
 
 from kvbus.bus import Bus, BusConfig, EmulatedLink, ReceiveTimeout, TransferError
 from kvbus.bus.chunking import ChunkSource, digest_chunks, digests_root
-from kvbus.bus.paths import PathsConfig
+from kvbus.bus.paths import PathsConfig, TransferSpec
 from kvbus.bus.paths.direct import SocketChannel
 from kvbus.bus.paths.frames import HEADER_SIZE, FrameType, bind_payload, pack, unpack
 from kvbus.codecs import get_codec
@@ -498,3 +498,23 @@ async def test_the_tcp_path_speaks_tls_with_the_deployments_certificates(
     finally:
         for b in (plain_bus, tx_bus, rx_bus):
             await b.close()
+
+
+async def test_an_unreachable_tcp_endpoint_is_not_tried_again_for_a_while() -> None:
+    from kvbus.bus.paths import PathUnavailable, TcpPath
+    from kvbus.bus.paths.tcp import FAILED_ENDPOINT_S
+    from kvbus.protocol import PathOffer
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = TcpPath(None, config=PathsConfig(connect_timeout_s=2.0))
+    offer = PathOffer(host="0" * 32, token="1" * 64, tcp_host="127.0.0.1", tcp_port=port)
+    spec = TransferSpec.of("t-unreachable", "a", "b", [(0, 10)])
+    assert path.reachable(offer, "")
+    with pytest.raises(PathUnavailable):
+        await path.open(spec, offer)
+    assert not path.reachable(offer, "")  # the next transfer goes straight to NATS, no connect wait
+    path._failed[("127.0.0.1", port)] -= FAILED_ENDPOINT_S + 1
+    assert path.reachable(offer, "")  # tried again later
+    await path.close()
