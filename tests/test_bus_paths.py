@@ -411,7 +411,7 @@ async def test_a_transfer_done_feeds_the_estimate_of_its_own_path(scheduler: Gro
 
 
 def test_the_delta_base_is_copied_into_the_previous_one_and_never_aliases_the_delivery() -> None:
-    from kvbus.bus.receiver import base_copy
+    from kvbus.bus.bases import base_copy
 
     first = kv_of_bytes(SIG, 8 * MB, seed=10)
     base = base_copy(first)
