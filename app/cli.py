@@ -1,75 +1,36 @@
-"""The `kvbus` command line: up, demo, bench, group-scheduler, coordinator."""
+"""The `kvbus` command line: up, demo, bench, group-scheduler, coordinator.
+
+The parser and the dispatch are here; the long-running verbs are `kvbus.app.cli_commands`'s.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
 import sys
-import time
-from collections.abc import Iterator, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
-from kvbus.config import redact_url
+from kvbus.app.cli_commands import (
+    CREDENTIALS_FILE,
+    STACK_FILE,
+    _coordinator,
+    _group_scheduler,
+    _nats_options,
+    _selftest,
+    _stack_nats_url,
+    _top,
+    _up,
+)
 from kvbus.errors import ConfigError, NatsConnectError
 
+__all__ = ["CREDENTIALS_FILE", "STACK_FILE", "build_parser", "main"]
+
 logger = logging.getLogger("kvbus")
-
-
-STACK_FILE = Path(os.environ.get("KVBUS_STACK_FILE", Path.home() / ".cache" / "kvbus" / "stack.json"))
-CREDENTIALS_FILE = Path(os.environ.get("KVBUS_CREDENTIALS_FILE", Path.home() / ".cache" / "kvbus" / "credentials.json"))
-
-
-def _stack_nats_url() -> str:
-    """NATS URL of a running `kvbus up` (from its stack file), else the default local server."""
-    try:
-        data = json.loads(STACK_FILE.read_text())
-        os.kill(int(data["pid"]), 0)
-        return str(data["nats_url"])
-    except (OSError, ValueError, KeyError):
-        return "nats://127.0.0.1:4222"
-
-
-async def _nats_options(url: str) -> dict[str, Any]:
-    """`nats.connect` options for ``url``: identity and TLS from the ``KVBUS_NATS_*`` variables.
-
-    Connects once first, so that refused credentials or an untrusted certificate stop the
-    command with a clear message (the long-lived clients would retry them for ever). A server
-    that does not answer yet is only warned about: the clients keep retrying until it does.
-
-    Raises:
-        ConfigError: the ``KVBUS_NATS_*`` settings are inconsistent or name a bad file.
-        NatsConnectError: the server refused the credentials or the TLS handshake.
-    """
-    from kvbus.net.auth import NatsAuth, check_connection
-
-    auth = NatsAuth.from_env()
-    options = auth.connect_options()
-    logger.info("connecting to NATS at %s with %r", redact_url(url), auth)
-    # KVBUS_NATS_CONNECT_WAIT: seconds a refused login is tried again before giving up (the Helm
-    # chart sets it: a new group's user reaches the servers by a config reload, which may land
-    # after the scheduler pod starts).
-    wait = float(os.environ.get("KVBUS_NATS_CONNECT_WAIT", "0") or 0)
-    give_up = time.monotonic() + wait
-    while True:
-        try:
-            await check_connection(url, options)
-            return options
-        except NatsConnectError as exc:
-            if exc.retryable:
-                logger.warning("%s; retrying until it answers", exc)
-                return options
-            if time.monotonic() >= give_up:
-                raise
-            logger.warning(
-                "%s; trying again for up to %.0f s (KVBUS_NATS_CONNECT_WAIT)", exc, give_up - time.monotonic()
-            )
-            await asyncio.sleep(min(2.0, max(0.1, give_up - time.monotonic())))
 
 
 def _env_nats_url(default: str | None = None) -> str | None:
@@ -92,33 +53,6 @@ def _add_cluster_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="start an embedded Valkey cluster (3 primaries + 3 replicas) for the cache tier",
     )
-
-
-@contextlib.contextmanager
-def _embedded_clusters(args: argparse.Namespace, extra: str) -> Iterator[tuple[str | None, str | None]]:
-    """Start the clusters ``--nats-cluster`` / ``--redis-cluster`` ask for; yields (nats_url, redis_url):
-    theirs, else the given ``--nats-url`` / ``--redis-url`` (None: `LocalServers` starts one server)."""
-    with contextlib.ExitStack() as stack:
-        nats_url, redis_url = args.nats_url, args.redis_url
-        if args.nats_cluster > 1 and not nats_url:
-            from kvbus.app.cluster import NatsCluster
-
-            nats_url = stack.enter_context(NatsCluster(args.nats_cluster, extra_config=extra)).url
-        if args.redis_cluster and not redis_url:
-            from kvbus.app.cluster import ValkeyCluster
-
-            redis_url = stack.enter_context(ValkeyCluster(3, 1)).url
-        yield nats_url, redis_url
-
-
-def _pinned(url: str, k: int) -> tuple[str, dict[str, Any]]:
-    """The servers of ``url`` rotated so that server ``k`` (mod their number) comes first, and the
-    option that keeps that order: group ``k`` prefers its own server of the cluster."""
-    servers = [u.strip() for u in url.split(",") if u.strip()]
-    if len(servers) < 2:
-        return url, {}
-    k %= len(servers)
-    return ",".join(servers[k:] + servers[:k]), {"dont_randomize": True}
 
 
 def _add_urls(p: argparse.ArgumentParser, redis: bool = True) -> None:
@@ -263,122 +197,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_testbed(sub)
     return parser
-
-
-async def _up(args: argparse.Namespace) -> None:
-    from kvbus.app.local import LocalServers
-    from kvbus.coordinator import Coordinator
-    from kvbus.group_scheduler import GroupScheduler
-
-    groups = ["default"] if args.groups == 1 else [f"g{i}" for i in range(args.groups)]
-    extra, creds = "", None
-    if args.secure:
-        from kvbus.security import AgentGrant, permissions_config, save_credentials
-
-        if args.nats_url:
-            raise SystemExit(
-                "--secure starts its own nats-server with the generated permissions; "
-                "drop --nats-url (or configure your server with kvbus.security.permissions_config)"
-            )
-        names = [n.strip() for n in args.agents.split(",") if n.strip()]
-        grants = [AgentGrant(n, groups[0], broadcasts_from=tuple(m for m in names if m != n)) for n in names]
-        extra, creds = permissions_config(grants, groups)
-        save_credentials(creds, CREDENTIALS_FILE)
-    with (
-        _embedded_clusters(args, extra) as (nats_url, redis_url),
-        LocalServers(nats_url=nats_url, redis_url=redis_url, nats_extra_config=extra) as servers,
-    ):
-        # KVBUS_NATS_* (identity, TLS) is for a server given with --nats-url; the embedded one
-        # has no authentication, or the --secure users.
-        shared = await _nats_options(servers.nats_url) if args.nats_url else {}
-        replicas = max(1, args.replicas)
-        coords = [
-            await Coordinator.connect(servers.nats_url, nats_options=creds.coordinator_options() if creds else shared)
-            for _ in range(replicas)
-        ]
-        # On a cluster, group k's schedulers prefer server k: the groups spread over the servers.
-        scheds = [
-            await GroupScheduler.connect(
-                _pinned(servers.nats_url, k)[0],
-                g,
-                nats_options={**(creds.scheduler_options(g) if creds else shared), **_pinned(servers.nats_url, k)[1]},
-            )
-            for k, g in enumerate(groups)
-            for _ in range(replicas)
-        ]
-        STACK_FILE.parent.mkdir(parents=True, exist_ok=True)
-        STACK_FILE.write_text(
-            json.dumps(
-                {
-                    "nats_url": servers.nats_url,
-                    "redis_url": servers.redis_url,
-                    "groups": groups,
-                    "pid": os.getpid(),
-                    "secure": bool(creds),
-                    "credentials": str(CREDENTIALS_FILE) if creds else None,
-                }
-            )
-        )
-        secure = (
-            (
-                f"  secure: {len(creds.agents)} agent users; credentials in {CREDENTIALS_FILE} (0600); "
-                f"connect with Bus.connect(url, secure=True, **creds.agent_options(name))\n"
-            )
-            if creds
-            else ""
-        )
-        print(
-            f"kvbus is up\n  NATS:   {redact_url(servers.nats_url)}\n  Redis:  {redact_url(servers.redis_url)}\n"
-            f"  groups: {', '.join(groups)} ({replicas} scheduler replica(s) each; {replicas} coordinator "
-            f"replica(s))\n{secure}`kvbus top` shows it live. Ctrl-C stops everything.",
-            flush=True,
-        )
-        try:
-            await asyncio.Event().wait()
-        finally:
-            STACK_FILE.unlink(missing_ok=True)
-            for s in scheds:
-                await s.close()
-            for c in coords:
-                await c.close()
-
-
-async def _group_scheduler(args: argparse.Namespace) -> None:
-    from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
-
-    overrides: dict[str, object] = {} if args.bandwidth is None else {"bandwidth_bps": args.bandwidth}
-    if args.policy is not None:
-        overrides["policy"] = args.policy
-    config = SchedulerConfig.from_env(**overrides)
-    sched = await GroupScheduler.connect(
-        args.nats_url, args.group, config=config, nats_options=await _nats_options(args.nats_url)
-    )
-    print(f"group scheduler for {args.group!r} on {redact_url(args.nats_url)} ({config.policy} policy)", flush=True)
-    await sched.run_forever()
-
-
-async def _selftest(url: str, group: str, nbytes: int) -> int:
-    from kvbus.app.selftest import agents_from_env, selftest
-
-    # `helm test` runs its two agents as their own users (KVBUS_SELFTEST_SENDER, _RECEIVER).
-    agents = agents_from_env()
-    return await selftest(
-        url, group, nbytes, nats_options=await _nats_options(agents[0][1] if agents else url), agents=agents
-    )
-
-
-async def _top(url: str, args: argparse.Namespace) -> None:
-    from kvbus.app.top import top
-
-    await top(url, groups=args.group, interval=args.interval, once=args.once, nats_options=await _nats_options(url))
-
-
-async def _coordinator(args: argparse.Namespace) -> None:
-    from kvbus.coordinator import Coordinator
-
-    coord = await Coordinator.connect(args.nats_url, nats_options=await _nats_options(args.nats_url))
-    print(f"coordinator on {redact_url(args.nats_url)}", flush=True)
-    await coord.run_forever()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

