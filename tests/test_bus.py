@@ -370,6 +370,7 @@ async def test_receiver_killed_mid_transfer_fails_the_send(bus: Bus, nats_url: s
         dying.stop()
 
 
+@pytest.mark.usefixtures("nats_only")  # the fault drops NATS chunk messages (direct paths: test_bus_paths)
 async def test_sender_gone_mid_stream_frees_the_partial_buffer(pair: tuple[Any, Any, Bus]) -> None:
     tx, rx, _ = pair
     tx._transport = FaultyTransport(tx._transport, drop=set(range(3, 10_000)))
