@@ -74,6 +74,8 @@ class EmbeddedServer:
     name = "server"
     #: Regex on the log that says the server is ready; group 1 may capture the port.
     ready_pattern: re.Pattern[str]
+    #: The server process (a class default too: a subclass that failed before `__init__` ran has one).
+    _proc: subprocess.Popen[bytes] | None = None
 
     def __init__(self) -> None:
         sweep_stale_folders()
@@ -192,12 +194,13 @@ class NatsServer(EmbeddedServer):
         max_pending: int = NATS_MAX_PENDING,
         extra_config: str = "",
     ) -> None:
+        binary = find_nats_server()  # before the folder: a missing binary leaves nothing behind
         super().__init__()
         self.port = port
         self.max_payload = max_payload
         self.max_pending = max_pending
         self.extra_config = extra_config
-        self.binary = find_nats_server()
+        self.binary = binary
 
     def _command(self) -> list[str]:
         conf = self.workdir / "nats.conf"
@@ -237,11 +240,12 @@ class RedisServer(EmbeddedServer):
     ready_pattern = re.compile(r"[Rr]eady to accept connections")
 
     def __init__(self, *, port: int = 0, password: str | None = None, maxmemory: str = "0") -> None:
+        binary = find_redis_server()  # before the folder: a missing binary leaves nothing behind
         super().__init__()
         self.port = port or free_port()
         self.password = password
         self.maxmemory = maxmemory
-        self.binary = find_redis_server()
+        self.binary = binary
 
     def _command(self) -> list[str]:
         cmd = [

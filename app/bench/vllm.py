@@ -20,6 +20,7 @@ int8). TTFT is vLLM's own ``first_token_latency`` (arrival to first token) of ea
 from __future__ import annotations
 
 import functools
+import shutil
 import statistics
 import sys
 import time
@@ -218,6 +219,8 @@ def run(*, quick: bool = False, smoke: bool = False, nats_url: str | None = None
         loop.stop()
         if server is not None:
             server.stop()
+        if smoke:
+            shutil.rmtree(logs, ignore_errors=True)  # a smoke run's logs are not kept
     results: dict[str, Any] = {
         "ttft_connector_vs_recompute": {},
         "ttft_int8_vs_recompute": {},
