@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
+import logging
 import warnings
 from collections.abc import Sequence
 from enum import Enum
@@ -13,6 +15,7 @@ from kvbus.bus.agent import Agent
 from kvbus.bus.config import HEADER_ROOM, BusConfig
 from kvbus.bus.errors import BusClosed
 from kvbus.bus.pacing import EmulatedLink
+from kvbus.bus.paths import DataPlane, DataTls, PathsConfig
 from kvbus.codecs import ModelRunner
 from kvbus.errors import CoordinatorUnavailable
 from kvbus.net.buckets import key_value
@@ -20,6 +23,8 @@ from kvbus.net.coordinator_client import CoordinatorClient
 from kvbus.net.transport import NatsTransport, Transport
 from kvbus.protocol import AGENTS_BUCKET, check_name
 from kvbus.signature import ModelSignature
+
+logger = logging.getLogger(__name__)
 
 
 class Status(Enum):
@@ -35,12 +40,28 @@ class Bus:
     Create with ``await Bus.connect(url)``; use as ``async with``.
     """
 
-    def __init__(self, transport: Transport, *, config: BusConfig | None = None, secure: bool = False) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        config: BusConfig | None = None,
+        secure: bool = False,
+        paths: PathsConfig | None = None,
+        data_tls: DataTls | None = None,
+    ) -> None:
         self.transport = transport
         self.config = config or BusConfig.from_env()
         self.secure = secure
         """Agents have no JetStream access (per-agent permissions): they register through their
         group scheduler instead of writing the directory themselves."""
+        self.paths_config = paths or PathsConfig.from_env()
+        """Which data paths this process's transfers may take (``KVBUS_PATHS_ALLOWED``)."""
+        if secure and not self.paths_config.shm_private:
+            # A same-host sender must not change bytes after the receiver verified them.
+            self.paths_config = dataclasses.replace(self.paths_config, shm_private=True)
+        self._data_tls = data_tls
+        self.plane: DataPlane | None = None
+        """The data plane (listeners and connections of the direct paths), started with the first agent."""
         self.status = Status.CONNECTED
         self._agents: dict[str, Agent] = {}
         self._directory: Any = None
@@ -58,6 +79,8 @@ class Bus:
         *,
         config: BusConfig | None = None,
         secure: bool = False,
+        paths: PathsConfig | None = None,
+        data_tls: DataTls | None = None,
         **nats_options: Any,
     ) -> Bus:
         """Connect to NATS at ``url`` (extra keyword arguments go to `nats.connect`).
@@ -71,6 +94,9 @@ class Bus:
                 ``nkeys_seed``, ``user_credentials``, ``tls``) and ``inbox_prefix=f"_INBOX.{agent}"``
                 in ``nats_options`` (`kvbus.security.agent_connect_options` builds them), and use
                 one bus per agent.
+            paths: the data paths transfers may take (default: ``KVBUS_PATHS_*``, all of them).
+            data_tls: TLS of the ``tcp`` data path (`DataTls.from_auth` of the deployment's
+                `NatsAuth`); without it, the ``tcp`` path is plain TCP.
 
         The first connect of a process also configures OpenTelemetry from the standard
         variables (`kvbus.telemetry.setup`): traces when ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or
@@ -78,7 +104,32 @@ class Bus:
         tracer and meter providers the application installed before are kept.
         """
         telemetry.setup()
-        return cls(await NatsTransport.connect(url, **nats_options), config=config, secure=secure)
+        transport = await NatsTransport.connect(url, **nats_options)
+        return cls(transport, config=config, secure=secure, paths=paths, data_tls=data_tls)
+
+    async def data_plane(self) -> DataPlane:
+        """The process's data plane for this bus (its listeners are started on first use).
+
+        Raises:
+            ConfigError: the paths configuration is invalid.
+            OSError: a listener cannot bind (e.g. a fixed ``tcp_port`` in use).
+        """
+        if self.plane is None:
+            plane = DataPlane(self.transport, config=self.paths_config, tls=self._data_tls)
+            try:
+                await plane.start()
+            except OSError as exc:
+                if not self.paths_config.tcp_port:
+                    raise
+                # Another bus of this process holds the fixed port: this one listens on any port.
+                logger.warning("data port %d: %s; listening on a free port", self.paths_config.tcp_port, exc)
+                await plane.close()
+                config = dataclasses.replace(self.paths_config, tcp_port=0)
+                plane = DataPlane(self.transport, config=config, tls=self._data_tls)
+                await plane.start()
+            self.plane = plane
+            logger.info("data paths: %s", ",".join(p.kind.value for p in plane.paths))
+        return self.plane
 
     @property
     def chunk_size(self) -> int:
@@ -126,6 +177,7 @@ class Bus:
         if self.status is Status.CLOSED:
             raise BusClosed()
         check_name("agent", name)
+        await self.data_plane()
         if group is None:
             group = await self._place(name)
         check_name("group", group)
@@ -161,6 +213,9 @@ class Bus:
         self.status = Status.CLOSED
         for agent in list(self._agents.values()):
             await agent.close()
+        plane, self.plane = self.plane, None
+        if plane is not None:
+            await plane.close()
         close = getattr(self.transport, "close", None)
         if close is not None:
             await close()

@@ -26,14 +26,17 @@ from opentelemetry.trace import INVALID_SPAN, Span
 
 from kvbus.bus.chunking import ChunkSource, chunk_digest, digest_chunks, digests_root, tree_digest
 from kvbus.bus.config import OFFLOAD_BYTES, BusConfig
-from kvbus.bus.errors import ReceiverGone, TransferRejected, TransferTimeout
+from kvbus.bus.errors import ReceiverGone, TransferError, TransferRejected, TransferTimeout
 from kvbus.bus.handshake import Handshake, ReceiverOutcome
 from kvbus.bus.pacing import TokenBucket
+from kvbus.bus.paths import DataPlane, PathError, TransferSpec
+from kvbus.bus.route import Route
 from kvbus.net.transport import NoResponders, Transport
 from kvbus.protocol import (
     CHUNK_INDEX_HEADER,
     Ack,
     Open,
+    OpenReply,
     Reason,
     ack_subject,
     bcast_subject,
@@ -57,6 +60,8 @@ class StreamStats:
     declined_pauses: int = 0
     """Pause requests refused because too much had been sent already."""
     rate_changes: int = 0
+    fallbacks: int = 0
+    """Times a direct path failed and the transfer went on over NATS."""
     paused_s: float = 0.0
     """Time spent paused."""
     hash_s: float = 0.0
@@ -86,6 +91,7 @@ class OutgoingTransfer:
         traceparent: str | None = None,
         per_receiver_streams: bool = False,
         incarnations: dict[str, str] | None = None,
+        plane: DataPlane | None = None,
         trace_link: str | None = None,
     ) -> None:
         self.transport = transport
@@ -102,6 +108,9 @@ class OutgoingTransfer:
         self.shared_subject = (
             bcast_subject(src, transfer_id) if len(self.receivers) > 1 and not per_receiver_streams else None
         )
+        # Direct paths carry transfers to one receiver; a broadcast's bytes go through NATS.
+        self.plane = plane if plane is not None and len(self.receivers) == 1 else None
+        paths = [p.kind.value for p in self.plane.paths] if self.plane is not None else ["nats"]
         self.open = Open(
             transfer_id=transfer_id,
             src=src,
@@ -117,6 +126,8 @@ class OutgoingTransfer:
             ack_subject=ack_subject(src, self.receivers[0]),
             inline=False,
             traceparent=traceparent,
+            paths=paths,
+            host=self.plane.host if self.plane is not None else "",
             trace_link=None if traceparent else trace_link,
         )
         """The `Open` of the first receiver (before its digests are known); each gets its own."""
@@ -140,6 +151,11 @@ class OutgoingTransfer:
         self._running.set()
         self._paused_at = 0.0
         self._started = False
+        # The connection's own zero-copy publish (a wrapper that only defines ``publish``, such
+        # as a fault injector, gets every chunk through it).
+        self._zero_copy = callable(getattr(type(transport), "publish_views", None))
+        self.route: Route | None = None
+        """The data path of a transfer to one receiver (None: NATS for every receiver)."""
         self.span: Span = INVALID_SPAN
         """The sender's ``kvbus.stream`` span: pause, resume and retransmit become its events."""
         self._last_progress = time.monotonic()
@@ -259,11 +275,25 @@ class OutgoingTransfer:
         if inline:
             # The whole payload goes in the Open: pace it like chunks (0 = unpaced takes no time).
             await self.bucket.take(self.plan.total)
-        await asyncio.gather(*(self._open(link, payload) for link in self.links.values()))
-        if not inline:
-            await self._stream()
+        try:
+            await asyncio.gather(*(self._open(link, payload) for link in self.links.values()))
+            if not inline:
+                await self._stream()
+        finally:
+            if self.route is not None:
+                await self.route.close(completed=not self._active() and all(o.ok for o in self.outcomes.values()))
         self.stats.finished = time.perf_counter()
         return self.outcomes
+
+    @property
+    def path(self) -> str:
+        """The data path the bytes took last (``nats`` for an inline payload or a broadcast)."""
+        return self.route.path if self.route is not None and self.route.used else "nats"
+
+    @property
+    def paths_used(self) -> list[str]:
+        """Every path the bytes took, in order (a direct path that failed, then ``nats``)."""
+        return list(self.route.used) if self.route is not None and self.route.used else ["nats"]
 
     async def _prepare(self) -> None:
         """Hash every chunk and give each receiver its `Open` (with its own data and ack subjects)."""
@@ -311,6 +341,46 @@ class OutgoingTransfer:
         reply = link.apply(data)
         if reply is not None:
             self._acked[link.rx] = max(self._acked.get(link.rx, 0), reply.next)
+            if self.plane is not None and not self.open.inline:
+                await self._route(link, reply)
+
+    async def _route(self, link: Handshake, reply: OpenReply) -> None:
+        """Choose the receiver's data path from its reply (a direct one when offered and it opens)."""
+        spec = TransferSpec.of(
+            self.transfer_id, self.src, link.rx, self.plan.plan.ranges, data_subject=link.open.data_subject
+        )
+        assert self.plane is not None  # checked by the caller
+        route = Route(
+            self.plane,
+            spec,
+            self.open.digests,
+            on_ack=lambda ack: self.on_ack(link.rx, ack),
+            on_lost=lambda error: self._path_lost(link.rx, error),
+        )
+        self.route = route
+        error = await route.open(reply)
+        if error is not None and link.outcome.pending:
+            link.outcome.error = error
+        self.span.set_attribute("kvbus.path", route.path)
+
+    def _path_lost(self, rx: str, error: PathError) -> None:
+        """The direct path to ``rx`` failed: go on over NATS from its last acknowledged chunk (or fail)."""
+        outcome = self.outcomes[rx]
+        if not outcome.pending:
+            return
+        self.stats.fallbacks += 1
+        self.span.add_event("path.fallback", {"kvbus.path": error.path, "kvbus.receiver": rx})
+        if self.route is None or not self.route.fall_back():
+            outcome.error = TransferError(
+                self.transfer_id, f"the {error.path} path failed and NATS is not allowed: {error.detail}", peer=rx
+            )
+        else:
+            # Chunks past the last acknowledgement may be lost with the path: send them again on
+            # NATS (the receiver drops the ones it has), nothing acknowledged is sent twice.
+            self._next = min(self._next, self._acked.get(rx, 0))
+            self._resend = {i: r for i, r in self._resend.items() if i < self._next}
+        self._last_progress = time.monotonic()
+        self._progress.set()
 
     def _subjects(self, receivers: set[str] | None) -> list[str]:
         """Where a chunk goes: the shared subject, or the streams of ``receivers`` (default: all pending)."""
@@ -321,10 +391,20 @@ class OutgoingTransfer:
 
     async def _send_chunk(self, index: int, receivers: set[str] | None = None) -> None:
         data = self._chunks[index]
+        route = self.route
+        if route is not None and route.session is not None:
+            await self.bucket.take(len(data))  # the granted rate paces every path
+            if await route.send(index, data):
+                self.stats.chunks_sent += 1
+                self.stats.bytes_sent += len(data)
+            return  # not sent: the path broke, `_path_lost` rewound the stream
         headers = {CHUNK_INDEX_HEADER: str(index)}
         for subject in self._subjects(receivers):
             await self.bucket.take(len(data))
-            await self.transport.publish(subject, data, headers=headers)
+            if self._zero_copy:
+                await self.transport.publish_views(subject, [data], headers=headers)  # type: ignore[attr-defined]
+            else:
+                await self.transport.publish(subject, data, headers=headers)
             self.stats.chunks_sent += 1
             self.stats.bytes_sent += len(data)
 
@@ -347,8 +427,9 @@ class OutgoingTransfer:
                 continue
             low = min(self._acked.get(rx, 0) for rx in active)
             if self._next < n and self._next < low + window:
-                await self._send_chunk(self._next)
-                self._next += 1
+                index = self._next
+                self._next += 1  # before the send: a fall back during it rewinds from here
+                await self._send_chunk(index)
                 continue
             self._progress.clear()
             try:

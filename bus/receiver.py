@@ -26,6 +26,7 @@ from nats.aio.msg import Msg
 from opentelemetry.trace import INVALID_SPAN, SpanKind
 
 from kvbus import telemetry
+from kvbus.bus.bases import base_copy
 from kvbus.bus.chunking import ChunkPlan, check_open_plan, split_inline
 from kvbus.bus.config import OFFLOAD_BYTES
 from kvbus.bus.endpoint import Endpoint
@@ -33,6 +34,7 @@ from kvbus.bus.errors import PayloadTooLarge
 from kvbus.bus.inbox import Inbox
 from kvbus.bus.incoming import IncomingTransfer
 from kvbus.bus.partials import PartialTransfers
+from kvbus.bus.paths import TransferSpec
 from kvbus.bus.types import Delivery
 from kvbus.codecs import Encoded, get_codec
 from kvbus.codecs.errors import CodecError, DecodeError, DeltaBaseMismatch, RecomputeUnavailable
@@ -46,12 +48,16 @@ from kvbus.protocol import (
     ack_subject,
     check_data_subject,
     check_name,
+    data_subject,
     subject_sender,
 )
 from kvbus.signature import ModelSignature
 
 logger = logging.getLogger(__name__)
 
+#: Bytes per chunk a direct-path offer holds besides the partial's own bookkeeping (the
+#: `TransferSpec` ranges and the paths' chunk marks), counted against ``max_partial_overhead``.
+DIRECT_OVERHEAD_PER_CHUNK = 128
 #: Completed transfer ids remembered for de-duplication.
 COMPLETED_MEMORY = 4096
 #: A retried `Open` that names no incarnation is refused by an incarnation younger than the
@@ -95,6 +101,8 @@ class Receiver:
         decode against); deliveries never share its storage."""
         self._handover: asyncio.Task[None] | None = None
         """The last delivery waiting for its base copy before it goes into the inbox (they go in order)."""
+        self._reading: collections.Counter[str] = collections.Counter()
+        """Per sender: decodes running in a thread with its base."""
         self.incarnation = secrets.token_hex(8)
         """This agent start's id, in every `OpenReply`: a retried `Open` for another is refused."""
         self.started = time.monotonic()
@@ -140,7 +148,7 @@ class Receiver:
             return OpenReply(transfer_id=tid, ok=True, done=True)
         active = self.incoming.get(tid)
         if active is not None:
-            return OpenReply(transfer_id=tid, ok=True, next=active.next)
+            return self._status(active)
         restarted = self._restarted(open_msg)
         if restarted:
             logger.warning("transfer %s from %s: %s", tid, open_msg.src, restarted)
@@ -183,12 +191,40 @@ class Receiver:
         except (ValueError, WireFormatError) as exc:
             return _refuse(tid, Reason.MALFORMED, str(exc))
         incoming = IncomingTransfer(ep.transport, open_msg, ep.name, ep.config, self.finish, plan)
+        if ep.bus.plane is not None and any(p != "nats" for p in open_msg.paths):
+            # A direct offer keeps the chunk layout once more (the path's `TransferSpec`).
+            incoming.overhead += DIRECT_OVERHEAD_PER_CHUNK * open_msg.n_chunks
         await self.incoming.make_room(incoming)
         receive_span = _receive_span(ep.name, open_msg)
         incoming.spans = (receive_span, telemetry.start("kvbus.reassemble", parent=receive_span, lazy=True))
         self.incoming.add(incoming)
         await incoming.start()
-        return OpenReply(transfer_id=tid, ok=True)
+        return self._offer(incoming, plan)
+
+    def _offer(self, incoming: IncomingTransfer, plan: ChunkPlan) -> OpenReply:
+        """The reply to a streamed transfer's first `Open`: the paths this receiver takes it on,
+        and for the direct ones a one-time token (NATS only for a broadcast's shared subject)."""
+        open_msg = incoming.open
+        tid = open_msg.transfer_id
+        plane = self._ep.bus.plane
+        if plane is None or open_msg.data_subject != data_subject(self._ep.name, open_msg.src, tid):
+            return OpenReply(transfer_id=tid, ok=True, paths=["nats"])
+        paths = plane.accepted_paths(open_msg.paths, open_msg.host)
+        incoming.paths = paths or ["nats"]
+        spec = TransferSpec.of(tid, open_msg.src, self._ep.name, plan.ranges, data_subject=open_msg.data_subject)
+        offer = plane.offer_direct(spec, incoming, paths)
+        if offer is None:
+            return OpenReply(transfer_id=tid, ok=True, paths=incoming.paths)
+        incoming.plane = plane
+        return OpenReply(transfer_id=tid, ok=True, paths=incoming.paths, **offer.reply_fields())
+
+    def _status(self, active: IncomingTransfer) -> OpenReply:
+        """The reply to a retried `Open` of a transfer under way: where it stands, and a fresh token
+        while no direct path is bound yet (the first reply may have been lost)."""
+        tid = active.open.transfer_id
+        offer = active.plane.reoffer(tid) if active.plane is not None and not active.via else None
+        fields = offer.reply_fields() if offer is not None else {}
+        return OpenReply(transfer_id=tid, ok=True, next=active.next, paths=active.paths, **fields)
 
     def _restarted(self, open_msg: Open) -> str:
         """Why this incarnation must refuse a retried `Open` of a transfer it does not know ('' when it may take it).
@@ -271,6 +307,7 @@ class Receiver:
                             "kvbus.chunks": incoming.count,
                             "kvbus.corrupt": incoming.corrupt,
                             "kvbus.duplicates": incoming.duplicates,
+                            "kvbus.path": ",".join(sorted(incoming.via)) or "nats",
                         }
                     )
                 verified = incoming.verify()
@@ -280,7 +317,7 @@ class Receiver:
                 return
             t0 = time.perf_counter()
             try:
-                delivery = await self._decode(incoming.opened(), incoming.assembly.result(), transfer_s)
+                delivery = await self._decode(incoming.opened(), incoming.buffers(), transfer_s)
             except KVBusError as exc:
                 telemetry.fail(receive_span, exc)
                 code, reason = decode_failure(exc)
@@ -316,7 +353,11 @@ class Receiver:
         ):
             # A medium without KV is decoded by prefilling its tokens: that is the recompute.
             if heavy:
-                kv = await asyncio.to_thread(codec.decode, encoded, base=base, runner=ep.runner)
+                self._reading[open_msg.src] += 1  # the base must not be copied over meanwhile
+                try:
+                    kv = await asyncio.to_thread(codec.decode, encoded, base=base, runner=ep.runner)
+                finally:
+                    self._reading[open_msg.src] -= 1
             else:
                 kv = codec.decode(encoded, base=base, runner=ep.runner)
         decode_s = time.perf_counter() - t0
@@ -389,8 +430,10 @@ class Receiver:
                 await asyncio.shield(before)
             if copy:
                 kv = delivery.kv
+                # The old base's memory is reused unless a decode still reads it.
+                old = None if self._reading[delivery.sender] else self.bases.get(delivery.sender)
                 self.bases[delivery.sender] = (
-                    await asyncio.to_thread(kv.clone) if kv.nbytes > OFFLOAD_BYTES else kv.clone()
+                    await asyncio.to_thread(base_copy, kv, old) if kv.nbytes > OFFLOAD_BYTES else base_copy(kv, old)
                 )
         except asyncio.CancelledError:
             raise

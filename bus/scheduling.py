@@ -126,6 +126,7 @@ class SchedulerLink:
         deadline: float | None,
         critical: bool,
         base_tokens: int = 0,
+        path: str = "",
     ) -> Grant:
         """Ask the group scheduler for a grant and wait for it.
 
@@ -136,6 +137,7 @@ class SchedulerLink:
 
         Args:
             base_tokens: tokens at the start of ``kv`` every receiver already holds from this agent.
+            path: the data path the bytes are expected to take (the cost model uses its link estimate).
 
         Raises:
             TransferRejected: the scheduler refused; ``code`` says why.
@@ -161,6 +163,7 @@ class SchedulerLink:
                 critical=critical,
                 fidelity=float(kv.fidelity),
                 base_tokens=base_tokens,
+                path=path,
                 traceparent=telemetry.traceparent(wait_span),
             )
             wait = deadline if deadline is not None else ep.config.grant_timeout
@@ -237,6 +240,7 @@ class SchedulerLink:
         seconds: float,
         error: BaseException | None,
         wire_s: float = 0.0,
+        path: str = "",
     ) -> None:
         """Tell the scheduler a granted transfer finished (or failed), with its observed size and time."""
         ep = self._ep
@@ -250,6 +254,7 @@ class SchedulerLink:
             error=str(error) if error else "",
             dst=receivers,
             wire_s=wire_s,
+            path=path,
         )
         subject, data = sched_subject(ep.group, "done", ep.name), done.encode()
         try:

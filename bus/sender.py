@@ -28,7 +28,7 @@ from opentelemetry.trace import SpanKind
 
 from kvbus import telemetry
 from kvbus.bus.chunking import fit_chunk_size
-from kvbus.bus.config import OFFLOAD_BYTES
+from kvbus.bus.config import DEFAULT_CHUNK_SIZE, HEADER_ROOM, OFFLOAD_BYTES
 from kvbus.bus.endpoint import Endpoint
 from kvbus.bus.errors import BusClosed, PayloadTooLarge, TransferRejected
 from kvbus.bus.outgoing import OutgoingTransfer, StreamStats
@@ -69,6 +69,13 @@ class SentBase:
     """The lineage of the receiver's copy."""
 
 
+@dataclass(frozen=True, slots=True)
+class KVCacheSize:
+    """Just the size of a payload, where `Sender.expected_path` needs no more."""
+
+    nbytes: int
+
+
 def _is_delta(codec: Codec) -> bool:
     return codec.stage == "delta"
 
@@ -85,6 +92,8 @@ class Sender:
         """Per receiver: what it last got from this agent (delta bases)."""
         self.incarnations: collections.OrderedDict[str, str] = collections.OrderedDict()
         """Per receiver: the incarnation the last transfer to it met (retried Opens name it)."""
+        self.paths: collections.OrderedDict[str, str] = collections.OrderedDict()
+        """Per receiver: the data path the last transfer to it took (the next one likely takes it too)."""
 
     async def send(
         self, receivers: list[str], kv: KVCache, *, medium: str | None, deadline: float | None, critical: bool
@@ -133,7 +142,14 @@ class Sender:
             attributes=_send_attributes(transfer_id, ep.name, receivers, kv) if tracing else None,
         ) as send_span:
             grant = await self._scheduler.request_grant(
-                transfer_id, receivers, kv, medium, deadline, critical, base_tokens=base_tokens
+                transfer_id,
+                receivers,
+                kv,
+                medium,
+                deadline,
+                critical,
+                base_tokens=base_tokens,
+                path=self.expected_path(receivers, kv),
             )
             t_grant = time.perf_counter()
             if tracing:
@@ -179,6 +195,13 @@ class Sender:
                 telemetry.instruments().transfers.add(1, {"medium": sent_medium, "outcome": type(exc).__name__})
                 await self._scheduler.report_done(transfer_id, sent_medium, receivers, 0, 0.0, exc)
                 raise
+            path = out.path
+            send_span.set_attribute("kvbus.path", path)
+            if out.route is not None and out.route.used:
+                self.paths[receivers[0]] = out.route.used[0]
+                self.paths.move_to_end(receivers[0])
+                while len(self.paths) > INCARNATION_MEMORY:
+                    self.paths.popitem(last=False)
             failed = {rx: o.error for rx, o in outcomes.items() if o.error is not None}
             error = next(iter(failed.values())) if failed else None
             slowest_decode = max((o.decode_s for o in outcomes.values()), default=0.0)
@@ -190,6 +213,7 @@ class Sender:
                 t_done - t_grant,
                 error,
                 wire_s=max(0.0, t_done - t_enc - slowest_decode),
+                path=out.route.summary if out.route is not None else "nats",
             )
             fidelity, lossless = self._delivered(receivers, kv, codec, encoded)
             for rx, o in outcomes.items():
@@ -221,6 +245,8 @@ class Sender:
                 rate_bps=grant.rate_bps,
                 decision={**grant.decision, "reason": grant.reason, "observed_s": round(t_done - t_grant, 6)},
                 fidelity=fidelity,
+                path=path,
+                paths=tuple(out.paths_used),
             )
 
     async def _encode(self, codec: Codec, kv: KVCache, base: KVCache | None) -> Encoded:
@@ -244,6 +270,17 @@ class Sender:
         ep = self._ep
         largest = ep.bus.chunk_size
         chunk_size = max(MIN_CHUNK_SIZE, min(grant.chunk_size or largest, largest))
+        direct = ep.bus.paths_config.direct_chunk_size
+        if (
+            direct
+            and not grant.chunk_size
+            and ep.config.chunk_size == DEFAULT_CHUNK_SIZE
+            and self.expected_path(receivers, KVCacheSize(encoded.nbytes)) in ("shm", "tcp")
+        ):
+            # Fewer, larger chunks on a direct path (each costs a wake-up on both sides), still
+            # small enough for NATS to carry should the transfer fall back.
+            largest = max(largest, min(direct, ep.transport.max_payload - HEADER_ROOM))
+            chunk_size = largest
         chunk_size = fit_chunk_size(encoded.sizes, chunk_size, max(largest, MIN_CHUNK_SIZE))
         out = OutgoingTransfer(
             ep.transport,
@@ -261,6 +298,7 @@ class Sender:
             traceparent=telemetry.traceparent(),
             per_receiver_streams=ep.bus.secure,
             incarnations=self.incarnations,
+            plane=ep.bus.plane,
             trace_link=grant.traceparent,  # the scheduler's root span, for a sender that does not trace
         )
         if out.plan.n_chunks > MAX_CHUNKS:
@@ -269,6 +307,18 @@ class Sender:
         if not out.open.inline and open_bytes > ep.transport.max_payload:
             raise PayloadTooLarge("open message", open_bytes, ep.transport.max_payload)
         return out
+
+    def expected_path(self, receivers: list[str], kv: KVCache | KVCacheSize) -> str:
+        """The data path a transfer of ``kv`` to ``receivers`` will likely take, for the cost model:
+        the one the last transfer to the receiver took, else the fastest this process allows.
+        Broadcasts and payloads small enough to ride in the `Open` go through NATS."""
+        plane = self._ep.bus.plane
+        if plane is None or len(receivers) != 1 or kv.nbytes <= self._ep.config.inline_limit:
+            return "nats"
+        known = self.paths.get(receivers[0])
+        if known:
+            return known
+        return plane.paths[0].kind.value if plane.paths else "nats"
 
     def _learn(self, out: OutgoingTransfer) -> None:
         """Remember the receivers' incarnations; one that restarted lost the bases we sent it."""

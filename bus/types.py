@@ -37,6 +37,11 @@ class TransferReport:
     fidelity: float = 1.0
     """The lineage of the context the receivers now hold: the sender's times this hop's factor,
     and, for a delta, no more than the base it was joined to (1.0 = lossless all the way)."""
+    path: str = "nats"
+    """The data path the payload took (``shm``, ``tcp`` or ``nats``; the last one when a direct
+    path failed and the transfer went on over NATS). Inline payloads and broadcasts: ``nats``."""
+    paths: tuple[str, ...] = ("nats",)
+    """Every path the payload took, in order (e.g. ``("tcp", "nats")`` after a fall back)."""
 
     @property
     def throughput_bps(self) -> float:

@@ -29,7 +29,7 @@ from kvbus.group_scheduler.reservations import ReservationTable
 from kvbus.group_scheduler.state import GroupState, Pending
 from kvbus.net.rpc import RpcClient
 from kvbus.net.transport import NoResponders, Transport
-from kvbus.protocol import Control, ControlReply, Grant, Reason, TransferDone, agent_subject
+from kvbus.protocol import PATH_NAMES, Control, ControlReply, Grant, Reason, TransferDone, agent_subject
 
 logger = logging.getLogger(__name__)
 
@@ -282,11 +282,12 @@ class GrantLoop:
         self.policy.released(pending)
         if done.ok:
             state.completed += 1
-            if done.nbytes >= MIN_ESTIMATE_BYTES and done.wire_s > 0:
+            path = done.path or "nats"
+            if done.nbytes >= MIN_ESTIMATE_BYTES and done.wire_s > 0 and path in PATH_NAMES:
                 for rx in done.dst:
-                    state.link(done.src, rx).observe(done.nbytes, done.wire_s)
+                    state.link(done.src, rx, path).observe(done.nbytes, done.wire_s)
                     telemetry.instruments().link_bandwidth.record(
-                        done.nbytes / done.wire_s, {"group": self.group, "link": f"{done.src}->{rx}"}
+                        done.nbytes / done.wire_s, {"group": self.group, "link": f"{done.src}->{rx}", "path": path}
                     )
             model = getattr(self.policy.selector, "model", None)
             if model is not None and pending.predicted_s > 0 and done.seconds > 0:

@@ -82,9 +82,10 @@ class AdaptiveSelector(MediumSelector):
         self.last: dict[tuple[str, str], str] = {}
         self.switches = 0
 
-    def link(self, state: GroupState, src: str, dst: str) -> Link:
-        """The pair's bandwidth: the sliding-window estimate, else the declared capacity, else the default."""
-        est = state.link(src, dst)
+    def link(self, state: GroupState, src: str, dst: str, path: str = "nats") -> Link:
+        """The pair's bandwidth on data ``path``: that path's sliding-window estimate, else the
+        declared capacity, else the default."""
+        est = state.link(src, dst, path)
         if est.known:
             return Link(est.bandwidth_bps, 2 * state.declared_latency(src, dst), "estimate")
         declared = state.declared_bandwidth(src, dst)
@@ -114,7 +115,7 @@ class AdaptiveSelector(MediumSelector):
     def select(self, state: GroupState, pending: Pending) -> Selection:
         """`choose` with the refusal's code."""
         decided = self.decide(state, pending)
-        pending.decision = decided.choice.record() if decided.choice else {}
+        pending.decision = {**decided.choice.record(), "path": pending.request.path or "nats"} if decided.choice else {}
         if decided.choice is not None:
             pending.predicted_s = decided.choice.estimate.total_s
         return Selection(decided.medium, decided.reason, decided.code)
@@ -136,7 +137,7 @@ class AdaptiveSelector(MediumSelector):
                         candidates,
                         n_tokens=req.n_tokens,
                         kv_bytes=req.nbytes,
-                        link=self.link(state, req.src, rx),
+                        link=self.link(state, req.src, rx, req.path),
                         sender=sender,
                         receiver=self.endpoint(state, rx, sig, recompute=pending.recompute.get(rx, True)),
                         lineage=req.fidelity,

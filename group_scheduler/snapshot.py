@@ -54,6 +54,13 @@ def snapshot(scheduler: Any) -> dict[str, Any]:
         for (src, dst), est in state.links.items()
         if est.samples
     }
+    links.update(
+        {
+            f"{src}->{dst} ({path})": {"bandwidth_bps": est.bandwidth_bps, "samples": len(est.samples), "path": path}
+            for (src, dst, path), est in state.path_links.items()
+            if est.samples
+        }
+    )
     return {
         "group": state.group,
         "scheduler": scheduler.name,

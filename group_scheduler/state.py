@@ -147,6 +147,10 @@ class GroupState:
     group: str
     agents: dict[str, AgentState] = field(default_factory=dict)
     links: dict[tuple[str, str], LinkEstimate] = field(default_factory=dict)
+    """Per (sender, receiver): the estimate of the ``nats`` path (every byte through the server)."""
+    path_links: dict[tuple[str, str, str], LinkEstimate] = field(default_factory=dict)
+    """Per (sender, receiver, path): the estimates of the direct paths (``shm``, ``tcp``), kept
+    apart from the ``nats`` one so that links of very different speeds are never averaged."""
     queue: list[Pending] = field(default_factory=list)
     active: dict[str, Pending] = field(default_factory=dict)
     bandwidth_bps: float = 0.0
@@ -203,10 +207,14 @@ class GroupState:
         if old is not None and old != new:
             for key in [k for k in self.links if agent in k]:
                 self.links[key].samples.clear()
+            for pkey in [k for k in self.path_links if agent in k[:2]]:
+                self.path_links[pkey].samples.clear()
 
-    def link(self, src: str, dst: str) -> LinkEstimate:
-        """The bandwidth estimate of the ``src`` -> ``dst`` link (created empty on first use)."""
-        return self.links.setdefault((src, dst), LinkEstimate())
+    def link(self, src: str, dst: str, path: str = "nats") -> LinkEstimate:
+        """The bandwidth estimate of the ``src`` -> ``dst`` link on data ``path`` (created empty on first use)."""
+        if not path or path == "nats":
+            return self.links.setdefault((src, dst), LinkEstimate())
+        return self.path_links.setdefault((src, dst, path), LinkEstimate())
 
     def declared_bandwidth(self, src: str, dst: str) -> float:
         """The lower of the declared capacities of ``src`` and ``dst``, bytes/s (0: neither declared one)."""

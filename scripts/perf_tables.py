@@ -100,6 +100,25 @@ def transport(d: Json) -> str:
         ("`tracing_overhead`", "tracing_overhead", "{:.2f}"),
     ):
         rows.append(f"| {label} | {_f(by['64MB'].get(key), fmt)} | {_f(by['1MB'].get(key), fmt)} |")
+    for label, key, fmt in (
+        ("path the bus picked", "path", "{}"),
+        ("bus on `shm` / `tcp` / `nats` only (GB/s)", None, ""),
+        ("`shm_ratio_vs_nats_py`", "shm_ratio_vs_nats_py", "{:.2f}"),
+        ("`tcp_ratio_vs_nats_py`", "tcp_ratio_vs_nats_py", "{:.2f}"),
+        ("`nats_path_ratio_vs_nats_py`", "nats_path_ratio_vs_nats_py", "{:.2f}"),
+        ("`tcp_vs_loopback_limit` (plain socket loop)", "tcp_vs_loopback_limit", "{:.2f}"),
+        ("`shm_vs_memcpy`", "shm_vs_memcpy", "{:.2f}"),
+        ("control round trips of one transfer", "round_trips", "{}"),
+    ):
+        if key is None:
+            cells = [
+                " / ".join(_f(by[size].get(f"kvbus_{p}_GBps"), "{:.2f}") for p in ("shm", "tcp", "nats"))
+                for size in ("64MB", "1MB")
+            ]
+        else:
+            cells = [_f(by[size].get(key), fmt) for size in ("64MB", "1MB")]
+        if any(c != "-" for c in cells):
+            rows.append(f"| {label} | {cells[0]} | {cells[1]} |")
     rows.append(
         f"| ratio per run vs nats-py / vs pipelined redis-py (64 MB) | "
         f"{_sp(by['64MB'].get('ratio_vs_nats_py_runs'))} / "

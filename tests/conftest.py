@@ -72,6 +72,13 @@ FAST = BusConfig(ack_timeout=0.5, peer_timeout=3.0, request_timeout=2.0, grant_t
 
 
 @pytest.fixture
+def nats_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every bus made in the test sends every byte through NATS (tests of the NATS data path:
+    faults injected into its chunk messages, forged chunks on its subjects)."""
+    monkeypatch.setenv("KVBUS_PATHS_ALLOWED", "nats")
+
+
+@pytest.fixture
 async def bus(nats_url: str, scheduler: GroupScheduler) -> AsyncIterator[Bus]:
     """A bus connection with short timeouts, closed after the test."""
     b = await Bus.connect(nats_url, config=FAST)

@@ -196,6 +196,7 @@ class FaultyTransport:
         await self.inner.publish(subject, payload, headers)
 
 
+@pytest.mark.usefixtures("nats_only")
 @pytest.mark.parametrize("fault", ["drop-middle", "corrupt-middle", "drop-last", "drop-first-and-corrupt"])
 async def test_damaged_chunks_are_recovered(pair: tuple[Any, Any, Bus], fault: str) -> None:
     tx, rx, _ = pair
@@ -217,6 +218,7 @@ async def test_damaged_chunks_are_recovered(pair: tuple[Any, Any, Bus], fault: s
     assert n_chunks > 0
 
 
+@pytest.mark.usefixtures("nats_only")
 async def test_forged_chunk_with_forged_digests_is_repaired_from_the_sender(pair: tuple[Any, Any, Bus]) -> None:
     """Issue 18 finding 2: a forged chunk with a matching digest header and a forged
     whole-payload digest on the last chunk was delivered as the transfer's content. The receiver
@@ -368,6 +370,7 @@ async def test_receiver_killed_mid_transfer_fails_the_send(bus: Bus, nats_url: s
         dying.stop()
 
 
+@pytest.mark.usefixtures("nats_only")  # the fault drops NATS chunk messages (direct paths: test_bus_paths)
 async def test_sender_gone_mid_stream_frees_the_partial_buffer(pair: tuple[Any, Any, Bus]) -> None:
     tx, rx, _ = pair
     tx._transport = FaultyTransport(tx._transport, drop=set(range(3, 10_000)))

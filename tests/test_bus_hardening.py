@@ -118,6 +118,7 @@ async def _until(check: Any, what: str, timeout: float = 10.0) -> None:
 # -- 2: forged chunks injected by another client ----------------------------------------------------
 
 
+@pytest.mark.usefixtures("nats_only")
 async def test_chunks_injected_by_another_client_never_reach_the_delivery(
     pair: tuple[Any, Any, Bus], nats_url: str
 ) -> None:
@@ -396,6 +397,7 @@ async def test_partial_transfers_over_the_caps_drop_the_least_recently_progresse
     assert not reply.ok and reply.code is Reason.TOO_LARGE
 
 
+@pytest.mark.usefixtures("nats_only")
 async def test_an_evicted_transfer_fails_its_real_sender(nats_url: str, scheduler: GroupScheduler) -> None:
     """A real sender whose partial transfer is evicted gets `PARTIAL_DROPPED` at once."""
     cfg = dataclasses.replace(FAST, max_partials=1)
@@ -618,6 +620,7 @@ async def test_a_closing_agent_says_it_leaves_within_a_bounded_time(bus: Bus, na
     await asyncio.wait_for(lonely.close(), 30)  # no server to hear it: closes all the same
 
 
+@pytest.mark.usefixtures("nats_only")
 async def test_a_forged_ack_naming_another_receiver_is_dropped(pair: tuple[Any, Any, Bus], bus: Bus) -> None:
     """The sender takes an ack's receiver from the subject: one on another agent's ack subject
     that names the real receiver does not complete the transfer."""

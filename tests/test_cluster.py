@@ -160,6 +160,7 @@ async def drain(agent: Any, quiet_s: float = 2.0) -> list[Any]:
             return out
 
 
+@pytest.mark.usefixtures("nats_only")  # the kill fires on a NATS chunk message: every byte through the cluster
 async def test_kill_of_the_bucket_leader_during_transfers_loses_no_state(cluster: NatsCluster) -> None:
     c = cluster
     urls = c.urls

@@ -77,6 +77,7 @@ class KillServerAt:
         self.restarted.set()
 
 
+@pytest.mark.usefixtures("nats_only")
 @pytest.mark.parametrize("down_s", [0.3, 1.5], ids=["blip", "outage"])
 async def test_nats_restart_mid_transfer_delivers_once_or_fails_loudly(own_nats: NatsServer, down_s: float) -> None:
     port = own_nats.port

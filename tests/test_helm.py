@@ -1705,3 +1705,41 @@ def test_vllm_connector_config_for_each_engine() -> None:
 )
 def test_vllm_connector_bad_values(args: tuple[str, ...], expected: str) -> None:
     assert expected in render_error(*args)
+
+
+# -- the data plane ------------------------------------------------------------------------------------
+
+
+def test_data_plane_port_network_policy_and_shared_memory() -> None:
+    docs = render()
+    (policy,) = by_kind(docs, "NetworkPolicy")
+    selector = {"matchLabels": {"kvbus.io/data-plane": "true"}}
+    assert policy["spec"]["podSelector"] == selector
+    assert policy["spec"]["ingress"] == [
+        {"from": [{"podSelector": selector}], "ports": [{"protocol": "TCP", "port": 7450}]}
+    ]
+    (pod,) = by_kind(docs, "Pod")
+    assert pod["metadata"]["labels"]["kvbus.io/data-plane"] == "true"  # the policy selects agent pods
+    c = pod["spec"]["containers"][0]
+    assert {"name": "data", "containerPort": 7450, "protocol": "TCP"} in c["ports"]
+    env = env_of(c)
+    assert env["KVBUS_PATHS_ALLOWED"] == "shm,tcp,nats" and env["KVBUS_PATHS_TCP_PORT"] == "7450"
+    assert env["KVBUS_HOST_ID"] == {"fieldRef": {"fieldPath": "metadata.uid"}}  # shm within the pod only
+    (shm,) = [v for v in pod["spec"]["volumes"] if v["name"] == "shm"]
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert {"name": "shm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    (client,) = [cm for cm in by_kind(docs, "ConfigMap") if cm["metadata"]["name"].endswith("-client")]
+    assert client["data"]["KVBUS_PATHS_ALLOWED"] == "shm,tcp,nats" and client["data"]["KVBUS_PATHS_TCP_PORT"] == "7450"
+    # Restricted to NATS, on another port, without the policy or the memory volume.
+    docs = render(
+        "dataPlane.allowed=nats",
+        "dataPlane.port=7460",
+        "dataPlane.networkPolicy.enabled=false",
+        "dataPlane.shm.enabled=false",
+    )
+    assert not by_kind(docs, "NetworkPolicy")
+    (pod,) = by_kind(docs, "Pod")
+    env = env_of(pod["spec"]["containers"][0])
+    assert env["KVBUS_PATHS_ALLOWED"] == "nats" and env["KVBUS_PATHS_TCP_PORT"] == "7460"
+    assert not [v for v in pod["spec"]["volumes"] if v["name"] == "shm"]
+    assert "allowed" in render_error("dataPlane.allowed=udp")  # the schema names the bad value

@@ -142,6 +142,7 @@ def test_sliding_window_estimate_is_not_the_last_sample() -> None:
     assert 5e7 < est.bandwidth_bps < 1e8
 
 
+@pytest.mark.usefixtures("nats_only")
 async def test_estimator_converges_to_an_emulated_link(nats_url: str, scheduler: GroupScheduler) -> None:
     rate = 10e6  # 80 Mbit/s: transfers of half a second, so fixed round trips weigh little
     bus = await Bus.connect(nats_url, config=FAST)

@@ -13,6 +13,14 @@ OS processes on the same embedded servers three ways:
     4 MB), ``SET`` in pipelines of several chunks (no transaction), then the receiver ``GET``\ s them
     in pipelines the same way; both chunkings run and the faster (by median) is the figure.
 
+The data plane (`kvbus.app.bench.transport_paths`): (a) is the bus on the path it picks (two
+agents of one host: ``shm``); the same sends from buses allowed ``tcp,nats`` and ``nats`` only
+give ``results.shm_ratio_vs_nats_py``, ``tcp_ratio_vs_nats_py`` and
+``nats_path_ratio_vs_nats_py``; a plain socket loop and a ``copy_`` of the same bytes give
+``tcp_vs_loopback_limit`` and ``shm_vs_memcpy``. At 1 MB the baseline is a plain nats-py
+request/reply carrying the bytes, and ``results.round_trips_1MB`` counts the control round
+trips (requests) one 1 MB ``send`` makes.
+
 Runs alternate between the three ways; the figure per way is the median of its runs. A fourth
 way, alternating with them, is (a) with tracing and metrics on in all three processes (spans
 exported over OTLP/HTTP to a local endpoint the benchmark runs in a process of its own, as a
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import statistics
@@ -38,10 +47,13 @@ import redis.asyncio as aioredis
 import torch
 
 from kvbus import telemetry
+from kvbus.app.bench import transport_paths as tp
+from kvbus.app.bench.paths import _socket_server
 from kvbus.app.bench.rounds import spread
 from kvbus.app.local import NatsServer, RedisServer
 from kvbus.bus import Bus, BusConfig
 from kvbus.bus.chunking import ChunkPlan
+from kvbus.bus.paths import PathsConfig
 from kvbus.codecs import get_codec
 from kvbus.kvcache import KVCache
 from kvbus.signature import ModelSignature
@@ -178,8 +190,9 @@ async def _peer(nats_url: str, redis_url: str, chunk_size: int, window: int, ack
         await nc.subscribe(RAW_SUBJECT, cb=on_raw, pending_bytes_limit=1 << 30)
         await nc.subscribe(REDIS_SUBJECT, cb=on_redis)
         await nc.subscribe(REDIS_CHUNKED_SUBJECT, cb=on_redis_chunked)
+        await tp.serve_reqrep(nc)
     await nc.flush()
-    print("ready", flush=True)
+    print(f"ready {_socket_server([bytearray()])}", flush=True)
 
     async def drain_inbox() -> None:
         async for _ in agent.inbox():
@@ -305,17 +318,29 @@ async def _run(quick: bool, nats_url: str | None, smoke: bool = False) -> dict[s
             )
             procs.append(peer)
             peers.append(peer)
+        ports = []
         for peer in peers:
             assert peer.stdout is not None
             line = await asyncio.to_thread(peer.stdout.readline)
             if b"ready" not in line:
                 raise RuntimeError("benchmark peer did not start")
+            ports.append(int(line.split()[1]))
+        sockets = tp.SocketLoop(ports[0])
         # This process traces too; off for every way but the traced one.
         telemetry.setup("kvbus-bench", environ=traced_env)
         telemetry.set_enabled(False)
         bus = await Bus.connect(url, config=cfg)
         agent = await bus.agent("bench-tx", group=GROUP, signature=LLAMA3_8B)
         traced_agent = await bus.agent(TRACED_TX, group=TRACED_GROUP, signature=LLAMA3_8B)
+        # The same sends restricted to tcp, and to NATS only (each bus is one process's data plane).
+        path_buses = {
+            path: await Bus.connect(url, config=cfg, paths=PathsConfig(allowed=allowed, tcp_host="127.0.0.1"))
+            for path, allowed in tp.PATH_BUSES.items()
+            if path != "shm"
+        }
+        path_agents = {"shm": agent}
+        for path, b in path_buses.items():
+            path_agents[path] = await b.agent(f"bench-tx-{path}", group=GROUP, signature=LLAMA3_8B)
         nc = await nats.connect(url, pending_size=64 * 1024 * 1024)
         r = aioredis.Redis.from_url(redis_srv.url)
         results: dict[str, Any] = {}
@@ -327,21 +352,21 @@ async def _run(quick: bool, nats_url: str | None, smoke: bool = False) -> dict[s
             plan = ChunkPlan(encoded.sizes, min(chunk_size, bus.chunk_size))
             flat = memoryview(b"".join(encoded.buffers))
             chunks = [flat[lo:hi] for lo, hi in plan.ranges]
+            small = nbytes <= cfg.inline_limit
+            src = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            dst = torch.empty_like(src)
+
             # Warm up every path once (connections, JIT-free first-touch allocations).
+            warm: dict[str, list[float]] = collections.defaultdict(list)
             for _ in range(1 if smoke else 2):
                 await _kvbus_once(agent, kv)
-                await _nats_once(nc, chunks, window)
+                await _nats_baseline(nc, payload, small, chunks, window)
+                await _path_ways(warm, path_agents, kv, sockets, payload, (src, dst))
                 await _redis_once(nc, r, payload, "kvbus-bench")
                 for cs, per in REDIS_PIPELINED.values():
                     await _redis_pipelined_once(nc, r, payload, "kvbus-bench-p", cs, per)
                 await _traced_once(traced_agent, kv)
-            times: dict[str, list[float]] = {
-                "kvbus": [],
-                "nats_py": [],
-                "redis": [],
-                "kvbus_traced": [],
-                **{f"redis_pipelined_{k}": [] for k in REDIS_PIPELINED},
-            }
+            times: dict[str, list[float]] = collections.defaultdict(list)
             for i in range(reps[label]):
                 # Traced and untraced runs back to back, in turn first (what ran before a run,
                 # a 64 MB Redis GET say, must not favour one of them).
@@ -350,12 +375,16 @@ async def _run(quick: bool, nats_url: str | None, smoke: bool = False) -> dict[s
                 times["kvbus"].append(await _kvbus_once(agent, kv))
                 if not i % 2:
                     times["kvbus_traced"].append(await _traced_once(traced_agent, kv))
-                times["nats_py"].append(await _nats_once(nc, chunks, window))
+                times["nats_py"].append(await _nats_baseline(nc, payload, small, chunks, window))
                 times["redis"].append(await _redis_once(nc, r, payload, "kvbus-bench"))
                 for name, (cs, per) in REDIS_PIPELINED.items():
                     times[f"redis_pipelined_{name}"].append(
                         await _redis_pipelined_once(nc, r, payload, "kvbus-bench-p", cs, per)
                     )
+                await _path_ways(times, path_agents, kv, sockets, payload, (src, dst))
+            round_trips, picked = await tp.count_round_trips(agent, "bench-rx", kv)
+            times["kvbus_shm"] = times["kvbus"]
+            medians = {k: statistics.median(v) for k, v in times.items()}
             mbps = {k: kv.nbytes / statistics.median(v) / 1e6 for k, v in times.items()}
             best_pipe = max(REDIS_PIPELINED, key=lambda k: mbps[f"redis_pipelined_{k}"])
             mbps["redis_pipelined"] = mbps[f"redis_pipelined_{best_pipe}"]
@@ -378,8 +407,15 @@ async def _run(quick: bool, nats_url: str | None, smoke: bool = False) -> dict[s
                 "tracing_overhead": round(mbps["kvbus_traced"] / mbps["kvbus"], 3),
                 "runs": reps[label],
                 "chunks": len(chunks),
+                "path": picked,
+                "round_trips": round_trips,
+                "nats_py_baseline": "request/reply" if small else "publish loop with credit",
+                **tp.path_results(kv.nbytes, medians),
             }
         await bus.close()
+        for b in path_buses.values():
+            await b.close()
+        sockets.close()
         await nc.close()
         await r.aclose()
         telemetry.set_enabled(True)
@@ -417,6 +453,14 @@ async def _run(quick: bool, nats_url: str | None, smoke: bool = False) -> dict[s
                 "tracing_overhead": top["tracing_overhead"],
                 "tracing_overhead_1MB": results["1MB"]["tracing_overhead"],
                 "otlp_exports": {"requests": sink.requests, "bytes": sink.bytes},
+                "shm_ratio_vs_nats_py": top["shm_ratio_vs_nats_py"],
+                "tcp_ratio_vs_nats_py": top["tcp_ratio_vs_nats_py"],
+                "nats_path_ratio_vs_nats_py": top["nats_path_ratio_vs_nats_py"],
+                "tcp_vs_loopback_limit": top["tcp_vs_loopback_limit"],
+                "shm_vs_memcpy": top["shm_vs_memcpy"],
+                "path": top["path"],
+                "GBps": {k[:-5]: v for k, v in top.items() if k.endswith("_GBps")},
+                "round_trips_1MB": results["1MB"]["round_trips"],
                 "by_size": results,
             },
         }
@@ -433,6 +477,27 @@ async def _run(quick: bool, nats_url: str | None, smoke: bool = False) -> dict[s
         redis_srv.stop()
         if nats_srv:
             nats_srv.stop()
+
+
+async def _nats_baseline(nc: Any, payload: memoryview, small: bool, chunks: list[memoryview], window: int) -> float:
+    """The plain nats-py figure: one request carrying a small payload, else the credit loop."""
+    return await (tp.reqrep_once(nc, payload) if small else _nats_once(nc, chunks, window))
+
+
+async def _path_ways(
+    times: dict[str, list[float]],
+    agents: dict[str, Any],
+    kv: KVCache,
+    sockets: tp.SocketLoop,
+    payload: memoryview,
+    copy: tuple[torch.Tensor, torch.Tensor],
+) -> None:
+    """One round of the data-path ways: the bus restricted to tcp and to NATS, the socket loop, memcpy."""
+    for path, agent in agents.items():
+        if path != "shm":
+            times[f"kvbus_{path}"].append(await _kvbus_once(agent, kv))
+    times["socket"].append(await sockets.once(payload))
+    times["memcpy"].append(tp.memcpy_once(*copy))
 
 
 async def _traced_once(agent: Any, kv: KVCache) -> float:
@@ -454,6 +519,14 @@ def run(*, quick: bool = False, smoke: bool = False, nats_url: str | None = None
             f"kvbus/nats-py {row['ratio_vs_nats_py']:.2f}  kvbus/redis {row['ratio_vs_redis']:.2f}  "
             f"kvbus/redis pipelined {row['ratio_vs_redis_pipelined']:.2f}  traced/untraced "
             f"{row['tracing_overhead']:.3f}"
+        )
+        keys: tuple[str, ...] = ("shm_ratio_vs_nats_py", "tcp_ratio_vs_nats_py", "nats_path_ratio_vs_nats_py")
+        keys += ("tcp_vs_loopback_limit", "shm_vs_memcpy", "round_trips")
+        print(
+            f"       path {row['path']}  "
+            + "  ".join(f"{k[:-5]} {v:.2f}" for k, v in row.items() if k.endswith("_GBps"))
+            + " GB/s  "
+            + "  ".join(f"{k} {row[k]}" for k in keys)
         )
     return out
 

@@ -38,6 +38,10 @@ class PathsConfig:
     """Bytes of released shared segments a sender keeps for reuse (0: none)."""
     recv_pool_bytes: int = 1 << 30
     """Bytes of receive buffers a receiver keeps for reuse once nothing refers to them (0: none)."""
+    direct_chunk_size: int = 4 << 20
+    """Chunk size of a transfer expected to take ``shm`` or ``tcp`` when the bus's chunk size is
+    left at its default (0: the bus's); capped below the NATS max_payload, so that a transfer
+    that falls back to NATS can carry the same chunks there."""
     token_ttl_s: float = 30.0
     """Seconds a transfer token stays valid unused."""
     connect_timeout_s: float = 5.0
@@ -61,6 +65,8 @@ class PathsConfig:
             raise ConfigError(f"paths.token_ttl_s must be at most {MAX_TOKEN_TTL_S:g}")
         if self.shm_pool_bytes < 0 or self.recv_pool_bytes < 0:
             raise ConfigError("paths.shm_pool_bytes and paths.recv_pool_bytes must not be negative")
+        if self.direct_chunk_size and not 1024 <= self.direct_chunk_size <= 1 << 30:
+            raise ConfigError("paths.direct_chunk_size must be 0 or within 1 KB..1 GB")
         if self.max_connections < 1:
             raise ConfigError("paths.max_connections must be at least 1")
 

@@ -74,6 +74,7 @@ class SocketChannel(Channel):
             self._loop.remove_writer(fd)
 
     async def send(self, buffers: Sequence[memoryview], fds: Sequence[int] = ()) -> None:
+        """Write the frame (see `Channel.send`)."""
         views = [b for b in buffers if b.nbytes]
         i = 0
         ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
@@ -105,10 +106,12 @@ class SocketChannel(Channel):
         return bytes(buf)
 
     async def recv_frame(self, path: str) -> tuple[Frame, bytes]:
+        """The next frame (see `Channel.recv_frame`)."""
         frame = unpack(await self._recv_exactly(HEADER_SIZE), path)
         return frame, (await self._recv_exactly(frame.length) if frame.length else b"")
 
     def close(self) -> None:
+        """Close at once."""
         try:
             self._loop.remove_writer(self.sock.fileno())
             self._loop.remove_reader(self.sock.fileno())
@@ -121,6 +124,7 @@ class PacketChannel(SocketChannel):
     """A ``SOCK_SEQPACKET`` Unix socket: one frame per message, file descriptors alongside."""
 
     async def recv_frame(self, path: str) -> tuple[Frame, bytes]:
+        """The next message as a frame (see `Channel.recv_frame`)."""
         data = await self._loop.sock_recv(self.sock, HEADER_SIZE + MAX_CTRL)
         if not data:
             raise EOFError("the connection was closed")
@@ -142,6 +146,7 @@ class StreamChannel(Channel):
         self.writer = writer
 
     async def send(self, buffers: Sequence[memoryview], fds: Sequence[int] = ()) -> None:
+        """Write the frame through the stream (no descriptors)."""
         if fds:
             raise OSError("cannot pass file descriptors over this channel")
         if self.writer.is_closing():
@@ -150,6 +155,7 @@ class StreamChannel(Channel):
         await self.writer.drain()
 
     async def recv_frame(self, path: str) -> tuple[Frame, bytes]:
+        """The next frame (see `Channel.recv_frame`)."""
         try:
             frame = unpack(await self.reader.readexactly(HEADER_SIZE), path)
             return frame, (await self.reader.readexactly(frame.length) if frame.length else b"")
@@ -157,8 +163,9 @@ class StreamChannel(Channel):
             raise EOFError("the connection was closed") from None
 
     def close(self) -> None:
+        """Abort the connection."""
         transport = self.writer.transport
-        transport.abort()  # type: ignore[attr-defined]
+        transport.abort()
 
 
 class DirectSendSession:

@@ -25,9 +25,17 @@ def _read(path: str) -> str:
         return ""
 
 
+#: Overrides the identity (e.g. a Kubernetes pod's uid: its containers share memory and the
+#: abstract socket namespace, other pods on the node do not).
+HOST_ID_ENV = "KVBUS_HOST_ID"
+
+
 @functools.cache
 def host_identity() -> str:
-    """This host's identity: 32 lowercase hex characters."""
+    """This host's identity: 32 lowercase hex characters (from ``KVBUS_HOST_ID`` when set)."""
+    given = os.environ.get(HOST_ID_ENV, "").strip()
+    if given:
+        return hashlib.blake2b(given.encode(), digest_size=16).hexdigest()
     parts = [_read(MACHINE_ID), _read(BOOT_ID)]
     if not any(parts):
         parts = [socket.gethostname(), str(os.getpid())]  # nothing to compare with: unique to this process

@@ -142,6 +142,19 @@ class DataPlane:
         token = self.registry.expect(spec, sink, paths=direct, ttl=self.config.token_ttl_s, buffer=buffer)
         return self._offer(direct, token)
 
+    def offer_direct(self, spec: TransferSpec, sink: ChunkSink, paths: Sequence[str]) -> PathOffer | None:
+        """Offer ``spec`` on the direct paths among ``paths`` (from `accepted_paths`), for a sink that
+        takes NATS chunks itself; the offer for the reply (None: no direct path).
+
+        Raises:
+            ValueError: the spec's ranges do not fit it.
+        """
+        direct = frozenset(PathKind(p) for p in paths if p != "nats")
+        if not direct or self.registry is None:
+            return None
+        token = self.registry.expect(spec, sink, paths=direct, ttl=self.config.token_ttl_s)
+        return self._offer(direct, token)
+
     def reoffer(self, transfer_id: str) -> PathOffer | None:
         """A fresh offer (new token; the old one stops working) for a transfer whose sender re-sent its `Open`."""
         if self.registry is None:

@@ -326,6 +326,8 @@ class ShmListener:
         self.max_connections = max_connections
         self.bind_timeout = bind_timeout
         self.connections: set[ShmRxConnection] = set()
+        self.accepted = 0
+        """Connections accepted so far (for tests and `kvbus top`)."""
         self._sock: socket.socket | None = None
 
     @property
@@ -357,6 +359,7 @@ class ShmListener:
                 conn.close()
                 continue
             conn.setblocking(False)
+            self.accepted += 1
             self.connections.add(ShmRxConnection(self, conn))
 
     def close(self) -> None:

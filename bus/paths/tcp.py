@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 
 from kvbus.bus.paths.base import ControlHandler, LostHandler, PathKind, TransferSpec
 from kvbus.bus.paths.config import DataTls, PathsConfig
@@ -26,6 +27,9 @@ from kvbus.protocol import PathOffer
 logger = logging.getLogger(__name__)
 
 _ANY = ("", "0.0.0.0", "::")
+#: Seconds an endpoint that could not be connected to is not tried again (each try may cost
+#: ``connect_timeout_s`` before the transfer goes on NATS).
+FAILED_ENDPOINT_S = 30.0
 
 
 class TcpSendSession(DirectSendSession):
@@ -71,6 +75,8 @@ class TcpPath:
         self._client_ssl = tls.client_context() if tls else None
         self._conns: dict[tuple[str, int], TxConnection] = {}
         self._connecting: dict[tuple[str, int], asyncio.Task[TxConnection]] = {}
+        self._failed: dict[tuple[str, int], float] = {}
+        """Endpoints a connection to failed, and when (not tried again for `FAILED_ENDPOINT_S`)."""
         self.advertise = ""
 
     async def start(self) -> None:
@@ -87,8 +93,12 @@ class TcpPath:
         return self.advertise, self.listener.port
 
     def reachable(self, offer: PathOffer | None, local_host: str) -> bool:
-        """Whether ``offer`` names a TCP endpoint this process can use (TLS on both sides or neither)."""
-        return bool(offer is not None and offer.tcp_host and offer.tls == (self.tls is not None))
+        """Whether ``offer`` names a TCP endpoint this process can use (TLS on both sides or neither)
+        that it did not fail to connect to in the last `FAILED_ENDPOINT_S`."""
+        if offer is None or not offer.tcp_host or offer.tls != (self.tls is not None):
+            return False
+        failed = self._failed.get((offer.tcp_host, offer.tcp_port))
+        return failed is None or time.monotonic() - failed > FAILED_ENDPOINT_S
 
     async def open(
         self,
@@ -105,7 +115,7 @@ class TcpPath:
             PathUnavailable: not offered, TLS mismatch, connection refused, token refused.
         """
         if offer is None or not self.reachable(offer, ""):
-            raise PathUnavailable("tcp", "not offered (or TLS on one side only)", peer=spec.receiver)
+            raise PathUnavailable("tcp", "not offered, TLS on one side only, or unreachable lately", peer=spec.receiver)
         conn = await self._connection(offer.tcp_host, offer.tcp_port)
         session = TcpSendSession(spec, conn, peer=conn.peer, on_control=on_control, on_lost=on_lost)
         await conn.bind(session, offer.token, timeout=self.config.connect_timeout_s)
@@ -155,7 +165,9 @@ class TcpPath:
                     raise
                 channel = SocketChannel(sock)
         except (OSError, TimeoutError, ConfigError) as exc:
+            self._failed[(host, port)] = time.monotonic()
             raise PathUnavailable("tcp", f"cannot connect ({type(exc).__name__}: {exc})", peer=peer) from None
+        self._failed.pop((host, port), None)
         conn = TxConnection("tcp", channel, peer, self._forget)
         self._conns[(host, port)] = conn
         return conn

@@ -102,6 +102,7 @@ class RxConnection(asyncio.BufferedProtocol):
     # -- asyncio callbacks ------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """asyncio: a connection arrived (too many: closed at once; else a BIND is due within the timeout)."""
         self.transport = transport  # type: ignore[assignment]
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
@@ -110,6 +111,7 @@ class RxConnection(asyncio.BufferedProtocol):
             transport.abort()  # type: ignore[attr-defined]
             return
         self.listener.connections.add(self)
+        self.listener.accepted += 1
         sock = transport.get_extra_info("socket")
         if sock is not None:
             try:
@@ -119,6 +121,7 @@ class RxConnection(asyncio.BufferedProtocol):
         self._timer = asyncio.get_running_loop().call_later(self.listener.bind_timeout, self._bind_deadline)
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        """asyncio: where the next bytes go (header, small payload, the chunk's place in its buffer, scratch)."""
         if self._state == _DATA:
             if self._session is not None and not self._session.current:
                 # Superseded or ended mid-chunk: not one more byte into the buffer.
@@ -132,6 +135,7 @@ class RxConnection(asyncio.BufferedProtocol):
         return self._scratch[: min(self._left, _SCRATCH)]
 
     def buffer_updated(self, nbytes: int) -> None:
+        """asyncio: ``nbytes`` arrived in the buffer last handed out."""
         try:
             self._advance(nbytes)
         except PathProtocolError as exc:
@@ -139,9 +143,11 @@ class RxConnection(asyncio.BufferedProtocol):
             self._abort()
 
     def eof_received(self) -> bool:
+        """asyncio: the sender closed its side; the connection closes."""
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        """asyncio: the connection is gone; its bound transfers are told."""
         if self._timer is not None:
             self._timer.cancel()
         self.listener.connections.discard(self)
@@ -301,6 +307,8 @@ class TcpListener:
         self.bind_timeout = bind_timeout
         self.max_connections = max_connections
         self.connections: set[RxConnection] = set()
+        self.accepted = 0
+        """Connections accepted so far (for tests and `kvbus top`)."""
         self._server: asyncio.Server | None = None
 
     async def start(self) -> None:

@@ -51,6 +51,7 @@ PRIORITY = float_in(0.0, MAX_PRIORITY)
         "traceparent": OptStr,
         "fidelity": FRACTION,
         "base_tokens": int_in(0, MAX_COUNT),
+        "path": str,
     },
 )
 @dataclass(frozen=True, slots=True)
@@ -75,6 +76,9 @@ class TransferRequest(Message):
     """The context's lineage: product of the fidelity factors of the lossy hops it took."""
     base_tokens: int = 0
     """Tokens of this context every receiver already holds from this sender (enables delta media)."""
+    path: str = ""
+    """The data path the sender expects the bytes to take (``shm``, ``tcp``, ``nats``; empty:
+    ``nats``): the cost model predicts the wire time from that path's link estimate."""
 
 
 @message("request_ack", {"transfer_id": str, "ok": bool, "reason": str, "code": Reason})
@@ -250,6 +254,7 @@ class FlowReservation(Message):
         "error": str,
         "dst": ListOf(str),
         "wire_s": SECONDS,
+        "path": str,
     },
 )
 @dataclass(frozen=True, slots=True)
@@ -267,6 +272,9 @@ class TransferDone(Message):
     dst: list = field(default_factory=list)
     wire_s: float = 0.0
     """Time on the wire (transfer minus the slowest receiver's decode), for the link estimate."""
+    path: str = ""
+    """The data path the bytes took (empty: ``nats``; ``mixed``: a direct path failed and the
+    rest went on NATS, which feeds no link estimate)."""
 
 
 @message(
