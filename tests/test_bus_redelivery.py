@@ -9,6 +9,7 @@ and the context was delivered twice by one incarnation.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -51,8 +52,8 @@ async def test_a_status_request_during_the_decode_does_not_deliver_the_transfer_
     transfer: the answer says every chunk is in (no new transfer, nothing resent), and the
     context is delivered once."""
     tx_bus, rx_bus = buses
-    tx = await tx_bus.agent("redeliver-tx", signature=SIG)
-    rx = await rx_bus.agent("redeliver-rx", signature=SIG)
+    tx = await tx_bus.agent(f"redeliver-tx-{time.monotonic_ns()}", signature=SIG)
+    rx = await rx_bus.agent(f"redeliver-rx-{time.monotonic_ns()}", signature=SIG)
     receiver = rx._receiver
     gate, decode_started = asyncio.Event(), asyncio.Event()
     replies: list[tuple[Open, OpenReply]] = []
