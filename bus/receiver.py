@@ -5,7 +5,8 @@ allocated, codec, model signature, chunk plan and digests, subjects) and refused
 `Reason` code when it does not pass. An inline payload is verified and decoded at once; a
 streamed one gets an `IncomingTransfer` (within the caps of `PartialTransfers`) whose last
 chunk calls `Receiver.finish`. Decoded contexts go to the agent's `Inbox`; completed transfer
-ids are remembered so that an `Open` asked again is answered, not delivered twice, and each
+ids are remembered so that an `Open` asked again is answered, not delivered twice (so is one
+that comes while its transfer's last chunk is being verified and decoded), and each
 agent start is a new incarnation that refuses a retried `Open` an earlier one may have
 delivered (`Reason.RECEIVER_RESTARTED`). A private copy of the last context from each sender
 is kept as the base delta media decode against (deliveries never alias it).
@@ -103,6 +104,10 @@ class Receiver:
         """The last delivery waiting for its base copy before it goes into the inbox (they go in order)."""
         self._reading: collections.Counter[str] = collections.Counter()
         """Per sender: decodes running in a thread with its base."""
+        self.finishing: dict[str, IncomingTransfer] = {}
+        """Streamed transfers whose last chunk is in, while they are verified and decoded (no longer
+        partial, not yet completed): an `Open` asked again meanwhile learns that every chunk is in
+        and waits for the verdict, rather than starting the transfer over (a second delivery)."""
         self.incarnation = secrets.token_hex(8)
         """This agent start's id, in every `OpenReply`: a retried `Open` for another is refused."""
         self.started = time.monotonic()
@@ -146,7 +151,7 @@ class Receiver:
             return _refuse(tid, Reason.WRONG_SENDER, f"an Open from {open_msg.src!r} came on the inbox of {sender!r}")
         if tid in self.completed:
             return OpenReply(transfer_id=tid, ok=True, done=True)
-        active = self.incoming.get(tid)
+        active = self.incoming.get(tid) or self.finishing.get(tid)
         if active is not None:
             return self._status(active)
         restarted = self._restarted(open_msg)
@@ -297,6 +302,16 @@ class Receiver:
         tid = incoming.open.transfer_id
         if self.incoming.pop(tid) is None:
             return  # dropped (evicted or the agent closed) after its last chunk came in: its sender knows
+        # From here until it is delivered (or refused) the transfer is neither partial nor
+        # completed: `finishing` answers an Open asked again meanwhile (all chunks in, verdict to come).
+        self.finishing[tid] = incoming
+        try:
+            await self._finish(incoming)
+        finally:
+            self.finishing.pop(tid, None)
+
+    async def _finish(self, incoming: IncomingTransfer) -> None:
+        tid = incoming.open.transfer_id
         transfer_s = time.perf_counter() - incoming.started
         receive_span, reassemble_span = incoming.spans
         with telemetry.using(receive_span):

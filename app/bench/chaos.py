@@ -24,6 +24,23 @@ Figures: ``delivered`` (reported and received intact), ``failed_with_error``, ``
 bytes than were sent), ``forged_delivered`` (a forged stream delivered as a transfer's content),
 ``crashed`` (a send raised anything but a `TransferError`, or an agent process died by itself).
 The goal is 0 for the last five.
+
+How ``lost`` is told apart from a receiver killed at the wrong moment: a receiver process prints
+``accepted`` when its bus has verified and decoded a transfer and recorded it as done (its
+verdict goes out next) and ``delivered`` when the delivery is in its inbox. For a large context
+the inbox gets it only after the verdict (the receiver first keeps a private copy as the delta
+base, in a thread, off the sender's path), and the line itself follows a digest of the context:
+a receiver the bench SIGKILLs in those milliseconds acknowledged a transfer it then took down
+with it. No bus can hand a context to an application that is killed after acknowledging it (an
+inbox lives in the process), so such a transfer is not ``lost`` but counted as
+``receiver_killed_after_verdict``: only when that very process (by pid) printed ``accepted`` and
+was then killed by the bench. A transfer reported delivered that no process accepted, or whose
+accepting process lived on without printing it, stays ``lost``.
+
+``duplicated`` counts every second ``delivered`` line of a transfer id, whichever process (or
+incarnation) printed it. With ``KVBUS_CHAOS_TRACE=path`` the bench writes, per lost or
+duplicated transfer id, its lines (with the receiver's pid, incarnation, the attempt of the `Open`
+it delivered from) and the faults around it.
 """
 
 from __future__ import annotations
@@ -96,6 +113,8 @@ class AgentProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.killing = False
         self.incarnations = 0
+        self.killed: set[int] = set()
+        """Process ids the bench killed (SIGKILL) while they ran."""
         self._reader: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -128,6 +147,7 @@ class AgentProcess:
                 continue
             if event.get("event") == "ready":
                 self.ready.set()
+            event["pid"] = proc.pid  # which process (incarnation) said it
             self.on_event(self, event)
         code = await asyncio.to_thread(proc.wait)
         if proc is self.proc and not self.killing:
@@ -150,6 +170,7 @@ class AgentProcess:
         self.killing = True
         self.ready.clear()
         if self.proc is not None and self.proc.poll() is None:
+            self.killed.add(self.proc.pid)
             self.proc.kill()
         lost = list(self.inflight.values())
         self.inflight.clear()
@@ -181,10 +202,16 @@ async def _chaos(transfers: int, seed: int, concurrency: int = 16) -> dict[str, 
     forger = Forger(forger_transport, random.Random(seed + 1), P_PEER_FORGE)
     await forger.start()
     deliveries: list[tuple[str, str, str, str]] = []  # (receiver, transfer id, sender, digest)
+    accepted: list[tuple[str, int]] = []  # (transfer id, receiver process): decided to deliver, verdict going out
     sends: dict[int, Send] = {}
     faults: collections.Counter[str] = collections.Counter()
     crashed: list[str] = []
     restarts: set[asyncio.Task[None]] = set()
+    trace: list[dict[str, Any]] = []
+    t_start = time.perf_counter()
+
+    def note(who: str, incarnation: int, event: dict[str, Any]) -> None:
+        trace.append({"t": round(time.perf_counter() - t_start, 3), "who": who, "inc": incarnation, **event})
 
     def restart_later(agent: AgentProcess, delay: float) -> None:
         async def go() -> None:
@@ -203,8 +230,12 @@ async def _chaos(transfers: int, seed: int, concurrency: int = 16) -> dict[str, 
 
     def on_event(agent: AgentProcess, event: dict[str, Any]) -> None:
         kind = event.get("event")
+        if kind != "fault":
+            note(agent.name, agent.incarnations, event)
         if kind == "delivered":
             deliveries.append((event["rx"], event["tid"], event["sender"], event["digest"]))
+        elif kind == "accepted":
+            accepted.append((event["tid"], event["pid"]))
         elif kind in ("ok", "error", "crash"):
             send = agent.inflight.pop(int(event["k"]), None)
             if send is not None:
@@ -261,11 +292,13 @@ async def _chaos(transfers: int, seed: int, concurrency: int = 16) -> dict[str, 
                     rx = rng.choice(receivers)
                     if rx.ready.is_set() and rx.tell(f"restart {rng.uniform(0.05, 0.5):.2f}"):
                         faults["receiver_restarts"] += 1
+                        note(rx.name, rx.incarnations, {"event": "FAULT_restart"})
                 elif roll < 0.35:
                     rx = rng.choice(receivers)
                     if rx.ready.is_set():
                         rx.kill()
                         faults["receiver_kills"] += 1
+                        note(rx.name, rx.incarnations, {"event": "FAULT_rx_kill"})
                         restart_later(rx, rng.uniform(0.05, 0.5))
                 elif roll < 0.5:
                     tx = rng.choice(senders)
@@ -273,14 +306,18 @@ async def _chaos(transfers: int, seed: int, concurrency: int = 16) -> dict[str, 
                         for send in tx.kill():
                             finish(send, "killed")
                         faults["sender_kills"] += 1
+                        note(tx.name, tx.incarnations, {"event": "FAULT_tx_kill"})
                         restart_later(tx, rng.uniform(0.05, 0.5))
                 elif roll < 0.7:
                     server.kill()
+                    note("nats", 0, {"event": "FAULT_nats_kill"})
                     await asyncio.sleep(rng.uniform(0.1, 1.0))
                     await asyncio.to_thread(server.start)
                     faults["nats_restarts"] += 1
+                    note("nats", 0, {"event": "FAULT_nats_up"})
                     await asyncio.sleep(1.0)  # let everyone reconnect before the next fault
                 else:
+                    note("sched", 0, {"event": "FAULT_sched_close"})
                     await sched.close()
                     await asyncio.sleep(rng.uniform(0.05, 0.5))
                     sched = await GroupScheduler.connect(url, GROUP, config=sched_cfg)
@@ -308,7 +345,30 @@ async def _chaos(transfers: int, seed: int, concurrency: int = 16) -> dict[str, 
         await forger_transport.close()
         await sched.close()
         server.stop()
-    return _figures(transfers, sends, deliveries, digests, forger, faults, crashed, elapsed)
+    killed_rx = {pid for rx in receivers for pid in rx.killed}
+    figures = _figures(transfers, sends, deliveries, digests, forger, faults, crashed, elapsed, accepted, killed_rx)
+    if os.environ.get("KVBUS_CHAOS_TRACE"):
+        _dump_trace(os.environ["KVBUS_CHAOS_TRACE"], sends, trace)
+    return figures
+
+
+def _dump_trace(path: str, sends: dict[int, Send], trace: list[dict[str, Any]]) -> None:
+    """Write, per lost or duplicated transfer id, its events and the faults around them (debugging)."""
+    seen = collections.Counter(e["tid"] for e in trace if e.get("event") == "delivered")
+    ok = {s.tid for s in sends.values() if s.outcome == "ok"}
+    odd = {tid: "duplicated" for tid, n in seen.items() if n > 1} | {tid: "lost" for tid in ok if not seen[tid]}
+    out = []
+    for tid, why in odd.items():
+        events = [e for e in trace if e.get("tid") == tid]
+        t0, t1 = min(e["t"] for e in events) - 3, max(e["t"] for e in events) + 1
+        around = [
+            e
+            for e in trace
+            if e["event"].startswith("FAULT") or e["event"] in ("ready", "restarted", "exited", "dying")
+        ]
+        out.append({"tid": tid, "why": why, "events": events, "around": [e for e in around if t0 <= e["t"] <= t1]})
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
 
 
 def _figures(
@@ -320,8 +380,15 @@ def _figures(
     faults: collections.Counter[str],
     crashed: list[str],
     elapsed: float,
+    accepted: list[tuple[str, int]] | None = None,
+    killed_pids: set[int] | None = None,
 ) -> dict[str, Any]:
-    """What went right and wrong, from what was sent and what arrived."""
+    """What went right and wrong, from what was sent and what arrived.
+
+    A transfer reported delivered whose ``delivered`` line never came is `lost`, unless a receiver
+    process said it ``accepted`` it (verified, decoded, recorded as done: its verdict was going
+    out) and the bench then SIGKILLed that very process: ``receiver_killed_after_verdict``.
+    """
     by_tid = {s.tid: s for s in sends.values() if s.tid}
     killed = [s for s in sends.values() if s.outcome == "killed"]
     seen: collections.Counter[str] = collections.Counter(tid for _, tid, _, _ in deliveries)
@@ -337,13 +404,17 @@ def _figures(
             corrupted += 1
             forged_delivered += tid in forger.forged
     ok = [s.tid for s in sends.values() if s.outcome == "ok"]
+    # Transfers a receiver process took and was then killed by the bench, before it printed them.
+    taken_by_killed = {tid for tid, pid in accepted or [] if pid in (killed_pids or set())}
+    unseen = [tid for tid in ok if seen[tid] == 0]
     errors = collections.Counter(s.error for s in sends.values() if s.outcome == "error")
     return {
         "transfers": transfers,
         "delivered": sum(1 for tid in ok if seen[tid] >= 1),
         "failed_with_error": sum(1 for s in sends.values() if s.outcome == "error"),
         "sender_killed": len(killed),
-        "lost": sum(1 for tid in ok if seen[tid] == 0),
+        "lost": sum(1 for tid in unseen if tid not in taken_by_killed),
+        "receiver_killed_after_verdict": sum(1 for tid in unseen if tid in taken_by_killed),
         "duplicated": sum(n - 1 for n in seen.values() if n > 1),
         "corrupted": corrupted,
         "forged_delivered": forged_delivered,

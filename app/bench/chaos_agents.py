@@ -5,10 +5,13 @@ SIGKILL, the transport wrapper that damages chunks, and a hostile peer that forg
     python -m kvbus.app.bench.chaos_agents sender URL NAME [--p-drop P] [--p-corrupt P] [--p-forge P] [--p-dup P]
 
 Both print JSON lines on stdout, ``{"event": "ready"}`` first. A receiver prints
-``{"event": "delivered", "rx", "tid", "sender", "digest"}`` the moment a delivery enters its
-inbox (before its final ack goes out); with ``--die-after-delivery`` it then exits at once with
-that probability (exit code `DIED_AFTER_DELIVERY`): a receiver that dies between delivery and
-its final ack. On stdin, ``restart <seconds>`` closes its agent and opens it again (a graceful
+``{"event": "accepted", "rx", "tid", "incarnation", "attempt", ...}`` when its bus records a
+transfer as done (verified and decoded; the verdict goes out next) and
+``{"event": "delivered", "rx", "tid", "sender", "digest"}`` the moment the delivery enters its
+inbox (before its final ack goes out for a small context; just after it for a large one, whose
+delta-base copy is made first); with ``--die-after-delivery`` it then exits at once with that
+probability (exit code `DIED_AFTER_DELIVERY`): a receiver that dies between delivery and its
+final ack. On stdin, ``restart <seconds>`` closes its agent and opens it again (a graceful
 leave). A sender reads ``send <k> <rx> <j>`` lines and sends pool context ``j`` to ``rx``,
 several at a time, printing ``{"event": "ok" | "error" | "crash", "k", "tid", ...}`` per send and
 ``{"event": "fault", "kind"}`` per chunk its transport dropped, corrupted, forged or duplicated.
@@ -24,6 +27,7 @@ import json
 import os
 import random
 import sys
+import time
 from typing import Any
 
 import torch
@@ -235,9 +239,32 @@ async def _lines() -> Any:
 
 async def _receiver(args: argparse.Namespace) -> None:
     from kvbus.bus.inbox import Inbox
+    from kvbus.bus.receiver import Receiver
 
     rng = random.Random(args.seed)
     put = Inbox.put
+    decode = Receiver._decode
+    record = Receiver._deliver
+    opens: dict[str, tuple[int, str, float]] = {}
+
+    async def decoding(self: Receiver, open_msg: Open, buffers: Any, transfer_s: float) -> Any:
+        opens[open_msg.transfer_id] = (open_msg.attempt, open_msg.incarnation, open_msg.retry_age)
+        return await decode(self, open_msg, buffers, transfer_s)
+
+    def recording(self: Receiver, delivery: Any) -> None:
+        attempt, inc, age = opens.pop(delivery.transfer_id, (-1, "", 0.0))
+        _emit(
+            "accepted",
+            rx=args.name,
+            tid=delivery.transfer_id,
+            incarnation=self.incarnation,
+            attempt=attempt,
+            open_incarnation=inc,
+            retry_age=round(age, 3),
+            uptime=round(time.monotonic() - self.started, 3),
+            pid=os.getpid(),
+        )
+        record(self, delivery)
 
     def deliver(self: Inbox, delivery: Any) -> None:
         put(self, delivery)
@@ -249,6 +276,8 @@ async def _receiver(args: argparse.Namespace) -> None:
             os._exit(DIED_AFTER_DELIVERY)  # after the delivery, before its final ack
 
     Inbox.put = deliver  # type: ignore[method-assign]
+    Receiver._decode = decoding  # type: ignore[method-assign]
+    Receiver._deliver = recording  # type: ignore[method-assign]
     bus = await Bus.connect(args.url, config=CONFIG)
     agent = await bus.agent(args.name, group=GROUP, signature=SIG)
 
