@@ -312,6 +312,27 @@ def test_clean_removes_everything_after_the_builder_was_killed(tmp_path: Path) -
     assert all(r.run_id != run_id for r in runs.list_runs())
 
 
+@needs_testbed
+def test_clean_leaves_alone_a_run_it_has_no_folder_for() -> None:
+    """A run of another base folder (another test session's or user's ``TMPDIR``) is not known to
+    be stale: `clean` keeps it (a concurrent session's bench lost its workers to another's
+    `clean`), and removes it only when named or with ``everything``."""
+    import secrets
+
+    run_id = secrets.token_hex(4)
+    ns = runs.namespace_prefix(run_id) + "elsewhere"
+    netns.add(ns)
+    try:
+        assert not (runs.base_dir() / run_id).exists()
+        kept = runs.clean()
+        assert ns in netns.namespaces() and kept["kept"] >= 1
+        removed = runs.clean(run_id=run_id)
+        assert removed["runs"] == 1 and ns not in netns.namespaces()
+    finally:
+        if ns in netns.namespaces():
+            netns.delete(ns)
+
+
 def test_check_says_why_without_root() -> None:
     """As an unprivileged user `kvbus testbed check` says the testbed needs root (exit 1)."""
     if os.geteuid() != 0:

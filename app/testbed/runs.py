@@ -199,13 +199,18 @@ def remove_run(run_id: str) -> dict[str, int]:
 def clean(*, run_id: str | None = None, everything: bool = False) -> dict[str, int]:
     """Remove stale runs (whose builder is gone), one given run, or with ``everything`` all runs.
 
-    Returns the summed counts of `remove_run`, plus ``runs`` and ``kept`` (live runs left alone).
+    A run with namespaces but no folder here is not known to be stale: it may belong to another
+    base folder (another ``KVBUS_TESTBED_DIR`` or ``TMPDIR``: another user's or test session's
+    runs on the same machine), whose builder may be alive. It is left alone unless named or
+    ``everything`` is given.
+
+    Returns the summed counts of `remove_run`, plus ``runs`` and ``kept`` (runs left alone).
     """
     totals = {"runs": 0, "namespaces": 0, "processes": 0, "folders": 0, "kept": 0}
     for info in list_runs():
         if run_id is not None and info.run_id != run_id:
             continue
-        if info.alive and not everything and run_id is None:
+        if (info.alive or not info.folder) and not everything and run_id is None:
             totals["kept"] += 1
             continue
         counts = remove_run(info.run_id)
