@@ -1604,7 +1604,9 @@ async def test_existing_secret_users_on_a_real_server(tmp_path: Path) -> None:
     from kvbus.app.local import free_port
 
     docs = render(_agents_value([("alice", "g0", ())]), "nats.auth.existingSecret=kvbus-nats-users", SINGLE)
-    existing = {u["user"]: secrets.token_urlsafe(24) for u in nats_users(docs)}
+    # A letter first: nats-server parses a variable's value as a config value, and one that
+    # starts with a digit is read as a number and refused (the chart README says so).
+    existing = {u["user"]: "p" + secrets.token_urlsafe(24) for u in nats_users(docs)}
     port, monitor = free_port(), free_port()
     server, secret = _chart_nats(docs, tmp_path, port, monitor, existing_secret=existing)
     try:
