@@ -34,28 +34,22 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hashlib
 import io
 import logging
 import random
 import time
 from typing import Any
 
-import torch
-
+from kvbus.app.bench.chaos_agents import GROUP, SIG, kv_digest, make_kv
 from kvbus.app.cluster import NatsCluster
 from kvbus.app.local import NatsServer
 from kvbus.bus import Bus, BusConfig, TransferError
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
-from kvbus.kvcache import KVCache
 from kvbus.net.buckets import key_value
 from kvbus.protocol import CHUNK_INDEX_HEADER, CHUNK_SUM_HEADER
-from kvbus.signature import ModelSignature
 
 logger = logging.getLogger(__name__)
 
-SIG = ModelSignature("chaos-model", n_layers=4, n_kv_heads=4, head_dim=64, dtype="bfloat16", vocab_size=32000)
-GROUP = "chaos"
 #: The bucket the cluster run writes to after each server kill (to time the control plane's return).
 PROBE_BUCKET = "kvbus_chaos_probe"
 CONFIG = BusConfig(
@@ -68,25 +62,6 @@ CONFIG = BusConfig(
     regrant_interval=0.3,
     inline_limit=64 * 1024,
 )
-
-
-def make_kv(nbytes: int, seed: int) -> KVCache:
-    """A random cache of about ``nbytes`` KV bytes (at least one token), reproducible from ``seed``."""
-    n_tokens = max(1, nbytes // SIG.kv_bytes_per_token())
-    g = torch.Generator().manual_seed(seed)
-    shape = (1, SIG.n_kv_heads, n_tokens, SIG.head_dim)
-    keys = [torch.randn(shape, generator=g).to(SIG.torch_dtype) for _ in range(SIG.n_layers)]
-    values = [torch.randn(shape, generator=g).to(SIG.torch_dtype) for _ in range(SIG.n_layers)]
-    return KVCache(torch.randint(0, SIG.vocab_size, (1, n_tokens), generator=g), SIG, keys, values)
-
-
-def kv_digest(kv: KVCache) -> str:
-    """A hex blake2b digest of the cache's tokens and the raw bytes of its keys and values."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(kv.tokens.contiguous().numpy().tobytes())
-    for t in (*kv.keys, *kv.values):
-        h.update(t.contiguous().view(-1).view(torch.uint8).numpy().data)
-    return h.hexdigest()
 
 
 class ChaosTransport:
