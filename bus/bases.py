@@ -2,16 +2,19 @@
 
 A copy of a large context into fresh memory costs a page fault per 4 KB page (several times the
 copy itself on some VMs); `base_copy` copies into the previous base of that sender when the
-layout matches, else into huge-page-advised mappings.
+layout matches, else into huge-page-advised mappings. A context that came through a shared
+segment needs no copy at all (`twin_base`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 
 from kvbus.bus.paths.registry import HUGE_FROM, allocate_buffer
+from kvbus.bus.paths.shm import address
 from kvbus.kvcache import KVCache
 
 
@@ -32,6 +35,37 @@ def base_copy(kv: KVCache, old: KVCache | None = None) -> KVCache:
         tokens=kv.tokens.clone(),
         keys=[_fresh_copy(t) for t in kv.keys],
         values=[_fresh_copy(t) for t in kv.values],
+        positions=None if kv.positions is None else kv.positions.clone(),
+    )
+
+
+def twin_base(kv: KVCache, twins: Sequence[tuple[memoryview, memoryview]]) -> KVCache | None:
+    """``kv`` as a delta base without copying its KV: each key and value tensor that lies in one
+    of the ``(view, twin)`` mappings becomes the tensor at the same offset of ``twin`` (a second
+    copy-on-write mapping of the same bytes, so the application may write the delivered tensors
+    and the base stays as it arrived). None when any of them lies elsewhere (a decode made it)."""
+
+    def twin_of(t: torch.Tensor) -> torch.Tensor | None:
+        nbytes = t.numel() * t.element_size()
+        if t.device.type != "cpu" or not t.is_contiguous() or nbytes == 0:
+            return None
+        start = t.data_ptr()
+        for view, twin in twins:
+            lo = address(view)
+            if lo <= start and start + nbytes <= lo + view.nbytes:
+                raw = torch.frombuffer(twin, dtype=torch.uint8, count=nbytes, offset=start - lo)
+                return raw.view(t.dtype).reshape(t.shape)
+        return None
+
+    keys = [twin_of(t) for t in kv.keys]
+    values = [twin_of(t) for t in kv.values]
+    if not keys or any(t is None for t in (*keys, *values)):
+        return None
+    return dataclasses.replace(
+        kv,
+        tokens=kv.tokens.clone(),
+        keys=keys,  # type: ignore[arg-type]
+        values=values,  # type: ignore[arg-type]
         positions=None if kv.positions is None else kv.positions.clone(),
     )
 

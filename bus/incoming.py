@@ -95,6 +95,9 @@ class IncomingTransfer:
         whole in one buffer)."""
         self._bases: list[memoryview] = []
         """Buffers the direct paths wrote into (a whole payload in one is delivered as its views)."""
+        self.twins: list[tuple[memoryview, memoryview]] = []
+        """Per buffer a direct path lent (``shm``): that buffer and a second copy-on-write mapping
+        of the same bytes, which the receiver keeps as the delta base instead of a copy."""
         self._control: ReceiveSession | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -120,6 +123,7 @@ class IncomingTransfer:
             await plane.withdraw(self.open.transfer_id)
         self._control = None
         self._bases.clear()
+        self.twins.clear()
         sub, self._sub = self._sub, None
         if sub is not None:
             try:
@@ -278,6 +282,9 @@ class IncomingTransfer:
         for base in (getattr(session, "view", None), getattr(getattr(session, "expected", None), "buffer", None)):
             if isinstance(base, memoryview) and base.nbytes >= self.open.total:
                 self._bases.append(base)
+        view, twin = getattr(session, "view", None), getattr(session, "twin", None)
+        if isinstance(view, memoryview) and isinstance(twin, memoryview) and twin.nbytes == view.nbytes:
+            self.twins.append((view, twin))
 
     def path_lost(self, session: ReceiveSession, error: PathError) -> None:
         """The direct path failed: the sender goes on over NATS (acks too); what arrived stays."""

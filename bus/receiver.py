@@ -21,13 +21,14 @@ import dataclasses
 import logging
 import secrets
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from nats.aio.msg import Msg
 from opentelemetry.trace import INVALID_SPAN, SpanKind
 
 from kvbus import telemetry
-from kvbus.bus.bases import base_copy
+from kvbus.bus.bases import base_copy, twin_base
 from kvbus.bus.chunking import ChunkPlan, check_open_plan, split_inline
 from kvbus.bus.config import OFFLOAD_BYTES
 from kvbus.bus.endpoint import Endpoint
@@ -339,7 +340,7 @@ class Receiver:
                 await incoming.report(ok=False, reason=reason, code=code)
                 return
             decode_s = time.perf_counter() - t0
-            self._deliver(delivery)
+            self._deliver(delivery, twins=incoming.twins)
             await incoming.report(ok=True, decode_s=decode_s)
 
     async def janitor(self) -> None:
@@ -413,10 +414,12 @@ class Receiver:
             )
         return kv
 
-    def _deliver(self, delivery: Delivery) -> None:
+    def _deliver(self, delivery: Delivery, *, twins: Sequence[tuple[memoryview, memoryview]] = ()) -> None:
         """Record ``delivery`` as done and hand it to the inbox, after a private copy of it is kept as
         the sender's delta base (the delivery is the application's to edit in place).
 
+        A delivery whose tensors all lie in a segment the sender lent (``shm``) is kept without a
+        copy: its base views the same bytes through a second copy-on-write mapping (`twin_base`).
         A large copy runs in a thread after the verdict went out, so it is off the sender's path;
         deliveries still reach the inbox in the order they completed, and the next decode waits
         for the copy it may need.
@@ -426,6 +429,10 @@ class Receiver:
             self.completed.popitem(last=False)
         if not self._ep.config.keep_bases:
             self._put(delivery)
+        elif twins and self._handover is None and (twin := twin_base(delivery.kv, twins)) is not None:
+            # Its tensors lie in a lent shared segment: the base is a second copy-on-write mapping of it.
+            self.bases[delivery.sender] = twin
+            self.inbox.put(delivery)
         elif delivery.kv.nbytes <= OFFLOAD_BYTES and self._handover is None:
             self.bases[delivery.sender] = delivery.kv.clone()
             self.inbox.put(delivery)

@@ -63,8 +63,8 @@ async def main() -> None:
 
         deliver, report = Receiver._deliver, IncomingTransfer.report
 
-        def deliver_and_say(self, d):
-            deliver(self, d)
+        def deliver_and_say(self, d, **kw):
+            deliver(self, d, **kw)
             print(json.dumps(_line(d)), flush=True)
 
         async def hang(self, *, ok, **kwargs):

@@ -428,6 +428,53 @@ def test_the_delta_base_is_copied_into_the_previous_one_and_never_aliases_the_de
     assert fresh.equal(longer) and fresh.keys[0].data_ptr() != again.keys[0].data_ptr()
 
 
+async def test_a_context_that_came_on_shm_is_kept_as_the_delta_base_without_a_copy(bus: Bus, sender_bus: Bus) -> None:
+    rx = await bus.agent(f"paths-twin-rx-{uuid.uuid4().hex[:6]}", signature=SIG)
+    tx = await sender_bus.agent(f"paths-twin-tx-{uuid.uuid4().hex[:6]}", signature=SIG)
+    whole = kv_of_bytes(SIG, 12 * MB, seed=31)
+    first = whole.slice(0, whole.n_tokens * 3 // 4)
+    assert (await tx.send(rx.name, first, medium="full")).path == "shm"
+    got = (await rx.receive(timeout=10)).kv
+    base = rx._receiver.bases[tx.name]
+    assert base.equal(first)
+    # Not a copy: the base views a second mapping of the sender's segment, not the delivery's.
+    with open("/proc/self/maps") as f:
+        memfd = [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in f if "memfd:" in line]
+    for t in (*base.keys, *base.values):
+        assert any(lo <= t.data_ptr() < hi for lo, hi in memfd)
+        assert t.data_ptr() not in {u.data_ptr() for u in (*got.keys, *got.values)}
+    got.values[0].zero_()  # the application edits its delivery: the base stays as it arrived
+    assert base.equal(first) and not torch.equal(got.values[0], base.values[0])
+    # The next context builds on that base: only its new tokens travel, and it decodes exactly.
+    report = await tx.send(rx.name, whole, medium="delta+full")
+    assert report.medium.startswith("delta") and report.nbytes < 0.5 * whole.nbytes
+    assert (await rx.receive(timeout=10)).kv.equal(whole)
+
+
+def test_a_receiver_keeps_the_segments_it_verified_mapped_within_a_budget() -> None:
+    from kvbus.bus.paths.shm import Segment
+    from kvbus.bus.paths.shm_server import SegmentMaps
+
+    maps = SegmentMaps(3 * MB)
+    conn, other = object(), object()
+    a, b, c = Segment(MB), Segment(2 * MB), Segment(MB)
+    a.view[:5] = b"first"
+    first = maps.view(conn, a.fd, MB)  # type: ignore[arg-type]
+    assert first is not None and bytes(first[:5]) == b"first" and first.readonly
+    a.view[:5] = b"again"  # the sender reuses its segment: the kept mapping sees its new bytes
+    again = maps.view(conn, a.fd, MB)  # type: ignore[arg-type]
+    assert again is not None and bytes(again[:5]) == b"again" and len(maps) == 1
+    assert maps.view(conn, b.fd, 2 * MB) is not None and maps.bytes == 3 * MB
+    assert maps.view(other, c.fd, MB) is not None  # over the budget: the least recently used goes
+    assert len(maps) == 2 and maps.bytes == 3 * MB
+    assert maps.view(conn, Segment(4 * MB).fd, 4 * MB) is None  # larger than the whole budget
+    maps.forget(conn)  # its connection closed
+    assert len(maps) == 1 and maps.bytes == MB
+    maps.close()
+    assert len(maps) == 0 and maps.bytes == 0
+    assert SegmentMaps(0).view(conn, c.fd, MB) is None  # 0: nothing is kept  # type: ignore[arg-type]
+
+
 # -- a sender killed mid-transfer, TLS ----------------------------------------------------------------
 
 

@@ -251,7 +251,7 @@ async def _receiver(args: argparse.Namespace) -> None:
         opens[open_msg.transfer_id] = (open_msg.attempt, open_msg.incarnation, open_msg.retry_age)
         return await decode(self, open_msg, buffers, transfer_s)
 
-    def recording(self: Receiver, delivery: Any) -> None:
+    def recording(self: Receiver, delivery: Any, **kw: Any) -> None:
         attempt, inc, age = opens.pop(delivery.transfer_id, (-1, "", 0.0))
         _emit(
             "accepted",
@@ -264,7 +264,7 @@ async def _receiver(args: argparse.Namespace) -> None:
             uptime=round(time.monotonic() - self.started, 3),
             pid=os.getpid(),
         )
-        record(self, delivery)
+        record(self, delivery, **kw)
 
     def deliver(self: Inbox, delivery: Any) -> None:
         put(self, delivery)

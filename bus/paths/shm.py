@@ -220,6 +220,7 @@ class ShmPath:
                 registry,
                 self.name,
                 private=config.shm_private,
+                map_cache_bytes=config.shm_map_cache_bytes,
                 max_connections=config.max_connections,
                 bind_timeout=config.connect_timeout_s,
             )

@@ -17,7 +17,9 @@ import logging
 import mmap
 import os
 import socket
+import threading
 import weakref
+from collections.abc import Callable
 
 import xxhash
 
@@ -40,7 +42,13 @@ class ShmRxSession:
     kind = PathKind.SHM
 
     def __init__(
-        self, conn: ShmRxConnection, stream: int, expected: Expected, generation: int, view: memoryview
+        self,
+        conn: ShmRxConnection,
+        stream: int,
+        expected: Expected,
+        generation: int,
+        view: memoryview,
+        check: memoryview | None = None,
     ) -> None:
         self.conn = conn
         self.stream = stream
@@ -48,6 +56,12 @@ class ShmRxSession:
         self.generation = generation
         self.spec: TransferSpec = expected.spec
         self.view: memoryview | None = view
+        self.twin: memoryview | None = None
+        """A second copy-on-write mapping of the same bytes (None with a private copy): what the
+        receiver keeps as the sender's delta base instead of a copy."""
+        self.check = check
+        """The same bytes through the listener's kept read-only mapping of the segment (page tables
+        filled by earlier transfers): chunks are hashed there; None: hashed in `view`."""
         self.closed = False
 
     @property
@@ -85,6 +99,8 @@ class ShmRxSession:
         """Mark closed and let go of the mapping."""
         self.closed = True
         self.view = None
+        self.twin = None
+        self.check = None
 
 
 class ShmRxConnection:
@@ -185,18 +201,30 @@ class ShmRxConnection:
             return
         try:
             # Copy-on-write: the receiver may write its tensors; the sender's bytes stay as they are.
+            # The twin is a second such mapping, for the receiver to keep as the sender's delta
+            # base without copying the payload (pages are shared until either side writes).
             mapped = mmap.mmap(fd, total, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            twin = (
+                None
+                if self.listener.private
+                else mmap.mmap(fd, total, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            )
         except OSError as exc:
             self._refuse(frame.stream, f"cannot map the segment ({exc})")
             return
+        check = self.listener.maps.view(self, fd, size)
         os.close(fd)
         fds[0] = -1
-        # When the last view of the mapping is gone (possibly in a worker thread), the sender may reuse the segment.
-        weakref.finalize(mapped, _call_soon, self.loop, self._released, frame.stream)
+        # When the last view of both mappings is gone (possibly in a worker thread), the sender may reuse the segment.
+        lent = _Lent(self.loop, self._released, frame.stream, 1 if twin is None else 2)
+        weakref.finalize(mapped, lent.gone)
+        if twin is not None:
+            weakref.finalize(twin, lent.gone)
         for old in list(expected.sessions):
             if isinstance(old, ShmRxSession):
                 old.conn.end_stream(old)  # superseded: the sender gave up on it
-        session = ShmRxSession(self, frame.stream, expected, generation, memoryview(mapped))
+        session = ShmRxSession(self, frame.stream, expected, generation, memoryview(mapped), check)
+        session.twin = None if twin is None else memoryview(twin)
         self.streams[frame.stream] = session
         if self._timer is not None:
             self._timer.cancel()
@@ -219,11 +247,12 @@ class ShmRxConnection:
             return
         lo, hi = spec.ranges[frame.index]
         data = session.view[lo:hi]
+        check = data if session.check is None else session.check[lo:hi]
         if self.listener.private:
             own = expected.receive_buffer()[lo:hi]
-            own[:] = data
-            data = own
-        value = xxhash.xxh3_64_intdigest(data)
+            own[:] = check
+            data = check = own
+        value = xxhash.xxh3_64_intdigest(check)
         if value == frame.digest:
             expected.notify_arrived(frame.index, data, digest_hex(value), frame.root_hex)
         else:
@@ -290,11 +319,31 @@ class ShmRxConnection:
             self.loop.remove_writer(self.fd)
         self.sock.close()
         self.listener.connections.discard(self)
+        self.listener.maps.forget(self)
         for session in self.streams.values():
             if not session.closed:
                 session.drop()
                 session.expected.notify_lost(session, PathBroken("shm", why, peer=session.spec.sender))
         self.streams.clear()
+
+
+class _Lent:
+    """Counts the mappings of one lent segment still alive; when none is, tells the sender (from
+    whichever thread dropped the last one)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, released: Callable[[int], None], stream: int, n: int) -> None:
+        self.loop = loop
+        self.released = released
+        self.stream = stream
+        self.left = n
+        self._lock = threading.Lock()
+
+    def gone(self) -> None:
+        with self._lock:
+            self.left -= 1
+            last = self.left == 0
+        if last:
+            _call_soon(self.loop, self.released, self.stream)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: object, *args: object) -> None:
@@ -314,11 +363,84 @@ def _fds(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
     return fds
 
 
+class SegmentMaps:
+    """Read-only shared mappings of the segments senders passed, kept between transfers.
+
+    A sender reuses its segments (`SegmentPool`), so the next transfer in one of them is
+    verified through page tables that are already filled, instead of faulting every page of a
+    new mapping in again (which costs as much as hashing them). The deliveries themselves map
+    the segment anew (copy-on-write, see `ShmRxConnection`). At most ``max_bytes`` stay mapped
+    (least recently used go first); a connection's go when it closes, so a sender that died
+    leaves nothing mapped here.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._maps: collections.OrderedDict[tuple[int, int, int], mmap.mmap] = collections.OrderedDict()
+        self.bytes = 0
+        """Bytes mapped now."""
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+    def view(self, conn: ShmRxConnection, fd: int, size: int) -> memoryview | None:
+        """A read-only view of the ``size`` bytes of segment ``fd`` passed on ``conn``: the kept
+        mapping when that segment was seen before, else a new one kept from now on (None when it
+        does not fit the budget or cannot be mapped)."""
+        if size <= 0 or size > self.max_bytes:
+            return None
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            return None
+        key = (id(conn), st.st_dev, st.st_ino)
+        kept = self._maps.get(key)
+        if kept is not None and len(kept) >= size:
+            self._maps.move_to_end(key)
+            return memoryview(kept)[:size]
+        if kept is not None:
+            self._drop(key)
+        try:
+            kept = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        except OSError:
+            return None
+        self._maps[key] = kept
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            self._drop(next(iter(self._maps)))
+        return memoryview(kept)
+
+    def forget(self, conn: ShmRxConnection) -> None:
+        """Unmap the segments passed on ``conn`` (it closed)."""
+        for key in [k for k in self._maps if k[0] == id(conn)]:
+            self._drop(key)
+
+    def _drop(self, key: tuple[int, int, int]) -> None:
+        kept = self._maps.pop(key)
+        self.bytes -= len(kept)
+        try:
+            kept.close()
+        except BufferError:
+            pass  # a chunk is being hashed through it: unmapped when that view goes
+
+    def close(self) -> None:
+        """Unmap everything."""
+        for key in list(self._maps):
+            self._drop(key)
+
+
 class ShmListener:
     """The per-process ``shm`` listener, on an abstract Unix socket (nothing in the file system)."""
 
     def __init__(
-        self, registry: Expectations, name: str, *, private: bool, max_connections: int, bind_timeout: float
+        self,
+        registry: Expectations,
+        name: str,
+        *,
+        private: bool,
+        max_connections: int,
+        bind_timeout: float,
+        map_cache_bytes: int = 0,
     ) -> None:
         self.registry = registry
         self.name = name
@@ -326,6 +448,7 @@ class ShmListener:
         self.max_connections = max_connections
         self.bind_timeout = bind_timeout
         self.connections: set[ShmRxConnection] = set()
+        self.maps = SegmentMaps(map_cache_bytes)
         self.accepted = 0
         """Connections accepted so far (for tests and `kvbus top`)."""
         self._sock: socket.socket | None = None
@@ -371,3 +494,4 @@ class ShmListener:
         sock.close()
         for conn in list(self.connections):
             conn.close("the receiver closed its listener")
+        self.maps.close()
