@@ -14,11 +14,13 @@ checks an `Open` with `check_open_plan` and its chunks with a `ChunkVerifier`.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 from array import array
 from collections.abc import Iterator, Sequence
 from typing import cast
 
+import numpy as np
 import torch
 import xxhash
 
@@ -241,6 +243,42 @@ def digest_chunks(chunks: Sequence[bytes | memoryview]) -> bytes:
     """Every chunk's digest back to back (`Open.digests`); xxh3 runs at several GB/s, and a sender
     of a large payload calls this off the event loop."""
     return b"".join(chunk_digest_bytes(c) for c in chunks)
+
+
+def copy_and_digest(source: ChunkSource, dst: memoryview, indices: Sequence[int]) -> bytes:
+    """Copy chunks ``indices`` of ``source`` to their payload offsets in ``dst`` and hash each
+    where it landed, while it is still in cache; their digests back to back. Runs in a worker
+    thread (numpy's copy and xxh3 release the GIL, so two halves run on two cores)."""
+    plan = source.plan
+    out = []
+    for index in indices:
+        lo, hi = plan.ranges[index]
+        pos = lo
+        for b, s, e in plan.pieces(index):
+            n = e - s
+            np.copyto(np.frombuffer(dst, np.uint8, n, pos), np.frombuffer(source.buffers[b], np.uint8, n, s))
+            pos += n
+        out.append(chunk_digest_bytes(dst[lo:hi]))
+    return b"".join(out)
+
+
+async def stage(source: ChunkSource, dst: memoryview, *, workers: int = 2) -> bytes:
+    """Copy the payload of ``source`` into ``dst`` (a shared segment, say) and hash its chunks
+    there (`Open.digests`), in ``workers`` threads over contiguous runs of chunks: one pass over
+    the bytes instead of a hash pass and then a copy.
+
+    Raises:
+        ValueError: ``dst`` is smaller than the payload.
+    """
+    if dst.nbytes < source.total:
+        raise ValueError(f"{dst.nbytes} bytes cannot hold a payload of {source.total}")
+    n = source.n_chunks
+    if not n:
+        return b""
+    per = -(-n // max(1, workers))
+    runs = [range(lo, min(n, lo + per)) for lo in range(0, n, per)]
+    parts = await asyncio.gather(*(asyncio.to_thread(copy_and_digest, source, dst, run) for run in runs))
+    return b"".join(parts)
 
 
 class Reassembly:

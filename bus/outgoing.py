@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 
 from opentelemetry.trace import INVALID_SPAN, Span
 
-from kvbus.bus.chunking import ChunkSource, chunk_digest, digest_chunks, digests_root, tree_digest
+from kvbus.bus.chunking import ChunkSource, chunk_digest, digest_chunks, digests_root, stage, tree_digest
 from kvbus.bus.config import OFFLOAD_BYTES, BusConfig
 from kvbus.bus.errors import ReceiverGone, TransferError, TransferRejected, TransferTimeout
 from kvbus.bus.handshake import Handshake, ReceiverOutcome
 from kvbus.bus.pacing import TokenBucket
-from kvbus.bus.paths import DataPlane, PathError, TransferSpec
+from kvbus.bus.paths import DataPlane, PathError, Segment, TransferSpec
 from kvbus.bus.route import Route
 from kvbus.net.transport import NoResponders, Transport
 from kvbus.protocol import (
@@ -159,6 +159,8 @@ class OutgoingTransfer:
         self.span: Span = INVALID_SPAN
         """The sender's ``kvbus.stream`` span: pause, resume and retransmit become its events."""
         self._last_progress = time.monotonic()
+        self._segment: Segment | None = None
+        """The shared segment the payload was staged in (`_staging`), held until the transfer ends."""
 
     # -- control from the scheduler --------------------------------------------------------
 
@@ -282,6 +284,9 @@ class OutgoingTransfer:
         finally:
             if self.route is not None:
                 await self.route.close(completed=not self._active() and all(o.ok for o in self.outcomes.values()))
+            segment, self._segment = self._segment, None
+            if segment is not None and self.plane is not None:
+                self.plane.release(segment)
         self.stats.finished = time.perf_counter()
         return self.outcomes
 
@@ -302,7 +307,14 @@ class OutgoingTransfer:
             digest = tree_digest([chunk_digest(c) for c in self._chunks], self.plan.total)
             digests = b""
         else:
-            if self.plan.total > OFFLOAD_BYTES:
+            segment = self._staging()
+            if segment is not None:
+                # Same host as last time: copy the payload straight into a shared segment and
+                # hash it there (one pass, two cores); ``shm`` then sends only frame headers.
+                self._segment = segment
+                digests = await stage(self.plan, segment.view)
+                self._chunks = [segment.view[lo:hi] for lo, hi in self.plan.plan.ranges]
+            elif self.plan.total > OFFLOAD_BYTES:
                 digests = await asyncio.to_thread(digest_chunks, self._chunks)
             else:
                 digests = digest_chunks(self._chunks)
@@ -315,6 +327,16 @@ class OutgoingTransfer:
                 data_subject=self.shared_subject or data_subject(rx, self.src, self.transfer_id),
                 ack_subject=ack_subject(self.src, rx),
             )
+
+    def _staging(self) -> Segment | None:
+        """A shared segment to stage a large payload in, when its one receiver was reached on ``shm`` last time."""
+        plane = self.plane
+        if plane is None or self.plan.total <= OFFLOAD_BYTES or not plane.expects_shm(self.receivers[0]):
+            return None
+        try:
+            return plane.segment(self.plan.total)
+        except OSError:
+            return None  # no memory for it: the chunks are copied as they go
 
     async def _open(self, link: Handshake, payload: bytes) -> None:
         outcome = link.outcome
@@ -354,6 +376,7 @@ class OutgoingTransfer:
             self.plane,
             spec,
             self.open.digests,
+            segment=self._segment,
             on_ack=lambda ack: self.on_ack(link.rx, ack),
             on_lost=lambda error: self._path_lost(link.rx, error),
         )

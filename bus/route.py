@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable
 
 from kvbus.bus.errors import TransferError
-from kvbus.bus.paths import DataPlane, PathError, PathKind, PathUnavailable, SendSession, TransferSpec
+from kvbus.bus.paths import DataPlane, PathError, PathKind, PathUnavailable, Segment, SendSession, TransferSpec
 from kvbus.errors import WireFormatError
 from kvbus.protocol import DIGEST_BYTES, Ack, OpenReply
 
@@ -35,6 +35,7 @@ class Route:
         digests: the `Open`'s chunk digests (`DIGEST_BYTES` per chunk).
         on_ack: called with each `Ack` the receiver sent back on the direct path.
         on_lost: called once when the direct path failed and the route fell back (or failed).
+        segment: the shared segment the payload was staged in, if any.
     """
 
     def __init__(
@@ -45,8 +46,11 @@ class Route:
         *,
         on_ack: Callable[[Ack], None],
         on_lost: Callable[[PathError], None],
+        segment: Segment | None = None,
     ) -> None:
         self.plane = plane
+        self.segment = segment
+        """Where the payload was staged (a shared segment: ``shm`` then copies nothing)."""
         self.spec = spec
         self.digests = digests
         self._on_ack = on_ack
@@ -87,6 +91,7 @@ class Route:
                     offer,
                     on_control=self._control,
                     on_lost=self._lost,
+                    segment=self.segment,
                     exclude=(PathKind.NATS,),
                 )
                 self.path = self.session.kind.value
@@ -102,6 +107,7 @@ class Route:
                     f"{','.join(self.plane.config.allowed_paths)}, the receiver takes {','.join(self._accepted)})",
                     peer=self.spec.receiver,
                 )
+        self.plane.reached(self.spec.receiver, self.path)
         self.used.append(self.path)
         return None
 

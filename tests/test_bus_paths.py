@@ -451,6 +451,44 @@ async def test_a_context_that_came_on_shm_is_kept_as_the_delta_base_without_a_co
     assert (await rx.receive(timeout=10)).kv.equal(whole)
 
 
+async def test_a_payload_for_a_receiver_reached_on_shm_is_staged_in_a_segment_that_is_reused(
+    bus: Bus, sender_bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvbus.bus.outgoing as outgoing
+
+    staged: list[int] = []
+    real = outgoing.stage
+
+    async def counting(source: Any, dst: memoryview, **kw: Any) -> bytes:
+        staged.append(source.total)
+        return await real(source, dst, **kw)
+
+    monkeypatch.setattr(outgoing, "stage", counting)
+    rx = await bus.agent(f"paths-stage-rx-{uuid.uuid4().hex[:6]}", signature=SIG)
+    tx = await sender_bus.agent(f"paths-stage-tx-{uuid.uuid4().hex[:6]}", signature=SIG)
+    plane = sender_bus.plane
+    assert plane is not None and plane.shm is not None
+    assert not plane.expects_shm(rx.name)
+    for seed in range(4):
+        kv = kv_of_bytes(SIG, 12 * MB, seed=40 + seed)
+        report = await tx.send(rx.name, kv, medium="full")
+        got = await rx.receive(timeout=10)
+        assert report.path == "shm" and got.kv.equal(kv) and kv_digest(got.kv) == kv_digest(kv)
+        del got
+        # The first went before the sender knew the receiver's host; each later one was
+        # copied and hashed straight into a segment in one pass.
+        assert len(staged) == seed and plane.expects_shm(rx.name)
+    # Nothing holds the segments any more (deliveries dropped; the bases keep the last one):
+    # they are back in the pool, not new ones each time.
+    rx._receiver.bases.clear()
+    gc.collect()
+    for _ in range(200):
+        if plane.shm.pool.free_bytes >= 2 * kv.nbytes:
+            break
+        await asyncio.sleep(0.02)
+    assert 2 * kv.nbytes <= plane.shm.pool.free_bytes <= 4 * kv.nbytes + 4 * MB
+
+
 def test_a_receiver_keeps_the_segments_it_verified_mapped_within_a_budget() -> None:
     from kvbus.bus.paths.shm import Segment
     from kvbus.bus.paths.shm_server import SegmentMaps

@@ -552,3 +552,26 @@ async def test_publish_views_while_the_server_is_down_goes_out_after_the_reconne
         await rx.close()
     finally:
         server.stop()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(min_value=0, max_value=3000), min_size=1, max_size=8),
+    chunk=st.integers(min_value=64, max_value=4096),
+    workers=st.integers(min_value=1, max_value=3),
+    slack=st.integers(min_value=0, max_value=100),
+)
+def test_staging_copies_every_buffer_to_its_offset_and_hashes_each_chunk_as_the_open_announces(
+    sizes: list[int], chunk: int, workers: int, slack: int
+) -> None:
+    from kvbus.bus.chunking import ChunkSource, digest_chunks, stage
+
+    buffers = [memoryview(os.urandom(n)) for n in sizes]
+    source = ChunkSource(buffers, chunk)
+    dst = memoryview(bytearray(source.total + slack))
+    digests = asyncio.run(stage(source, dst, workers=workers))
+    assert bytes(dst[: source.total]) == b"".join(bytes(b) for b in buffers)
+    assert digests == digest_chunks([source.chunk(i) for i in range(source.n_chunks)])
+    if source.total:
+        with pytest.raises(ValueError, match="cannot hold"):
+            asyncio.run(stage(source, dst[: source.total - 1]))

@@ -75,6 +75,11 @@ class Segment:
             raise
         self.view = memoryview(self._map)
         self.address = address(self.view)
+        self.pooled = False
+        """Whether it came from a `SegmentPool` (and goes back to it once nothing holds it)."""
+        self.holds = 0
+        """Who still uses it (a transfer staged into it, a session whose receiver maps it): it
+        goes back to its pool when the last one lets go (`SegmentPool.release`)."""
 
     def tensor(self, offset: int = 0, nbytes: int | None = None) -> torch.Tensor:
         """A writable uint8 tensor over ``nbytes`` of the segment from ``offset`` (no copy)."""
@@ -133,7 +138,15 @@ class SegmentPool:
             seg = min(fits, key=lambda s: s.nbytes)
             self._free.remove(seg)
             return seg
-        return Segment(nbytes)
+        seg = Segment(nbytes)
+        seg.pooled = True
+        return seg
+
+    def release(self, seg: Segment) -> None:
+        """One holder of ``seg`` let go: back to the pool when it was the last."""
+        seg.holds -= 1
+        if seg.holds <= 0:
+            self.put(seg)
 
     def put(self, seg: Segment) -> None:
         """Keep ``seg`` for reuse (its receivers no longer map it), or close it when the pool is full."""
@@ -180,7 +193,7 @@ class ShmSendSession(DirectSendSession):
     def _recycle(self) -> None:
         if self._pool is not None and self._closed and self._released:
             pool, self._pool = self._pool, None
-            pool.put(self.seg)
+            pool.release(self.seg)
 
     @property
     def segment(self) -> memoryview | None:
@@ -264,7 +277,8 @@ class ShmPath:
         if segment is not None and (not isinstance(segment, Segment) or segment.nbytes < spec.total or segment.fd < 0):
             raise ValueError("segment must be an open Segment of at least the payload's size")
         conn = await self._connection(offer.shm)
-        own = segment is None
+        # A segment from this path's pool (`segment`) goes back to it once the receiver let go.
+        own = segment is None or (isinstance(segment, Segment) and segment.pooled)
         try:
             seg = segment if isinstance(segment, Segment) else self.pool.get(spec.total)
         except OSError as exc:
@@ -275,19 +289,25 @@ class ShmPath:
         try:
             await conn.bind(session, offer.token, timeout=self.config.connect_timeout_s, fds=[seg.fd])
         except TokenRefused:
-            if own:
+            if segment is None:
                 self.pool.put(seg)  # refused: the receiver closed the descriptor unmapped
             raise
+        if own:
+            seg.holds += 1  # let go when the receiver released it and the session closed
         conn.on_release[session.stream] = session.released
         return session
 
     def segment(self, nbytes: int) -> Segment:
-        """A segment for a payload of ``nbytes`` to encode into (pass it to `open`; close it when done).
+        """A segment for a payload of ``nbytes`` to encode into (pass it to `open`), held by the
+        caller: ``pool.release`` it when done (it is reused once no receiver maps it either), or
+        keep it.
 
         Raises:
             OSError: no memory.
         """
-        return self.pool.get(nbytes)
+        seg = self.pool.get(nbytes)
+        seg.holds += 1
+        return seg
 
     async def _connection(self, name: str) -> TxConnection:
         conn = self._conns.get(name)
