@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvbus.bus.errors import TransferError, TransferRejected
-from kvbus.net.transport import Transport
+from kvbus.net.transport import Transport, request_views
 from kvbus.protocol import Open, OpenReply, Reason, inbox_subject
 
 
@@ -56,29 +57,30 @@ class Handshake:
         """The incarnation a retry expects."""
         return self.learned or self.expected
 
-    def frame(self, inline_payload: bytes | memoryview = b"") -> bytes:
-        """The next attempt's framed `Open` (attempt 0, then retries naming the expected incarnation)."""
+    def frame(self, inline_payload: Sequence[bytes | memoryview] = ()) -> list[bytes | memoryview]:
+        """The next attempt's framed `Open` (attempt 0, then retries naming the expected
+        incarnation), as pieces: the message, then the inline payload uncopied."""
         attempt = self.attempts
         self.attempts += 1
         if attempt == 0:
             self.first_sent = time.monotonic()
-            return self.open.frame(inline_payload)
+            return self.open.frame_views(inline_payload)
         retry = dataclasses.replace(
             self.open,
             attempt=attempt,
             incarnation=self.incarnation,
             retry_age=max(0.0, time.monotonic() - self.first_sent),
         )
-        return retry.frame(inline_payload)
+        return retry.frame_views(inline_payload)
 
-    async def ask(self, frame: bytes, timeout: float) -> bytes:
-        """Send ``frame`` to the receiver's inbox as a request.
+    async def ask(self, frame: Sequence[bytes | memoryview], timeout: float) -> bytes:
+        """Send ``frame`` (its pieces back to back) to the receiver's inbox as a request.
 
         Raises:
             NoResponders: no agent listens on that inbox.
             TimeoutError: no answer within ``timeout``.
         """
-        return await self.transport.request(inbox_subject(self.rx, self.open.src), frame, timeout=timeout)
+        return await request_views(self.transport, inbox_subject(self.rx, self.open.src), frame, timeout=timeout)
 
     def apply(self, data: bytes) -> OpenReply | None:
         """Read a reply: learn the incarnation; a refusal or a broken reply fails this receiver,

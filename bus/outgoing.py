@@ -20,11 +20,12 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from opentelemetry.trace import INVALID_SPAN, Span
 
-from kvbus.bus.chunking import ChunkSource, chunk_digest, digest_chunks, digests_root, stage, tree_digest
+from kvbus.bus.chunking import ChunkSource, digest_chunks, digests_root, stage, tree_digest
 from kvbus.bus.config import OFFLOAD_BYTES, BusConfig
 from kvbus.bus.errors import ReceiverGone, TransferError, TransferRejected, TransferTimeout
 from kvbus.bus.handshake import Handshake, ReceiverOutcome
@@ -102,8 +103,9 @@ class OutgoingTransfer:
         self.window = window
         self.plan = ChunkSource(buffers, chunk_size)
         self.sizes = [b.nbytes for b in buffers]
-        # Views for chunks within one buffer; small buffers packed together are joined once here.
-        self._chunks = [self.plan.chunk(i) for i in range(self.plan.n_chunks)]
+        # Views for chunks within one buffer; small buffers packed together are joined once, by
+        # `_prepare` (an inline payload needs none: its buffers go out as they are).
+        self._chunks: list[memoryview | bytes] = []
         # One shared subject (a broadcast outside secure mode), else a stream per receiver.
         self.shared_subject = (
             bcast_subject(src, transfer_id) if len(self.receivers) > 1 and not per_receiver_streams else None
@@ -268,7 +270,7 @@ class OutgoingTransfer:
         """Hash, open, stream and wait for every receiver's verdict; never raises for a receiver's failure."""
         await self._prepare()
         inline = self.open.inline
-        payload = b"".join(self.plan.buffers) if inline else b""
+        payload: list[memoryview] = list(self.plan.buffers) if inline else []  # sent as they are
         # Paused before it started (preempted while encoding): start when resumed.
         await self._running.wait()
         if not self._active():
@@ -304,9 +306,10 @@ class OutgoingTransfer:
         """Hash every chunk and give each receiver its `Open` (with its own data and ack subjects)."""
         t0 = time.perf_counter()
         if self.open.inline:
-            digest = tree_digest([chunk_digest(c) for c in self._chunks], self.plan.total)
+            digest = tree_digest([self.plan.digest(i) for i in range(self.plan.n_chunks)], self.plan.total)
             digests = b""
         else:
+            self._chunks = [self.plan.chunk(i) for i in range(self.plan.n_chunks)]
             segment = self._staging()
             if segment is not None:
                 # Same host as last time: copy the payload straight into a shared segment and
@@ -338,7 +341,7 @@ class OutgoingTransfer:
         except OSError:
             return None  # no memory for it: the chunks are copied as they go
 
-    async def _open(self, link: Handshake, payload: bytes) -> None:
+    async def _open(self, link: Handshake, payload: Sequence[memoryview]) -> None:
         outcome = link.outcome
         # An unanswered Open is asked again (the same transfer id: a receiver that got the first
         # one answers with where it stands) until ``peer_timeout``: a request lost while the

@@ -470,6 +470,57 @@ async def test_publish_views_delivers_pieces_and_headers_and_checks_limits(nats_
         await rx.close()
 
 
+async def test_request_views_sends_pieces_uncopied_and_reads_the_reply_or_no_responders(nats_url: str) -> None:
+    from kvbus.net.transport import NoResponders, request_views
+
+    tx, rx = await NatsTransport.connect(nats_url), await NatsTransport.connect(nats_url)
+    try:
+        seen: list[bytes] = []
+
+        async def answer(msg: Any) -> None:
+            seen.append(msg.data)
+            await rx.reply(msg, xxhash.xxh3_64_digest(msg.data))
+
+        await rx.subscribe("kvbus.test.ask", answer)
+        await rx.flush()
+        a, b = os.urandom(MB + 3), os.urandom(1000)
+        got = await asyncio.gather(
+            *(tx.request_views("kvbus.test.ask", [b"head", memoryview(a), memoryview(b)[:i]], 5) for i in range(5))
+        )
+        assert sorted(got) == sorted(xxhash.xxh3_64_digest(b"head" + a + b[:i]) for i in range(5))  # each its own
+        assert sorted(seen) == sorted(b"head" + a + b[:i] for i in range(5))
+        with pytest.raises(NoResponders):
+            await tx.request_views("kvbus.test.nobody", [b"x"], 2)
+        await _silent(rx)
+        with pytest.raises(TimeoutError):
+            await tx.request_views("kvbus.test.silent", [b"x"], 0.2)
+
+        class Counting:  # a wrapper defining only `request` sees the joined payload
+            def __init__(self) -> None:
+                self.asked: list[bytes] = []
+
+            async def request(self, subject: str, payload: bytes, timeout: float) -> bytes:
+                self.asked.append(payload)
+                return await tx.request(subject, payload, timeout)
+
+        wrapper = Counting()
+        reply = await request_views(wrapper, "kvbus.test.ask", [b"a", memoryview(b"bc")], 5)  # type: ignore[arg-type]
+        assert wrapper.asked == [b"abc"] and reply == xxhash.xxh3_64_digest(b"abc")
+    finally:
+        await tx.close()
+        await rx.close()
+
+
+async def _silent(t: NatsTransport) -> None:
+    """Subscribe to a subject that never answers."""
+
+    async def ignore(msg: Any) -> None:
+        pass
+
+    await t.subscribe("kvbus.test.silent", ignore)
+    await t.flush()
+
+
 def _appender(out: list[Any]) -> Any:
     async def append(msg: Any) -> None:
         out.append(msg)

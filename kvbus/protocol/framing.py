@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -152,8 +153,13 @@ class Open(Message):
 
     def frame(self, inline_payload: bytes | memoryview = b"") -> bytes:
         """This `Open` framed for the wire: a 4-byte length, the message, then any inline payload."""
+        return b"".join(self.frame_views([inline_payload]))
+
+    def frame_views(self, inline_payload: Sequence[bytes | memoryview] = ()) -> list[bytes | memoryview]:
+        """`frame` as pieces to send back to back: the length and message, then the inline
+        payload's pieces as given (not copied)."""
         head = self.encode()
-        return self._PREFIX.pack(len(head)) + head + bytes(inline_payload)
+        return [self._PREFIX.pack(len(head)) + head, *(p for p in inline_payload if len(p))]
 
     @classmethod
     def unframe(cls, data: bytes | memoryview) -> tuple[Open, memoryview]:
