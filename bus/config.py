@@ -60,6 +60,9 @@ class BusConfig:
     """Most chunk indices one repair request lists."""
     keep_bases: bool = True
     """Keep the last context from each sender as the base for delta media (costs its memory)."""
+    rate_budgets: bool = True
+    """Take the rate budgets the scheduler grants with small transfers (`kvbus.bus.budgets`): the
+    next small ones to the same receivers start without a grant round trip."""
 
     def __post_init__(self) -> None:
         if self.chunk_size < 1024:

@@ -88,6 +88,7 @@ class OutgoingTransfer:
         chunk_size: int,
         window: int,
         rate_bps: float = 0.0,
+        bucket: TokenBucket | None = None,
         inline_limit: int = 0,
         traceparent: str | None = None,
         per_receiver_streams: bool = False,
@@ -142,7 +143,9 @@ class OutgoingTransfer:
         for rx, link in self.links.items():
             link.expected = known.get(rx, "")
         self.outcomes: dict[str, ReceiverOutcome] = {rx: link.outcome for rx, link in self.links.items()}
-        self.bucket = TokenBucket(rate_bps, burst=max(chunk_size, rate_bps * 0.02))
+        # Its own pacing at the granted rate, or the pacing it shares with the other transfers
+        # of the rate budget it runs under.
+        self.bucket = bucket or TokenBucket(rate_bps, burst=max(chunk_size, rate_bps * 0.02))
         self.stats = StreamStats()
         self._acked: dict[str, int] = {}
         self._resend: dict[int, set[str]] = {}

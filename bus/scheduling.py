@@ -17,6 +17,7 @@ from typing import Any
 from nats.aio.msg import Msg
 
 from kvbus import telemetry
+from kvbus.bus.budgets import Budget, BudgetKey, Budgets
 from kvbus.bus.control import TransferControls
 from kvbus.bus.endpoint import Endpoint
 from kvbus.bus.errors import (
@@ -27,7 +28,7 @@ from kvbus.bus.errors import (
     TransferRejected,
     TransferTimeout,
 )
-from kvbus.bus.pacing import EmulatedLink
+from kvbus.bus.pacing import EmulatedLink, TokenBucket
 from kvbus.errors import ReservationRefused, WireFormatError
 from kvbus.kvcache import KVCache
 from kvbus.net.buckets import with_retry
@@ -35,6 +36,7 @@ from kvbus.net.transport import NoResponders
 from kvbus.protocol import (
     AgentRecord,
     Control,
+    ControlReply,
     FlowReservation,
     Grant,
     Reason,
@@ -66,6 +68,10 @@ class SchedulerLink:
         self._shed_tasks: set[asyncio.Task[Any]] = set()
         self._repeats: set[asyncio.Task[Any]] = set()
         """Done reports said again after a reconnection."""
+        self.budgets = Budgets()
+        """Rate budgets the scheduler granted (small transfers under one start without asking)."""
+        self._end_on_done: set[str] = set()
+        """Granted transfers whose budget ends with their own done report (ended while they ran)."""
 
     @property
     def queue_size(self) -> int:
@@ -108,6 +114,11 @@ class SchedulerLink:
         for fut in self._grants.values():
             if not fut.done():
                 fut.set_exception(BusClosed("agent"))
+        for budget in self.budgets.clear():
+            try:
+                await self._end_budget(budget, [])
+            except Exception:
+                logger.debug("could not end a rate budget", exc_info=True)
         try:
             directory = await self._ep.bus.directory()
             if directory is not None:
@@ -145,6 +156,18 @@ class SchedulerLink:
             TransferTimeout: no grant within the wait.
         """
         ep = self._ep
+        key: BudgetKey = (tuple(receivers), medium, critical, base_tokens > 0)
+        under = self.budgets.take(key, transfer_id, kv.nbytes, deadline)
+        if under is not None:
+            self.controls.granted(transfer_id)
+            return under
+        for budget in self.budgets.end_for(key[0]):
+            # This one cannot run under it: free the pair's slot first, or it queues behind the
+            # budget (with the granted transfer's own report when that one still runs).
+            if budget.transfer_id in self.controls.outgoing or budget.transfer_id in self._grants:
+                self._end_on_done.add(budget.transfer_id)
+            else:
+                await self._end_budget(budget, receivers)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Grant] = loop.create_future()
         self._grants[transfer_id] = fut
@@ -165,6 +188,7 @@ class SchedulerLink:
                 base_tokens=base_tokens,
                 path=path,
                 traceparent=telemetry.traceparent(wait_span),
+                budget=ep.config.rate_budgets and deadline is None,
             )
             wait = deadline if deadline is not None else ep.config.grant_timeout
             with telemetry.using(wait_span, end=False):
@@ -178,6 +202,8 @@ class SchedulerLink:
             if not grant.medium:
                 raise _refused(transfer_id, ep.group, receivers, grant.reason, grant.code)
             self.controls.granted(transfer_id)
+            if ep.config.rate_budgets:
+                self.budgets.add(key, grant)
             delay = grant.start_at - time.time()
             if grant.latency_s > 0:
                 # Link emulation: the transfer's round trips (request, open, verdict) on a path with
@@ -244,6 +270,9 @@ class SchedulerLink:
     ) -> None:
         """Tell the scheduler a granted transfer finished (or failed), with its observed size and time."""
         ep = self._ep
+        budget = self.budgets.finished(transfer_id)
+        ending = transfer_id in self._end_on_done
+        self._end_on_done.discard(transfer_id)
         done = TransferDone(
             transfer_id=transfer_id,
             src=ep.name,
@@ -255,7 +284,32 @@ class SchedulerLink:
             dst=receivers,
             wire_s=wire_s,
             path=path,
+            budget=budget.transfer_id if budget is not None else (transfer_id if ending else ""),
         )
+        await self._publish_done(done)
+
+    def bucket(self, transfer_id: str) -> TokenBucket | None:
+        """The pacing shared by the transfers of the budget ``transfer_id`` runs under, if any."""
+        budget = self.budgets.under(transfer_id)
+        return budget.bucket if budget is not None else None
+
+    async def _end_budget(self, budget: Budget, receivers: list[str]) -> None:
+        """Tell the scheduler this agent is done with ``budget`` (its slot is free now)."""
+        done = TransferDone(
+            transfer_id=budget.transfer_id,
+            src=self._ep.name,
+            ok=True,
+            medium=budget.medium,
+            nbytes=0,
+            seconds=0.0,
+            dst=receivers,
+            budget=budget.transfer_id,
+        )
+        await self._publish_done(done)
+
+    async def _publish_done(self, done: TransferDone) -> None:
+        ep = self._ep
+        transfer_id = done.transfer_id
         subject, data = sched_subject(ep.group, "done", ep.name), done.encode()
         try:
             await ep.transport.publish(subject, data)
@@ -295,7 +349,20 @@ class SchedulerLink:
         if cmd.action == "shed":
             self._shed(cmd)
             return
+        budget = self.budgets.named(cmd.transfer_id)
+        if budget is not None:
+            # A pause suspends the budget (the transfers under it are short: they finish), a
+            # resume gives it back, a rate paces what runs under it from now on.
+            if cmd.action in ("pause", "cancel"):
+                budget.suspended = True
+            elif cmd.action == "resume":
+                budget.suspended = False
+            elif cmd.action == "rate":
+                budget.rate_bps = cmd.rate_bps
+                budget.bucket.set_rate(cmd.rate_bps)
         reply = self.controls.apply(cmd)
+        if budget is not None and cmd.transfer_id not in self.controls.outgoing:
+            reply = ControlReply(cmd.transfer_id, cmd.action, True, 1.0, "rate budget")
         if not reply.ok:
             logger.debug("agent %s: %s of %s declined: %s", ep.name, cmd.action, cmd.transfer_id, reply.reason)
         if msg.reply:

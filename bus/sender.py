@@ -295,6 +295,7 @@ class Sender:
             inline_limit=ep.config.inline_limit,
             window=grant.window or ep.config.window,
             rate_bps=grant.rate_bps,
+            bucket=self._scheduler.bucket(transfer_id),
             traceparent=telemetry.traceparent(),
             per_receiver_streams=ep.bus.secure,
             incarnations=self.incarnations,

@@ -18,6 +18,7 @@ from kvbus.group_scheduler.weights import (
     DEFAULT_DEADLINE_HORIZON_S,
     DEFAULT_MAX_DELAY_S,
 )
+from kvbus.protocol.messages import MAX_BUDGET_S
 
 DEFAULT_TICK_S = 0.010
 MIN_TICK_S = 0.005
@@ -40,6 +41,12 @@ class SchedulerConfig:
     """Time slice of the scheduling loop (5-20 ms); the loop sleeps when nothing changes."""
     transfer_timeout: float = 300.0
     """A granted transfer that reports nothing for this long is dropped from the active set."""
+    budget_s: float = 1.0
+    """Seconds a small transfer's grant stays its sender's as a rate budget (`Grant.budget_s`):
+    the next small transfers to the same receivers start without a grant round trip, at the
+    granted rate, in the pair's slot (0: every transfer asks)."""
+    budget_max_bytes: int = 2 << 20
+    """Largest context a transfer may carry to get, or run under, a rate budget."""
     probe_ttl_s: float = 15.0
     """An agent with no probe for this long is marked down and its queued transfers are refused
     (generous: a busy agent on a loaded machine may miss a few probe intervals)."""
@@ -156,6 +163,8 @@ class SchedulerConfig:
             raise ConfigError("shed_target must be in (0, 1]")
         if self.bandwidth_bps < 0 or self.memory_watermark_bytes < 0:
             raise ConfigError("bandwidth_bps and memory_watermark_bytes must not be negative")
+        if not 0 <= self.budget_s <= MAX_BUDGET_S or self.budget_max_bytes < 0:
+            raise ConfigError(f"budget_s must be within 0..{MAX_BUDGET_S:g}, budget_max_bytes not negative")
         if self.leader_ttl_s < 0 or self.lease_priority <= 0 or self.coordinator_timeout_s <= 0:
             raise ConfigError("leader_ttl_s must be >= 0, lease_priority and coordinator_timeout_s positive")
         self.watermarks()  # validates the per-agent table

@@ -12,6 +12,7 @@ reservation statistics learn from it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -87,6 +88,9 @@ class GrantLoop:
                 times.append(expiry + 0.001)
         if self.state.active:
             times.append(min(p.granted_at for p in self.state.active.values()) + self.config.transfer_timeout)
+            budgets = [p.budget_until for p in self.state.active.values() if p.done]
+            if budgets:
+                times.append(min(budgets) + 0.001)
         return max(0.0, min(times) - now) if times else None
 
     async def run(self) -> None:
@@ -114,7 +118,10 @@ class GrantLoop:
         (they leave the queue here; the refusals are returned to be sent)."""
         state, policy = self.state, self.policy
         for tid, p in list(state.active.items()):
-            if now - p.granted_at > self.config.transfer_timeout:
+            if p.done and now >= p.budget_until:
+                del state.active[tid]  # the rate budget ran out: the pair's slot is free
+                policy.released(p)
+            elif now - p.granted_at > self.config.transfer_timeout:
                 logger.warning("transfer %s reported nothing for %.0f s; releasing its slot", tid, now - p.granted_at)
                 del state.active[tid]
                 policy.released(p)
@@ -174,6 +181,7 @@ class GrantLoop:
         now = time.monotonic()
         self.slices += 1
         decisions = self._expire(now)
+        withdrawn = self._withdraw_budgets() if state.queue else []
         if self._refusals:
             decisions += self._refusals
             self._refusals = []
@@ -207,6 +215,11 @@ class GrantLoop:
                 code=decision.code,
                 traceparent=_record_decision(pending, decision, rate, wall, now),
             )
+            if decision.medium and self._budget(pending):
+                grant = dataclasses.replace(
+                    grant, budget_s=self.config.budget_s, budget_bytes=self.config.budget_max_bytes
+                )
+                pending.budget_until = now + self.config.budget_s
             data = grant.encode()
             if decision.medium:
                 pending.granted_at = now
@@ -229,7 +242,23 @@ class GrantLoop:
                 await self.transport.publish(agent_subject(pending.request.src, "ctl"), data)
         for adj in adjustments:
             await self._control(adj)
+        for p in withdrawn:
+            ctl = Control(transfer_id=p.transfer_id, action="cancel", reason="rate budget withdrawn: transfers wait")
+            try:
+                await self.transport.publish(agent_subject(p.src, "ctl"), ctl.encode())
+            except Exception:
+                logger.warning("could not withdraw the rate budget of %s", p.src, exc_info=True)
         return granted
+
+    def _withdraw_budgets(self) -> list[Pending]:
+        """Free the slots of rate budgets whose transfer is done: a budget never makes anyone wait."""
+        withdrawn = []
+        for tid, p in list(self.state.active.items()):
+            if p.done:
+                del self.state.active[tid]
+                self.policy.released(p)
+                withdrawn.append(p)
+        return withdrawn
 
     async def _control(self, adj: Adjustment) -> None:
         p = adj.pending
@@ -273,36 +302,74 @@ class GrantLoop:
         self.policy.changed()
         self.wake.set()
 
+    def _budget(self, pending: Pending) -> bool:
+        """Whether its grant comes with a rate budget: a small transfer that asked, with no deadline or reservation."""
+        req = pending.request
+        return (
+            req.budget
+            and self.config.budget_s > 0
+            and req.nbytes <= self.config.budget_max_bytes
+            and req.deadline is None
+            and not pending.reservation
+        )
+
     def finished(self, done: TransferDone) -> None:
-        """A sender reported a transfer done (or failed): release its slot and learn from it."""
+        """A sender reported a transfer done (or failed): release its slot and learn from it.
+
+        A transfer that ran under a granted transfer's rate budget only teaches (the slot is the
+        budget's); a granted transfer whose budget still runs keeps its slot until the budget
+        ends, or until its sender ends it (a done naming it as its own budget).
+        """
         state = self.state
-        pending = state.active.pop(done.transfer_id, None)
-        if pending is None:
+        if done.budget and done.budget != done.transfer_id:
+            holder = state.active.get(done.budget)
+            if holder is not None and holder.src == done.src and done.ok:
+                state.completed += 1
+                self._learn(done, holder, budgeted=True)
             return
+        pending = state.active.get(done.transfer_id)
+        if pending is None or pending.src != done.src:
+            return  # not running, or another agent's (its id leaked): never released by a third party
+        first = not pending.done
+        pending.done = True
+        if done.ok and not done.budget and time.monotonic() < pending.budget_until:
+            state.completed += 1
+            self._learn(done, pending)
+            self.wake.set()  # the loop's next wake-up: the budget's end
+            return  # its budget goes on
+        del state.active[done.transfer_id]
         self.policy.released(pending)
+        if not first:
+            self.wake.set()  # a budget its sender ended: the pair's next transfer may start
+            return
         if done.ok:
             state.completed += 1
-            path = done.path or "nats"
-            if done.nbytes >= MIN_ESTIMATE_BYTES and done.wire_s > 0 and path in PATH_NAMES:
-                for rx in done.dst:
-                    state.link(done.src, rx, path).observe(done.nbytes, done.wire_s)
-                    telemetry.instruments().link_bandwidth.record(
-                        done.nbytes / done.wire_s, {"group": self.group, "link": f"{done.src}->{rx}", "path": path}
-                    )
-            model = getattr(self.policy.selector, "model", None)
-            if model is not None and pending.predicted_s > 0 and done.seconds > 0:
-                model.observe(pending.medium, pending.predicted_s, done.seconds)
-            if pending.reservation:
-                took = time.monotonic() - pending.arrived
-                self.reservation_stats.setdefault(pending.reservation, []).append(took)
-                table = self.reservations
-                r = table.get(pending.reservation) if table is not None else None
-                if r is not None and took > r.deadline_s:
-                    telemetry.instruments().reservation_misses.add(1, {"group": self.group})
+            self._learn(done, pending)
         else:
             state.failed += 1
             logger.info("transfer %s failed: %s", done.transfer_id, done.error)
         self.wake.set()
+
+    def _learn(self, done: TransferDone, pending: Pending, *, budgeted: bool = False) -> None:
+        """The link estimates, the cost model and the reservation stats from a transfer that went well."""
+        state = self.state
+        path = done.path or "nats"
+        if done.nbytes >= MIN_ESTIMATE_BYTES and done.wire_s > 0 and path in PATH_NAMES:
+            for rx in done.dst:
+                state.link(done.src, rx, path).observe(done.nbytes, done.wire_s)
+                telemetry.instruments().link_bandwidth.record(
+                    done.nbytes / done.wire_s, {"group": self.group, "link": f"{done.src}->{rx}", "path": path}
+                )
+        model = getattr(self.policy.selector, "model", None)
+        if model is not None and pending.predicted_s > 0 and done.seconds > 0 and not budgeted:
+            model.observe(pending.medium, pending.predicted_s, done.seconds)
+        if pending.reservation and not budgeted:
+            took = time.monotonic() - pending.arrived
+            self.reservation_stats.setdefault(pending.reservation, []).append(took)
+            table = self.reservations
+            r = table.get(pending.reservation) if table is not None else None
+            if r is not None and took > r.deadline_s:
+                telemetry.instruments().reservation_misses.add(1, {"group": self.group})
 
 
 def _record_decision(pending: Pending, decision: Decision, rate: float, wall: float, now: float) -> str | None:

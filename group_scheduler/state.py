@@ -118,6 +118,11 @@ class Pending:
     """The sender declined a pause (past the threshold, inline): never asked again."""
     reservation: str = ""
     """Id of the reservation whose bandwidth it uses, if any."""
+    budget_until: float = 0.0
+    """Monotonic time its rate budget ends (`Grant.budget_s`; 0: none): the slot stays active
+    until then, also after the transfer itself is done."""
+    done: bool = False
+    """The granted transfer itself reported done (its slot may still be a running budget)."""
 
     @property
     def transfer_id(self) -> str:

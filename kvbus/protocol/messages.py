@@ -29,6 +29,8 @@ from kvbus.reasons import Reason
 EPOCH = float_in(0.0, MAX_EPOCH_S)
 SECONDS = float_in(0.0, MAX_SECONDS)
 LATENCY = float_in(0.0, 3600.0)
+#: Longest rate budget a grant may carry (seconds).
+MAX_BUDGET_S = 60.0
 RATE = float_in(0.0, MAX_RATE_BPS)
 FRACTION = float_in(0.0, 1.0)
 PRIORITY = float_in(0.0, MAX_PRIORITY)
@@ -52,6 +54,7 @@ PRIORITY = float_in(0.0, MAX_PRIORITY)
         "fidelity": FRACTION,
         "base_tokens": int_in(0, MAX_COUNT),
         "path": str,
+        "budget": bool,
     },
 )
 @dataclass(frozen=True, slots=True)
@@ -79,6 +82,9 @@ class TransferRequest(Message):
     path: str = ""
     """The data path the sender expects the bytes to take (``shm``, ``tcp``, ``nats``; empty:
     ``nats``): the cost model predicts the wire time from that path's link estimate."""
+    budget: bool = False
+    """The sender takes a rate budget with the grant (`Grant.budget_s`): later small transfers
+    to the same receivers start without asking."""
 
 
 @message("request_ack", {"transfer_id": str, "ok": bool, "reason": str, "code": Reason})
@@ -108,6 +114,8 @@ class RequestAck(Message):
         "sched_s": SECONDS,
         "code": Reason,
         "traceparent": OptStr,
+        "budget_s": float_in(0.0, MAX_BUDGET_S),
+        "budget_bytes": int_in(0, MAX_BYTES),
     },
 )
 @dataclass(frozen=True, slots=True)
@@ -140,6 +148,15 @@ class Grant(Message):
     traceparent: str | None = None
     """The scheduler's ``kvbus.schedule`` span when it is a root (the request carried no trace
     context): a sender that does not trace passes it on as the `Open`'s ``trace_link``."""
+    budget_s: float = 0.0
+    """A rate budget (0: none): for this many seconds from the grant, the transfer's slot stays
+    the sender's, and it may start transfers of at most ``budget_bytes`` each to the same
+    receivers with the same medium and rate without asking (each reported done with
+    `TransferDone.budget`). A ``pause`` control naming this transfer suspends the budget, a
+    ``resume`` gives it back, a ``cancel`` withdraws it (the scheduler does so once any transfer
+    waits); the sender ends it early by reporting this transfer id done with ``budget`` set to it."""
+    budget_bytes: int = 0
+    """Largest context (``TransferRequest.nbytes``) a transfer under the budget may carry."""
 
 
 @message(
@@ -255,6 +272,7 @@ class FlowReservation(Message):
         "dst": ListOf(str),
         "wire_s": SECONDS,
         "path": str,
+        "budget": str,
     },
 )
 @dataclass(frozen=True, slots=True)
@@ -275,6 +293,9 @@ class TransferDone(Message):
     path: str = ""
     """The data path the bytes took (empty: ``nats``; ``mixed``: a direct path failed and the
     rest went on NATS, which feeds no link estimate)."""
+    budget: str = ""
+    """The granted transfer whose rate budget this one ran under (`Grant.budget_s`; the
+    scheduler never saw a request for it). Equal to ``transfer_id``: the sender ends that budget."""
 
 
 @message(
