@@ -181,7 +181,6 @@ class GrantLoop:
         now = time.monotonic()
         self.slices += 1
         decisions = self._expire(now)
-        withdrawn = self._withdraw_budgets() if state.queue else []
         if self._refusals:
             decisions += self._refusals
             self._refusals = []
@@ -234,6 +233,10 @@ class GrantLoop:
                 state.refused += 1
             out.append((pending, data))
         adjustments = self.policy.adjust(state, now)
+        # Still waiting after this pass: the slots rate budgets hold are freed for the next one.
+        withdrawn = self._withdraw_budgets() if state.queue else []
+        if withdrawn:
+            self.wake.set()
         for pending, data in out:
             request_msg = replies.pop(pending.transfer_id, None) if replies else None
             if request_msg is not None:
