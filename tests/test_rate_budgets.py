@@ -147,7 +147,7 @@ async def test_a_done_naming_another_agents_transfer_or_budget_changes_nothing(g
 
 
 async def test_a_budget_outlives_other_transfers_that_did_not_wait(group: Any) -> None:
-    sched, tx, rx, bus = group
+    _, tx, rx, bus = group
     assert (await _send(tx, rx, 64 * KB, 1))[0] == 2
     other = await bus.agent(f"budget-other-{uuid.uuid4().hex[:6]}", group="budgets", signature=SIG)
     for seed in range(2, 4):  # granted at once (free slots): nothing waited, the budget stays
