@@ -224,3 +224,29 @@ def test_model_signature_round_trip_and_compatibility() -> None:
     assert not a.compatible_with(ModelSignature("m", 3, 2, 64, "bfloat16", 100))
     with pytest.raises(WireFormatError, match="n_layers"):
         ModelSignature.from_dict({**a.to_dict(), "n_layers": -1})
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tid=st.text(alphabet="abcdef0123456789", min_size=1, max_size=40),
+    sizes=st.lists(st.integers(0, 300), min_size=1, max_size=6).filter(any),
+)
+def test_an_inline_payload_starts_aligned_in_its_message_and_comes_back_whole(tid: str, sizes: list[int]) -> None:
+    import os
+
+    from kvbus.protocol.framing import PAYLOAD_ALIGN
+
+    pieces = [os.urandom(n) for n in sizes]
+    payload = b"".join(pieces)
+    msg = Open(tid, "a", "full", {}, [len(payload)], len(payload), 4096, 1, "0" * 32, 4, "d", "a", inline=True)
+    framed = b"".join(msg.frame_views(pieces))
+    assert framed == msg.frame(payload)
+    if payload:
+        assert (len(framed) - len(payload)) % PAYLOAD_ALIGN == 0  # tensors view it in place
+    back, inline = Open.unframe(framed)
+    assert back.transfer_id == tid and bytes(inline) == payload
+    if payload and len(framed) - len(payload) > len(msg.encode()) + 4:  # there is padding: it must be zeros
+        bad = bytearray(framed)
+        bad[len(framed) - len(payload) - 1] = 1
+        with pytest.raises(WireFormatError, match="padding"):
+            Open.unframe(bytes(bad))

@@ -71,6 +71,10 @@ class OpenOverLimit(WireFormatError):
         return str(self.args[0])
 
 
+#: An inline payload starts at a multiple of this within its message (tensors view it in place).
+PAYLOAD_ALIGN = 16
+
+
 @message(
     "open",
     {
@@ -101,7 +105,9 @@ class OpenOverLimit(WireFormatError):
 class Open(Message):
     """Sender -> receiver: a transfer is about to stream (or, ``inline``, is in this message).
 
-    On the wire an `Open` is ``u32 length | msgpack(Open) | inline payload``. It is a request on
+    On the wire an `Open` is ``u32 length | msgpack(Open) | inline payload``, the payload (when
+    there is one) after up to 15 zero bytes that start it at a multiple of `PAYLOAD_ALIGN` within
+    the message, so that the receiver's tensors view it in place (a misaligned one is copied). It is a request on
     the receiver's inbox subject ending in the sender's name, so its content is the sender's
     (in secure mode only the sender may publish there): a receiver takes every digest from it,
     never from a chunk.
@@ -159,7 +165,9 @@ class Open(Message):
         """`frame` as pieces to send back to back: the length and message, then the inline
         payload's pieces as given (not copied)."""
         head = self.encode()
-        return [self._PREFIX.pack(len(head)) + head, *(p for p in inline_payload if len(p))]
+        pieces = [p for p in inline_payload if len(p)]
+        pad = b"\0" * (-(self._PREFIX.size + len(head)) % PAYLOAD_ALIGN) if pieces else b""
+        return [self._PREFIX.pack(len(head)) + head + pad, *pieces]
 
     @classmethod
     def unframe(cls, data: bytes | memoryview) -> tuple[Open, memoryview]:
@@ -181,7 +189,12 @@ class Open(Message):
         if n > MAX_META_BYTES + len(msg.digests) + 8192:
             raise OpenOverLimit("open message", f"header of {n} bytes carries more than {MAX_META_BYTES} of metadata")
         msg.check()
-        return msg, view[cls._PREFIX.size + n :]
+        start = cls._PREFIX.size + n
+        if len(view) > start:
+            start += -start % PAYLOAD_ALIGN  # the payload is aligned within the message
+            if start > len(view) or any(view[cls._PREFIX.size + n : start]):
+                raise WireFormatError("open message", "the padding before the inline payload is malformed")
+        return msg, view[start:]
 
     def check(self) -> None:
         """Consistency and bounds of sizes and counts (each field's type is already checked).
