@@ -89,6 +89,7 @@ class OutgoingTransfer:
         window: int,
         rate_bps: float = 0.0,
         bucket: TokenBucket | None = None,
+        stage_shm: bool = False,
         inline_limit: int = 0,
         traceparent: str | None = None,
         per_receiver_streams: bool = False,
@@ -164,6 +165,8 @@ class OutgoingTransfer:
         self.span: Span = INVALID_SPAN
         """The sender's ``kvbus.stream`` span: pause, resume and retransmit become its events."""
         self._last_progress = time.monotonic()
+        self._stage_shm = stage_shm
+        """Its one receiver was reached on ``shm`` last time: stage a large payload in a segment."""
         self._segment: Segment | None = None
         """The shared segment the payload was staged in (`_staging`), held until the transfer ends."""
 
@@ -312,7 +315,6 @@ class OutgoingTransfer:
             digest = tree_digest([self.plan.digest(i) for i in range(self.plan.n_chunks)], self.plan.total)
             digests = b""
         else:
-            self._chunks = [self.plan.chunk(i) for i in range(self.plan.n_chunks)]
             segment = self._staging()
             if segment is not None:
                 # Same host as last time: copy the payload straight into a shared segment and
@@ -320,10 +322,12 @@ class OutgoingTransfer:
                 self._segment = segment
                 digests = await stage(self.plan, segment.view)
                 self._chunks = [segment.view[lo:hi] for lo, hi in self.plan.plan.ranges]
-            elif self.plan.total > OFFLOAD_BYTES:
-                digests = await asyncio.to_thread(digest_chunks, self._chunks)
             else:
-                digests = digest_chunks(self._chunks)
+                self._chunks = [self.plan.chunk(i) for i in range(self.plan.n_chunks)]
+                if self.plan.total > OFFLOAD_BYTES:
+                    digests = await asyncio.to_thread(digest_chunks, self._chunks)
+                else:
+                    digests = digest_chunks(self._chunks)
             digest = digests_root(digests, self.plan.total)
         self.stats.hash_s = time.perf_counter() - t0
         self.open = dataclasses.replace(self.open, digest=digest, digests=digests)
@@ -337,7 +341,7 @@ class OutgoingTransfer:
     def _staging(self) -> Segment | None:
         """A shared segment to stage a large payload in, when its one receiver was reached on ``shm`` last time."""
         plane = self.plane
-        if plane is None or self.plan.total <= OFFLOAD_BYTES or not plane.expects_shm(self.receivers[0]):
+        if plane is None or not self._stage_shm or self.plan.total <= OFFLOAD_BYTES:
             return None
         try:
             return plane.segment(self.plan.total)

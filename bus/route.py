@@ -107,7 +107,6 @@ class Route:
                     f"{','.join(self.plane.config.allowed_paths)}, the receiver takes {','.join(self._accepted)})",
                     peer=self.spec.receiver,
                 )
-        self.plane.reached(self.spec.receiver, self.path)
         self.used.append(self.path)
         return None
 

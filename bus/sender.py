@@ -296,6 +296,7 @@ class Sender:
             window=grant.window or ep.config.window,
             rate_bps=grant.rate_bps,
             bucket=self._scheduler.bucket(transfer_id),
+            stage_shm=len(receivers) == 1 and self.paths.get(receivers[0]) == "shm",
             traceparent=telemetry.traceparent(),
             per_receiver_streams=ep.bus.secure,
             incarnations=self.incarnations,

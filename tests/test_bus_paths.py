@@ -468,7 +468,7 @@ async def test_a_payload_for_a_receiver_reached_on_shm_is_staged_in_a_segment_th
     tx = await sender_bus.agent(f"paths-stage-tx-{uuid.uuid4().hex[:6]}", signature=SIG)
     plane = sender_bus.plane
     assert plane is not None and plane.shm is not None
-    assert not plane.expects_shm(rx.name)
+    assert rx.name not in tx._sender.paths
     for seed in range(4):
         kv = kv_of_bytes(SIG, 12 * MB, seed=40 + seed)
         report = await tx.send(rx.name, kv, medium="full")
@@ -477,7 +477,7 @@ async def test_a_payload_for_a_receiver_reached_on_shm_is_staged_in_a_segment_th
         del got
         # The first went before the sender knew the receiver's host; each later one was
         # copied and hashed straight into a segment in one pass.
-        assert len(staged) == seed and plane.expects_shm(rx.name)
+        assert len(staged) == seed and tx._sender.paths[rx.name] == "shm"
     # Nothing holds the segments any more (deliveries dropped; the bases keep the last one):
     # they are back in the pool, not new ones each time.
     rx._receiver.bases.clear()

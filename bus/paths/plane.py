@@ -17,7 +17,6 @@ Sender, on the reply::
 
 from __future__ import annotations
 
-import collections
 import logging
 from collections.abc import Collection, Sequence
 
@@ -33,9 +32,6 @@ from kvbus.net.transport import Transport
 from kvbus.protocol import PathOffer
 
 logger = logging.getLogger(__name__)
-
-#: Receivers whose last path a sending process remembers.
-MAX_REACHED = 4096
 
 
 class DataPlane:
@@ -60,7 +56,6 @@ class DataPlane:
         self.config = config or PathsConfig.from_env()
         allowed = self.config.allowed_paths
         self.host = host_identity()
-        self._reached: collections.OrderedDict[str, str] = collections.OrderedDict()
         self.registry = Expectations(pool_bytes=self.config.recv_pool_bytes) if receive else None
         self.shm = ShmPath(self.registry, config=self.config) if "shm" in allowed else None
         self.tcp = TcpPath(self.registry, config=self.config, tls=tls) if "tcp" in allowed else None
@@ -192,18 +187,6 @@ class DataPlane:
             session.close()
 
     # -- sending ---------------------------------------------------------------------------------
-
-    def reached(self, receiver: str, path: str) -> None:
-        """Note that ``receiver``'s last transfer opened on ``path`` (what `expects_shm` answers)."""
-        self._reached[receiver] = path
-        self._reached.move_to_end(receiver)
-        while len(self._reached) > MAX_REACHED:
-            self._reached.popitem(last=False)
-
-    def expects_shm(self, receiver: str) -> bool:
-        """Whether ``receiver`` was reached on ``shm`` last time: a payload for it is then staged
-        straight into a shared segment (`segment`)."""
-        return self.shm is not None and self._reached.get(receiver) == "shm"
 
     def segment(self, nbytes: int) -> Segment | None:
         """A shared segment to encode a payload of ``nbytes`` into, when ``shm`` is allowed (else

@@ -107,10 +107,10 @@ class Open(Message):
 
     On the wire an `Open` is ``u32 length | msgpack(Open) | inline payload``, the payload (when
     there is one) after up to 15 zero bytes that start it at a multiple of `PAYLOAD_ALIGN` within
-    the message, so that the receiver's tensors view it in place (a misaligned one is copied). It is a request on
-    the receiver's inbox subject ending in the sender's name, so its content is the sender's
-    (in secure mode only the sender may publish there): a receiver takes every digest from it,
-    never from a chunk.
+    the message, so that the receiver's tensors view it in place (a misaligned one is copied). It
+    is a request on the receiver's inbox subject ending in the sender's name, so its content is
+    the sender's (in secure mode only the sender may publish there): a receiver takes every
+    digest from it, never from a chunk.
     """
 
     transfer_id: str
