@@ -300,9 +300,8 @@ class NatsTransport:
             await self.nc.publish(msg.reply, payload)
 
     async def flush(self, timeout: float = 5.0) -> None:
-        """Round-trip a PING to the server, so everything published before has reached it."""
-        # nats-py annotates timeout as int, but only hands it to asyncio.wait_for (seconds, float).
-        await self.nc.flush(timeout)  # type: ignore[arg-type]
+        """Round-trip a PING to the server, so everything published or subscribed before has reached it (`flush`)."""
+        await flush(self.nc, timeout)
 
     async def close(self, timeout: float = 5.0) -> None:
         """Drain (deliver what is buffered), but never wait longer than ``timeout``; then close."""
@@ -317,6 +316,35 @@ class NatsTransport:
                 await asyncio.wait_for(self.nc.close(), timeout)
             except (Exception, TimeoutError):
                 logger.debug("close failed", exc_info=True)
+
+
+async def flush(nc: Client, timeout: float = 5.0) -> None:
+    """``nc.flush`` that keeps its promise: everything sent before it has reached the server.
+
+    nats-py 2.16 writes the flush's PING straight to the socket, ahead of the commands still
+    queued for its flusher task: a SUB just made, or publishes behind a backlog, reach the
+    server after the PONG has come back, so "subscribed, flushed, now ask from another
+    connection" finds no responder. The queue is written out first (as the flusher does it),
+    then the PING goes.
+
+    Raises:
+        TimeoutError: the queue was not written, or no PONG came, within ``timeout`` seconds.
+    """
+    if nc.is_connected and _zero_copy_ok(nc) and nc._pending_data_size > 0:
+        give_up = time.monotonic() + timeout
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        flusher, queue = getattr(nc, "_flusher_task", None), nc._flush_queue
+        if flusher is None or flusher.done() or queue is None:
+            await nc._flush_pending()
+        else:
+            await queue.put(done)  # the flusher writes what is queued, then resolves it
+            try:
+                await asyncio.wait_for(asyncio.shield(done), timeout)
+            except TimeoutError:
+                raise TimeoutError(f"nats-py's flusher did not write within {timeout} s") from None
+        timeout = max(give_up - time.monotonic(), 0.001)
+    # nats-py annotates timeout as int, but only hands it to asyncio.wait_for (seconds, float).
+    await nc.flush(timeout)  # type: ignore[arg-type]  # FlushTimeoutError is a TimeoutError
 
 
 async def request_views(

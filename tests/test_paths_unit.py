@@ -511,6 +511,34 @@ async def test_request_views_sends_pieces_uncopied_and_reads_the_reply_or_no_res
         await rx.close()
 
 
+async def test_a_flushed_subscription_is_at_the_server_even_behind_a_backlog(nats_url: str) -> None:
+    """Subscribed and flushed, the subject has a responder for another connection at once, even
+    when the subscription was queued behind megabytes of publishes (nats-py writes its flush's
+    PING ahead of its queue: the PONG came back before the SUB had reached the server)."""
+    from kvbus.net import transport
+
+    a, b = await NatsTransport.connect(nats_url), await NatsTransport.connect(nats_url)
+    try:
+
+        async def answer(msg: Any) -> None:
+            await a.reply(msg, b"here")
+
+        for i in range(3):
+            for _ in range(32):
+                await a.nc.publish("kvbus.test.backlog", b"x" * 512 * 1024)
+            sub = await a.subscribe(f"kvbus.test.flushed.{i}", answer)
+            # The transport's flush, and the module's for a bare nats-py connection (the benchmarks').
+            await (a.flush() if i < 2 else transport.flush(a.nc, 5.0))
+            try:
+                assert await b.request(f"kvbus.test.flushed.{i}", b"?", 5) == b"here"
+            except transport.NoResponders:
+                pytest.fail("the flush returned before the subscription reached the server")
+            await sub.unsubscribe()
+    finally:
+        await a.close()
+        await b.close()
+
+
 async def _silent(t: NatsTransport) -> None:
     """Subscribe to a subject that never answers."""
 

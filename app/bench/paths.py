@@ -42,7 +42,7 @@ import torch
 from kvbus.app.local import NatsServer
 from kvbus.bus.paths import DataPlane, PathsConfig, Segment, TransferSpec, chunk_digest
 from kvbus.bus.paths.nats import NatsSendSession
-from kvbus.net.transport import NatsTransport
+from kvbus.net.transport import NatsTransport, flush
 from kvbus.protocol import CHUNK_INDEX_HEADER, CHUNK_SUM_HEADER, OpenReply
 
 MB = 1 << 20
@@ -158,7 +158,7 @@ async def _receiver(nats_url: str) -> None:
             await nc.publish(CREDIT, str(raw["count"]).encode())
 
     await nc.subscribe(RAW_SUBJECT, cb=on_raw, pending_bytes_limit=1 << 30)
-    await nc.flush()
+    await flush(nc)
     port = _socket_server([bytearray()])
     _emit(ready=True, host=plane.host, socket_port=port)
 
@@ -308,7 +308,7 @@ class _Bench:
 
         sub = await self.nc.subscribe(CREDIT, cb=on_credit)
         await self.nc.publish(RAW_SUBJECT, b"", headers={"Bench-Start": str(n)})
-        await self.nc.flush()
+        await flush(self.nc)
         t = time.perf_counter()
         sent = 0
         while acked[0] < n:

@@ -87,6 +87,7 @@ def _tiny_kv() -> Any:
 async def _client(url: str, agents: list[tuple[str, str, str]], proc: int, rate: float) -> None:
     """One client process: register ``agents`` (name, group, receiver), then run the load on ``go``."""
     from kvbus.bus import Bus, BusConfig
+    from kvbus.net.transport import flush
 
     kv = _tiny_kv()
     cfg = BusConfig(request_timeout=20.0, grant_timeout=60.0, peer_timeout=30.0, ack_timeout=5.0, partial_timeout=30.0)
@@ -105,7 +106,7 @@ async def _client(url: str, agents: list[tuple[str, str, str]], proc: int, rate:
         await go.put((spec["start"], spec["count_from"], spec["stop"]))
 
     await nc.subscribe(GO, cb=on_go)
-    await nc.flush()
+    await flush(nc)
     print("ready", flush=True)
     start, count_from, stop = await go.get()
     overhead: list[float] = []
@@ -154,7 +155,7 @@ async def _client(url: str, agents: list[tuple[str, str, str]], proc: int, rate:
         "lag_p99_ms": 1000 * _percentile(lag, 0.99),
     }
     await nc.publish(RESULT, json.dumps(payload).encode())
-    await nc.flush()
+    await flush(nc)
     # Stay registered until the parent kills this process (other processes' agents may still
     # be asking for transfers to ours).
     await asyncio.Event().wait()
@@ -203,6 +204,7 @@ async def _run_config(
 
     from kvbus.app.cluster import NatsCluster
     from kvbus.app.local import NatsServer
+    from kvbus.net.transport import flush
 
     n_groups = 1 if mode == "flat" else max(1, n // group_size)
     groups = [f"s{g}" for g in range(n_groups)]
@@ -259,12 +261,12 @@ async def _run_config(
             await inbox.put(json.loads(msg.data))
 
         await nc.subscribe(RESULT, cb=on_result)
-        await nc.flush()
+        await flush(nc)
         start = time.time() + 0.5
         count_from = start + warmup
         stop = count_from + seconds
         await nc.publish(GO, json.dumps({"start": start, "count_from": count_from, "stop": stop}).encode())
-        await nc.flush()
+        await flush(nc)
         await asyncio.sleep(max(0.0, count_from - time.time()))
         cpu0 = {p.pid: _cpu_seconds(p.pid) for p in procs}
         await asyncio.sleep(max(0.0, stop - time.time()))

@@ -56,6 +56,7 @@ from kvbus.bus.chunking import ChunkPlan
 from kvbus.bus.paths import PathsConfig
 from kvbus.codecs import get_codec
 from kvbus.kvcache import KVCache
+from kvbus.net.transport import flush
 from kvbus.signature import ModelSignature
 
 LLAMA3_8B = ModelSignature(
@@ -191,7 +192,7 @@ async def _peer(nats_url: str, redis_url: str, chunk_size: int, window: int, ack
         await nc.subscribe(REDIS_SUBJECT, cb=on_redis)
         await nc.subscribe(REDIS_CHUNKED_SUBJECT, cb=on_redis_chunked)
         await tp.serve_reqrep(nc)
-    await nc.flush()
+    await flush(nc)
     print(f"ready {_socket_server([bytearray()])}", flush=True)
 
     async def drain_inbox() -> None:
@@ -229,7 +230,7 @@ async def _nats_once(nc: Any, chunks: list[memoryview], window: int) -> float:
 
     sub = await nc.subscribe(CREDIT_SUBJECT, cb=on_credit)
     await nc.publish(RAW_SUBJECT, b"", headers={"Bench-Start": str(n)})
-    await nc.flush()
+    await flush(nc)
     t = time.perf_counter()
     sent = 0
     while acked[0] < n:
