@@ -22,9 +22,9 @@ from kvbus.app.cli_commands import (
     _group_scheduler,
     _nats_options,
     _selftest,
-    _stack_nats_url,
     _top,
     _up,
+    stack_nats_url,
 )
 from kvbus.errors import ConfigError, NatsConnectError
 
@@ -226,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "coordinator":
             asyncio.run(_coordinator(args))
         elif args.command == "selftest":
-            rc = asyncio.run(_selftest(args.nats_url or _stack_nats_url(), args.group, args.bytes))
+            rc = asyncio.run(_selftest(args.nats_url or stack_nats_url(), args.group, args.bytes))
             if rc == 0 and args.expect_replicas:
                 from kvbus.app.selftest import check_bucket_replicas
 
@@ -236,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rc = check_bucket_replicas(args.nats_monitor_url, args.expect_replicas, timeout=wait)
             return rc
         elif args.command == "top":
-            asyncio.run(_top(args.nats_url or _stack_nats_url(), args))
+            asyncio.run(_top(args.nats_url or stack_nats_url(), args))
         elif args.command == "demo":
             from kvbus.app.demo import run_demo
 

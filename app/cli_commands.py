@@ -27,8 +27,9 @@ STACK_FILE = Path(os.environ.get("KVBUS_STACK_FILE", Path.home() / ".cache" / "k
 CREDENTIALS_FILE = Path(os.environ.get("KVBUS_CREDENTIALS_FILE", Path.home() / ".cache" / "kvbus" / "credentials.json"))
 
 
-def _stack_nats_url() -> str:
-    """NATS URL of a running `kvbus up` (from its stack file), else the default local server."""
+def stack_nats_url() -> str:
+    """NATS URL of a running `kvbus up` (from its stack file, ``KVBUS_STACK_FILE``), else the
+    default local server: what the CLI's verbs and the examples connect to unless told."""
     try:
         data = json.loads(STACK_FILE.read_text())
         os.kill(int(data["pid"]), 0)

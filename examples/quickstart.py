@@ -5,6 +5,7 @@ Start a local stack first (nats-server, a group scheduler for group ``default``,
     kvbus up &
     python examples/quickstart.py
 
+(it connects to the stack ``kvbus up`` runs, found through the stack file ``kvbus up`` writes),
 or point it at any deployment with ``--nats-url``. The planner prefills a prompt with SmolLM2,
 sends the KV-cache to the writer (the group scheduler picks the medium), and the writer continues
 the text from the received cache without recomputing the prompt.
@@ -16,6 +17,7 @@ import argparse
 import asyncio
 
 from kvbus import Bus
+from kvbus.app.cli_commands import stack_nats_url
 from kvbus.app.models import load_smollm2
 
 PROMPT = "The three things every kitchen needs are"
@@ -38,7 +40,7 @@ async def main(nats_url: str, new_tokens: int) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    parser.add_argument("--nats-url", help="default: the running `kvbus up`, else nats://127.0.0.1:4222")
     parser.add_argument("--tokens", type=int, default=16, help="tokens the writer generates")
     args = parser.parse_args()
-    asyncio.run(main(args.nats_url, args.tokens))
+    asyncio.run(main(args.nats_url or stack_nats_url(), args.tokens))
