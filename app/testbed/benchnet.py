@@ -62,6 +62,8 @@ class BenchNet(ABC):
     mode: str
     topology: Topology
     reason: str = ""
+    #: Valkey's URL as the bench's hosts reach it, when the net was opened with ``redis=True``.
+    redis_url: str | None = None
 
     @abstractmethod
     def url(self, host: str) -> str:
