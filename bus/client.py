@@ -17,7 +17,8 @@ from kvbus.bus.errors import BusClosed
 from kvbus.bus.pacing import EmulatedLink
 from kvbus.bus.paths import DataPlane, DataTls, PathsConfig
 from kvbus.codecs import ModelRunner
-from kvbus.errors import CoordinatorUnavailable
+from kvbus.errors import ConfigError, CoordinatorUnavailable
+from kvbus.net.auth import NatsAuth
 from kvbus.net.buckets import key_value
 from kvbus.net.coordinator_client import CoordinatorClient
 from kvbus.net.transport import NatsTransport, Transport
@@ -59,13 +60,35 @@ class Bus:
         if secure and not self.paths_config.shm_private:
             # A same-host sender must not change bytes after the receiver verified them.
             self.paths_config = dataclasses.replace(self.paths_config, shm_private=True)
-        self._data_tls = data_tls
+        self._data_tls = data_tls or self._deployment_tls(transport)
         self.plane: DataPlane | None = None
         """The data plane (listeners and connections of the direct paths), started with the first agent."""
         self.status = Status.CONNECTED
         self._agents: dict[str, Agent] = {}
         self._directory: Any = None
         self._completed: dict[str, collections.OrderedDict[str, float]] = {}
+
+    def _deployment_tls(self, transport: Transport) -> DataTls | None:
+        """The ``tcp`` path's TLS when none was given and the NATS connection uses TLS: the
+        deployment's certificate files (``KVBUS_NATS_TLS_*``, as `NatsAuth.from_env` reads them).
+        Without them, this bus leaves the ``tcp`` path out: a deployment that encrypts its control
+        plane never sends its KV-caches in the clear on the data plane."""
+        if not getattr(transport, "uses_tls", False):
+            return None
+        tls = DataTls.from_auth(NatsAuth.from_env())
+        if tls is None and "tcp" in self.paths_config.allowed_paths:
+            logger.warning(
+                "the NATS connection uses TLS but no data_tls was given and KVBUS_NATS_TLS_* name no "
+                "certificates: the tcp data path is off for this bus (pass data_tls=DataTls(...) to use it)"
+            )
+            kept = ",".join(p for p in self.paths_config.allowed_paths if p != "tcp")
+            if not kept:
+                raise ConfigError(
+                    "paths.allowed is tcp only, the NATS connection uses TLS and no certificate for the "
+                    "tcp path was given (data_tls or KVBUS_NATS_TLS_CERT/KEY/CA)"
+                )
+            self.paths_config = dataclasses.replace(self.paths_config, allowed=kept)
+        return tls
 
     def completed_ids(self, agent: str) -> collections.OrderedDict[str, float]:
         """The ids of transfers delivered to ``agent`` on this bus (kept across the agent closing
@@ -96,7 +119,13 @@ class Bus:
                 one bus per agent.
             paths: the data paths transfers may take (default: ``KVBUS_PATHS_*``, all of them).
             data_tls: TLS of the ``tcp`` data path (`DataTls.from_auth` of the deployment's
-                `NatsAuth`); without it, the ``tcp`` path is plain TCP.
+                `NatsAuth`). Without it, a NATS connection over TLS gives the ``tcp`` path the
+                certificates of ``KVBUS_NATS_TLS_*``, or, when those name none, leaves it out
+                (never plain TCP under a TLS deployment); over plain NATS the path is plain TCP.
+
+        Raises:
+            ConfigError: the data paths cannot be configured (e.g. only ``tcp`` allowed under a
+                TLS deployment without certificates for it).
 
         The first connect of a process also configures OpenTelemetry from the standard
         variables (`kvbus.telemetry.setup`): traces when ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or
@@ -105,7 +134,11 @@ class Bus:
         """
         telemetry.setup()
         transport = await NatsTransport.connect(url, **nats_options)
-        return cls(transport, config=config, secure=secure, paths=paths, data_tls=data_tls)
+        try:
+            return cls(transport, config=config, secure=secure, paths=paths, data_tls=data_tls)
+        except BaseException:
+            await transport.close()
+            raise
 
     async def data_plane(self) -> DataPlane:
         """The process's data plane for this bus (its listeners are started on first use).

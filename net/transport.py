@@ -145,6 +145,13 @@ class NatsTransport:
         return time.monotonic() - self.reconnected_at < self.reconnect_grace_s
 
     @property
+    def uses_tls(self) -> bool:
+        """Whether this connection runs over TLS (the server requires it, or the handshake comes
+        first): nats-py upgrades in exactly these cases."""
+        info = getattr(self.nc, "_server_info", None) or {}
+        return bool(info.get("tls_required")) or bool(self.nc.options.get("tls_handshake_first"))
+
+    @property
     def max_payload(self) -> int:
         """The server's max_payload, as announced when the connection was made."""
         return int(self.nc.max_payload)

@@ -585,6 +585,62 @@ async def test_the_tcp_path_speaks_tls_with_the_deployments_certificates(
             await b.close()
 
 
+async def test_a_tls_deployment_never_sends_kv_in_the_clear_on_the_tcp_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """NATS over TLS and no ``data_tls``: the ``tcp`` path takes the certificates of
+    ``KVBUS_NATS_TLS_*`` (the deployment's); given only an SSL context, the bus leaves ``tcp``
+    out (and says so) rather than sending plain TCP; ``tcp`` alone is then a configuration error."""
+    import ssl
+
+    from kvbus.app.local import NatsServer
+    from kvbus.errors import ConfigError
+    from kvbus.net.auth import NatsAuth
+    from tests.test_paths import agent_pki
+
+    ca, cert, key, _ = agent_pki(tmp_path)
+    block = f'tls {{\n  cert_file: "{cert}"\n  key_file: "{key}"\n  ca_file: "{ca}"\n  verify: true\n}}\n'
+    server = NatsServer(extra_config=block).start()
+    env = {"KVBUS_NATS_TLS_CA": str(ca), "KVBUS_NATS_TLS_CERT": str(cert), "KVBUS_NATS_TLS_KEY": str(key)}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    options = NatsAuth.from_env().connect_options()
+    paths = PathsConfig(allowed="tcp,nats", tcp_host="127.0.0.1")
+    sched = await GroupScheduler.connect(server.url, "default", nats_options=options)
+    buses: list[Bus] = []
+    try:
+        tx_bus = await Bus.connect(server.url, config=FAST, paths=paths, **options)
+        rx_bus = await Bus.connect(server.url, config=FAST, paths=paths, **options)
+        buses += [tx_bus, rx_bus]
+        assert tx_bus.transport.uses_tls  # type: ignore[attr-defined]
+        rx = await rx_bus.agent(f"tlsdep-rx-{uuid.uuid4().hex[:6]}", signature=SIG)
+        tx = await tx_bus.agent(f"tlsdep-tx-{uuid.uuid4().hex[:6]}", signature=SIG)
+        kv = kv_of_bytes(SIG, 8 * MB, seed=15)
+        report = await tx.send(rx.name, kv, medium="full")
+        assert report.path == "tcp" and (await rx.receive(timeout=10)).kv.equal(kv)
+        for b in (tx_bus, rx_bus):
+            assert b.plane is not None and b.plane.tcp is not None and b.plane.tcp.tls is not None
+        # The same deployment's TLS as an SSL context only (no files to serve the tcp path with).
+        for name in env:
+            monkeypatch.delenv(name)
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(ca))
+        context.load_cert_chain(str(cert), str(key))
+        with caplog.at_level("WARNING", logger="kvbus.bus.client"):
+            bare = await Bus.connect(server.url, config=FAST, paths=paths, tls=context)
+        buses.append(bare)
+        assert bare.paths_config.allowed_paths == ("nats",) and "tcp data path is off" in caplog.text
+        other = await bare.agent(f"tlsdep-bare-{uuid.uuid4().hex[:6]}", signature=SIG)
+        report = await other.send(rx.name, kv, medium="full")
+        assert report.path == "nats" and (await rx.receive(timeout=10)).kv.equal(kv)
+        with pytest.raises(ConfigError, match="tcp only"):
+            await Bus.connect(server.url, config=FAST, paths=PathsConfig(allowed="tcp"), tls=context)
+    finally:
+        for b in buses:
+            await b.close()
+        await sched.close()
+        server.stop()
+
+
 async def test_an_unreachable_tcp_endpoint_is_not_tried_again_for_a_while() -> None:
     from kvbus.bus.paths import PathUnavailable, TcpPath
     from kvbus.bus.paths.tcp import FAILED_ENDPOINT_S
