@@ -11,6 +11,10 @@ agents, as in a real team: every agent asks for a transfer to its group neighbou
 
 How it runs on a small machine:
 
+- on the testbed (``network: netns``, the default where it can be built) every configuration
+  gets a fresh one: nats-server, the coordinator and the group schedulers on host ``core``, each
+  client process on a host of its own behind a 10 Gbit/s htb link, so every request and grant
+  crosses veths and the bridge; without it, everything runs on loopback (``network: loopback``);
 - every configuration gets a fresh nats-server and a coordinator (``python -m kvbus.app.cli
   coordinator``, its own OS process); every group scheduler is its own OS process (``python -m
   kvbus.app.cli group-scheduler``, ``max_active`` high, no bandwidth budget) and announces its
@@ -189,6 +193,135 @@ def _pinned_url(urls: list[str], k: int) -> str:
     return ",".join(urls[k:] + urls[:k])
 
 
+async def _drive(urls: list[str], n_clients: int, start: float, count_from: float, stop: float) -> list[dict[str, Any]]:
+    """Tell every client process the load's times (``GO``) and collect their results."""
+    import nats
+
+    from kvbus.net.transport import flush
+
+    nc = await nats.connect(urls)
+    try:
+        inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+        async def on_result(msg: Any) -> None:
+            await inbox.put(json.loads(msg.data))
+
+        await nc.subscribe(RESULT, cb=on_result)
+        await flush(nc)
+        await nc.publish(GO, json.dumps({"start": start, "count_from": count_from, "stop": stop}).encode())
+        await flush(nc)
+        return [await asyncio.wait_for(inbox.get(), 300 + max(0.0, stop - time.time())) for _ in range(n_clients)]
+    finally:
+        await nc.close()
+
+
+async def drive_op(ctx: Any, urls: list[str], n_clients: int, start: float, count_from: float, stop: float) -> Any:
+    """Worker operation: `_drive` from a testbed host (the bench's own process is outside the namespaces)."""
+    return await _drive(urls, n_clients, start, count_from, stop)
+
+
+def topology(clients: int) -> Any:
+    """One rack: ``core`` (nats-server, coordinator, group schedulers) and a host per client
+    process, ``c0`` ..., each on a 10 Gbit/s link (htb; no delay: the delay line would spend the
+    CPU this bench measures)."""
+    from kvbus.app.testbed.topology import from_dict
+
+    hosts = [{"name": "core", "link": {"rate_mbit": 10000}}]
+    hosts += [{"name": f"c{i}", "link": {"rate_mbit": 10000}} for i in range(clients)]
+    return from_dict(
+        {"name": "scale", "racks": [{"name": "rack"}], "hosts": hosts, "services": {"nats": "core"}}, "<bench scale>"
+    )
+
+
+class _Loopback:
+    """A configuration's processes on this machine: a fresh nats-server (or cluster), children of this process."""
+
+    mode = "loopback"
+
+    def __init__(self, env: dict[str, str], nats_cluster: int) -> None:
+        from kvbus.app.cluster import NatsCluster
+        from kvbus.app.local import NatsServer
+
+        self.env = env
+        self.procs: list[subprocess.Popen[str]] = []
+        self.server: NatsServer | NatsCluster
+        if nats_cluster > 1:
+            self.server = NatsCluster(nats_cluster).start()
+            self.urls = self.server.urls
+            env["KVBUS_NATS_PIN"] = "1"
+        else:
+            self.server = NatsServer().start()
+            self.urls = [self.server.url]
+
+    def spawn(self, host: str, args: list[str], name: str) -> subprocess.Popen[Any]:
+        proc = _spawn(args, self.env)
+        self.procs.append(proc)
+        return proc
+
+    async def ready(self, proc: subprocess.Popen[Any], host: str, name: str, want: str, timeout: float) -> None:
+        await _wait_line(proc, want, timeout)
+
+    async def prepare(self) -> None:
+        pass
+
+    async def drive(self, n_clients: int, start: float, count_from: float, stop: float) -> list[dict[str, Any]]:
+        return await _drive(self.urls, n_clients, start, count_from, stop)
+
+    async def close(self) -> None:
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.wait()
+        self.server.stop()
+
+
+class _Testbed:
+    """A configuration's processes on testbed hosts (`topology`): a fresh testbed per configuration."""
+
+    mode = "netns"
+
+    def __init__(self, env: dict[str, str], clients: int) -> None:
+        from kvbus.app.testbed.fabric import Testbed
+        from kvbus.app.testbed.services import start_nats
+
+        self.env = env
+        self.tb = Testbed(topology(clients)).build()
+        try:
+            self.urls = [start_nats(self.tb)]
+        except BaseException:
+            self.tb.teardown()
+            raise
+        self.driver: Any = None
+
+    def spawn(self, host: str, args: list[str], name: str) -> subprocess.Popen[Any]:
+        return self.tb.python(host, *args, name=name, env=self.env)
+
+    async def ready(self, proc: subprocess.Popen[Any], host: str, name: str, want: str, timeout: float) -> None:
+        await asyncio.to_thread(self.tb.wait_for_log, proc, name, want, host=host, timeout=timeout)
+
+    async def prepare(self) -> None:
+        from kvbus.app.testbed.worker import Worker
+
+        self.driver = await Worker.on_host(self.tb, "core", "scale-driver")
+
+    async def drive(self, n_clients: int, start: float, count_from: float, stop: float) -> list[dict[str, Any]]:
+        return list(
+            await self.driver.call(
+                "kvbus.app.bench.scale:drive_op",
+                urls=self.urls,
+                n_clients=n_clients,
+                start=start,
+                count_from=count_from,
+                stop=stop,
+            )
+        )
+
+    async def close(self) -> None:
+        if self.driver is not None:
+            await self.driver.close(timeout=10)
+        await asyncio.to_thread(self.tb.teardown)
+
+
 async def _run_config(
     mode: str,
     n: int,
@@ -199,13 +332,8 @@ async def _run_config(
     warmup: float = WARMUP_S,
     group_size: int = GROUP_SIZE,
     nats_cluster: int = 0,
+    network: str = "loopback",
 ) -> dict[str, Any]:
-    import nats
-
-    from kvbus.app.cluster import NatsCluster
-    from kvbus.app.local import NatsServer
-    from kvbus.net.transport import flush
-
     n_groups = 1 if mode == "flat" else max(1, n // group_size)
     groups = [f"s{g}" for g in range(n_groups)]
     by_group: dict[str, list[str]] = {}
@@ -222,61 +350,52 @@ async def _run_config(
         "KVBUS_SCHEDULER_PREEMPT": "false",
         "KVBUS_SCHEDULER_LEADER_TTL_S": "0",
     }
-    server: NatsServer | NatsCluster
-    if nats_cluster > 1:
-        server = NatsCluster(nats_cluster).start()
-        urls = server.urls
-        env["KVBUS_NATS_PIN"] = "1"
-    else:
-        server = NatsServer().start()
-        urls = [server.url]
-    procs: list[subprocess.Popen[str]] = []
+    stack: _Loopback | _Testbed = _Testbed(env, clients) if network == "netns" else _Loopback(env, nats_cluster)
+    urls = stack.urls
     try:
-        coord = _spawn(["-m", "kvbus.app.cli", "coordinator", "--nats-url", ",".join(urls)], env)
-        procs.append(coord)
-        await _wait_line(coord, "coordinator on", 120)
+        coord = stack.spawn("core", ["-m", "kvbus.app.cli", "coordinator", "--nats-url", ",".join(urls)], "coordinator")
+        await stack.ready(coord, "core", "coordinator", "coordinator on", 120)
         scheds = [
-            _spawn(["-m", "kvbus.app.cli", "group-scheduler", "--group", g, "--nats-url", _pinned_url(urls, k)], env)
+            stack.spawn(
+                "core",
+                ["-m", "kvbus.app.cli", "group-scheduler", "--group", g, "--nats-url", _pinned_url(urls, k)],
+                f"scheduler-{g}",
+            )
             for k, g in enumerate(groups)
         ]
-        procs += scheds
-        for p in scheds:
-            await _wait_line(p, "group scheduler", 120)
+        for g, p in zip(groups, scheds):
+            await stack.ready(p, "core", f"scheduler-{g}", "group scheduler", 120)
         # Whole groups per client process where they fit, so a process's agents share connections.
         chunks = [triples[i::clients] for i in range(clients)]
         cl = [
-            _spawn(
-                ["-m", "kvbus.app.bench.scale", "--client", _pinned_url(urls, i), str(i), str(rate), json.dumps(c)], env
+            (
+                f"c{i}",
+                stack.spawn(
+                    f"c{i}",
+                    ["-m", "kvbus.app.bench.scale", "--client", _pinned_url(urls, i), str(i), str(rate), json.dumps(c)],
+                    f"client-{i}",
+                ),
             )
             for i, c in enumerate(chunks)
             if c
         ]
-        procs += cl
-        for p in cl:
-            await _wait_line(p, "ready", 300)
-        nc = await nats.connect(urls)
-        inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-
-        async def on_result(msg: Any) -> None:
-            await inbox.put(json.loads(msg.data))
-
-        await nc.subscribe(RESULT, cb=on_result)
-        await flush(nc)
+        for host, p in cl:
+            await stack.ready(p, host, f"client-{host[1:]}", "ready", 300)
+        procs = [coord, *scheds, *(p for _, p in cl)]
+        await stack.prepare()
         start = time.time() + 0.5
         count_from = start + warmup
         stop = count_from + seconds
-        await nc.publish(GO, json.dumps({"start": start, "count_from": count_from, "stop": stop}).encode())
-        await flush(nc)
+        driving = asyncio.ensure_future(stack.drive(len(cl), start, count_from, stop))
         await asyncio.sleep(max(0.0, count_from - time.time()))
         cpu0 = {p.pid: _cpu_seconds(p.pid) for p in procs}
         await asyncio.sleep(max(0.0, stop - time.time()))
         cpu1 = {p.pid: _cpu_seconds(p.pid) for p in procs}
-        got = [await asyncio.wait_for(inbox.get(), 300) for _ in cl]
-        await nc.close()
+        got = await driving
         client_seen = [x / 1e6 for g in got for x in g["overhead_us"]]
         overhead = [x / 1e6 for g in got for x in g["at_scheduler_us"]]
         sched_cpu = [(cpu1[p.pid] - cpu0[p.pid]) / seconds for p in scheds]
-        client_cpu = sum(cpu1[p.pid] - cpu0[p.pid] for p in cl) / seconds
+        client_cpu = sum(cpu1[p.pid] - cpu0[p.pid] for _, p in cl) / seconds
         return {
             "agents": n,
             "groups": n_groups,
@@ -300,11 +419,7 @@ async def _run_config(
             "client_cpu_total": client_cpu,
         }
     finally:
-        for p in procs:
-            p.kill()
-        for p in procs:
-            p.wait()
-        server.stop()
+        await stack.close()
 
 
 def run(
@@ -315,15 +430,28 @@ def run(
     seconds: float | None = None,
     rounds: int | None = None,
     nats_cluster: int = 0,
+    network: str | None = None,
     **_: Any,
 ) -> dict[str, Any]:
-    """Flat and hierarchical at each size, in interleaved rounds; the growth and flat/hier ratios per round."""
+    """Flat and hierarchical at each size, in interleaved rounds; the growth and flat/hier ratios per round.
+
+    ``network``: ``netns`` runs every configuration on a fresh testbed (each client process on
+    its own host, the servers on ``core``), ``emulated`` on this machine's loopback (the JSON says
+    ``loopback``: no link is emulated), ``auto`` (default) the testbed when available. A NATS
+    cluster (``nats_cluster``) runs on loopback.
+    """
     from kvbus.app.bench.rounds import FULL_ROUNDS, median, ratio, spread
+    from kvbus.app.testbed.benchnet import choose_network
 
     sizes = [8, 16] if smoke else [64, 256] if quick else [64, 256, 1024]
     window = seconds or (1.5 if smoke else 5.0 if quick else SECONDS)
     rounds = rounds or (1 if smoke else 2 if quick else FULL_ROUNDS)
     clients, warmup, group_size = (1, 1.0, 8) if smoke else (CLIENT_PROCESSES, WARMUP_S, GROUP_SIZE)
+    if nats_cluster > 1:
+        mode_net, why = "loopback", "a NATS cluster runs on loopback"
+    else:
+        mode_net, why = choose_network(network)
+        mode_net = "netns" if mode_net == "netns" else "loopback"
     per: dict[str, dict[str, list[dict[str, Any]]]] = {
         "flat": {str(n): [] for n in sizes},
         "hier": {str(n): [] for n in sizes},
@@ -341,6 +469,7 @@ def run(
                         warmup=warmup,
                         group_size=group_size,
                         nats_cluster=nats_cluster,
+                        network=mode_net,
                     )
                 )
                 per[mode][str(n)].append(res)
@@ -413,7 +542,12 @@ def run(
         results[f"{key}_rounds"] = value
     results["rounds"] = rounds
     config = {
-        "network": "loopback",
+        "network": mode_net,
+        "why": why,
+        "hosts": "a fresh testbed per configuration: nats-server, coordinator and group schedulers on host "
+        "core, each client process on a host of its own (c0, ...), 10 Gbit/s htb links, no delay"
+        if mode_net == "netns"
+        else "every process on this machine's loopback",
         "sizes": sizes,
         "nats_cluster": nats_cluster,
         "group_size": group_size,
