@@ -14,6 +14,9 @@ DEFAULT_WINDOW = 16
 HEADER_ROOM = 4096
 #: Payloads above this are encoded and decoded in a worker thread, off the event loop.
 OFFLOAD_BYTES = 1 << 20
+#: A plain copy up to this size (a delta base) runs on the event loop: at 8 GB/s and more it takes
+#: under 0.5 ms, where a hop to a worker thread and back costs 0.1 ms of two loaded cores.
+COPY_INLINE_BYTES = 4 << 20
 
 
 @dataclass(frozen=True, slots=True)

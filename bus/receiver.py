@@ -30,7 +30,7 @@ from opentelemetry.trace import INVALID_SPAN, SpanKind
 from kvbus import telemetry
 from kvbus.bus.bases import base_copy, twin_base
 from kvbus.bus.chunking import ChunkPlan, check_open_plan, split_inline
-from kvbus.bus.config import OFFLOAD_BYTES
+from kvbus.bus.config import COPY_INLINE_BYTES, OFFLOAD_BYTES
 from kvbus.bus.endpoint import Endpoint
 from kvbus.bus.errors import PayloadTooLarge
 from kvbus.bus.inbox import Inbox
@@ -433,7 +433,7 @@ class Receiver:
             # Its tensors lie in a lent shared segment: the base is a second copy-on-write mapping of it.
             self.bases[delivery.sender] = twin
             self.inbox.put(delivery)
-        elif delivery.kv.nbytes <= OFFLOAD_BYTES and self._handover is None:
+        elif delivery.kv.nbytes <= COPY_INLINE_BYTES and self._handover is None:
             self.bases[delivery.sender] = delivery.kv.clone()
             self.inbox.put(delivery)
         else:
@@ -455,7 +455,7 @@ class Receiver:
                 # The old base's memory is reused unless a decode still reads it.
                 old = None if self._reading[delivery.sender] else self.bases.get(delivery.sender)
                 self.bases[delivery.sender] = (
-                    await asyncio.to_thread(base_copy, kv, old) if kv.nbytes > OFFLOAD_BYTES else base_copy(kv, old)
+                    await asyncio.to_thread(base_copy, kv, old) if kv.nbytes > COPY_INLINE_BYTES else base_copy(kv, old)
                 )
         except asyncio.CancelledError:
             raise

@@ -251,7 +251,8 @@ class Sender:
 
     async def _encode(self, codec: Codec, kv: KVCache, base: KVCache | None) -> Encoded:
         ep = self._ep
-        if kv.nbytes > OFFLOAD_BYTES or not codec.needs_kv:
+        views_only = codec.cheap_encode and base is None and kv.contiguous
+        if not views_only and (kv.nbytes > OFFLOAD_BYTES or not codec.needs_kv):
             encoded = await asyncio.to_thread(codec.encode, kv, base=base, runner=ep.runner)
         else:
             encoded = codec.encode(kv, base=base, runner=ep.runner)

@@ -100,7 +100,7 @@ class Codec(ABC):
     `DecodeError`).
 
     ``medium``, ``stage`` and ``params`` belong to the class; ``name``, ``lossless``, ``needs_kv``,
-    ``fidelity`` and ``cheap_decode`` are class defaults that an instance may refine (a composition
+    ``fidelity``, ``cheap_decode`` and ``cheap_encode`` are class defaults that an instance may refine (a composition
     is lossless only if every stage is, and its fidelity comes from the calibration profile).
     """
 
@@ -119,6 +119,9 @@ class Codec(ABC):
     """Fidelity factor of one hop: measured (calibration profile) if available, else this default."""
     cheap_decode: bool = False
     """True when decode only builds views (no pass over the data): run it on the event loop."""
+    cheap_encode: bool = False
+    """True when encode only builds views of contiguous tensors (no pass over the data): the
+    sender runs it on the event loop whatever the size, when the cache's tensors are contiguous."""
 
     def __init__(self, *, inner: Codec | None = None, **args: Any) -> None:
         """Build a codec with parameter values ``args`` (validated) around ``inner`` (wrappers only).
@@ -137,6 +140,7 @@ class Codec(ABC):
             self.lossless = cls.lossless and inner.lossless
             self.needs_kv = cls.needs_kv and inner.needs_kv
             self.cheap_decode = False
+            self.cheap_encode = False
         self.fidelity = self._fidelity_factor()
 
     def _fidelity_factor(self) -> float:

@@ -22,6 +22,7 @@ class FullCodec(LayerwiseCodec):
 
     lossless = True
     cheap_decode = True
+    cheap_encode = True
     fidelity = 1.0
 
     def layer_layout(self, header: KVHeader) -> Sequence[LayerBuffer]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbus.codecs._header import KVHeader, encode_buffers
-from kvbus.codecs._tensors import check_buffer_count, require_map, tensor_from
+from kvbus.codecs._tensors import check_buffer_count, require_map, tensors_from
 from kvbus.codecs.base import Codec, Encoded, ModelRunner
 from kvbus.codecs.errors import NonFiniteValues
 from kvbus.kvcache import KVCache
@@ -122,18 +122,19 @@ class LayerwiseCodec(Codec):
         layers = buffers[header.n_prefix :]
         self.check_payload(header, layers)
         # Every buffer is checked (views, no allocation) before anything is computed from one.
-        views = [
-            [
-                tensor_from(
-                    layers[first[p] + i * stride[p]], want.dtype, want.shape, self.name, self.buffer_name(p, want, i)
-                )
-                for p, want in enumerate(layout)
-            ]
-            for i in range(n)
+        by_position = [
+            tensors_from(
+                [layers[first[p] + i * stride[p]] for i in range(n)],
+                want.dtype,
+                want.shape,
+                self.name,
+                lambda i, p=p, want=want: self.buffer_name(p, want, i),  # type: ignore[misc]
+            )
+            for p, want in enumerate(layout)
         ]
         keys, values = [], []
-        for mine in views:
-            k, v = self.decode_layer(header, mine)
+        for i in range(n):
+            k, v = self.decode_layer(header, [views[i] for views in by_position])
             keys.append(k)
             values.append(v)
         kv = KVCache(

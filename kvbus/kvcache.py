@@ -71,6 +71,11 @@ class KVCache:
         return self.keys[0].dtype if self.keys else self.signature.torch_dtype
 
     @property
+    def contiguous(self) -> bool:
+        """Whether every key and value tensor is contiguous (a view-only encode copies nothing)."""
+        return all(t.is_contiguous() for t in (*self.keys, *self.values))
+
+    @property
     def nbytes(self) -> int:
         """Bytes of the KV tensors plus the token ids."""
         kv = sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))

@@ -268,6 +268,71 @@ def test_as_bytes_and_tensor_from_share_memory(dtype: torch.dtype) -> None:
     assert torch.equal(tensor_from(bytes(buf), dtype, (3, 4), "test"), t)  # read-only: copied
 
 
+AS_BYTES_DTYPES = (
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.int8,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    dtype=st.sampled_from(AS_BYTES_DTYPES),
+    dims=st.lists(st.integers(0, 5), min_size=1, max_size=4),
+    transpose=st.booleans(),
+    grad=st.booleans(),
+)
+def test_as_bytes_is_the_tensors_memory_byte_for_byte(
+    dtype: torch.dtype, dims: list[int], transpose: bool, grad: bool
+) -> None:
+    """The fast path (a contiguous tensor viewed through numpy, bfloat16 as int16) gives exactly
+    the bytes the generic path does, for every dtype, an empty or transposed tensor, or one that
+    requires grad."""
+    t = (torch.arange(math.prod(dims), dtype=torch.float64).reshape(dims) * 1.5 - 3).to(dtype)
+    if transpose and t.dim() > 1:
+        t = t.transpose(0, -1)
+    if grad and dtype.is_floating_point:
+        t.requires_grad_(True)
+    want = t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    got = as_bytes(t)
+    assert got.format == "B" and got.ndim == 1 and bytes(got) == want
+    if t.is_contiguous() and t.numel():
+        assert buffer_address(got) == t.data_ptr()  # a view, not a copy
+
+
+def test_decoding_read_only_buffers_swaps_the_warning_filters_at_most_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch warns about a read-only buffer once per process: after that first (silenced) time,
+    decoding never enters ``warnings.catch_warnings`` (per tensor it cost 2 us, and it swaps the
+    process-wide filter list, which races between threads)."""
+    import kvbus.codecs._tensors as tensors
+
+    tensor_from(bytes(16), torch.float32, (4,), "test")  # the process's first, if no test came before
+    entered = []
+
+    class Counting:
+        def __enter__(self) -> None:
+            entered.append(1)
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+    monkeypatch.setattr(tensors.warnings, "catch_warnings", Counting)
+    sig = ModelSignature("ro", n_layers=4, n_kv_heads=2, head_dim=8, dtype="float32", vocab_size=VOCAB)
+    shape = (1, 2, 6, 8)
+    kv = KVCache(
+        torch.arange(6).view(1, 6), sig, [torch.randn(shape) for _ in range(4)], [torch.randn(shape) for _ in range(4)]
+    )
+    received = wire(get_codec("full").encode(kv))  # read-only bytes, as the bus hands them over
+    assert all(memoryview(b).readonly for b in received.buffers)
+    assert get_codec("full").decode(received).equal(kv) and not entered
+
+
 @pytest.mark.parametrize("shape", [(-1, 4), (3, 5), (3,), [True, 4], "34", (2**41, 0), (1,) * 9, (3, 4.0)])
 def test_tensor_from_rejects_bad_shapes(shape: Any) -> None:
     buf = as_bytes(torch.zeros(3, 4))
