@@ -209,6 +209,10 @@ async def test_two_agents_in_two_namespaces_through_nats_in_a_third() -> None:
                 assert arrived["src"] == "sender"
                 assert arrived["digest"] == sent["digest"]
             assert sent["chunks"] > 1
+            # Two hosts: the streamed payload went on the direct tcp path between their namespaces (each
+            # process is told its host's identity and address), not on shm across the shared /dev/shm,
+            # and not back on NATS because the address offered was the machine's, outside the testbed.
+            assert sent["path"] == "tcp", sent
         finally:
             await a.close()
             await b.close()

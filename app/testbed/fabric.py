@@ -39,6 +39,9 @@ from kvbus.app.testbed.topology import LinkSpec, Topology
 
 logger = logging.getLogger(__name__)
 
+#: Environment variables that tell a process on a host where it is (see `Testbed.spawn`).
+HOST_ID_ENV = "KVBUS_HOST_ID"
+ADVERTISE_ENV = "KVBUS_PATHS_ADVERTISE_HOST"
 #: The NFQUEUE number of the delay line.
 QUEUE = 0
 
@@ -330,7 +333,17 @@ class Testbed:
         stdout: int | IO[Any] | None = None,
     ) -> subprocess.Popen[Any]:
         """Start ``argv`` in ``host``'s namespace as its own process (session); stdout and stderr go to
-        ``<run folder>/<name>.log`` unless ``stdout`` is given (then only stderr does)."""
+        ``<run folder>/<name>.log`` unless ``stdout`` is given (then only stderr does).
+
+        The process learns which host it is on as a pod does from the chart: ``KVBUS_HOST_ID``
+        (the host's own identity, so two hosts never take the ``shm`` path between them although
+        they share this machine's ``/dev/shm`` and machine id) and ``KVBUS_PATHS_ADVERTISE_HOST``
+        (its address, which the ``tcp`` path offers; the machine's host name resolves to an
+        address outside the testbed). ``env`` may set either itself.
+        """
+        env = {**(os.environ if env is None else env)}
+        env.setdefault(HOST_ID_ENV, f"kvbus-testbed-{self.run_id}-{host}")
+        env.setdefault(ADVERTISE_ENV, self.ip(host))
         log_path = self.folder / f"{name}.log"
         log = open(log_path, "ab")  # noqa: SIM115 - handed to the child
         try:
@@ -339,7 +352,7 @@ class Testbed:
                 stdin=stdin,
                 stdout=log if stdout is None else stdout,
                 stderr=log,
-                env=dict(env) if env is not None else None,
+                env=env,
                 start_new_session=True,
                 cwd=self.folder,
             )

@@ -110,6 +110,7 @@ async def send_random(
         "total_s": report.total_s,
         "chunks": report.chunks,
         "retransmits": report.retransmits,
+        "path": report.path,
     }
 
 
