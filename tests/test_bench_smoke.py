@@ -205,6 +205,10 @@ def test_smoke_run_writes_the_json_every_reader_expects(suite: str, tmp_path: Pa
     check(data["results"], SCHEMAS[suite], f"{suite}.results")
     if suite in ("sched", "e2e"):
         assert config["network"] in ("netns", "emulated") and isinstance(config["rounds"], int)
+    if suite == "select":  # each part says where it ran
+        assert config["network"] in ("netns", "emulated")
+        assert set(config["where"]) == {"cells", "fluctuating", "switches", "relay"}, config["where"]
+        assert set(config["where"].values()) <= {"netns", "emulated"}
     if suite == "cachetier":  # the 1 Gbit/s figures and the replay: the testbed, or a relay
         assert config["network"] in ("netns", "emulated") and isinstance(data["results"]["replay"]["where"], str)
     if suite == "e2e":

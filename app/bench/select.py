@@ -1,10 +1,14 @@
-"""`kvbus bench select`: adaptive medium selection against every static medium, on emulated links,
-with real prefill and a quality penalty measured independently of the selector's profile.
+"""`kvbus bench select`: adaptive medium selection against every static medium, on the testbed's real
+shaped links (or emulated links), with real prefill and a quality penalty measured independently
+of the selector's profile.
 
 Real agents (bus clients on a real nats-server, a real group scheduler) send real SmolLM2 KV-caches
-(the model prefilled on held-out text, `kvbus.app.bench.select_quality`) over emulated links (the
-sender is paced to the link's rate; see `kvbus.bus.EmulatedLink`). Receivers run SmolLM2 itself,
-so a ``tokens`` transfer costs a real prefill of the context on this machine, as it is loaded now.
+(the model prefilled on held-out text, `kvbus.app.bench.select_quality`). On the testbed
+(``network: netns``) the grid and the fluctuating trace run between a worker on host ``tx`` and
+one on host ``rx`` across rx's htb-shaped veth, the scheduler on host ``core`` learning the link
+only from the transfers it sees (`kvbus.app.bench.select_net`); emulated, in this process with the
+sender paced to the link's rate (`kvbus.bus.EmulatedLink`). Receivers run SmolLM2 itself, so a
+``tokens`` transfer costs a real prefill of the context on this machine, as it is loaded now.
 
 Per cell (link x context) the same context goes with ``adaptive`` (after one warm-up transfer so
 the scheduler has seen the link) and with each static medium. Static media whose predicted time
@@ -26,7 +30,7 @@ sleep in place of its prefill is not a measurement.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import collections
 import logging
 import math
 import statistics
@@ -37,10 +41,13 @@ from typing import Any
 
 import torch
 
+from kvbus.app.bench import select_net
 from kvbus.app.bench.rounds import FULL_ROUNDS, median, spread
 from kvbus.app.bench.select_dynamics import fluctuating, switches
+from kvbus.app.bench.select_net import EMULATED_LATENCY_MS, LocalPair, Pair, TestbedSite
 from kvbus.app.bench.select_quality import Quality
 from kvbus.app.local import NatsServer
+from kvbus.app.testbed.benchnet import NetnsNet, choose_network
 from kvbus.bus import Bus, BusConfig, EmulatedLink
 from kvbus.codecs import get_codec
 from kvbus.group_scheduler import GroupScheduler
@@ -63,6 +70,8 @@ SMOLLM2 = ModelSignature(
 SHAPES = {"smollm2": SMOLLM2}
 LINKS_MBIT = (10, 100, 1000, 10000)
 CONTEXTS = (128, 1024, 2048)
+#: The parts of the suite, each on the testbed or emulated (``config.where``).
+PARTS = ("cells", "fluctuating", "switches", "relay")
 
 
 def make_kv(signature: ModelSignature, n_tokens: int, seed: int = 0) -> KVCache:
@@ -99,27 +108,30 @@ class Harness:
     cap_s: float
     n: int = 0
 
-    async def pair(self, shape: str, mbit: float, latency_ms: float = 0.5) -> tuple[Any, Any]:
-        """A fresh sender (on the emulated link) and receiver."""
+    site: TestbedSite | None = None
+    """On the testbed: the workers the grid and the fluctuating link run in (else this process)."""
+
+    async def pair(self, shape: str, mbit: float) -> Pair:
+        """A fresh sender and receiver across a link of ``mbit``: on the testbed's shaped veth, else
+        in this process on an emulated link."""
+        if self.site is not None:
+            return await self.site.pair(mbit)
         self.n += 1
-        link = EmulatedLink.mbit(mbit, latency_ms)
+        link = EmulatedLink.mbit(mbit, EMULATED_LATENCY_MS)
         tx = await self.tx_bus.agent(f"sel-tx{self.n}", group="select", runner=self.runner, link=link)
         rx = await self.rx_bus.agent(f"sel-rx{self.n}", group="select", runner=self.runner)
-        return tx, rx
+        return LocalPair(self, tx, rx)
 
     def loss_s(self, medium: str, n: int) -> float:
         """The penalty of ``medium`` at ``n`` tokens, from the fidelity measured on held-out text."""
         return self.quality.loss_s(medium, n)
 
-    async def once(self, tx: Any, rx: Any, kv: KVCache, medium: str | None) -> tuple[float, str, int]:
-        """One send of ``kv`` (fresh token ids); (latency, medium, bytes)."""
+    async def once(self, pair: Pair, n: int, medium: str | None) -> tuple[float, str, int]:
+        """One send of the ``n``-token context (fresh token ids); (latency, medium, bytes)."""
         # A fresh context each time (new token ids over the same tensors): the receiver holds no
         # prefix of it, so delta media cannot make a repeated send look free.
         self.n += 1
-        fresh = dataclasses.replace(kv, tokens=(kv.tokens + self.n) % kv.signature.vocab_size)
-        report = await tx.send(rx.name, fresh, medium=medium)
-        await rx.receive(timeout=600)
-        return report.total_s, report.medium, report.nbytes
+        return await pair.once(n, self.n, medium)
 
     def predict(self, shape: str, n: int, mbit: float, medium: str) -> float:
         """The cost model's predicted latency of ``medium`` for this cell."""
@@ -138,8 +150,7 @@ class Harness:
 
 async def _cell(h: Harness, shape: str, n: int, mbit: float, rounds: int) -> dict[str, Any]:
     """One cell in ``rounds`` interleaved rounds (adaptive, each static, adaptive, ...)."""
-    tx, rx = await h.pair(shape, mbit)
-    kv = h.quality.context(n)
+    pair = await h.pair(shape, mbit)
     row: dict[str, Any] = {"shape": shape, "tokens": n, "mbit": mbit, "static": {}, "predicted": {}, "rounds": rounds}
     preds = {m: h.predict(shape, n, mbit, m) for m in h.media}
     row["predicted"] = {m: (round(p, 4) if math.isfinite(p) else None) for m, p in preds.items()}
@@ -147,14 +158,14 @@ async def _cell(h: Harness, shape: str, n: int, mbit: float, rounds: int) -> dic
     statics = [
         m for m in h.media if math.isfinite(preds[m]) and not (preds[m] > h.cap_s and preds[m] > 1.5 * best_pred)
     ]
-    await h.once(tx, rx, kv, None)  # warm-up: the scheduler sees the link once
+    await h.once(pair, n, None)  # warm-up: the scheduler sees the link once
     lat: dict[str, list[float]] = {m: [] for m in ["adaptive", *statics]}
     obj: dict[str, list[float]] = {m: [] for m in ["adaptive", *statics]}
     used: list[str] = []
     nbytes: dict[str, int] = {}
     for _ in range(rounds):
         for arm in ["adaptive", *statics]:
-            t, medium, size = await h.once(tx, rx, kv, None if arm == "adaptive" else arm)
+            t, medium, size = await h.once(pair, n, None if arm == "adaptive" else arm)
             lat[arm].append(t)
             obj[arm].append(t + h.loss_s(medium, n))
             nbytes[arm] = size
@@ -182,8 +193,7 @@ async def _cell(h: Harness, shape: str, n: int, mbit: float, rounds: int) -> dic
     row["adaptive_vs_best_static_rounds"] = per
     row["adaptive_vs_best_static_latency"] = per_lat["median"]
     row["adaptive_vs_best_static_latency_rounds"] = per_lat
-    await tx.close()
-    await rx.close()
+    await pair.close()
     return row
 
 
@@ -231,12 +241,14 @@ async def _relay(h: Harness, shape: str, n: int, hops: int, mbit: float) -> dict
     }
 
 
-async def _run(quick: bool, smoke: bool, nats_url: str | None, cap_s: float) -> dict[str, Any]:
+async def _run(quick: bool, smoke: bool, nats_url: str | None, cap_s: float, network: str | None) -> dict[str, Any]:
     from kvbus.app.models import load_smollm2
 
+    mode, why = choose_network(network)
     server = None if nats_url else NatsServer().start()
     url = nats_url or server.url  # type: ignore[union-attr]
     rounds = 1 if smoke else 3 if quick else FULL_ROUNDS
+    net: NetnsNet | None = None
     try:
         runner, tokenizer = await asyncio.to_thread(load_smollm2)
         quality = await asyncio.to_thread(Quality, runner, tokenizer)
@@ -249,7 +261,8 @@ async def _run(quick: bool, smoke: bool, nats_url: str | None, cap_s: float) -> 
         media = [m for m in selector.candidates if not m.startswith("delta+") and not m.startswith("summary")]
         if smoke:
             media = [m for m in media if m in ("full", "int8", "tokens")]
-        cfg = BusConfig(peer_timeout=120.0, grant_timeout=600.0, request_timeout=30.0)
+        bus_config: dict[str, Any] = {"peer_timeout": 120.0, "grant_timeout": 600.0, "request_timeout": 30.0}
+        cfg = BusConfig(**bus_config)
         h = Harness(
             url,
             sched,
@@ -261,6 +274,9 @@ async def _run(quick: bool, smoke: bool, nats_url: str | None, cap_s: float) -> 
             media,
             cap_s,
         )
+        if mode == "netns":
+            net = NetnsNet(select_net.topology())
+            h.site = await TestbedSite.start(net, media, bus_config)
         # First calls of a codec pay one-time costs (allocator, kernels): not part of any cell.
         warm = quality.context(64)
         for m in media:
@@ -290,6 +306,7 @@ async def _run(quick: bool, smoke: bool, nats_url: str | None, cap_s: float) -> 
                 )
                 cells.append(row)
         fluct = await fluctuating(h, "smollm2", 128 if smoke else 256, quick or smoke)
+        site, h.site = h.site, None  # the rest runs in this process (see `_where`)
         print(
             f"fluctuating: adaptive / best static ({fluct['best_static']}) = "
             f"{fluct['fluctuating_adaptive_vs_best_static']}",
@@ -322,11 +339,12 @@ async def _run(quick: bool, smoke: bool, nats_url: str | None, cap_s: float) -> 
             "decode_token_s_measured": round(quality.decode_token_s, 5),
             "cells": cells,
         }
+        if site is not None:
+            await site.close()
         return {
             "suite": "select",
             "config": {
-                "network": "emulated",
-                "links": "EmulatedLink (sender paced by the scheduler's rate, latency per round trip), in one process",
+                **_where(mode, why, net, site),
                 "links_mbit": list(links),
                 "contexts": list(contexts),
                 "shapes": ["smollm2"],
@@ -348,8 +366,29 @@ async def _run(quick: bool, smoke: bool, nats_url: str | None, cap_s: float) -> 
             "results": results,
         }
     finally:
+        if net is not None:
+            await net.close()
         if server is not None:
             server.stop()
+
+
+def _where(mode: str, why: str, net: NetnsNet | None, site: TestbedSite | None) -> dict[str, Any]:
+    """What ``config`` says about the network each part ran on."""
+    emulated = "EmulatedLink (sender paced by the scheduler's rate, 0.5 ms per round trip), in one process"
+    if net is None or site is None:
+        return {"network": "emulated", "why": why, "links": emulated, "where": dict.fromkeys(PARTS, "emulated")}
+    return {
+        **net.describe(),
+        "links": "cells and the fluctuating trace: sender in a worker on host tx, receiver in a worker on host "
+        "rx (each with its own SmolLM2), the scheduler on host core; the link is rx's veth, htb-shaped "
+        "per cell (tc change for each phase of the trace); no agent declares a link, so the scheduler "
+        "knows it only from the transfers it sees. Switches and relay: " + emulated,
+        "where": {"cells": "netns", "fluctuating": "netns", "switches": "emulated", "relay": "emulated"},
+        "why_emulated": "switches measures the hysteresis of the choice at a link rate re-solved per "
+        "sample around the crossover, and relay the fidelity along a chain of hops: neither is about the "
+        "network, both need this process's model state",
+        "paths": dict(collections.Counter(site.paths)),
+    }
 
 
 def plot(out: dict[str, Any], path: Path) -> None:
@@ -395,10 +434,12 @@ def run(
     nats_url: str | None = None,
     cap_s: float = 3.0,
     plot_path: str | None = None,
+    network: str | None = None,
     **_: Any,
 ) -> dict[str, Any]:
-    """Run the suite (``smoke``: one cell, one round, three media)."""
-    out = asyncio.run(_run(quick, smoke, nats_url, cap_s))
+    """Run the suite (``smoke``: one cell, one round, three media; ``network``: ``netns``,
+    ``emulated`` or ``auto``, `kvbus.app.testbed.benchnet.choose_network`)."""
+    out = asyncio.run(_run(quick, smoke, nats_url, cap_s, network))
     if smoke and plot_path is None:
         return out
     target = Path(plot_path or "docs/select_latency_vs_bandwidth.png")

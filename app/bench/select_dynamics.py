@@ -33,26 +33,24 @@ async def fluctuating(h: Harness, shape: str, n: int, quick: bool) -> dict[str, 
     trace = _trace()
     if quick:
         trace = [(max(2, k // 2), mbit) for k, mbit in trace]
-    kv = h.quality.context(n)
     totals: dict[str, float] = {}
     chosen: list[str] = []
     for medium in [None, *h.media]:
         label = medium or "adaptive"
         if medium is not None and max(h.predict(shape, n, mbit, medium) for _, mbit in trace) > 4 * h.cap_s:
             continue
-        tx, rx = await h.pair(shape, trace[0][1])
+        pair = await h.pair(shape, trace[0][1])
         total = 0.0
         for count, mbit in trace:
-            await tx.set_link(EmulatedLink.mbit(mbit, 0.5))
+            await pair.set_link(mbit)
             await asyncio.sleep(0.05)
             for _ in range(count):
-                lat, used, _ = await h.once(tx, rx, kv, medium)
+                lat, used, _ = await h.once(pair, n, medium)
                 total += lat + h.loss_s(used, n)
                 if medium is None:
                     chosen.append(used)
         totals[label] = round(total, 3)
-        await tx.close()
-        await rx.close()
+        await pair.close()
     best_static = min((v, k) for k, v in totals.items() if k != "adaptive")
     return {
         "shape": shape,
