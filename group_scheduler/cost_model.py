@@ -202,7 +202,7 @@ class CostModel:
         self.config = config or CostConfig()
         self.calibrated = calibrated and figures is not None
         self.bias: dict[str, float] = {}
-        """Observed / predicted time per medium (online correction), 1.0 until observed."""
+        """Observed / predicted compute time per medium (online correction), 1.0 until observed."""
 
     @classmethod
     def from_profile(cls, profile: Any, *, config: CostConfig | None = None) -> CostModel:
@@ -296,8 +296,10 @@ class CostModel:
         # What B must hold: the payload while it arrives, then the decoded KV.
         resident = per_token_bytes * fig.summary_tokens if kind == "summary" else kv_bytes * fig.resident_fraction
         comp += cfg.memory_penalty_s_per_gb * receiver.memory_pressure * (nbytes + resident) / 1e9
-        bias = self.bias.get(medium, 1.0)
-        return Estimate(medium, nbytes, comm * bias, comp * bias, loss, fidelity)
+        # The online correction applies to the compute terms only: the communication term comes
+        # from the link as observed (the group's estimate), and scaling it too would carry what
+        # one link taught about a medium's codec speed to every other link.
+        return Estimate(medium, nbytes, comm, comp * self.bias.get(medium, 1.0), loss, fidelity)
 
     def choose(
         self,
@@ -378,7 +380,11 @@ class CostModel:
     # -- online correction ------------------------------------------------------------------------
 
     def observe(self, medium: str, predicted_s: float, observed_s: float, *, weight: float = 0.2) -> None:
-        """Move the medium's bias towards observed / predicted (an EWMA, clamped to 0.25..4)."""
+        """Move the medium's bias towards observed / predicted compute time (an EWMA, clamped to 0.25..4).
+
+        ``predicted_s`` is the estimate's ``comp_s`` (bias included), ``observed_s`` the transfer's
+        time off the wire (encode, decode, recompute: its seconds less its ``wire_s``).
+        """
         if predicted_s <= 0 or observed_s <= 0:
             return
         ratio = min(4.0, max(0.25, observed_s / (predicted_s / self.bias.get(medium, 1.0))))

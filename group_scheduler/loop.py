@@ -364,8 +364,9 @@ class GrantLoop:
                     done.nbytes / done.wire_s, {"group": self.group, "link": f"{done.src}->{rx}", "path": path}
                 )
         model = getattr(self.policy.selector, "model", None)
-        if model is not None and pending.predicted_s > 0 and done.seconds > 0 and not budgeted:
-            model.observe(pending.medium, pending.predicted_s, done.seconds)
+        compute_s = done.seconds - done.wire_s  # encode, decode, recompute: what the link estimate does not say
+        if model is not None and pending.predicted_comp_s > 0 and done.wire_s > 0 and compute_s > 0 and not budgeted:
+            model.observe(pending.medium, pending.predicted_comp_s, compute_s)
         if pending.reservation and not budgeted:
             took = time.monotonic() - pending.arrived
             self.reservation_stats.setdefault(pending.reservation, []).append(took)

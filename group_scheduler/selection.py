@@ -118,6 +118,7 @@ class AdaptiveSelector(MediumSelector):
         pending.decision = {**decided.choice.record(), "path": pending.request.path or "nats"} if decided.choice else {}
         if decided.choice is not None:
             pending.predicted_s = decided.choice.estimate.total_s
+            pending.predicted_comp_s = decided.choice.estimate.comp_s
         return Selection(decided.medium, decided.reason, decided.code)
 
     def decide(self, state: GroupState, pending: Pending) -> Decided:

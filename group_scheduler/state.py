@@ -101,6 +101,8 @@ class Pending:
     """The rate the sender was last told (grant or ``rate`` control); 0 = unpaced."""
     decision: dict = field(default_factory=dict)
     predicted_s: float = 0.0
+    predicted_comp_s: float = 0.0
+    """The chosen estimate's compute terms (what the cost model's online correction learns from)."""
     deadline_at: float | None = None
     """The request's deadline on the monotonic clock, or None."""
     grant: bytes = b""
