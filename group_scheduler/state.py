@@ -52,19 +52,45 @@ class AgentState:
         self.down = False
 
 
+#: A transfer this many times slower than the estimate means the link is slower now: the window restarts.
+DROP_FACTOR = 4.0
+#: Two transfers in a row this many times faster than the estimate: the window restarts from them.
+RISE_FACTOR = 2.0
+
+
 @dataclass
 class LinkEstimate:
-    """Bandwidth of one (sender, receiver) link over a sliding window of observed transfers."""
+    """Bandwidth of one (sender, receiver) link over a sliding window of observed transfers.
+
+    The window follows a link whose rate changed: one transfer ``DROP_FACTOR`` times slower than
+    the estimate restarts it (sending the next context as if the link were still fast costs far
+    more than sending one too compressed), two in a row ``RISE_FACTOR`` times faster do.
+    """
 
     samples: deque[tuple[float, float, float]] = field(default_factory=lambda: deque(maxlen=16))
     """(bytes, seconds, when) of recent transfers."""
     max_age_s: float = 60.0
     """Samples older than this are forgotten (links change; an unused estimate goes stale)."""
+    rising: bool = False
+    """The last sample was ``RISE_FACTOR`` faster than the estimate before it."""
 
     def observe(self, nbytes: int, seconds: float, now: float | None = None) -> None:
         """Add a sample of ``nbytes`` sent in ``seconds`` (ignored unless both are positive)."""
-        if nbytes > 0 and seconds > 0:
-            self.samples.append((float(nbytes), float(seconds), time.monotonic() if now is None else now))
+        if nbytes <= 0 or seconds <= 0:
+            return
+        rate, est = nbytes / seconds, self.bandwidth_bps
+        if est > 0 and rate * DROP_FACTOR < est:
+            self.samples.clear()
+            self.rising = False
+        elif est > 0 and rate > RISE_FACTOR * est:
+            if self.rising:
+                last = self.samples[-1]
+                self.samples.clear()
+                self.samples.append(last)
+            self.rising = not self.rising
+        else:
+            self.rising = False
+        self.samples.append((float(nbytes), float(seconds), time.monotonic() if now is None else now))
 
     def _fresh(self) -> list[tuple[float, float, float]]:
         cutoff = time.monotonic() - self.max_age_s

@@ -157,12 +157,30 @@ def test_the_online_correction_scales_compute_not_the_link() -> None:
     assert choose(m, n, 1.25e6) == "tokens"
 
 
-def test_sliding_window_estimate_is_not_the_last_sample() -> None:
+def test_sliding_window_estimate_is_not_one_fast_sample() -> None:
     est = LinkEstimate()
     for _ in range(10):
         est.observe(10_000_000, 0.1)
-    est.observe(10_000_000, 1.0)
-    assert 5e7 < est.bandwidth_bps < 1e8
+    est.observe(10_000_000, 0.01)
+    assert 1e8 < est.bandwidth_bps < 1.2e8
+    est.observe(10_000_000, 0.15)  # back to normal: the fast one stays one sample among many
+    assert 9e7 < est.bandwidth_bps < 1.2e8
+
+
+def test_the_estimate_follows_a_link_that_dropped_at_once_and_one_that_rose_after_two() -> None:
+    # The bench's fluctuating link (1000 -> 25 Mbit/s): a windowed average of 16 fast samples
+    # took several transfers to notice, and sent 12 MB contexts in full over the slow link meanwhile.
+    est = LinkEstimate()
+    for _ in range(16):
+        est.observe(12_000_000, 0.1)  # 120 MB/s
+    est.observe(12_000_000, 4.0)  # 3 MB/s
+    assert est.bandwidth_bps == pytest.approx(3e6)
+    for _ in range(4):
+        est.observe(3_000_000, 1.0)
+    est.observe(3_000_000, 0.03)  # 100 MB/s: one fast sample is not yet a faster link
+    assert est.bandwidth_bps < 1e7
+    est.observe(3_000_000, 0.03)
+    assert est.bandwidth_bps == pytest.approx(1e8)
 
 
 @pytest.mark.usefixtures("nats_only")
