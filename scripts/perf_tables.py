@@ -183,6 +183,17 @@ def codecs(d: Json) -> str:
     return "\n".join(rows)
 
 
+def _select_where(cfg: Json) -> list[str]:
+    """Where each part of a select run ran, and the data paths its transfers took (newer runs say)."""
+    where = cfg.get("where")
+    if not isinstance(where, dict):
+        return []
+    parts = ", ".join(f"{part} on `{net}`" for part, net in where.items())
+    paths = cfg.get("paths") or {}
+    taken = ", ".join(f"`{p}` {n}" for p, n in sorted(paths.items())) if paths else ""
+    return ["", f"Parts: {parts}." + (f" Data paths of the testbed's transfers: {taken}." if taken else "")]
+
+
 def select(d: Json) -> str:
     r = d["results"]
     rows = [
@@ -205,6 +216,7 @@ def select(d: Json) -> str:
         f"{_f(relay['measured_final_top1'], '{:.3f}')}; the selector's own lineage min "
         f"{_f(relay['min_lineage'], '{:.3f}')}, threshold {relay['threshold']}), "
         f"{_f(relay.get('bytes_vs_all_int4'), '{:.3f}')} x the bytes of all-int4.",
+        *_select_where(d.get("config", {})),
         "",
         goals("select", r),
     ]
@@ -361,7 +373,7 @@ TABLES: dict[str, tuple[str, Callable[[Json], str]]] = {
     "transport": ("kvbus bench transport --json transport.json", transport),
     "sched": ("kvbus bench sched --json sched.json", sched),
     "codecs": ("kvbus bench codecs --json codecs.json", codecs),
-    "select": ("kvbus bench select --quick --json select.json", select),
+    "select": ("kvbus bench select --json select.json", select),
     "cachetier": ("kvbus bench cachetier --json cachetier.json", cachetier),
     "e2e": ("kvbus bench e2e --json e2e.json", e2e),
     "scale": ("kvbus bench scale --json scale.json", scale),
