@@ -338,6 +338,7 @@ class GrantLoop:
         if done.ok and not done.budget and time.monotonic() < pending.budget_until:
             state.completed += 1
             self._learn(done, pending)
+            self.policy.budget_only(pending)
             self.wake.set()  # the loop's next wake-up: the budget's end
             return  # its budget goes on
         del state.active[done.transfer_id]

@@ -167,6 +167,11 @@ class SchedulingPolicy(ABC):
         """``pending`` left the active set (done, failed, expired); the default just notes a change."""
         self.changed()
 
+    def budget_only(self, pending: Pending) -> None:
+        """``pending`` is done but stays active for its rate budget: it holds the pair's slot, and
+        sends only the small transfers the budget lets through (the default notes a change)."""
+        self.changed()
+
     def probed(self, state: GroupState, agent: AgentState) -> None:  # noqa: B027 - optional hook
         """``agent``'s probe arrived and updated ``state``."""
 

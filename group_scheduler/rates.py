@@ -85,7 +85,7 @@ class WeightedRates(WeightedBook):
                 u = self.urgency.urgency(f, now, running=True)
                 run.weight += u - run.urgency
                 run.urgency = u
-            if f.paused:
+            if f.paused or f.done:  # done: only its rate budget holds it (`budget_only`)
                 continue
             flows.append(Flow(f.transfer_id, run.weight, run.resources))
             for key in run.resources:
@@ -108,7 +108,7 @@ class WeightedRates(WeightedBook):
         self._load = fresh
         for run in self._runs.values():
             run.loaded = False
-            if not run.pending.paused:
+            if not run.pending.paused and not run.pending.done:
                 self._add_load(run, run.weight)
         self._deadline_flows = deadline_flows
         return rates
@@ -129,7 +129,7 @@ class WeightedRates(WeightedBook):
         rates = self.allocate(state, now)
         for run in self._runs.values():
             f = run.pending
-            if f.paused:
+            if f.paused or f.done:
                 continue
             new = rates.get(f.transfer_id, 0.0)
             old = f.rate_bps

@@ -303,17 +303,18 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
             f = run.pending
             if not f.paused:  # the sender declined the pause
                 self._paused.discard(tid)
-                if not run.loaded:
+                if not run.loaded and not f.done:
                     self._add_load(run, run.weight)
                 continue
-            f.paused_by.intersection_update(active.keys())
+            f.paused_by.intersection_update(t for t in active if not active[t].done)  # a budget preempts nothing
             if f.paused_by and now - f.paused_at < self.max_pause_s:
                 continue
             why = "its preemptors are done" if not f.paused_by else f"paused for {now - f.paused_at:.1f} s"
             f.paused = False
             f.paused_by.clear()
             self._paused.discard(tid)
-            self._add_load(run, run.weight)
+            if not f.done:  # a budget resumes without a share again
+                self._add_load(run, run.weight)
             self._immediate.append(Adjustment(f, "resume", reason=why))
             self._dirty = True
 

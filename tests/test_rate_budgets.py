@@ -153,3 +153,21 @@ async def test_a_budget_outlives_other_transfers_that_did_not_wait(group: Any) -
     for seed in range(2, 4):  # granted at once (free slots): nothing waited, the budget stays
         await _send(other, rx, 64 * KB, seed)
     assert (await _send(tx, rx, 64 * KB, 4))[0] == 1
+
+
+@pytest.mark.parametrize("group", [{"bandwidth_bps": 40e6, "budget_s": 30.0}], indirect=True)
+async def test_a_critical_transfers_budget_holds_no_share_of_the_link(group: Any) -> None:
+    # Found by `bench sched` on the testbed: two critical senders' budgets kept their urgency's
+    # weight (13x a bulk transfer's) in the max-min rates while they sent 64 KB every 200 ms, so
+    # four bulk transfers got a quarter of the group's budget between them for seconds.
+    sched, tx, rx, bus = group
+    kv = kv_of_bytes(SIG, 64 * KB, seed=1)
+    await tx.send(rx.name, kv, critical=True)
+    await rx.receive(timeout=10)
+    holder = next(iter(sched.state.active.values()))
+    await _until(lambda: holder.done)  # done, and held for its budget
+    assert sched.state.active.get(holder.transfer_id) is holder and holder.src == tx.name
+    bulk = await bus.agent(f"budget-bulk-{uuid.uuid4().hex[:6]}", group="budgets", signature=SIG)
+    report = await bulk.send(rx.name, kv_of_bytes(SIG, 4 << 20, seed=2))
+    await rx.receive(timeout=10)
+    assert report.rate_bps == pytest.approx(40e6)  # the whole budget: nothing else is sending
