@@ -119,6 +119,12 @@ def tensor_from(
         )
     if numel == 0:
         return torch.empty(dims, dtype=dtype)
+    return _view_as(view, dtype, dims)
+
+
+def _view_as(view: memoryview, dtype: torch.dtype, dims: tuple[int, ...]) -> torch.Tensor:
+    """The tensor viewing ``view`` (checked: non-empty, exactly ``dims`` of ``dtype``); copied
+    only when misaligned."""
     if view.readonly and not _READONLY_SILENCED:
         # torch says "The given buffer is not writable" once per process (TORCH_WARN_ONCE): the
         # first time is silenced here, and no later call pays for catch_warnings (which also
@@ -152,13 +158,10 @@ def tensors_from(
     out = [first]
     for i in range(1, len(bufs)):
         view = byte_view(bufs[i], codec)
-        if view.nbytes != want or not want or (view.readonly and not _READONLY_SILENCED):
-            out.append(tensor_from(view, dtype, dims, codec, name(i)))  # says what is wrong, or the rare case
-            continue
-        t = torch.frombuffer(view, dtype=dtype)
-        if t.data_ptr() % dtype.itemsize:
-            t = t.clone()
-        out.append(t.view(dims))
+        if view.nbytes != want or not want:
+            out.append(tensor_from(view, dtype, dims, codec, name(i)))  # says what is wrong (or builds an empty one)
+        else:
+            out.append(_view_as(view, dtype, dims))
     return out
 
 
