@@ -50,7 +50,7 @@ import torch
 from kvbus.app.bench.rounds import FULL_ROUNDS, spread
 from kvbus.app.local import RedisServer
 from kvbus.app.testbed.benchnet import BenchNet, open_net
-from kvbus.app.testbed.topology import Topology, from_dict
+from kvbus.app.testbed.topology import Topology, one_rack
 from kvbus.app.testbed.worker import WorkerContext
 from kvbus.cachetier import CacheTier, CacheTierConfig, UtilityPolicy
 from kvbus.codecs import get_codec
@@ -69,18 +69,7 @@ OPS = "kvbus.app.bench.cachetier"
 def topology() -> Topology:
     """One rack: ``cache`` (Valkey, and the nats-server every testbed has), ``agent`` (the tiers,
     behind a 1 Gbit/s link)."""
-    return from_dict(
-        {
-            "name": "cachetier",
-            "racks": [{"name": "rack"}],
-            "hosts": [
-                {"name": "cache", "link": {"rate_mbit": 10000}},
-                {"name": "agent", "link": {"rate_mbit": LINK_BPS * 8 / 1e6}},
-            ],
-            "services": {"nats": "cache", "redis": "cache"},
-        },
-        "<bench cachetier>",
-    )
+    return one_rack("cachetier", {"cache": 10000, "agent": LINK_BPS * 8 / 1e6}, nats="cache", redis="cache")
 
 
 def make_kv(n_tokens: int, seed: int, signature: ModelSignature = SMOLLM2) -> KVCache:

@@ -224,13 +224,9 @@ def topology(clients: int) -> Any:
     """One rack: ``core`` (nats-server, coordinator, group schedulers) and a host per client
     process, ``c0`` ..., each on a 10 Gbit/s link (htb; no delay: the delay line would spend the
     CPU this bench measures)."""
-    from kvbus.app.testbed.topology import from_dict
+    from kvbus.app.testbed.topology import one_rack
 
-    hosts = [{"name": "core", "link": {"rate_mbit": 10000}}]
-    hosts += [{"name": f"c{i}", "link": {"rate_mbit": 10000}} for i in range(clients)]
-    return from_dict(
-        {"name": "scale", "racks": [{"name": "rack"}], "hosts": hosts, "services": {"nats": "core"}}, "<bench scale>"
-    )
+    return one_rack("scale", {"core": 10000, **{f"c{i}": 10000 for i in range(clients)}}, nats="core")
 
 
 class _Loopback:

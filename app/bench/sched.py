@@ -43,7 +43,7 @@ from kvbus.app.bench.rounds import FULL_ROUNDS, jain, median, pct, ratio, spread
 from kvbus.app.bench.sched_cost import decision_cost
 from kvbus.app.bench.sched_ops import MB, SIG
 from kvbus.app.testbed.benchnet import BenchNet, open_net
-from kvbus.app.testbed.topology import Topology, from_dict
+from kvbus.app.testbed.topology import Topology, one_rack
 from kvbus.app.testbed.worker import Worker
 from kvbus.group_scheduler import SchedulerConfig
 from kvbus.group_scheduler.scheduler import default_selector
@@ -60,19 +60,7 @@ UNLIMITED = 10**6
 
 def topology() -> Topology:
     """One rack: ``core`` (nats-server, schedulers), ``tx`` (senders), ``rx`` (the receiver, the shaped link)."""
-    return from_dict(
-        {
-            "name": "sched",
-            "racks": [{"name": "rack"}],
-            "hosts": [
-                {"name": "core", "link": {"rate_mbit": 10000}},
-                {"name": "tx", "link": {"rate_mbit": 10000}},
-                {"name": "rx", "link": {"rate_mbit": CRIT_LINK * 8 / 1e6}},
-            ],
-            "services": {"nats": "core"},
-        },
-        "<bench sched>",
-    )
+    return one_rack("sched", {"core": 10000, "tx": 10000, "rx": CRIT_LINK * 8 / 1e6}, nats="core")
 
 
 def arm_config(arm: str, link_bps: float, **extra: Any) -> tuple[dict[str, Any], float]:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvbus.app.bench.select_net import shifted
 from kvbus.bus import EmulatedLink
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
 from kvbus.group_scheduler.cost_model import CostModel
@@ -72,7 +73,6 @@ async def switches(url: str, h: Harness, shape: str, n: int, hysteresis: float, 
         url, f"hyst{int(hysteresis * 100)}", config=SchedulerConfig(hysteresis=hysteresis)
     )
     try:
-        sig = h.runner.signature
         center = _crossover(h, shape, n)
         g = torch.Generator().manual_seed(3)
         tx = await h.tx_bus.agent(
@@ -86,8 +86,7 @@ async def switches(url: str, h: Harness, shape: str, n: int, hysteresis: float, 
             await tx.set_link(EmulatedLink.mbit(rate))
             await asyncio.sleep(0.02)
             h.n += 1
-            fresh = dataclasses.replace(kv, tokens=(kv.tokens + h.n) % sig.vocab_size)
-            report = await tx.send(rx.name, fresh)
+            report = await tx.send(rx.name, shifted(kv, h.n))
             await rx.receive(timeout=600)
             media.append(report.medium)
             center = _solve_crossover(report.decision.get("candidates", []), rate) or center

@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kvbus.app.testbed import ops
 from kvbus.app.testbed.benchnet import BenchNet
-from kvbus.app.testbed.topology import Topology, from_dict
+from kvbus.app.testbed.topology import Topology, one_rack
 from kvbus.app.testbed.worker import Worker, WorkerContext
 from kvbus.bus import EmulatedLink
+from kvbus.kvcache import KVCache
 
 if TYPE_CHECKING:
     from kvbus.app.bench.select import Harness
@@ -35,19 +36,13 @@ RECEIVE_TIMEOUT_S = 600.0
 def topology() -> Topology:
     """One rack: ``core`` (nats-server, the scheduler), ``tx`` (senders), ``rx`` (receivers; its link
     is the cell's)."""
-    return from_dict(
-        {
-            "name": "select",
-            "racks": [{"name": "rack"}],
-            "hosts": [
-                {"name": "core", "link": {"rate_mbit": 10000}},
-                {"name": "tx", "link": {"rate_mbit": 10000}},
-                {"name": "rx", "link": {"rate_mbit": 1000}},
-            ],
-            "services": {"nats": "core"},
-        },
-        "<bench select>",
-    )
+    return one_rack("select", {"core": 10000, "tx": 10000, "rx": 1000}, nats="core")
+
+
+def shifted(kv: KVCache, shift: int) -> KVCache:
+    """``kv`` with its token ids shifted by ``shift`` over the same tensors: a context the receiver
+    holds no prefix of, so delta media cannot make a repeated send look free."""
+    return dataclasses.replace(kv, tokens=(kv.tokens + shift) % kv.signature.vocab_size)
 
 
 class Pair(Protocol):
@@ -71,9 +66,7 @@ class LocalPair:
 
     async def once(self, n: int, shift: int, medium: str | None) -> tuple[float, str, int]:
         """`Pair.once` in this process."""
-        kv = self.h.quality.context(n)
-        fresh = dataclasses.replace(kv, tokens=(kv.tokens + shift) % kv.signature.vocab_size)
-        report = await self.tx.send(self.rx.name, fresh, medium=medium)
+        report = await self.tx.send(self.rx.name, shifted(self.h.quality.context(n), shift), medium=medium)
         await self.rx.receive(timeout=RECEIVE_TIMEOUT_S)
         return report.total_s, report.medium, report.nbytes
 
@@ -210,9 +203,7 @@ async def _context(ctx: WorkerContext, n: int) -> Any:
 async def send(ctx: WorkerContext, *, sender: str, to: str, n: int, shift: int, medium: str | None) -> dict[str, Any]:
     """Send the ``n``-token context with its token ids shifted by ``shift`` (a context the receiver
     holds no prefix of); the report's figures."""
-    kv = await _context(ctx, n)
-    fresh = dataclasses.replace(kv, tokens=(kv.tokens + shift) % kv.signature.vocab_size)
-    report = await ops.get_agent(ctx, sender).send(to, fresh, medium=medium)
+    report = await ops.get_agent(ctx, sender).send(to, shifted(await _context(ctx, n), shift), medium=medium)
     return {"total_s": report.total_s, "medium": report.medium, "nbytes": report.nbytes, "path": report.path}
 
 

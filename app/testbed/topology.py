@@ -245,6 +245,20 @@ def _only(source: str, where: str, item: Mapping[str, Any], known: set[str]) -> 
         raise TopologyError(source, f"{where} has unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
 
 
+def one_rack(name: str, hosts: Mapping[str, float], **services: str) -> Topology:
+    """A topology of one rack: each host of ``hosts`` on a link of that many Mbit/s, the services
+    (``nats=``, ``redis=``) on the hosts named (what a bench builds for itself)."""
+    return from_dict(
+        {
+            "name": name,
+            "racks": [{"name": "rack"}],
+            "hosts": [{"name": host, "link": {"rate_mbit": mbit}} for host, mbit in hosts.items()],
+            "services": services,
+        },
+        f"<bench {name}>",
+    )
+
+
 def from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Topology:
     """Build and check a topology from parsed TOML.
 
