@@ -45,14 +45,15 @@ def twin_base(kv: KVCache, twins: Sequence[tuple[memoryview, memoryview]]) -> KV
     copy-on-write mapping of the same bytes, so the application may write the delivered tensors
     and the base stays as it arrived). None when any of them lies elsewhere (a decode made it)."""
 
+    spans = [(address(view), view.nbytes, twin) for view, twin in twins]  # each address once, not per layer
+
     def twin_of(t: torch.Tensor) -> torch.Tensor | None:
         nbytes = t.numel() * t.element_size()
         if t.device.type != "cpu" or not t.is_contiguous() or nbytes == 0:
             return None
         start = t.data_ptr()
-        for view, twin in twins:
-            lo = address(view)
-            if lo <= start and start + nbytes <= lo + view.nbytes:
+        for lo, size, twin in spans:
+            if lo <= start and start + nbytes <= lo + size:
                 raw = torch.frombuffer(twin, dtype=torch.uint8, count=nbytes, offset=start - lo)
                 return raw.view(t.dtype).reshape(t.shape)
         return None

@@ -443,8 +443,8 @@ class OutgoingTransfer:
 
     async def _stream(self) -> None:
         n = self.plan.n_chunks
-        window = self.window
         while True:
+            window = n if self.route is not None and self.route.windowless else self.window
             active = self._active()
             if not active:
                 return

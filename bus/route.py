@@ -110,6 +110,12 @@ class Route:
         self.used.append(self.path)
         return None
 
+    @property
+    def windowless(self) -> bool:
+        """The chunks lie in a segment the receiver maps whole (``shm``): a credit window bounds
+        no memory there, it would only make the sender wait for acks between batches of headers."""
+        return self.session is not None and self.session.kind is PathKind.SHM
+
     def _nats_allowed(self) -> bool:
         return self.nats_ok and NATS in self._accepted
 

@@ -385,6 +385,34 @@ async def test_shm_segments_are_reused_once_the_receiver_lets_go(planes: tuple[D
             assert tx.segment(MB) is not None and tx.shm.pool.free_bytes == 0  # taken again
 
 
+@pytest.mark.parametrize("inline_bytes", [0, 1 << 40], ids=["worker-threads", "event-loop"])
+async def test_shm_verifies_a_batch_of_chunks_in_order_and_reports_the_corrupt_one(
+    planes: tuple[DataPlane, DataPlane], inline_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvbus.bus.paths import shm_server
+
+    monkeypatch.setattr(shm_server, "INLINE_CHECK_BYTES", inline_bytes)  # 0: every batch goes to threads
+    rx, tx = planes
+    spec, sink = _spec(n=12, size=256 * 1024), Sink()
+    offer = await rx.accept(spec, sink, peer_paths=["shm"], peer_host=tx.host)
+    seg = tx.segment(spec.total)
+    assert seg is not None
+    seg.view[:] = os.urandom(spec.total)
+    session = await tx.connect(spec, ["shm"], offer, segment=seg)
+    bad = 7
+    for i, (lo, hi) in enumerate(spec.ranges):  # all twelve headers at once: one or more batches
+        digest = chunk_digest(seg.view[lo:hi])
+        await session.send_chunk(i, [seg.view[lo:hi]], digest if i != bad else f"{int(digest, 16) ^ 1:016x}")
+    await session.close()  # its END comes right behind the DATA frames: they still count
+    await sink.until(lambda: len(sink.arrived) == spec.n_chunks - 1 and sink.corrupt)
+    assert sink.corrupt == [bad]
+    assert list(sink.arrived) == [i for i in range(spec.n_chunks) if i != bad]  # in the order they came
+    for i, (lo, hi) in enumerate(spec.ranges):
+        if i != bad:
+            assert bytes(sink.arrived[i]) == bytes(seg.view[lo:hi])
+    await rx.withdraw(spec.transfer_id)
+
+
 async def test_shm_refuses_a_segment_that_is_not_sealed_or_too_small(planes: tuple[DataPlane, DataPlane]) -> None:
     rx, _ = planes
     assert rx.shm is not None
