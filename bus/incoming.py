@@ -23,7 +23,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -94,6 +94,8 @@ class IncomingTransfer:
         """Chunks that came on a direct path (placed into `assembly` only if the payload is not
         whole in one buffer)."""
         self._bases: list[memoryview] = []
+        self.region: tuple[memoryview, Sequence[int]] | None = None
+        """Set by `buffers` when they are slices of one buffer (at the plan's starts): decoders view them in bulk."""
         """Buffers the direct paths wrote into (a whole payload in one is delivered as its views)."""
         self.twins: list[tuple[memoryview, memoryview]] = []
         """Per buffer a direct path lent (``shm``): that buffer and a second copy-on-write mapping
@@ -299,6 +301,7 @@ class IncomingTransfer:
         if self._direct and len(self._direct) == self.open.n_chunks:
             base = self._contiguous_base()
             if base is not None:
+                self.region = (base, plan.starts)
                 return [base[s : s + n] for s, n in zip(plan.starts, plan.sizes)]
         for i, data in self._direct.items():
             self.assembly.add(i, data)

@@ -268,7 +268,7 @@ class Receiver:
         t0 = time.perf_counter()
         with telemetry.using(_receive_span(self._ep.name, open_msg)) as receive_span:
             try:
-                delivery = await self._decode(open_msg, buffers, 0.0)
+                delivery = await self._decode(open_msg, buffers, 0.0, region=(inline, plan.starts))
             except KVBusError as exc:
                 telemetry.fail(receive_span, exc)
                 return _refuse(tid, *decode_failure(exc))
@@ -333,7 +333,8 @@ class Receiver:
                 return
             t0 = time.perf_counter()
             try:
-                delivery = await self._decode(incoming.opened(), incoming.buffers(), transfer_s)
+                buffers = incoming.buffers()
+                delivery = await self._decode(incoming.opened(), buffers, transfer_s, region=incoming.region)
             except KVBusError as exc:
                 telemetry.fail(receive_span, exc)
                 code, reason = decode_failure(exc)
@@ -353,10 +354,19 @@ class Receiver:
 
     # -- decode and deliver ---------------------------------------------------------------------
 
-    async def _decode(self, open_msg: Open, buffers: list[memoryview], transfer_s: float) -> Delivery:
+    async def _decode(
+        self,
+        open_msg: Open,
+        buffers: list[memoryview],
+        transfer_s: float,
+        *,
+        region: tuple[memoryview, Sequence[int]] | None = None,
+    ) -> Delivery:
         ep = self._ep
         codec = get_codec(open_msg.codec)
         encoded = Encoded(codec=open_msg.codec, meta=open_msg.meta, buffers=buffers)
+        if region is not None:
+            encoded.region, encoded.offsets = region  # the buffers are slices of it at these offsets
         t0 = time.perf_counter()
         heavy = not codec.cheap_decode and (open_msg.total > OFFLOAD_BYTES or not codec.needs_kv)
         if self._handover is not None:

@@ -141,11 +141,20 @@ def _view_as(view: memoryview, dtype: torch.dtype, dims: tuple[int, ...]) -> tor
 
 
 def tensors_from(
-    bufs: Sequence[memoryview], dtype: torch.dtype, shape: Sequence[int], codec: str, name: Callable[[int], str]
+    bufs: Sequence[memoryview],
+    dtype: torch.dtype,
+    shape: Sequence[int],
+    codec: str,
+    name: Callable[[int], str],
+    *,
+    region: memoryview | None = None,
+    offsets: Sequence[int] = (),
 ) -> list[torch.Tensor]:
     """`tensor_from` for buffers that all hold a tensor of one ``dtype`` and ``shape`` (a
     layout's buffer in every layer): the shape is checked once; ``name(i)`` names buffer ``i``
-    in an error.
+    in an error. With the ``region`` they were sliced from and their ``offsets`` in it, buffers
+    at a constant stride are viewed with one tensor (a tensor per buffer costs microseconds,
+    and a context has a hundred of them).
 
     Raises:
         DecodeError: the shape is malformed or does not account for exactly a buffer's bytes.
@@ -155,6 +164,10 @@ def tensors_from(
     first = tensor_from(bufs[0], dtype, shape, codec, name(0))
     dims = tuple(first.shape)
     want = first.numel() * dtype.itemsize
+    if region is not None and len(offsets) == len(bufs) > 2 and want:
+        strided = _strided(bufs, region, offsets, dtype, dims, want, first.data_ptr())
+        if strided is not None:
+            return strided
     out = [first]
     for i in range(1, len(bufs)):
         view = byte_view(bufs[i], codec)
@@ -163,6 +176,37 @@ def tensors_from(
         else:
             out.append(_view_as(view, dtype, dims))
     return out
+
+
+def _strided(
+    bufs: Sequence[memoryview],
+    region: memoryview,
+    offsets: Sequence[int],
+    dtype: torch.dtype,
+    dims: tuple[int, ...],
+    want: int,
+    at: int,
+) -> list[torch.Tensor] | None:
+    """The tensors of ``bufs`` as views of one tensor over ``region``, when they lie in it at a
+    constant stride, each exactly ``want`` bytes, element-aligned (the first at address ``at``);
+    else None (viewed one by one)."""
+    start, step, n = offsets[0], offsets[1] - offsets[0], len(bufs)
+    size = dtype.itemsize
+    end = start + (n - 1) * step + want
+    if step < want or step % size or start % size or start < 0 or end > region.nbytes:
+        return None
+    if any(offsets[i] != start + i * step for i in range(n)) or any(b.nbytes != want for b in bufs):
+        return None
+    span = region[start:end]
+    if span.format != "B" or span.ndim != 1:
+        return None
+    flat = _view_as(span, dtype, ((end - start) // size,))
+    if flat.data_ptr() != at:
+        return None  # not where the first buffer lies (or copied for alignment): one by one
+    inner = [1] * len(dims)
+    for k in range(len(dims) - 2, -1, -1):
+        inner[k] = inner[k + 1] * dims[k + 1]
+    return list(flat.as_strided((n, *dims), (step // size, *inner)).unbind(0))
 
 
 def require_finite(codec: str, *reduced: tuple[str, torch.Tensor]) -> None:

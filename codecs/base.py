@@ -51,6 +51,11 @@ class Encoded:
     """Byte views of the payload, in wire order."""
     keepalive: list[Any] = field(default_factory=list, repr=False)
     """Objects (tensors) that own the memory behind ``buffers``."""
+    region: memoryview | None = field(default=None, repr=False)
+    """On receipt, the one payload buffer that every buffer is a slice of (None: unknown)."""
+    offsets: Sequence[int] = field(default=(), repr=False)
+    """With `region`: where each buffer starts in it (``buffers[i] is region[offsets[i]:...]``).
+    A decoder may then view many equal buffers with one tensor instead of one tensor each."""
 
     @property
     def nbytes(self) -> int:
@@ -76,11 +81,12 @@ class Encoded:
             raise DecodeError(codec, "buffer sizes must be a list of non-negative integers")
         if sum(sizes) != view.nbytes:
             raise DecodeError(codec, f"buffer sizes add up to {sum(sizes)} bytes, payload has {view.nbytes}")
-        buffers, offset = [], 0
+        buffers, offsets, offset = [], [], 0
         for n in sizes:
             buffers.append(view[offset : offset + n])
+            offsets.append(offset)
             offset += n
-        return cls(codec=codec, meta=meta, buffers=buffers, keepalive=[payload])
+        return cls(codec=codec, meta=meta, buffers=buffers, keepalive=[payload], region=view, offsets=offsets)
 
 
 #: Composition stages, in the order they may appear in a spec (see `kvbus.codecs.spec`).

@@ -122,7 +122,7 @@ class DeltaCodec(Codec):
         inner = self.inner
         assert inner is not None
         new = inner.decode(
-            Encoded(inner.name, inner_meta, encoded.buffers, encoded.keepalive),
+            replace(encoded, codec=inner.name, meta=inner_meta),
             runner=None if not self.needs_kv else runner,
         )
         if new.has_kv and self.inner.fidelity > 0:

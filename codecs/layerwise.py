@@ -122,6 +122,9 @@ class LayerwiseCodec(Codec):
         layers = buffers[header.n_prefix :]
         self.check_payload(header, layers)
         # Every buffer is checked (views, no allocation) before anything is computed from one.
+        region, offsets = encoded.region, encoded.offsets
+        if len(offsets) != len(buffers):
+            region = None
         by_position = [
             tensors_from(
                 [layers[first[p] + i * stride[p]] for i in range(n)],
@@ -129,6 +132,8 @@ class LayerwiseCodec(Codec):
                 want.shape,
                 self.name,
                 lambda i, p=p, want=want: self.buffer_name(p, want, i),  # type: ignore[misc]
+                region=region,
+                offsets=[offsets[header.n_prefix + first[p] + i * stride[p]] for i in range(n)] if region else (),
             )
             for p, want in enumerate(layout)
         ]

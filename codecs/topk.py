@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -152,15 +153,7 @@ class TopKCodec(Codec):
         if not isinstance(meta, dict) or not isinstance(meta.get(META_KEY), dict):
             raise DecodeError(self.name, f"metadata field {META_KEY!r} is missing or not a map")
         inner_meta = {k: v for k, v in meta.items() if k != META_KEY}
-        out = self.inner.decode(
-            Encoded(
-                self.inner.name,
-                inner_meta,
-                encoded.buffers,
-                encoded.keepalive,
-            ),
-            runner=runner,
-        )
+        out = self.inner.decode(dataclasses.replace(encoded, codec=self.inner.name, meta=inner_meta), runner=runner)
         check_positions(out, self.name)
         if out.has_kv:
             out.fidelity = min(1.0, out.fidelity / self.inner.fidelity * self.fidelity)

@@ -60,11 +60,11 @@ async def test_a_status_request_during_the_decode_does_not_deliver_the_transfer_
     chunks: list[int] = []
     decode, handle_open = receiver._decode, receiver._handle_open
 
-    async def held_decode(open_msg: Open, *args: Any) -> Any:
+    async def held_decode(open_msg: Open, *args: Any, **kwargs: Any) -> Any:
         chunks.append(open_msg.n_chunks)
         decode_started.set()
         await gate.wait()
-        return await decode(open_msg, *args)
+        return await decode(open_msg, *args, **kwargs)
 
     async def watched_open(msg: Any) -> OpenReply:
         open_msg, _ = Open.unframe(msg.data)

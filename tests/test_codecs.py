@@ -145,6 +145,29 @@ def test_full_encodes_non_contiguous_slices() -> None:
     assert out.equal(part) and out.n_tokens == 7 and out.seq_len == 7
 
 
+@given(kv=kv_caches(), medium=st.sampled_from(["full", "int8", "int4", "topk+int8", "delta+full"]))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_a_payload_viewed_in_bulk_decodes_as_buffer_by_buffer(kv: KVCache, medium: str) -> None:
+    """The decoders' bulk view of a received payload (`Encoded.region`) gives the very tensors
+    the one-tensor-per-buffer path gives, and tensors that do not share bytes."""
+    codec = get_codec(medium)
+    base = kv if medium.startswith("delta") else None
+    try:
+        encoded = codec.encode(kv, base=base)
+    except KVBusError:
+        assume(False)
+    bulk = wire(encoded, writable=True)
+    assert bulk.region is not None and len(bulk.offsets) == len(bulk.buffers)
+    one_by_one = wire(encoded, writable=True)
+    one_by_one.region, one_by_one.offsets = None, ()
+    a, b = codec.decode(bulk, base=base), codec.decode(one_by_one, base=base)
+    assert a.equal(b) and a.dtype == b.dtype
+    if a.keys and a.keys[0].numel():
+        before = b.values[0].clone()
+        a.keys[0].view(-1)[0] += 1  # writing one delivered tensor changes no other
+        assert torch.equal(a.values[0], before)
+
+
 @PROPERTY
 @given(kv=kv_caches(with_kv=False))
 def test_full_round_trips_a_token_only_context(kv: KVCache) -> None:

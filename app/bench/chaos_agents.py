@@ -247,9 +247,9 @@ async def _receiver(args: argparse.Namespace) -> None:
     record = Receiver._deliver
     opens: dict[str, tuple[int, str, float]] = {}
 
-    async def decoding(self: Receiver, open_msg: Open, buffers: Any, transfer_s: float) -> Any:
+    async def decoding(self: Receiver, open_msg: Open, buffers: Any, transfer_s: float, **kw: Any) -> Any:
         opens[open_msg.transfer_id] = (open_msg.attempt, open_msg.incarnation, open_msg.retry_age)
-        return await decode(self, open_msg, buffers, transfer_s)
+        return await decode(self, open_msg, buffers, transfer_s, **kw)
 
     def recording(self: Receiver, delivery: Any, **kw: Any) -> None:
         attempt, inc, age = opens.pop(delivery.transfer_id, (-1, "", 0.0))
