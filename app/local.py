@@ -193,9 +193,15 @@ class NatsServer(EmbeddedServer):
         max_payload: int = NATS_MAX_PAYLOAD,
         max_pending: int = NATS_MAX_PENDING,
         extra_config: str = "",
+        host: str = "127.0.0.1",
+        advertise: str | None = None,
     ) -> None:
         binary = find_nats_server()  # before the folder: a missing binary leaves nothing behind
         super().__init__()
+        self.host = host
+        """The address it listens on (``0.0.0.0``: every interface)."""
+        self.advertise = advertise or host
+        """The address its `url` names (the one clients reach it at)."""
         self.port = port
         self.max_payload = max_payload
         self.max_pending = max_pending
@@ -205,7 +211,7 @@ class NatsServer(EmbeddedServer):
     def _command(self) -> list[str]:
         conf = self.workdir / "nats.conf"
         conf.write_text(
-            f"host: 127.0.0.1\n"
+            f"host: {self.host}\n"
             f"port: {self.port or -1}\n"
             f"max_payload: {self.max_payload}\n"
             f"max_pending: {self.max_pending}\n"
@@ -229,8 +235,9 @@ class NatsServer(EmbeddedServer):
 
     @property
     def url(self) -> str:
-        """``nats://127.0.0.1:<port>``; the port is the one the server reported once ready."""
-        return f"nats://127.0.0.1:{self.port}"
+        """``nats://<advertise>:<port>`` (127.0.0.1 by default); the port is the one the server
+        reported once ready."""
+        return f"nats://{self.advertise}:{self.port}"
 
 
 class RedisServer(EmbeddedServer):

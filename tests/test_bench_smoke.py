@@ -159,6 +159,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "corrupted": int,
         "crashed": int,
         "faults": dict,
+        "paths": dict,
     },
     "soak": {"transfers": int, "failed": int, "rss_growth_fraction": NUM, "slow_consumer_events": int},
 }
@@ -209,6 +210,10 @@ def test_smoke_run_writes_the_json_every_reader_expects(suite: str, tmp_path: Pa
         assert config["network"] in ("netns", "emulated")
         assert set(config["where"]) == {"cells", "fluctuating", "switches", "relay"}, config["where"]
         assert set(config["where"].values()) <= {"netns", "emulated"}
+    if suite == "chaos":  # on the testbed the KV goes between two namespaces, on the direct path
+        assert config["network"] in ("netns", "loopback")
+        if config["network"] == "netns":
+            assert data["results"]["paths"].get("tcp", 0) > 0, data["results"]["paths"]
     if suite == "cachetier":  # the 1 Gbit/s figures and the replay: the testbed, or a relay
         assert config["network"] in ("netns", "emulated") and isinstance(data["results"]["replay"]["where"], str)
     if suite == "e2e":

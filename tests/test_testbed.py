@@ -381,3 +381,23 @@ def test_check_says_why_without_root() -> None:
     assert "needs root" in out.stdout and "emulated" in out.stdout
     data = json.dumps(CAPS.as_dict())
     assert "delay" in data
+
+
+@needs_testbed
+def test_entered_moves_this_thread_into_a_namespace_and_back() -> None:
+    import socket
+    import uuid
+
+    ns = f"{netns.PREFIX}t{uuid.uuid4().hex[:8]}-probe"
+    netns.add(ns)
+    try:
+        outside = {name for _, name in socket.if_nameindex()}
+        with netns.entered(ns):
+            assert {name for _, name in socket.if_nameindex()} == {"lo"}  # a fresh namespace: loopback only
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))  # its own loopback, up
+        assert {name for _, name in socket.if_nameindex()} == outside
+        with pytest.raises(OSError), netns.entered(f"{netns.PREFIX}no-such-namespace"):
+            pass
+    finally:
+        netns.delete(ns)

@@ -16,6 +16,13 @@ an embedded nats-server and a group scheduler (in this process) run ``transfers`
 - the nats-server is killed (SIGKILL) and started again on the same port (every client
   reconnects by itself).
 
+When this machine can build the network testbed (root, iproute2; ``KVBUS_BENCH_NETWORK`` decides
+as for the other benches), the run is spread over three hosts of a one-rack testbed: the
+nats-server, the scheduler, the forger and this process's bench loop on ``core``, the senders on
+``tx``, the receivers on ``rx`` (each host its own namespace, identity and address, on htb-shaped
+1 Gbit/s veths), so the KV bytes go sender to receiver on the direct ``tcp`` path between two
+namespaces, and a killed process leaves its peer a real half-open connection; else everything
+runs on loopback. ``config.network`` says which.
 Every send ends with a report or a `TransferError` (or with its sender killed). Each delivery is
 matched by transfer id against what was sent (a blake2b digest of the tokens and KV bytes).
 Figures: ``delivered`` (reported and received intact), ``failed_with_error``, ``sender_killed``
@@ -55,8 +62,9 @@ import subprocess
 import sys
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvbus.app.bench.chaos_agents import (
     CONFIG,
@@ -72,6 +80,9 @@ from kvbus.app.bench.chaos_agents import (
 from kvbus.app.local import NatsServer, spawn
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
 from kvbus.net.transport import NatsTransport
+
+if TYPE_CHECKING:
+    from kvbus.app.testbed.fabric import Testbed
 
 logger = logging.getLogger(__name__)
 
@@ -105,9 +116,19 @@ class Send:
 class AgentProcess:
     """One agent in an OS process of its own, restartable; its JSON lines go to ``on_event``."""
 
-    def __init__(self, role: str, name: str, url: str, options: list[str], on_event: Any) -> None:
+    def __init__(
+        self,
+        role: str,
+        name: str,
+        url: str,
+        options: list[str],
+        on_event: Any,
+        spawner: Callable[[AgentProcess, list[str]], subprocess.Popen[bytes]] | None = None,
+    ) -> None:
         self.role, self.name, self.url, self.options = role, name, url, options
         self.on_event = on_event
+        self.spawner = spawner
+        """Starts the process (on its testbed host); None: a local process."""
         self.ready = asyncio.Event()
         self.inflight: dict[int, Send] = {}
         self.proc: subprocess.Popen[bytes] | None = None
@@ -122,9 +143,11 @@ class AgentProcess:
         cmd = [sys.executable, "-m", "kvbus.app.bench.chaos_agents", self.role, self.url, self.name]
         seed = str(zlib.crc32(self.name.encode()) % 10_000 * 100 + self.incarnations)
         err = None if os.environ.get("KVBUS_BENCH_DEBUG") else subprocess.DEVNULL
-        self.proc = spawn(
-            [*cmd, "--seed", seed, *self.options], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err
-        )
+        argv = [*cmd, "--seed", seed, *self.options]
+        if self.spawner is not None:
+            self.proc = self.spawner(self, argv)
+        else:
+            self.proc = spawn(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err)
         self.incarnations += 1
         self.killing = False
         self.ready.clear()
@@ -192,10 +215,39 @@ class AgentProcess:
                 pass
 
 
-async def _chaos(transfers: int, seed: int, concurrency: int = 16) -> dict[str, Any]:
+class TestbedSite:
+    """Where the chaos run's processes live on the testbed: senders on ``tx``, receivers on
+    ``rx``, nats-server and this process (its scheduler and forger) on ``core``."""
+
+    HOSTS: ClassVar[dict[str, float]] = {"core": 1000.0, "tx": 1000.0, "rx": 1000.0}
+
+    def __init__(self, tb: Testbed) -> None:
+        self.tb = tb
+
+    def nats(self) -> NatsServer:
+        """A nats-server on every address of ``core`` (this process is in its namespace)."""
+        return NatsServer(host="0.0.0.0", advertise=self.tb.ip("core"))
+
+    def spawn(self, agent: AgentProcess, argv: list[str]) -> subprocess.Popen[bytes]:
+        """Start ``agent``'s process on its host (its stderr goes to the run folder's log)."""
+        host = "tx" if agent.role == "sender" else "rx"
+        return self.tb.spawn(
+            host, argv, name=f"{agent.name}-{agent.incarnations}", stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+
+    def describe(self) -> dict[str, Any]:
+        """What `config` records."""
+        return {
+            **self.tb.describe(),
+            "placement": {"core": "nats-server, scheduler, forger, bench", "tx": "senders", "rx": "receivers"},
+        }
+
+
+async def _chaos(transfers: int, seed: int, concurrency: int = 16, site: TestbedSite | None = None) -> dict[str, Any]:
     rng = random.Random(seed)
-    server = NatsServer().start()
+    server = (site.nats() if site is not None else NatsServer()).start()
     url = server.url
+    spawner = site.spawn if site is not None else None
     sched_cfg = SchedulerConfig(max_active=16)
     sched = await GroupScheduler.connect(url, GROUP, config=sched_cfg)
     forger_transport = await NatsTransport.connect(url, name="kvbus-chaos-forger")
@@ -205,6 +257,7 @@ async def _chaos(transfers: int, seed: int, concurrency: int = 16) -> dict[str, 
     accepted: list[tuple[str, int]] = []  # (transfer id, receiver process): decided to deliver, verdict going out
     sends: dict[int, Send] = {}
     faults: collections.Counter[str] = collections.Counter()
+    paths: collections.Counter[str] = collections.Counter()  # data paths of the sends that reported
     crashed: list[str] = []
     restarts: set[asyncio.Task[None]] = set()
     trace: list[dict[str, Any]] = []
@@ -237,6 +290,8 @@ async def _chaos(transfers: int, seed: int, concurrency: int = 16) -> dict[str, 
         elif kind == "accepted":
             accepted.append((event["tid"], event["pid"]))
         elif kind in ("ok", "error", "crash"):
+            if kind == "ok":
+                paths[str(event.get("path", "?"))] += 1
             send = agent.inflight.pop(int(event["k"]), None)
             if send is not None:
                 finish(send, kind, event.get("tid", ""), event.get("error", ""))
@@ -256,9 +311,11 @@ async def _chaos(transfers: int, seed: int, concurrency: int = 16) -> dict[str, 
     pool = [make_kv(n, s) for n, s in POOL_SPEC]
     digests = [kv_digest(kv) for kv in pool]
     damage = ["--p-drop", str(P_DROP), "--p-corrupt", str(P_CORRUPT), "--p-forge", str(P_FORGE), "--p-dup", str(P_DUP)]
-    senders = [AgentProcess("sender", f"chaos-tx{i}", url, damage, on_event) for i in range(4)]
+    senders = [AgentProcess("sender", f"chaos-tx{i}", url, damage, on_event, spawner) for i in range(4)]
     receivers = [
-        AgentProcess("receiver", f"chaos-rx{i}", url, ["--die-after-delivery", str(P_DIE_AFTER_DELIVERY)], on_event)
+        AgentProcess(
+            "receiver", f"chaos-rx{i}", url, ["--die-after-delivery", str(P_DIE_AFTER_DELIVERY)], on_event, spawner
+        )
         for i in range(4)
     ]
     agents = [*senders, *receivers]
@@ -347,6 +404,7 @@ async def _chaos(transfers: int, seed: int, concurrency: int = 16) -> dict[str, 
         server.stop()
     killed_rx = {pid for rx in receivers for pid in rx.killed}
     figures = _figures(transfers, sends, deliveries, digests, forger, faults, crashed, elapsed, accepted, killed_rx)
+    figures["paths"] = dict(paths)
     if os.environ.get("KVBUS_CHAOS_TRACE"):
         _dump_trace(os.environ["KVBUS_CHAOS_TRACE"], sends, trace)
     return figures
@@ -447,7 +505,7 @@ def run(
         from kvbus.app.bench.chaos_cluster import run_cluster
 
         return run_cluster(transfers=n, seed=seed, nats_cluster=nats_cluster)
-    results = asyncio.run(_chaos(n, seed))
+    results, where = _run_where(n, seed)
     print(
         f"chaos: {results['delivered']} delivered, {results['failed_with_error']} failed with an error, "
         f"{results['sender_killed']} lost to killed senders, {results['lost']} lost, "
@@ -464,6 +522,29 @@ def run(
             "chunk_faults": {"drop": P_DROP, "corrupt": P_CORRUPT, "forge": P_FORGE, "duplicate": P_DUP},
             "peer_forge": P_PEER_FORGE,
             "die_after_delivery": P_DIE_AFTER_DELIVERY,
+            **where,
         },
         "results": results,
     }
+
+
+def _run_where(n: int, seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The run on the testbed when this machine can build it, else on loopback; and the
+    ``config`` entries that say where it ran."""
+    from kvbus.app.testbed import netns
+    from kvbus.app.testbed.benchnet import choose_network
+
+    network, why = choose_network()
+    if network != "netns":
+        return asyncio.run(_chaos(n, seed)), {"network": "loopback", "network_reason": why}
+    from kvbus.app.testbed.fabric import Testbed
+    from kvbus.app.testbed.topology import one_rack
+
+    tb = Testbed(one_rack("chaos", TestbedSite.HOSTS, nats="core")).build()
+    try:
+        site = TestbedSite(tb)
+        with netns.entered(tb.ns("core")):  # so its scheduler and forger reach core's nats-server
+            results = asyncio.run(_chaos(n, seed, site=site))
+        return results, {"network": "netns", "testbed": site.describe()}
+    finally:
+        tb.teardown()

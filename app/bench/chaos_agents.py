@@ -319,7 +319,7 @@ async def _sender(args: argparse.Namespace) -> None:
     async def one(k: int, rx: str, j: int) -> None:
         try:
             report = await tx.send(rx, pool[j], medium="full")
-            _emit("ok", k=k, tid=report.transfer_id)
+            _emit("ok", k=k, tid=report.transfer_id, path=",".join(report.paths))
         except TransferError as exc:
             _emit("error", k=k, tid=exc.transfer_id, error=type(exc).__name__, text=str(exc)[:200])
         except Exception as exc:  # noqa: BLE001 - reported: the goal is none

@@ -3,10 +3,13 @@ and what this machine can do (root, iproute2, netem, an NFQUEUE delay line)."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -62,6 +65,38 @@ def pids(ns: str) -> list[int]:
     """Processes whose network namespace is ``ns``."""
     proc = ip("netns", "pids", ns, check=False)
     return [int(x) for x in proc.stdout.split() if x.isdigit()]
+
+
+_CLONE_NEWNET = 0x40000000
+
+
+@contextlib.contextmanager
+def entered(ns: str) -> Iterator[None]:
+    """Run the calling thread in namespace ``ns`` until the block ends: the sockets it opens
+    meanwhile live there, and so do the threads and processes it starts (`setns`, as
+    ``ip netns exec`` does for a new process). Restored on the way out.
+
+    Raises:
+        OSError: the namespace does not exist or this process may not enter it (not root).
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    try:
+        target = os.open(f"/run/netns/{ns}", os.O_RDONLY)
+        try:
+            if libc.setns(target, _CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"cannot enter network namespace {ns}: {os.strerror(err)}")
+        finally:
+            os.close(target)
+        try:
+            yield
+        finally:
+            if libc.setns(home, _CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"cannot go back to the original network namespace: {os.strerror(err)}")
+    finally:
+        os.close(home)
 
 
 def add(ns: str) -> None:
