@@ -303,6 +303,7 @@ def chaos(d: Json) -> str:
         f"{r['transfers']} transfers: {r['delivered']} delivered, {r['failed_with_error']} failed with an error, "
         f"**{r['lost']} lost, {r['duplicated']} duplicated, {r['corrupted']} corrupted, {r['crashed']} crashed**; "
         f"faults {json.dumps(r['faults'])}."
+        + (f" Data paths of the delivered sends: {json.dumps(r['paths'])}." if r.get("paths") else "")
     )
 
 

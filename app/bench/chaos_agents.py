@@ -28,6 +28,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -130,6 +131,41 @@ class ChaosTransport:
                 self._count("duplicated_chunks")
                 await self.inner.publish(subject, payload, headers)
         await self.inner.publish(subject, payload, headers)
+
+
+def damage_tcp(chaos: ChaosTransport) -> None:
+    """The same damage, at the same odds, on the direct ``tcp`` path (which bypasses the NATS
+    transport): a chunk's frame is dropped (the receiver sees the gap), its bytes corrupted
+    under the announced digest, forged (bytes changed, the frame's digest made to match: only the
+    `Open`'s digests tell), or sent twice. (``shm`` is left alone: its bytes are the sender's own
+    segment, and damaging them would damage every resend too.)"""
+    from kvbus.bus.paths.base import chunk_digest as path_digest
+    from kvbus.bus.paths.tcp import TcpSendSession
+
+    original = TcpSendSession.send_chunk
+
+    async def send_chunk(
+        self: TcpSendSession, index: int, pieces: Sequence[memoryview], digest: str, *, root: str = ""
+    ) -> None:
+        roll = chaos.rng.random()
+        if roll < chaos.p_drop:
+            chaos._count("dropped")
+            return
+        if roll < chaos.p_drop + chaos.p_corrupt + chaos.p_forge:
+            data = bytearray(b"".join(pieces))
+            data[chaos.rng.randrange(len(data))] ^= 0x5A
+            if roll >= chaos.p_drop + chaos.p_corrupt:
+                digest = path_digest(bytes(data))
+                chaos._count("forged")
+            else:
+                chaos._count("corrupted")
+            pieces = [memoryview(data)]
+        elif roll < chaos.p_drop + chaos.p_corrupt + chaos.p_forge + chaos.p_dup:
+            chaos._count("duplicated_chunks")
+            await original(self, index, pieces, digest, root=root)
+        await original(self, index, pieces, digest, root=root)
+
+    TcpSendSession.send_chunk = send_chunk  # type: ignore[method-assign,assignment]
 
 
 class Forger:
@@ -314,6 +350,7 @@ async def _sender(args: argparse.Namespace) -> None:
         p_dup=args.p_dup,
         on_fault=lambda kind: _emit("fault", kind=kind),
     )
+    damage_tcp(tx._transport)
     running: set[asyncio.Task[None]] = set()
 
     async def one(k: int, rx: str, j: int) -> None:
