@@ -22,7 +22,8 @@ from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
-from kvbus.app.local import FORM_TIMEOUT, START_TIMEOUT, NatsServer, free_port
+from kvbus.app.local import FORM_TIMEOUT, START_TIMEOUT, NatsServer
+from kvbus.app.processes import free_ports
 from kvbus.app.valkey_cluster import SLOTS, VALKEY_NODE_TIMEOUT_MS, ValkeyCluster, ValkeyClusterNode
 from kvbus.errors import ServerStartError
 
@@ -111,13 +112,14 @@ class NatsCluster:
     def __init__(self, size: int = 3, *, name: str = "kvbus", extra_config: str = "") -> None:
         if size < 1:
             raise ValueError(f"a cluster has at least one server, not {size}")
-        cluster_ports = [free_port() for _ in range(size)]
+        ports = free_ports(3 * size)  # all different: a client port equal to a monitor port fails to start
+        cluster_ports, client_ports, http_ports = ports[:size], ports[size : 2 * size], ports[2 * size :]
         self.servers = [
             ClusterNatsServer(
                 server_name=f"n{i + 1}",
-                port=free_port(),
+                port=client_ports[i],
                 cluster_port=cluster_ports[i],
-                http_port=free_port(),
+                http_port=http_ports[i],
                 routes=[p for j, p in enumerate(cluster_ports) if j != i],
                 cluster_name=name,
                 extra_config=extra_config,

