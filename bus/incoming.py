@@ -94,9 +94,9 @@ class IncomingTransfer:
         """Chunks that came on a direct path (placed into `assembly` only if the payload is not
         whole in one buffer)."""
         self._bases: list[memoryview] = []
+        """Buffers the direct paths wrote into (a whole payload in one is delivered as its views)."""
         self.region: tuple[memoryview, Sequence[int]] | None = None
         """Set by `buffers` when they are slices of one buffer (at the plan's starts): decoders view them in bulk."""
-        """Buffers the direct paths wrote into (a whole payload in one is delivered as its views)."""
         self.twins: list[tuple[memoryview, memoryview]] = []
         """Per buffer a direct path lent (``shm``): that buffer and a second copy-on-write mapping
         of the same bytes, which the receiver keeps as the delta base instead of a copy."""

@@ -111,24 +111,36 @@ class ChaosTransport:
         if self.on_fault is not None:
             self.on_fault(kind)
 
+    def fault(self) -> str | None:
+        """Roll the dice for one chunk: ``dropped``, ``corrupted``, ``forged``,
+        ``duplicated_chunks`` (counted), or None for no fault."""
+        roll = self.rng.random()
+        edges = [("dropped", self.p_drop), ("corrupted", self.p_corrupt), ("forged", self.p_forge)]
+        edges.append(("duplicated_chunks", self.p_dup))
+        for kind, p in edges:
+            if roll < p:
+                self._count(kind)
+                return kind
+            roll -= p
+        return None
+
+    def damaged(self, data: bytes | bytearray | memoryview) -> bytes:
+        """``data`` with one byte changed."""
+        out = bytearray(data)
+        out[self.rng.randrange(len(out))] ^= 0x5A
+        return bytes(out)
+
     async def publish(self, subject: str, payload: Any, headers: dict[str, str] | None = None) -> None:
         """Publish, unless the dice say to drop, damage or repeat a chunk."""
         if headers and CHUNK_INDEX_HEADER in headers:
-            roll = self.rng.random()
-            if roll < self.p_drop:
-                self._count("dropped")
+            kind = self.fault()
+            if kind == "dropped":
                 return
-            if roll < self.p_drop + self.p_corrupt + self.p_forge:
-                data = bytearray(payload)
-                data[self.rng.randrange(len(data))] ^= 0x5A
-                if roll >= self.p_drop + self.p_corrupt:
-                    headers = {**headers, CHUNK_SUM_HEADER: chunk_digest(bytes(data))}
-                    self._count("forged")
-                else:
-                    self._count("corrupted")
-                payload = bytes(data)
-            elif roll < self.p_drop + self.p_corrupt + self.p_forge + self.p_dup:
-                self._count("duplicated_chunks")
+            if kind in ("corrupted", "forged"):
+                payload = self.damaged(payload)
+                if kind == "forged":
+                    headers = {**headers, CHUNK_SUM_HEADER: chunk_digest(payload)}
+            elif kind == "duplicated_chunks":
                 await self.inner.publish(subject, payload, headers)
         await self.inner.publish(subject, payload, headers)
 
@@ -147,21 +159,15 @@ def damage_tcp(chaos: ChaosTransport) -> None:
     async def send_chunk(
         self: TcpSendSession, index: int, pieces: Sequence[memoryview], digest: str, *, root: str = ""
     ) -> None:
-        roll = chaos.rng.random()
-        if roll < chaos.p_drop:
-            chaos._count("dropped")
+        kind = chaos.fault()
+        if kind == "dropped":
             return
-        if roll < chaos.p_drop + chaos.p_corrupt + chaos.p_forge:
-            data = bytearray(b"".join(pieces))
-            data[chaos.rng.randrange(len(data))] ^= 0x5A
-            if roll >= chaos.p_drop + chaos.p_corrupt:
-                digest = path_digest(bytes(data))
-                chaos._count("forged")
-            else:
-                chaos._count("corrupted")
+        if kind in ("corrupted", "forged"):
+            data = chaos.damaged(b"".join(pieces))
+            if kind == "forged":
+                digest = path_digest(data)
             pieces = [memoryview(data)]
-        elif roll < chaos.p_drop + chaos.p_corrupt + chaos.p_forge + chaos.p_dup:
-            chaos._count("duplicated_chunks")
+        elif kind == "duplicated_chunks":
             await original(self, index, pieces, digest, root=root)
         await original(self, index, pieces, digest, root=root)
 

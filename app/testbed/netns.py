@@ -79,24 +79,26 @@ def entered(ns: str) -> Iterator[None]:
     Raises:
         OSError: the namespace does not exist or this process may not enter it (not root).
     """
-    libc = ctypes.CDLL(None, use_errno=True)
     home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
     try:
         target = os.open(f"/run/netns/{ns}", os.O_RDONLY)
         try:
-            if libc.setns(target, _CLONE_NEWNET) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"cannot enter network namespace {ns}: {os.strerror(err)}")
+            _setns(target, f"network namespace {ns}")
         finally:
             os.close(target)
         try:
             yield
         finally:
-            if libc.setns(home, _CLONE_NEWNET) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"cannot go back to the original network namespace: {os.strerror(err)}")
+            _setns(home, "the original network namespace")
     finally:
         os.close(home)
+
+
+def _setns(fd: int, what: str) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, _CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot enter {what}: {os.strerror(err)}")
 
 
 def add(ns: str) -> None:

@@ -263,7 +263,7 @@ class ShmRxConnection:
                 f"DATA for chunk {frame.index} of {frame.length} bytes does not fit "
                 f"the transfer's {spec.n_chunks} chunks",
             )
-        if session.current and not session.expected.have[frame.index] and session.view is not None:
+        if _mapping(session, frame.index) is not None:
             self._unchecked.append((session, frame))
 
     def _check(self) -> None:
@@ -296,10 +296,11 @@ class ShmRxConnection:
 
     def _chunk(self, session: ShmRxSession, frame: Frame) -> _W | None:
         """What verifying one DATA frame hashes: the chunk's bytes (copied first with a private copy)."""
-        if not session.current or session.expected.have[frame.index] or session.view is None:
+        view = _mapping(session, frame.index)
+        if view is None:
             return None
         lo, hi = session.spec.ranges[frame.index]
-        check = session.view[lo:hi] if session.check is None else session.check[lo:hi]
+        check = view[lo:hi] if session.check is None else session.check[lo:hi]
         if self.listener.private:
             own = session.expected.receive_buffer()[lo:hi]
             own[:] = check
@@ -309,10 +310,11 @@ class ShmRxConnection:
     def _checked(self, work: list[_W], values: list[int]) -> None:
         for (session, frame, check, lo, hi), value in zip(work, values, strict=True):
             expected = session.expected
-            if not session.current or expected.have[frame.index] or session.view is None:
+            view = _mapping(session, frame.index)
+            if view is None:
                 continue  # the stream ended or the chunk came another way meanwhile
             if value == frame.digest:
-                data = check if self.listener.private else session.view[lo:hi]
+                data = check if self.listener.private else view[lo:hi]
                 expected.notify_arrived(frame.index, data, digest_hex(value), frame.root_hex)
             else:
                 logger.warning("transfer %s: chunk %d failed its digest on shm", session.spec.transfer_id, frame.index)
@@ -384,6 +386,14 @@ class ShmRxConnection:
                 session.drop()
                 session.expected.notify_lost(session, PathBroken("shm", why, peer=session.spec.sender))
         self.streams.clear()
+
+
+def _mapping(session: ShmRxSession, index: int) -> memoryview | None:
+    """The mapping chunk ``index`` is verified in, while it is still to verify (the stream is
+    taken, the chunk not in yet); else None."""
+    if not session.current or session.expected.have[index]:
+        return None
+    return session.view
 
 
 def _hash(views: list[memoryview]) -> list[int]:
