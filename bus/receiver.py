@@ -430,9 +430,9 @@ class Receiver:
 
         A delivery whose tensors all lie in a segment the sender lent (``shm``) is kept without a
         copy: its base views the same bytes through a second copy-on-write mapping (`twin_base`).
-        A large copy runs in a thread after the verdict went out, so it is off the sender's path;
-        deliveries still reach the inbox in the order they completed, and the next decode waits
-        for the copy it may need.
+        The copy runs after the verdict went out (a large one in a thread), so it is off the
+        sender's path; deliveries still reach the inbox in the order they completed, and the next
+        decode waits for the copy it may need.
         """
         self.completed[delivery.transfer_id] = time.monotonic()
         while len(self.completed) > COMPLETED_MEMORY:
@@ -442,9 +442,6 @@ class Receiver:
         elif twins and self._handover is None and (twin := twin_base(delivery.kv, twins)) is not None:
             # Its tensors lie in a lent shared segment: the base is a second copy-on-write mapping of it.
             self.bases[delivery.sender] = twin
-            self.inbox.put(delivery)
-        elif delivery.kv.nbytes <= COPY_INLINE_BYTES and self._handover is None:
-            self.bases[delivery.sender] = delivery.kv.clone()
             self.inbox.put(delivery)
         else:
             self._handover = asyncio.create_task(self._keep(delivery, self._handover), name="kvbus-keep-base")
@@ -460,6 +457,11 @@ class Receiver:
         try:
             if before is not None:
                 await asyncio.shield(before)
+            elif copy:
+                # One turn of the loop first: the verdict (published right after `_deliver`) is
+                # written by nats-py's flusher before the copy runs, so even a small copy on the
+                # event loop is off the sender's path.
+                await asyncio.sleep(0)
             if copy:
                 kv = delivery.kv
                 # The old base's memory is reused unless a decode still reads it.

@@ -157,8 +157,9 @@ class Sender:
             sent_medium = grant.medium
             try:
                 codec = get_codec(grant.medium)
-                # What the receivers already hold from this agent (delta media send only the rest).
-                base = self.delta_base(receivers, kv) if base_tokens else None
+                # What the receivers already hold from this agent: only a delta medium encodes
+                # against it (another would only lose its view-only encode on the event loop).
+                base = self.delta_base(receivers, kv) if base_tokens and _is_delta(codec) else None
                 with telemetry.span(
                     "kvbus.encode",
                     attributes={"kvbus.medium": grant.medium} if tracing else None,

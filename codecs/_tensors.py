@@ -7,6 +7,7 @@ make a decoder allocate more than the payload it was handed.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -23,11 +24,6 @@ MAX_NDIM = 8
 MAX_DIM = 1 << 40
 #: Largest number of elements in one decoded tensor (bounded again by the received bytes).
 MAX_ELEMENTS = 1 << 40
-#: Dtypes whose tensors ``.numpy()`` views directly (not ``bfloat16``).
-_NUMPY_DTYPES = frozenset(
-    {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8}
-)
-_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 #: Not empty once torch's one warning about a read-only buffer has been had (and silenced) in this process.
 _READONLY_SILENCED: list[bool] = []
 
@@ -49,11 +45,12 @@ def as_bytes(t: torch.Tensor) -> memoryview:
     Zero copy when ``t`` is contiguous; otherwise one contiguous copy is made. The returned
     view keeps the tensor's storage alive.
     """
-    same = t.dtype if t.dtype in _NUMPY_DTYPES else _SAME_SIZE_INT.get(t.element_size())
-    if same is not None and t.numel() and not t.requires_grad and t.is_contiguous() and t.device.type == "cpu":
-        # The array holds the tensor; a dtype numpy lacks (bfloat16) is viewed as the integer of
-        # its size. A third of the generic path's cost, paid per tensor of every transfer.
-        return (t if same is t.dtype else t.view(same)).numpy().data.cast("B")
+    if t.numel() and not t.requires_grad and t.is_contiguous() and t.device.type == "cpu" and not t.is_conj():
+        # A ctypes array over the tensor's bytes, holding the tensor: a sixth of what a view
+        # through numpy costs (1.5 against 8.5 us), paid per tensor of every transfer.
+        array = (ctypes.c_ubyte * (t.numel() * t.element_size())).from_address(t.data_ptr())
+        array.tensor = t  # type: ignore[attr-defined]  # keeps the storage alive with the view
+        return memoryview(array).cast("B")
     flat = t.detach().contiguous().view(-1)
     return flat.view(torch.uint8).numpy().data
 

@@ -87,8 +87,11 @@ def header(data: Json, command: str) -> str:
 
 def transport(d: Json) -> str:
     r = d["results"]
-    rows = ["| figure | 64 MB | 1 MB |", "|---|---|---|"]
     by = r["by_size"]
+    # 512 MB only in a full run.
+    sizes = [size for size in ("64MB", "512MB", "1MB") if size in by]
+    rows = ["| figure | " + " | ".join(size.replace("MB", " MB") for size in sizes) + " |"]
+    rows.append("|---|" + "---|" * len(sizes))
     for label, key, fmt in (
         ("kvbus `send`/`receive`, `full` codec (MB/s)", "kvbus_MBps", "{:.0f}"),
         ("plain nats-py loop, same messages and window (MB/s)", "nats_py_MBps", "{:.0f}"),
@@ -98,9 +101,6 @@ def transport(d: Json) -> str:
         ("`ratio_vs_redis`", "ratio_vs_redis", "{:.2f}"),
         ("`ratio_vs_redis_pipelined`", "ratio_vs_redis_pipelined", "{:.2f}"),
         ("`tracing_overhead`", "tracing_overhead", "{:.2f}"),
-    ):
-        rows.append(f"| {label} | {_f(by['64MB'].get(key), fmt)} | {_f(by['1MB'].get(key), fmt)} |")
-    for label, key, fmt in (
         ("path the bus picked", "path", "{}"),
         ("bus on `shm` / `tcp` / `nats` only (GB/s)", None, ""),
         ("`shm_ratio_vs_nats_py`", "shm_ratio_vs_nats_py", "{:.2f}"),
@@ -113,17 +113,21 @@ def transport(d: Json) -> str:
         if key is None:
             cells = [
                 " / ".join(_f(by[size].get(f"kvbus_{p}_GBps"), "{:.2f}") for p in ("shm", "tcp", "nats"))
-                for size in ("64MB", "1MB")
+                for size in sizes
             ]
         else:
-            cells = [_f(by[size].get(key), fmt) for size in ("64MB", "1MB")]
+            cells = [_f(by[size].get(key), fmt) for size in sizes]
         if any(c != "-" for c in cells):
-            rows.append(f"| {label} | {cells[0]} | {cells[1]} |")
+            rows.append(f"| {label} | " + " | ".join(cells) + " |")
     rows.append(
-        f"| ratio per run vs nats-py / vs pipelined redis-py (64 MB) | "
-        f"{_sp(by['64MB'].get('ratio_vs_nats_py_runs'))} / "
-        f"{_sp(by['64MB'].get('ratio_vs_redis_pipelined_runs'))}"
-        f" | |"
+        "| ratio per run vs nats-py / vs pipelined redis-py | "
+        + " | ".join(
+            f"{_sp(by[size].get('ratio_vs_nats_py_runs'))} / {_sp(by[size].get('ratio_vs_redis_pipelined_runs'))}"
+            if size != "1MB"
+            else ""
+            for size in sizes
+        )
+        + " |"
     )
     return "\n".join(rows)
 

@@ -25,7 +25,7 @@ from kvbus.bus import (
     TransferRejected,
 )
 from kvbus.bus.chunking import chunk_digest, tree_digest
-from kvbus.codecs import UnknownCodec
+from kvbus.codecs import UnknownCodec, get_codec
 from kvbus.errors import SignatureMismatch
 from kvbus.protocol import CHUNK_INDEX_HEADER, CHUNK_SUM_HEADER, ROOT_SUM_HEADER, Open, OpenReply, inbox_subject
 from kvbus.signature import ModelSignature
@@ -441,6 +441,29 @@ async def test_delta_sends_only_new_tokens_and_falls_back_when_the_base_is_gone(
     d = await rx.receive(timeout=5)
     assert d.kv.equal(whole)
     assert report.medium == "full"
+
+
+async def test_a_medium_that_is_no_delta_is_encoded_without_a_base(
+    pair: tuple[Any, Any, Bus], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second ``full`` send of a context the receiver holds encodes views of it on the event
+    loop: no delta base is built for a medium that does not use one (it used to be, which sent
+    the encode to a worker thread, a millisecond of a small transfer's latency)."""
+    tx, rx, _ = pair
+    kv = random_kv(SIG, 40, seed=5)
+    full = get_codec("full")
+    bases: list[Any] = []
+    encode = type(full).encode
+
+    def spy(self: Any, kv: Any, *, base: Any = None, runner: Any = None) -> Any:
+        bases.append(base)
+        return encode(self, kv, base=base, runner=runner)
+
+    monkeypatch.setattr(type(full), "encode", spy)
+    for _ in range(2):
+        await tx.send(rx.name, kv, medium="full")
+        assert (await rx.receive(timeout=5)).kv.equal(kv)
+    assert bases == [None, None]
 
 
 class _Listener:

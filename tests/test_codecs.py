@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 from typing import Any
 
@@ -321,7 +322,7 @@ AS_BYTES_DTYPES = (
 def test_as_bytes_is_the_tensors_memory_byte_for_byte(
     dtype: torch.dtype, dims: list[int], transpose: bool, grad: bool
 ) -> None:
-    """The fast path (a contiguous tensor viewed through numpy, bfloat16 as int16) gives exactly
+    """The fast path (a ctypes array over a contiguous tensor's bytes) gives exactly
     the bytes the generic path does, for every dtype, an empty or transposed tensor, or one that
     requires grad."""
     t = (torch.arange(math.prod(dims), dtype=torch.float64).reshape(dims) * 1.5 - 3).to(dtype)
@@ -334,6 +335,17 @@ def test_as_bytes_is_the_tensors_memory_byte_for_byte(
     assert got.format == "B" and got.ndim == 1 and bytes(got) == want
     if t.is_contiguous() and t.numel():
         assert buffer_address(got) == t.data_ptr()  # a view, not a copy
+
+
+def test_as_bytes_keeps_the_tensors_memory_alive() -> None:
+    """The view holds the tensor: its bytes stay valid after the caller dropped every reference."""
+    t = torch.arange(4096, dtype=torch.float32).to(torch.bfloat16)
+    want = t.view(torch.uint8).numpy().tobytes()
+    view = as_bytes(t)
+    del t
+    gc.collect()
+    junk = [torch.full((4096,), 7, dtype=torch.bfloat16) for _ in range(64)]  # reuse of freed memory
+    assert bytes(view) == want and len(junk) == 64
 
 
 def test_decoding_read_only_buffers_swaps_the_warning_filters_at_most_once(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,7 +1,7 @@
 r"""`kvbus bench transport`: kvbus send/receive vs a plain nats-py loop vs Redis SET/GET.
 
-The same bytes (a Llama-3-8B-shaped bf16 KV-cache of 64 MB, and one of 1 MB) move between two
-OS processes on the same embedded servers three ways:
+The same bytes (a Llama-3-8B-shaped bf16 KV-cache of 64 MB, one of 1 MB and, in a full run, one of
+512 MB: 4096 tokens) move between two OS processes on the same embedded servers three ways:
 
 (a) kvbus ``send``/``receive`` with the ``full`` codec, through a group scheduler (its own
     process), timed from ``send`` until the receiver's verdict (verified and decoded);
@@ -75,6 +75,8 @@ REDIS_CHUNKED_SUBJECT = "kvbus.app.bench.redis.chunked"
 #: (chunk bytes, chunks per pipeline) of the pipelined redis-py loops.
 REDIS_PIPELINED = {"1MB_x8": (1 << 20, 8), "4MB_x4": (4 << 20, 4)}
 GROUP = "bench"
+#: The large size of a full run: 512 MB, Valkey's largest bulk string (its naive SET just fits).
+LARGE_BYTES = 512 * 1024 * 1024
 #: The group, receiver and sender of the traced runs (their own scheduler and receiver process).
 TRACED_GROUP, TRACED_RX, TRACED_TX = "bench-otel", "bench-rx-otel", "bench-tx-otel"
 
@@ -279,6 +281,9 @@ async def _run(quick: bool, nats_url: str | None, smoke: bool = False) -> dict[s
     chunk_size, window, ack_every = cfg.chunk_size, cfg.window, cfg.ack_every
     sizes = {"64MB": 64 * 1024 * 1024, "1MB": 1024 * 1024}
     reps = {"64MB": 1, "1MB": 2} if smoke else {"64MB": 3 if quick else 7, "1MB": 10 if quick else 30}
+    if not (quick or smoke):
+        # A 4096-token Llama-3-8B cache: every way once more at the size of a long context.
+        sizes["512MB"], reps["512MB"] = LARGE_BYTES, 5
     nats_srv = None if nats_url else NatsServer().start()
     url = nats_url or nats_srv.url  # type: ignore[union-attr]
     redis_srv = RedisServer().start()
@@ -359,7 +364,7 @@ async def _run(quick: bool, nats_url: str | None, smoke: bool = False) -> dict[s
 
             # Warm up every path once (connections, JIT-free first-touch allocations).
             warm: dict[str, list[float]] = collections.defaultdict(list)
-            for _ in range(1 if smoke else 2):
+            for _ in range(1 if smoke or nbytes >= LARGE_BYTES else 2):
                 await _kvbus_once(agent, kv)
                 await _nats_baseline(nc, payload, small, chunks, window)
                 await _path_ways(warm, path_agents, kv, sockets, payload, (src, dst))
