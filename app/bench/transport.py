@@ -77,6 +77,8 @@ REDIS_PIPELINED = {"1MB_x8": (1 << 20, 8), "4MB_x4": (4 << 20, 4)}
 GROUP = "bench"
 #: The large size of a full run: 512 MB, Valkey's largest bulk string (its naive SET just fits).
 LARGE_BYTES = 512 * 1024 * 1024
+#: redis-py's socket timeout in the Redis loops (its default of 5 s fails the naive 512 MB SET).
+REDIS_TIMEOUT_S = 120.0
 #: The group, receiver and sender of the traced runs (their own scheduler and receiver process).
 TRACED_GROUP, TRACED_RX, TRACED_TX = "bench-otel", "bench-rx-otel", "bench-tx-otel"
 
@@ -161,7 +163,7 @@ async def _peer(nats_url: str, redis_url: str, chunk_size: int, window: int, ack
         TRACED_RX if traced else "bench-rx", group=TRACED_GROUP if traced else GROUP, signature=LLAMA3_8B
     )
     nc = await nats.connect(nats_url, pending_size=64 * 1024 * 1024)
-    r = aioredis.Redis.from_url(redis_url)
+    r = aioredis.Redis.from_url(redis_url, socket_timeout=REDIS_TIMEOUT_S)
     state: dict[str, Any] = {"n": 0, "bytes": 0, "chunks": []}
 
     async def on_raw(msg: Any) -> None:
@@ -348,7 +350,7 @@ async def _run(quick: bool, nats_url: str | None, smoke: bool = False) -> dict[s
         for path, b in path_buses.items():
             path_agents[path] = await b.agent(f"bench-tx-{path}", group=GROUP, signature=LLAMA3_8B)
         nc = await nats.connect(url, pending_size=64 * 1024 * 1024)
-        r = aioredis.Redis.from_url(redis_srv.url)
+        r = aioredis.Redis.from_url(redis_srv.url, socket_timeout=REDIS_TIMEOUT_S)
         results: dict[str, Any] = {}
         for label, nbytes in sizes.items():
             kv = make_kv(nbytes)
