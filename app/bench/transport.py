@@ -364,9 +364,11 @@ async def _run(quick: bool, nats_url: str | None, smoke: bool = False) -> dict[s
             src = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
             dst = torch.empty_like(src)
 
-            # Warm up every path once (connections, JIT-free first-touch allocations).
+            # Warm up every way twice (connections, first-touch allocations: each receiver keeps
+            # its last shm segment mapped as its delta base, so a sender's first two segments of a
+            # size are fresh, and a fresh 512 MB one faults its pages in for about half a second).
             warm: dict[str, list[float]] = collections.defaultdict(list)
-            for _ in range(1 if smoke or nbytes >= LARGE_BYTES else 2):
+            for _ in range(1 if smoke else 2):
                 await _kvbus_once(agent, kv)
                 await _nats_baseline(nc, payload, small, chunks, window)
                 await _path_ways(warm, path_agents, kv, sockets, payload, (src, dst))
