@@ -12,7 +12,10 @@ restore give up.
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
+
+import pytest
 
 from kvbus.app.cluster import NatsCluster
 from kvbus.group_scheduler.reservation_store import RESERVATIONS_BUCKET, ReservationStore
@@ -53,7 +56,8 @@ def _meta_leader(c: NatsCluster) -> str | None:
     return None
 
 
-async def test_reservations_are_restored_across_a_meta_leader_election() -> None:
+async def test_reservations_are_restored_across_a_meta_leader_election(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="kvbus")
     c = NatsCluster(3).start()
     t: NatsTransport | None = None
     try:
@@ -79,7 +83,8 @@ async def test_reservations_are_restored_across_a_meta_leader_election() -> None
         c.kill(meta_i)
         table = ReservationTable()
         await ReservationStore(t, group).restore(table, headroom=1.2)
-        assert [r.reservation_id for r in table.all()] == ["r1"]
+        # (It failed once in CI; what the restore logged says why it gave up.)
+        assert [r.reservation_id for r in table.all()] == ["r1"], caplog.text
     finally:
         if t is not None:
             await t.close()
