@@ -458,9 +458,10 @@ class Receiver:
             if before is not None:
                 await asyncio.shield(before)
             elif copy:
-                # One turn of the loop first: the verdict (published right after `_deliver`) is
-                # written by nats-py's flusher before the copy runs, so even a small copy on the
-                # event loop is off the sender's path.
+                # One turn of the loop first: an inline transfer's verdict (published right after
+                # `_deliver`) is written by nats-py's flusher before the copy runs, so even a small
+                # copy on the event loop is off the sender's path. (A streamed verdict that first
+                # waits on a direct path's socket may still go out after the copy.)
                 await asyncio.sleep(0)
             if copy:
                 kv = delivery.kv
