@@ -19,11 +19,25 @@ from pathlib import Path
 import pytest
 
 from kvbus.app.testbed import netns, runs
-from kvbus.app.testbed.errors import TopologyError
+from kvbus.app.testbed.benchnet import choose_network
+from kvbus.app.testbed.errors import TestbedUnavailable, TopologyError
 from kvbus.app.testbed.topology import from_dict, load, shipped
 
 CAPS = netns.capabilities()
-needs_testbed = pytest.mark.skipif(not CAPS.available, reason=f"no network testbed here: {CAPS.reason}")
+
+
+def _missing(*, delay: bool) -> str:
+    """What this machine lacks for a testbed (with links that delay, when ``delay``); empty if nothing."""
+    try:
+        netns.check(CAPS, delay=delay)
+    except TestbedUnavailable as exc:
+        return str(exc)
+    return ""
+
+
+needs_testbed = pytest.mark.skipif(bool(_missing(delay=False)), reason=_missing(delay=False))
+#: For topologies whose links delay, jitter or drop packets: netem or the NFQUEUE delay line too.
+needs_delay_line = pytest.mark.skipif(bool(_missing(delay=True)), reason=_missing(delay=True))
 
 THREE_HOSTS = {
     "name": "three",
@@ -82,6 +96,56 @@ def test_a_topology_file_that_is_not_toml(tmp_path: Path) -> None:
         load("no-such-topology")
 
 
+# -- which network a bench or the demo takes (capabilities simulated; nothing is uninstalled) --------
+
+NO_ROOT = netns.Capabilities(False, True, False, False, False, False, "it needs root (run as root, ...)")
+ROOT_NO_DELAY = netns.Capabilities(True, True, True, True, netem=False, nfqueue=False)
+FULL = netns.Capabilities(True, True, True, True, netem=True, nfqueue=False)
+DELAY_LINE = netns.Capabilities(True, True, True, True, netem=False, nfqueue=True)
+
+
+def test_auto_without_root_takes_emulated_links_and_says_why() -> None:
+    mode, why = choose_network("auto", load("two-racks"), caps=NO_ROOT)
+    assert mode == "emulated"
+    assert "needs root" in why and "\n" not in why
+
+
+def test_auto_as_root_without_netem_or_iptables_takes_emulated_links_for_a_delayed_topology() -> None:
+    """The fresh-machine case of issue 29: root, ip and tc, no netem, no iptables; two-racks has a
+    10 ms uplink. Before, auto took the testbed and the build raised TestbedUnavailable."""
+    two = load("two-racks")
+    assert two.needs_delay
+    mode, why = choose_network("auto", two, caps=ROOT_NO_DELAY)
+    assert mode == "emulated"
+    assert "netem" in why and "apt-get install iptables" in why
+
+
+def test_auto_as_root_without_a_delay_line_still_takes_the_testbed_when_no_link_delays() -> None:
+    flat = from_dict(
+        {**THREE_HOSTS, "hosts": [{"name": "nats"}, {"name": "a"}, {"name": "b", "link": {"rate_mbit": 40}}]}
+    )
+    assert not flat.needs_delay
+    assert choose_network("auto", flat, caps=ROOT_NO_DELAY)[0] == "netns"
+
+
+@pytest.mark.parametrize("caps", [FULL, DELAY_LINE], ids=["netem", "nfqueue"])
+def test_auto_with_the_full_testbed_takes_it(caps: netns.Capabilities) -> None:
+    mode, why = choose_network("auto", load("two-racks"), caps=caps)
+    assert mode == "netns" and (caps.delay or "") in why
+
+
+@pytest.mark.parametrize("caps", [NO_ROOT, ROOT_NO_DELAY], ids=["no-root", "no-delay-line"])
+def test_an_explicit_netns_fails_loudly_where_the_topology_cannot_be_built(caps: netns.Capabilities) -> None:
+    with pytest.raises(TestbedUnavailable):
+        choose_network("netns", load("two-racks"), caps=caps)
+
+
+def test_a_link_that_delays_only_in_the_schedule_needs_a_delay_line() -> None:
+    topo = from_dict({**THREE_HOSTS, "schedule": [{"at_s": 1, "link": "host:a", "delay_ms": 3}]})
+    topo = topo.with_link("host:b", delay_ms=0)
+    assert topo.may_impair("host:a") and not topo.may_impair("host:b") and topo.needs_delay
+
+
 # -- the network ------------------------------------------------------------------------------------
 
 
@@ -95,7 +159,7 @@ def _in(tb: object, host: str, code: str, timeout: float = 60) -> subprocess.Com
     )
 
 
-@needs_testbed
+@needs_delay_line
 def test_build_and_tear_down_three_hosts() -> None:
     from kvbus.app.testbed.fabric import Testbed
 
@@ -187,7 +251,7 @@ def test_a_shaped_link_measured_with_a_plain_socket() -> None:
     assert abs(rate - 40) / 40 <= 0.15, rate
 
 
-@needs_testbed
+@needs_delay_line
 async def test_two_agents_in_two_namespaces_through_nats_in_a_third() -> None:
     from kvbus.app.testbed.fabric import Testbed
     from kvbus.app.testbed.services import start_nats, start_scheduler
@@ -221,7 +285,7 @@ async def test_two_agents_in_two_namespaces_through_nats_in_a_third() -> None:
             assert stats is not None and stats["accepted"] > 0  # the transfers crossed the delay line
 
 
-@needs_testbed
+@needs_delay_line
 def test_links_change_on_schedule() -> None:
     """The schedule's steps reach the kernel's queues in order (htb's rate on both ends of the link)."""
     from kvbus.app.testbed.fabric import Testbed
@@ -255,7 +319,7 @@ def test_links_change_on_schedule() -> None:
         assert tb.links["host:b"].delay_ms == 0
 
 
-@needs_testbed
+@needs_delay_line
 def test_clean_removes_everything_after_the_builder_was_killed(tmp_path: Path) -> None:
     path = tmp_path / "three.toml"
     path.write_text(

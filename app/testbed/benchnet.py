@@ -35,25 +35,46 @@ logger = logging.getLogger(__name__)
 RELAY_MAX_MBIT = 2000.0
 
 
-def choose_network(requested: str | None = None) -> tuple[str, str]:
+def choose_network(
+    requested: str | None = None,
+    topology: Topology | None = None,
+    *,
+    caps: netns.Capabilities | None = None,
+) -> tuple[str, str]:
     """(``netns`` or ``emulated``, why) for ``requested`` (or ``KVBUS_BENCH_NETWORK``; ``auto`` by default).
 
+    ``auto`` takes the testbed only when this machine can build everything ``topology`` needs:
+    namespaces, and netem or the NFQUEUE delay line when a link delays, jitters or drops
+    packets. Otherwise it takes emulated links, and ``why`` says in one line what was missing and
+    how to get it.
+
+    Args:
+        requested: ``auto``, ``netns`` or ``emulated``.
+        topology: what the bench will build (None: only namespaces and htb are checked).
+        caps: the machine's capabilities (default: probed once, `netns.capabilities`).
+
     Raises:
-        TestbedUnavailable: ``netns`` was asked for and this machine cannot build it.
+        TestbedUnavailable: ``netns`` was asked for and this machine cannot build ``topology``.
         ValueError: an unknown choice.
     """
     choice = (requested or os.environ.get("KVBUS_BENCH_NETWORK") or "auto").strip().lower()
     if choice not in ("auto", "netns", "emulated"):
         raise ValueError(f"network {choice!r} must be auto, netns or emulated")
     if choice == "emulated":
-        return "emulated", "asked for"
-    caps = netns.capabilities()
-    if caps.available:
-        return "netns", "the testbed is available"
-    if choice == "netns":
-        raise TestbedUnavailable(caps.reason)
-    logger.warning("the network testbed is not available (%s); using emulated links", caps.reason)
-    return "emulated", f"testbed unavailable: {caps.reason}"
+        return "emulated", "emulated links were asked for"
+    caps = caps or netns.capabilities()
+    try:
+        netns.check(caps, delay=topology is not None and topology.needs_delay)
+    except TestbedUnavailable as exc:
+        if choice == "netns":
+            raise
+        why = f"emulated links: the network testbed is not available here ({exc.reason})" + (
+            f"; for the testbed: {exc.hint}" if exc.hint else ""
+        )
+        logger.info("%s", why)
+        return "emulated", why
+    how = f", delay by {caps.delay}" if topology is not None and topology.needs_delay else ""
+    return "netns", f"the testbed is available (root, namespaces, htb{how})"
 
 
 class BenchNet(ABC):
@@ -95,11 +116,12 @@ class NetnsNet(BenchNet):
 
     mode = "netns"
 
-    def __init__(self, topology: Topology, *, redis: bool = False) -> None:
+    def __init__(self, topology: Topology, *, redis: bool = False, reason: str = "") -> None:
         from kvbus.app.testbed.fabric import Testbed
         from kvbus.app.testbed.services import start_nats, start_redis
 
         self.topology = topology
+        self.reason = reason
         self.tb = Testbed(topology).build()
         try:
             self.nats_url = start_nats(self.tb)
@@ -130,6 +152,7 @@ class NetnsNet(BenchNet):
     def describe(self) -> dict[str, Any]:
         """What the bench records in ``config``."""
         out = self.tb.describe()
+        out["why"] = self.reason
         out["links_now"] = {
             t: {
                 "rate_mbit": link.rate_mbit,
@@ -165,17 +188,13 @@ class EmulatedNet(BenchNet):
         self.nats_url = nats_url or self._server.url  # type: ignore[union-attr]
         self._redis = RedisServer().start() if redis else None
         self.redis_url = self._redis.url if self._redis else None
-        self.links = {t: topology.link(t) for t in self._targets()}
+        self.links = {t: topology.link(t) for t in topology.targets()}
         self._relays: dict[str, tuple[subprocess.Popen[str], int]] = {}
         self.workers: list[Worker] = []
         nats_rack = topology.host(topology.services.nats).rack
-        for target in self._targets():
+        for target in topology.targets():
             if self._relayed(target, nats_rack):
                 self._relays[target] = self._start_relay(self.links[target])
-
-    def _targets(self) -> list[str]:
-        t = self.topology
-        return [f"host:{h.name}" for h in t.hosts] + ([f"uplink:{r.name}" for r in t.racks] if t.multi_rack else [])
 
     def _relayed(self, target: str, nats_rack: str) -> bool:
         link = self.links[target]
@@ -281,7 +300,7 @@ def open_net(
     topology: Topology, *, network: str | None = None, nats_url: str | None = None, redis: bool = False
 ) -> BenchNet:
     """The bench network for ``topology``: the testbed or emulated links (see `choose_network`)."""
-    mode, why = choose_network(network)
+    mode, why = choose_network(network, topology)
     if mode == "netns":
-        return NetnsNet(topology, redis=redis)
+        return NetnsNet(topology, redis=redis, reason=why)
     return EmulatedNet(topology, nats_url=nats_url, redis=redis, reason=why)

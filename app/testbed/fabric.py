@@ -93,12 +93,7 @@ class Testbed:
     @property
     def delay_backend(self) -> str | None:
         """``netem``, ``nfqueue`` (the delay line) or None when no link is impaired."""
-        return self.caps.delay if any(self._may_impair(t) for t in self._targets()) else None
-
-    def _targets(self) -> list[str]:
-        return [f"host:{h.name}" for h in self.topology.hosts] + [
-            f"uplink:{r.name}" for r in self.topology.racks if self.topology.multi_rack
-        ]
+        return self.caps.delay if self.topology.needs_delay else None
 
     def describe(self) -> dict[str, Any]:
         """What the benches record: topology, run id, how links are made, the machine's capabilities."""
@@ -121,7 +116,7 @@ class Testbed:
             TestbedUnavailable: the machine cannot (says what is missing).
             CommandFailed: a command failed (everything made so far is removed).
         """
-        netns.require(delay=any(self._may_impair(t) for t in self._targets()))
+        netns.require(delay=self.topology.needs_delay)
         self.state.save()  # before the first namespace: a crash from here on is cleanable
         try:
             self._build()
@@ -176,7 +171,7 @@ class Testbed:
             netns.ip("link", "set", f"p{i}", "master", f"br{self._rack_index[host.rack]}", "up", ns=sw)
         if self.delay_backend == "nfqueue":
             self._start_delayline()
-        for target in self._targets():
+        for target in self.topology.targets():
             self._apply(target, self.topology.link(target), None)
         (self.folder / "topology.json").write_text(json.dumps(self.describe(), indent=2))
 
@@ -197,13 +192,6 @@ class Testbed:
             self._configure_delayline()
         logger.info("testbed %s: %s %s", self.run_id, target, shaping.describe(link, netem))
 
-    def _may_impair(self, target: str) -> bool:
-        """True when ``target`` is impaired now or at some step of the schedule."""
-        return self.topology.link(target).impaired or any(
-            s.link == target and any(s.changes.get(k, 0) > 0 for k in ("delay_ms", "jitter_ms", "loss_pct"))
-            for s in self.topology.schedule
-        )
-
     def _delay_ports(self) -> list[tuple[str, str]]:
         """(port, link target) of every switch port the delay line watches: those that may be impaired
         (frames between unimpaired ports never leave the kernel's fast path)."""
@@ -212,7 +200,7 @@ class Testbed:
             if self.topology.multi_rack
             else []
         )
-        return [(port, target) for port, target in ports if self._may_impair(target)]
+        return [(port, target) for port, target in ports if self.topology.may_impair(target)]
 
     def _start_delayline(self) -> None:
         sw = self.switch_ns

@@ -227,14 +227,14 @@ def capabilities() -> Capabilities:
         delete(probe)
 
 
-def require(*, delay: bool = False) -> Capabilities:
-    """The capabilities, or `TestbedUnavailable` saying what is missing.
+def check(caps: Capabilities, *, delay: bool = False) -> Capabilities:
+    """``caps``, or `TestbedUnavailable` saying what is missing and how to get it.
 
     Args:
+        caps: what this machine can do.
         delay: the topology delays, jitters or drops packets, so netem or the NFQUEUE delay
             line must work too.
     """
-    caps = capabilities()
     if not caps.available:
         raise TestbedUnavailable(caps.reason)
     if delay and caps.delay is None:
@@ -244,3 +244,8 @@ def require(*, delay: bool = False) -> Capabilities:
             "apt-get install iptables",
         )
     return caps
+
+
+def require(*, delay: bool = False) -> Capabilities:
+    """This machine's capabilities, or `TestbedUnavailable` saying what is missing (see `check`)."""
+    return check(capabilities(), delay=delay)

@@ -196,6 +196,24 @@ class Topology:
         """True when racks meet at a core switch."""
         return len(self.racks) > 1
 
+    def targets(self) -> list[str]:
+        """Every link: ``host:<name>`` for each host, ``uplink:<rack>`` for each rack of a multi-rack topology."""
+        return [f"host:{h.name}" for h in self.hosts] + (
+            [f"uplink:{r.name}" for r in self.racks] if self.multi_rack else []
+        )
+
+    def may_impair(self, target: str) -> bool:
+        """True when ``target`` delays, jitters or drops packets now or at some step of the schedule."""
+        return self.link(target).impaired or any(
+            s.link == target and any(s.changes.get(k, 0) > 0 for k in ("delay_ms", "jitter_ms", "loss_pct"))
+            for s in self.schedule
+        )
+
+    @property
+    def needs_delay(self) -> bool:
+        """True when some link may be impaired, so the testbed needs netem or the NFQUEUE delay line."""
+        return any(self.may_impair(t) for t in self.targets())
+
     def to_dict(self) -> dict[str, Any]:
         """Plain data (what the benches record in their JSON's ``config``)."""
         out = asdict(self)
