@@ -65,6 +65,7 @@ class SchedulerHandlers:
             ack = RequestAck(transfer_id="", ok=False, reason=f"bad request: {exc}", code=refusal_code(exc))
             await self.transport.reply(msg, ack.encode())
             return
+        self.state.heard_from(req.src)  # a request is proof of life, like a probe (its loop may be busy)
         tid = req.transfer_id
         known = self.state.find(tid)
         if known is not None:
@@ -140,6 +141,7 @@ class SchedulerHandlers:
         except (WireFormatError, ValueError) as exc:
             logger.warning("done message dropped: %s", exc)
             return
+        self.state.heard_from(done.src)
         self.loop.finished(done)
 
     async def _on_leave(self, msg: Msg) -> None:

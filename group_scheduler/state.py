@@ -231,6 +231,19 @@ class GroupState:
         self.declare(probe.agent, probe.link_bps, probe.latency_s)
         return agent
 
+    def heard_from(self, name: str, now: float | None = None) -> None:
+        """Agent ``name`` sent the scheduler something (a request, a done report): proof that it
+        lives, as a probe is, so it is seen and up again. Its figures stay those of its last probe.
+        An agent that never probed is not added (its first probe brings its figures)."""
+        agent = self.agents.get(name)
+        if agent is None or name in self.left:
+            return
+        if agent.down:
+            agent.down = False
+            self.n_down -= 1
+        agent.last_seen = time.monotonic() if now is None else now
+        self._seen_floor = min(self._seen_floor, agent.last_seen)
+
     def declare(self, agent: str, link_bps: float, latency_s: float) -> None:
         """Record an agent's declared link; a changed declaration resets the estimates of its links
         (the declaration is newer information than the samples)."""

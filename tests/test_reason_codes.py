@@ -125,8 +125,21 @@ async def test_receiver_and_sender_down(nats_url: str) -> None:
         # ... later requests are refused on arrival.
         again = await ask(raw, group, "tx", ["rx"])
         assert isinstance(again, RequestAck) and refused(again) == Reason.RECEIVER_DOWN
-        assert refused(await ask(raw, group, "tx2", ["rx2"])) == Reason.SENDER_DOWN
-        assert refused(await ask(raw, group, "tx2", ["rx2"])) == Reason.SENDER_DOWN
+
+    async with scheduled(nats_url) as (sched, raw, group):
+        for name in ("tx2", "rx2"):
+            await register(raw, name, group)
+            await probe(raw, name, group)
+        await asyncio.sleep(2 * TTL)  # both silent past the TTL
+        # A request is proof of life, like a probe (issue 29: a sender whose event loop was held
+        # past the TTL was refused as "down" while it was asking): the refusal names the receiver,
+        # which is silent, and the sender is up.
+        assert refused(await ask(raw, group, "tx2", ["rx2"])) == Reason.RECEIVER_DOWN
+        assert not sched.state.is_down("tx2")
+        await probe(raw, "rx2", group)
+        await asyncio.sleep(0.05)
+        answer = await ask(raw, group, "tx2", ["rx2"])
+        assert answer.medium if isinstance(answer, Grant) else answer.ok, answer
 
 
 @pytest.mark.parametrize("selector", ["adaptive", "static"])
