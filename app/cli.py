@@ -102,7 +102,17 @@ def build_parser() -> argparse.ArgumentParser:
         "(each joins the others' broadcasts); agents of group g use the first group",
     )
 
-    demo = sub.add_parser("demo", help="two agents on SmolLM2 exchange a real KV-cache with each medium")
+    demo = sub.add_parser(
+        "demo",
+        help="the main job: a multi-agent workflow on SmolLM2 under the adaptive policy and every static "
+        "medium, in interleaved rounds; says which was fastest and writes kvbus-report/",
+        description="A coordinator, two executors and a verifier on SmolLM2-135M-Instruct (and an archivist on "
+        "another model) run the same workflow under the adaptive policy and under every medium forced, in "
+        "interleaved rounds. It runs on the network testbed when run as root on a machine that has "
+        "everything the topology needs (namespaces, and netem or the NFQUEUE delay line), else on emulated "
+        "links, and says which and why. It prints a one-sentence verdict, then the table, and writes "
+        "kvbus-report/ (report.md, results.json, plots).",
+    )
     _add_urls(demo)
     demo.add_argument("--quick", action="store_true", help="shorter continuations (2 tokens per step)")
     demo.add_argument("--new-tokens", type=int, default=None, help="tokens each agent generates per step")
@@ -112,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--network",
         choices=("auto", "netns", "emulated"),
         default=None,
-        help="the testbed (netns, needs root and iproute2), emulated links, or auto (default)",
+        help="the testbed (netns: needs root, iproute2, and netem or iptables for delayed links; fails if "
+        "missing), emulated links, or auto (default: the testbed when it can be built, else emulated)",
     )
 
     bench = sub.add_parser("bench", help="run a benchmark suite and write JSON")

@@ -29,7 +29,15 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvbus.app.demo_report import agreement, compare, compute_check, render_table, summarise, write_report
+from kvbus.app.demo_report import (
+    RATIO_MEANS,
+    agreement,
+    compare,
+    compute_check,
+    render_table,
+    summarise,
+    write_report,
+)
 from kvbus.app.demo_team import ROLES, _Services, local_agents, placements
 from kvbus.app.testbed.benchnet import open_net
 from kvbus.app.testbed.topology import load
@@ -126,7 +134,7 @@ async def run_policies(
     flow = Workflow(specs, task_list, encode, new_tokens=new_tokens, preamble=preamble)
     t_start = time.perf_counter()
     net = await asyncio.to_thread(open_net, topo, network=network)
-    console.log(f"network {net.mode} up in {time.perf_counter() - t_start:.1f} s")
+    console.print(f"network: {net.mode}, {net.reason or 'as asked'} (up in {time.perf_counter() - t_start:.1f} s)")
     runs: dict[str, list[RunResult]] = {p: [] for p in policies}
     team = None
     try:
@@ -312,18 +320,29 @@ async def _run(
         nats_options=nats_options,
         tasks=tasks,
     )
-    render_table(rows, console)
     figures = compare(rows)
+    console.print()
+    console.print(f"[bold]{figures['headline']}[/]")
+    console.print(RATIO_MEANS)
+    render_table(rows, console)
     console.print(
-        f"adaptive / best static ({figures['best_static']}): {figures['adaptive_vs_best_static_rounds']}\n"
-        f"adaptive / best static of its quality ({figures['best_static_same_quality']}): "
-        f"{figures['adaptive_vs_best_static_same_quality_rounds']}\n{figures['verdict']}"
+        f"fastest static policy of any quality: {figures['best_static']}, adaptive took "
+        f"{_ratio_words(figures['adaptive_vs_best_static_rounds'])} of its time; {figures['verdict']}"
     )
     meta["figures"] = figures
     write_report(report_dir, rows, runs, meta)
     console.print(f"report: {report_dir / 'report.md'} (and PNG plots beside it)")
     lossless = [r for r in rows if r["policy"] == "tokens" and r["agreement"] is not None]
     return 0 if all(r["agreement"] == 1.0 for r in lossless) else 1
+
+
+def _ratio_words(vs: dict[str, Any]) -> str:
+    """``1.36x [1.30x-1.42x]`` from a per-round spread."""
+    if vs.get("median") is None:
+        return "?"
+    if vs.get("n", 1) > 1:
+        return f"{vs['median']:.2f}x [{vs['min']:.2f}x-{vs['max']:.2f}x]"
+    return f"{vs['median']:.2f}x"
 
 
 def run_demo(
@@ -344,6 +363,10 @@ def run_demo(
     Defaults: `DEMO_TASKS` task(s), `DEMO_TOKENS` tokens per step, `DEMO_ROUNDS` rounds of every
     policy (``quick``: 2 tokens)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # transformers' and the GGUF loader's tqdm bars (here and in the agent processes, which inherit
+    # this environment) would interleave with the demo's own progress bar.
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     console = Console(width=max(120, shutil.get_terminal_size((120, 40)).columns))
     new_tokens = new_tokens or (2 if quick else DEMO_TOKENS)
     rounds = rounds or DEMO_ROUNDS

@@ -131,10 +131,19 @@ def write_report(
     med = [r["e2e_s"] for r in rows]
     lo = [r["e2e_s"] - (r.get("e2e_s_rounds", {}).get("min") or r["e2e_s"]) for r in rows]
     hi = [(r.get("e2e_s_rounds", {}).get("max") or r["e2e_s"]) - r["e2e_s"] for r in rows]
-    ax.bar(names, med, color="#4c72b0", yerr=[lo, hi], capsize=3)
+    bars = ax.bar(
+        names, med, color=["#dd8452" if n == "adaptive" else "#9db4d6" for n in names], yerr=[lo, hi], capsize=3
+    )
+    if "adaptive" in names:
+        i = names.index("adaptive")
+        bars[i].set_edgecolor("black")
+        ax.axhline(med[i], color="#dd8452", linestyle="--", linewidth=1)
     ax.set_ylabel("end-to-end latency (s)")
-    ax.set_title("workflow latency by policy (median, min-max over rounds)")
+    ax.set_title("workflow latency by policy (median, min-max over rounds; adaptive in orange)")
     ax.tick_params(axis="x", labelrotation=45, labelsize=7)
+    for label in ax.get_xticklabels():
+        if label.get_text() == "adaptive":
+            label.set_fontweight("bold")
     fig.tight_layout()
     fig.savefig(folder / "latency_by_policy.png", dpi=110)
     plt.close(fig)
@@ -171,22 +180,40 @@ def write_report(
         fig.savefig(folder / "timeline_adaptive.png", dpi=110)
         plt.close(fig)
 
-        fig, ax = plt.subplots(figsize=(7, 2.8))
+        fig, ax = plt.subplots(figsize=(7.5, 0.9 + 0.45 * max(2, len(media))))
+        most = max((t.tokens for t in adaptive.transfers), default=0) or 1
+
+        def size(tokens: float) -> float:
+            return 12 + 240 * tokens / most  # marker area in proportion to the context's tokens
+
         for t in adaptive.transfers:
-            ax.scatter(t.start_s, media.index(t.medium), color=colour(t.medium), s=18 + 40 * t.tokens / 1000)
+            ax.scatter(t.start_s, media.index(t.medium), color=colour(t.medium), s=size(t.tokens), alpha=0.8)
         ax.set_yticks(range(len(media)), media)
+        ax.set_ylim(-0.6, len(media) - 0.4)
         ax.set_xlabel("time (s)")
-        ax.set_title("media chosen by adaptive over time (size ~ context tokens)")
+        ax.set_title("media chosen by adaptive over time (marker area ~ context tokens)")
+        refs = sorted({max(1, round(most * f)) for f in (0.25, 0.5, 1.0)})
+        sizes = [ax.scatter([], [], s=size(n), color="grey", alpha=0.6) for n in refs]
+        ax.legend(
+            [Rectangle((0, 0), 1, 1, color=colour(m)) for m in media] + sizes,
+            media + [f"{n} tokens" for n in refs],
+            fontsize=7,
+            loc="center left",
+            bbox_to_anchor=(1.01, 0.5),
+        )
         fig.tight_layout()
         fig.savefig(folder / "media_over_time.png", dpi=110)
         plt.close(fig)
 
+    figures = meta.get("figures") or {}
+    net = meta.get("net") or {}
     lines = [
         "# kvbus demo report",
         "",
+        *([f"**{figures['headline']}**", "", RATIO_MEANS, ""] if figures.get("headline") else []),
         f"Generated {time.strftime('%Y-%m-%d %H:%M:%S')}; network "
-        f"`{meta.get('network', '?')}`; medians over {max((r.get('rounds', 1) for r in rows), default=1)} "
-        "interleaved round(s), [min - max].",
+        f"`{meta.get('network', '?')}`" + (f" ({net['why']})" if net.get("why") else "") + "; medians over "
+        f"{max((r.get('rounds', 1) for r in rows), default=1)} interleaved round(s), [min - max].",
         "",
         "| policy | E2E (s) | p50 / p99 per transfer (ms) | bytes moved (MB) | recompute (s) | peak KV (MB) | "
         "agreement with `full` | media |",
@@ -253,7 +280,34 @@ def compare(rows: list[dict[str, Any]]) -> dict[str, Any]:
             if beaten
             else "no static policy of adaptive's quality is faster (median E2E)"
         ),
+        "headline": headline(vs_same, best_same["policy"], quality, len(adaptive["e2e_s_rounds"]["values"])),
     }
+
+
+#: Within this much of 1, adaptive and the best static policy are called even (rounds are noisy).
+EVEN_WITHIN = 0.02
+
+#: What the ratio means, said once after the headline.
+RATIO_MEANS = (
+    "A ratio is adaptive's end-to-end time over the static policy's, round by round: above 1 adaptive "
+    "was slower, below 1 faster."
+)
+
+
+def headline(vs: Mapping[str, Any], policy: str, quality: float, rounds: int) -> str:
+    """The demo's result in one plain sentence: adaptive against the fastest static policy of at
+    least its quality (``vs``: the per-round ratios, median / min / max)."""
+    r = vs.get("median")
+    if r is None:
+        return f"adaptive could not be compared with {policy}: a run has no time"
+    lo, hi = vs.get("min", r), vs.get("max", r)
+    spread_ = f"; rounds {lo:.2f}x-{hi:.2f}x" if rounds > 1 else ""
+    word = "even" if abs(r - 1) <= EVEN_WITHIN else "adaptive lost" if r > 1 else "adaptive won"
+    return (
+        f"adaptive took {r:.2f}x as long as the fastest static policy of its quality, {policy}, "
+        f"at {quality:.0%} agreement with full (median of {rounds} round{'s' if rounds != 1 else ''}{spread_}): "
+        f"{word}."
+    )
 
 
 def compute_check(team: RemoteTeam | None, runs: dict[str, list[RunResult]]) -> dict[str, Any]:

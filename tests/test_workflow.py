@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvbus.app.demo import STATIC_POLICIES, summarise, write_report
+from kvbus.app.demo_report import RATIO_MEANS, compare, headline
 from kvbus.app.models import random_model
 from kvbus.app.workflow import AgentSpec, Workflow
 from kvbus.bus import EmulatedLink
@@ -63,8 +64,15 @@ async def test_workflow_under_each_policy_and_the_report(flow: Workflow, nats_ur
     rows = summarise(runs)
     assert {r["policy"] for r in rows} == set(policies)
     assert next(r for r in rows if r["policy"] == "full")["agreement"] == 1.0
-    write_report(tmp_path, rows, runs, {"test": True})
-    assert "| adaptive |" in (tmp_path / "report.md").read_text()
+    figures = compare(rows)
+    write_report(tmp_path, rows, runs, {"test": True, "figures": figures, "net": {"why": "emulated links: asked for"}})
+    report = (tmp_path / "report.md").read_text()
+    assert "| adaptive |" in report
+    # The verdict comes first, in words, then what a ratio means (issue 29).
+    first = report.split("\n\n")[1]
+    assert first == f"**{figures['headline']}**" and "adaptive took" in first
+    assert RATIO_MEANS in report and report.index(RATIO_MEANS) < report.index("| policy |")
+    assert "emulated links: asked for" in report
     data = json.loads((tmp_path / "results.json").read_text())
     assert {r["policy"] for r in data["rows"]} == set(policies)
     for name in ("latency_by_policy.png", "bytes_by_medium.png", "timeline_adaptive.png", "media_over_time.png"):
@@ -94,6 +102,21 @@ async def test_workflow_on_a_server_that_wants_a_token(flow: Workflow) -> None:
         assert run.transfers and run.outputs
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize(
+    "ratios, word",
+    [
+        ({"median": 1.363, "min": 1.3, "max": 1.42}, "adaptive lost"),
+        ({"median": 0.72, "min": 0.65, "max": 0.78}, "adaptive won"),
+        ({"median": 1.01, "min": 0.97, "max": 1.05}, "even"),
+    ],
+)
+def test_the_headline_says_the_result_in_one_sentence(ratios: dict, word: str) -> None:
+    line = headline(ratios, "delta+int4", 1.0, 2)
+    assert line.startswith(f"adaptive took {ratios['median']:.2f}x as long as the fastest static policy")
+    assert "delta+int4" in line and "100% agreement" in line and line.endswith(f": {word}.")
+    assert "{" not in line and "\n" not in line  # no raw dict, one line
 
 
 def test_every_medium_adaptive_can_pick_is_a_static_policy() -> None:
