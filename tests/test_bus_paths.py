@@ -31,7 +31,7 @@ from kvbus.bus import Bus, BusConfig, EmulatedLink, ReceiveTimeout, TransferErro
 from kvbus.bus.chunking import ChunkSource, digest_chunks, digests_root
 from kvbus.bus.paths import PathsConfig, TransferSpec
 from kvbus.bus.paths.direct import SocketChannel
-from kvbus.bus.paths.frames import HEADER_SIZE, FrameType, bind_payload, pack, unpack
+from kvbus.bus.paths.frames import HEADER_SIZE, RECEIVER, SENDER, FrameType, bind_payload, pack, unpack
 from kvbus.codecs import get_codec
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
 from kvbus.protocol import Open, OpenReply, ack_subject, data_subject, inbox_subject
@@ -178,7 +178,7 @@ async def test_a_direct_path_cut_mid_transfer_falls_back_to_nats_and_delivers_on
     original = SocketChannel.send
 
     async def send(self: SocketChannel, buffers: Any, fds: Any = ()) -> None:
-        frame = unpack(bytes(buffers[0][:HEADER_SIZE]), path) if buffers[0].nbytes >= HEADER_SIZE else None
+        frame = unpack(bytes(buffers[0][:HEADER_SIZE]), path, RECEIVER) if buffers[0].nbytes >= HEADER_SIZE else None
         if frame is not None and frame.type is FrameType.DATA and frame.index == 2 and not cut:
             cut.append(frame.index)
             self.sock.shutdown(socket.SHUT_RDWR)  # the connection dies under the transfer
@@ -291,7 +291,7 @@ async def test_a_wrong_or_replayed_token_delivers_nothing(bus: Bus) -> None:
     assert answer == b""
     # The right token binds once...
     good, answer = await _bind(offer.tcp_host, offer.tcp_port, offer.token, msg.transfer_id)
-    assert unpack(answer, "tcp").type is FrameType.BOUND
+    assert unpack(answer, "tcp", SENDER).type is FrameType.BOUND
     # ...and a replay of it on another connection gets nothing.
     replay, answer = await _bind(offer.tcp_host, offer.tcp_port, offer.token, msg.transfer_id)
     replay.close()

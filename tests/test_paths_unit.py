@@ -35,7 +35,18 @@ from kvbus.bus.paths import (
     TransferSpec,
     chunk_digest,
 )
-from kvbus.bus.paths.frames import HEADER_SIZE, FrameType, bind_payload, pack, parse_bind, unpack
+from kvbus.bus.paths.frames import (
+    HEADER_SIZE,
+    MAX_CTRL,
+    RECEIVER,
+    SENDER,
+    FrameType,
+    Side,
+    bind_payload,
+    pack,
+    parse_bind,
+    unpack,
+)
 from kvbus.errors import ConfigError, WireFormatError
 from kvbus.net.transport import MAX_NATS_CHUNK, NatsTransport
 from kvbus.protocol import Open, OpenReply, PathOffer
@@ -50,13 +61,30 @@ TOKEN = "b" * 64
 
 
 @CI
-@given(data=st.binary(min_size=HEADER_SIZE, max_size=HEADER_SIZE))
-def test_frame_headers_decode_or_raise_a_protocol_error(data: bytes) -> None:
+@given(data=st.binary(min_size=HEADER_SIZE, max_size=HEADER_SIZE), side=st.sampled_from([RECEIVER, SENDER]))
+def test_frame_headers_decode_or_raise_a_protocol_error(data: bytes, side: Side) -> None:
     try:
-        frame = unpack(data, "tcp")
+        frame = unpack(data, "tcp", side)
     except PathProtocolError:
         return
-    assert frame.length <= 1 << 32 and frame.flags & ~3 == 0
+    assert frame.type in side.limits and frame.length <= side.limits[frame.type] and frame.flags & ~3 == 0
+    assert frame.length <= 1 << 32
+
+
+@CI
+@given(
+    kind=st.sampled_from(list(FrameType)),
+    length=st.one_of(st.integers(0, 2 * MAX_CTRL), st.integers(0, 2**64 - 1)),
+)
+def test_a_sender_takes_no_frame_that_announces_more_than_a_control_message(kind: FrameType, length: int) -> None:
+    header = pack(kind, 1, length)
+    if kind in SENDER.limits and length <= SENDER.limits[kind]:
+        assert unpack(header, "tcp", SENDER).length == length
+        return
+    with pytest.raises(PathProtocolError) as err:
+        unpack(header, "tcp", SENDER)
+    assert kind.name in err.value.detail
+    assert length > MAX_CTRL or kind is not FrameType.CTRL
 
 
 @CI
@@ -68,7 +96,8 @@ def test_frame_headers_decode_or_raise_a_protocol_error(data: bytes) -> None:
     root=st.sampled_from(["", "ab" * 16]),
 )
 def test_frame_headers_round_trip(kind: FrameType, stream: int, index: int, digest: int, root: str) -> None:
-    frame = unpack(pack(kind, stream, 0, index=index, digest=digest, root=root), "shm")
+    side = RECEIVER if kind in RECEIVER.limits else SENDER
+    frame = unpack(pack(kind, stream, 0, index=index, digest=digest, root=root), "shm", side)
     assert (frame.type, frame.stream, frame.index, frame.digest, frame.root_hex) == (kind, stream, index, digest, root)
 
 
@@ -245,7 +274,7 @@ async def _stream(port: int, token: str, tid: str) -> tuple[asyncio.StreamReader
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     payload = bind_payload(token, tid)
     writer.write(pack(FrameType.BIND, 1, len(payload)) + payload)
-    header = unpack(await reader.readexactly(HEADER_SIZE), "tcp")
+    header = unpack(await reader.readexactly(HEADER_SIZE), "tcp", SENDER)
     assert header.type is FrameType.BOUND
     return reader, writer
 
@@ -435,7 +464,7 @@ async def test_shm_refuses_a_segment_that_is_not_sealed_or_too_small(planes: tup
         )
         os.close(fd)
         reply = await asyncio.wait_for(loop.sock_recv(s, 1024), 5)
-        assert unpack(reply, "shm").type is FrameType.REFUSED and not sink.opened
+        assert unpack(reply, "shm", SENDER).type is FrameType.REFUSED and not sink.opened
         s.close()
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 from kvbus.bus.paths.base import ControlHandler, LostHandler, PathKind, TransferSpec, digest_int
 from kvbus.bus.paths.errors import PathBroken, PathError, PathProtocolError, PathUnavailable, TokenRefused
-from kvbus.bus.paths.frames import HEADER_SIZE, MAX_CTRL, Frame, FrameType, bind_payload, pack, unpack
+from kvbus.bus.paths.frames import HEADER_SIZE, MAX_CTRL, SENDER, Frame, FrameType, bind_payload, pack, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class SocketChannel(Channel):
 
     async def recv_frame(self, path: str) -> tuple[Frame, bytes]:
         """The next frame (see `Channel.recv_frame`)."""
-        frame = unpack(await self._recv_exactly(HEADER_SIZE), path)
+        frame = unpack(await self._recv_exactly(HEADER_SIZE), path, SENDER)
         return frame, (await self._recv_exactly(frame.length) if frame.length else b"")
 
     def close(self) -> None:
@@ -130,7 +130,7 @@ class PacketChannel(SocketChannel):
             raise EOFError("the connection was closed")
         if len(data) < HEADER_SIZE:
             raise PathProtocolError(path, f"a message of {len(data)} bytes is shorter than a frame header")
-        frame = unpack(data, path)
+        frame = unpack(data, path, SENDER)
         if len(data) != HEADER_SIZE + frame.length:
             raise PathProtocolError(
                 path, f"{frame.type.name} message of {len(data)} bytes, its header says {HEADER_SIZE + frame.length}"
@@ -157,7 +157,7 @@ class StreamChannel(Channel):
     async def recv_frame(self, path: str) -> tuple[Frame, bytes]:
         """The next frame (see `Channel.recv_frame`)."""
         try:
-            frame = unpack(await self.reader.readexactly(HEADER_SIZE), path)
+            frame = unpack(await self.reader.readexactly(HEADER_SIZE), path, SENDER)
             return frame, (await self.reader.readexactly(frame.length) if frame.length else b"")
         except asyncio.IncompleteReadError:
             raise EOFError("the connection was closed") from None

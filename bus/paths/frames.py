@@ -8,13 +8,16 @@ A sender opens a stream per transfer with BIND (payload: the 32-byte token, then
 id) and waits for BOUND or REFUSED; then DATA frames (chunk ``index`` with its xxh3-64
 ``digest``; with ``FLAG_ROOT`` the last one also carries the xxh3-128 whole-payload digest in
 ``root``), and END. CTRL frames carry small control messages, either way; RELEASE (``shm``)
-tells the sender the receiver no longer maps the stream's segment.
+tells the sender the receiver no longer maps the stream's segment. Each side checks a header
+against the frames it takes (`RECEIVER`, `SENDER`) before it allocates for the payload: a
+sender takes control frames only.
 """
 
 from __future__ import annotations
 
 import enum
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvbus.bus.paths.errors import PathProtocolError
@@ -51,15 +54,34 @@ class FrameType(enum.IntEnum):
     """Receiver -> sender (``shm``): the stream's segment is no longer mapped; the sender may reuse it."""
 
 
-_LIMITS = {
-    FrameType.BIND: MAX_BIND,
-    FrameType.BOUND: 0,
-    FrameType.REFUSED: MAX_REASON,
-    FrameType.DATA: MAX_DATA,
-    FrameType.CTRL: MAX_CTRL,
-    FrameType.END: 0,
-    FrameType.RELEASE: 0,
-}
+@dataclass(frozen=True, slots=True)
+class Side:
+    """The frames one side of a direct connection takes, and the most payload bytes each may
+    announce: a header is refused against this before a byte of its payload is allocated."""
+
+    name: str
+    """Who reads them ('a receiver', 'a sender'), for errors."""
+    limits: Mapping[FrameType, int]
+    """Per frame type taken, its largest payload; a type not listed is refused."""
+
+
+RECEIVER = Side(
+    "a receiver",
+    {FrameType.BIND: MAX_BIND, FrameType.DATA: MAX_DATA, FrameType.CTRL: MAX_CTRL, FrameType.END: 0},
+)
+"""What a receiving connection takes from its sender (its transfer's chunk sizes bound DATA further)."""
+SENDER = Side(
+    "a sender",
+    {
+        FrameType.BOUND: 0,
+        FrameType.REFUSED: MAX_REASON,
+        FrameType.CTRL: MAX_CTRL,
+        FrameType.END: 0,
+        FrameType.RELEASE: 0,
+    },
+)
+"""What a sending connection takes from its receiver: control frames only, none over `MAX_CTRL`
+(data flows only towards a receiver, so a receiver cannot make its sender allocate more)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,21 +115,25 @@ def pack(
     return HEADER.pack(kind, flags, 0, stream, length, index, 0, digest, rb)
 
 
-def unpack(buf: bytes | bytearray | memoryview, path: str) -> Frame:
-    """Decode and check a frame header.
+def unpack(buf: bytes | bytearray | memoryview, path: str, side: Side) -> Frame:
+    """Decode and check a frame header read by ``side`` (`RECEIVER` or `SENDER`).
 
     Raises:
-        PathProtocolError: unknown type, reserved bits set, or a payload over the type's limit.
+        PathProtocolError: unknown type, a type ``side`` does not take, reserved bits set, or a
+            payload over the type's limit.
     """
     kind, flags, r1, stream, length, index, r2, digest, root = HEADER.unpack_from(buf)
     try:
         ftype = FrameType(kind)
     except ValueError:
         raise PathProtocolError(path, f"unknown frame type {kind}") from None
+    limit = side.limits.get(ftype)
+    if limit is None:
+        raise PathProtocolError(path, f"{side.name} does not take {ftype.name} frames (one of {length} bytes came)")
     if r1 or r2 or flags & ~(FLAG_ROOT | FLAG_COMPLETE):
         raise PathProtocolError(path, "reserved header bits are set")
-    if length > _LIMITS[ftype]:
-        raise PathProtocolError(path, f"{ftype.name} frame of {length} bytes is over its limit of {_LIMITS[ftype]}")
+    if length > limit:
+        raise PathProtocolError(path, f"{ftype.name} frame of {length} bytes is over its limit of {limit}")
     return Frame(ftype, stream, length, flags, index, digest, bytes(root))
 
 

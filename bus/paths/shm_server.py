@@ -25,7 +25,17 @@ import xxhash
 
 from kvbus.bus.paths.base import PathKind, TransferSpec, digest_hex
 from kvbus.bus.paths.errors import PathBroken, PathProtocolError, TokenRefused
-from kvbus.bus.paths.frames import HEADER_SIZE, MAX_BIND, MAX_CTRL, Frame, FrameType, pack, parse_bind, unpack
+from kvbus.bus.paths.frames import (
+    HEADER_SIZE,
+    MAX_BIND,
+    MAX_CTRL,
+    RECEIVER,
+    Frame,
+    FrameType,
+    pack,
+    parse_bind,
+    unpack,
+)
 from kvbus.bus.paths.registry import Expectations, Expected
 
 logger = logging.getLogger(__name__)
@@ -171,7 +181,7 @@ class ShmRxConnection:
     def _frame(self, msg: bytes, fds: list[int]) -> None:
         if len(msg) < HEADER_SIZE:
             raise PathProtocolError("shm", f"a message of {len(msg)} bytes is shorter than a frame header")
-        frame = unpack(msg, "shm")
+        frame = unpack(msg, "shm", RECEIVER)
         payload = msg[HEADER_SIZE:]
         if frame.type is not FrameType.DATA and len(payload) != frame.length:
             raise PathProtocolError("shm", f"{frame.type.name} frame says {frame.length} bytes, carries {len(payload)}")

@@ -19,7 +19,17 @@ import xxhash
 
 from kvbus.bus.paths.base import PathKind, TransferSpec, digest_hex
 from kvbus.bus.paths.errors import PathBroken, PathProtocolError, TokenRefused
-from kvbus.bus.paths.frames import HEADER_SIZE, MAX_CTRL, TOKEN_BYTES, Frame, FrameType, pack, parse_bind, unpack
+from kvbus.bus.paths.frames import (
+    HEADER_SIZE,
+    MAX_CTRL,
+    RECEIVER,
+    TOKEN_BYTES,
+    Frame,
+    FrameType,
+    pack,
+    parse_bind,
+    unpack,
+)
 from kvbus.bus.paths.registry import Expectations, Expected
 
 logger = logging.getLogger(__name__)
@@ -170,7 +180,7 @@ class RxConnection(asyncio.BufferedProtocol):
         if self._state == _HEADER:
             if self._got == HEADER_SIZE:
                 self._got = 0
-                self._begin(unpack(self._hdr, "tcp"))
+                self._begin(unpack(self._hdr, "tcp", RECEIVER))
         elif self._state == _SMALL:
             if self._got == len(self._small):
                 self._small_done()
