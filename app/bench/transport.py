@@ -353,16 +353,10 @@ async def _run(quick: bool, nats_url: str | None, smoke: bool = False) -> dict[s
         r = aioredis.Redis.from_url(redis_srv.url, socket_timeout=REDIS_TIMEOUT_S)
         results: dict[str, Any] = {}
         for label, nbytes in sizes.items():
-            kv = make_kv(nbytes)
-            encoded = get_codec("full").encode(kv)
-            payload = torch.cat([t.reshape(-1) for t in kv.keys + kv.values]).view(torch.uint8).numpy().data
-            # The plain loop sends exactly the messages kvbus sends: the same chunk plan over the same bytes.
-            plan = ChunkPlan(encoded.sizes, min(chunk_size, bus.chunk_size))
-            flat = memoryview(b"".join(encoded.buffers))
-            chunks = [flat[lo:hi] for lo, hi in plan.ranges]
+            # Seconds of tensor work at 512 MB (more on a loaded machine): in a thread, so that
+            # this process's agents keep probing their schedulers meanwhile.
+            kv, payload, chunks, src, dst = await asyncio.to_thread(_prepare, nbytes, min(chunk_size, bus.chunk_size))
             small = nbytes <= cfg.inline_limit
-            src = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-            dst = torch.empty_like(src)
 
             # Warm up every way twice (connections, first-touch allocations: each receiver keeps
             # its last shm segment mapped as its delta base, so a sender's first two segments of a
@@ -489,6 +483,19 @@ async def _run(quick: bool, nats_url: str | None, smoke: bool = False) -> dict[s
             nats_srv.stop()
 
 
+def _prepare(nbytes: int, chunk_size: int) -> tuple[KVCache, memoryview, list[memoryview], torch.Tensor, torch.Tensor]:
+    """The KV of one size, its bytes, the chunks the plain loop sends (exactly the messages kvbus
+    sends: the same chunk plan over the same bytes), and the two buffers of the memcpy way."""
+    kv = make_kv(nbytes)
+    encoded = get_codec("full").encode(kv)
+    payload = torch.cat([t.reshape(-1) for t in kv.keys + kv.values]).view(torch.uint8).numpy().data
+    plan = ChunkPlan(encoded.sizes, chunk_size)
+    flat = memoryview(b"".join(encoded.buffers))
+    chunks = [flat[lo:hi] for lo, hi in plan.ranges]
+    src = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    return kv, payload, chunks, src, torch.empty_like(src)
+
+
 async def _nats_baseline(nc: Any, payload: memoryview, small: bool, chunks: list[memoryview], window: int) -> float:
     """The plain nats-py figure: one request carrying a small payload, else the credit loop."""
     return await (tp.reqrep_once(nc, payload) if small else _nats_once(nc, chunks, window))
@@ -507,7 +514,8 @@ async def _path_ways(
         if path != "shm":
             times[f"kvbus_{path}"].append(await _kvbus_once(agent, kv))
     times["socket"].append(await sockets.once(payload))
-    times["memcpy"].append(tp.memcpy_once(*copy))
+    # In a thread (timed there): a 512 MB copy holds the event loop, and the agents' probes, for a while.
+    times["memcpy"].append(await asyncio.to_thread(tp.memcpy_once, *copy))
 
 
 async def _traced_once(agent: Any, kv: KVCache) -> float:
