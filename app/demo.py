@@ -134,7 +134,8 @@ async def run_policies(
     flow = Workflow(specs, task_list, encode, new_tokens=new_tokens, preamble=preamble)
     t_start = time.perf_counter()
     net = await asyncio.to_thread(open_net, topo, network=network)
-    console.print(f"network: {net.mode}, {net.reason or 'as asked'} (up in {time.perf_counter() - t_start:.1f} s)")
+    console.print(f"network: {net.mode} ({net.reason or 'as asked'})", soft_wrap=True)
+    console.log(f"network up in {time.perf_counter() - t_start:.1f} s")
     runs: dict[str, list[RunResult]] = {p: [] for p in policies}
     team = None
     try:

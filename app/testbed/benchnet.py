@@ -68,9 +68,7 @@ def choose_network(
     except TestbedUnavailable as exc:
         if choice == "netns":
             raise
-        why = f"emulated links: the network testbed is not available here ({exc.reason})" + (
-            f"; for the testbed: {exc.hint}" if exc.hint else ""
-        )
+        why = f"the testbed is not available here: {exc.reason}" + (f"; to get it: {exc.hint}" if exc.hint else "")
         logger.info("%s", why)
         return "emulated", why
     how = f", delay by {caps.delay}" if topology is not None and topology.needs_delay else ""

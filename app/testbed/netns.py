@@ -239,8 +239,8 @@ def check(caps: Capabilities, *, delay: bool = False) -> Capabilities:
         raise TestbedUnavailable(caps.reason)
     if delay and caps.delay is None:
         raise TestbedUnavailable(
-            "links with delay, jitter or loss need netem (CONFIG_NET_SCH_NETEM) or an NFQUEUE "
-            "delay line (iptables with the legacy backend and bridge netfilter)",
+            "links that delay, jitter or drop packets need netem (CONFIG_NET_SCH_NETEM) or an NFQUEUE delay line "
+            "(iptables, legacy backend)",
             "apt-get install iptables",
         )
     return caps
