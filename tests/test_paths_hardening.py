@@ -2,19 +2,23 @@
 
 - a receiver that announces a huge frame to its sender makes it allocate nothing: the sender
   drops the connection and the transfer goes on over NATS;
+- the data port listens where it is advertised (or where the configuration says), on no other
+  interface;
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import uuid
 from collections.abc import AsyncIterator
 
 import pytest
 
 from kvbus.bus import Bus
-from kvbus.bus.paths import PathsConfig
+from kvbus.bus.paths import DataPlane, PathsConfig
 from kvbus.bus.paths.frames import HEADER_SIZE, RECEIVER, FrameType, pack, unpack
+from kvbus.errors import ConfigError
 from kvbus.group_scheduler import GroupScheduler
 from tests.conftest import FAST
 from tests.kvutil import kv_of_bytes
@@ -104,3 +108,75 @@ async def test_a_receiver_that_announces_a_gigabyte_makes_its_sender_allocate_no
     assert report.paths == ("tcp", "nats") and report.path == "nats"
     assert got.transfer_id == report.transfer_id and kv_digest(got.kv) == kv_digest(kv)
     assert grown < 64, f"the sender's RSS grew by {grown:.0f} MB"
+
+
+# -- 3: the data port listens where it is advertised ---------------------------------------------------
+
+
+def _refused(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+async def test_the_data_port_listens_only_where_it_is_advertised(
+    nats_url: str, scheduler: GroupScheduler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As the chart and the testbed configure a pod: only the advertised address is set.
+    monkeypatch.setenv("KVBUS_PATHS_ADVERTISE_HOST", "127.0.0.3")
+    monkeypatch.setenv("KVBUS_PATHS_ALLOWED", "tcp,nats")
+    rx_bus = await Bus.connect(nats_url, config=FAST)
+    tx_bus = await Bus.connect(nats_url, config=FAST, paths=PathsConfig(allowed="tcp,nats", tcp_host="127.0.0.1"))
+    try:
+        rx = await rx_bus.agent(f"bind-rx-{uuid.uuid4().hex[:6]}", signature=SIG)
+        tx = await tx_bus.agent(f"bind-tx-{uuid.uuid4().hex[:6]}", signature=SIG)
+        plane = rx_bus.plane
+        assert plane is not None and plane.tcp is not None and plane.tcp.endpoint is not None
+        host, port = plane.tcp.endpoint
+        assert host == "127.0.0.3"
+        assert plane.tcp.listener is not None and plane.tcp.listener.host == "127.0.0.3"
+        # Another address of this machine (loopback, and any other interface) finds nothing there.
+        assert _refused("127.0.0.1", port) and _refused("127.0.0.2", port)
+        # The advertised one works, for a transfer too.
+        kv = kv_of_bytes(SIG, 4 * MB, seed=33)
+        report = await tx.send(rx.name, kv, medium="full")
+        got = await rx.receive(timeout=10)
+        assert report.path == "tcp" and kv_digest(got.kv) == kv_digest(kv)
+    finally:
+        await tx_bus.close()
+        await rx_bus.close()
+
+
+@pytest.mark.parametrize(
+    ("config", "bound"),
+    [
+        (PathsConfig(allowed="tcp"), None),  # nothing set: where it is advertised (this host's address)
+        (PathsConfig(allowed="tcp", tcp_host="127.0.0.4"), "127.0.0.4"),
+        (PathsConfig(allowed="tcp", tcp_host="0.0.0.0", advertise_host="127.0.0.5"), "0.0.0.0"),  # on purpose
+    ],
+    ids=["default", "tcp-host", "every-interface"],
+)
+async def test_the_data_port_binds_the_configured_address_else_the_advertised_one(
+    config: PathsConfig, bound: str | None
+) -> None:
+    plane = DataPlane(None, config=config)
+    await plane.start()
+    try:
+        assert plane.tcp is not None and plane.tcp.listener is not None and plane.tcp.endpoint is not None
+        advertised, _ = plane.tcp.endpoint
+        server = plane.tcp.listener._server
+        assert server is not None
+        names = {s.getsockname()[0] for s in server.sockets}
+        assert names == {bound or advertised}
+        assert advertised not in ("", "0.0.0.0", "::")
+    finally:
+        await plane.close()
+
+
+async def test_an_advertised_address_of_another_machine_is_a_config_error() -> None:
+    plane = DataPlane(None, config=PathsConfig(allowed="tcp", advertise_host="192.0.2.77"))
+    with pytest.raises(ConfigError, match="paths.tcp_host"):
+        await plane.start()
+    await plane.close()

@@ -24,13 +24,16 @@ class PathsConfig:
     allowed: str = DEFAULT_ALLOWED
     """Comma-separated paths this process may send and receive on, of ``shm``, ``tcp``, ``nats``
     (``KVBUS_PATHS_ALLOWED=nats``: every byte through NATS)."""
-    tcp_host: str = "0.0.0.0"
-    """Address the TCP data listener binds."""
+    tcp_host: str = ""
+    """Address the TCP data listener binds; empty: the address it is advertised at, so that it
+    listens on no other interface. ``0.0.0.0`` (or ``::``) listens on every interface, for an
+    advertised address no interface has (behind a NAT or a node port)."""
     tcp_port: int = 0
     """Port of the TCP data listener (0: any free port; a chart sets a fixed one)."""
     advertise_host: str = ""
-    """Address other agents reach the TCP listener at (a pod's IP); empty: the bound address,
-    else this host's address."""
+    """Address other agents reach the TCP listener at (a pod's IP: the chart and the testbed set
+    ``KVBUS_PATHS_ADVERTISE_HOST``); empty: `tcp_host` when it names one address, else this
+    host's address (its host name's, or ``127.0.0.1`` when that is none of this machine's)."""
     shm_private: bool = False
     """A receiver copies each chunk out of the shared segment before verifying it (one copy):
     a same-host sender then cannot change bytes after they were verified."""

@@ -10,6 +10,7 @@ each chunk straight into the transfer's final buffer (`kvbus.bus.paths.tcp_serve
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import socket
 import time
@@ -27,6 +28,7 @@ from kvbus.protocol import PathOffer
 logger = logging.getLogger(__name__)
 
 _ANY = ("", "0.0.0.0", "::")
+LOOPBACK = "127.0.0.1"
 #: Seconds an endpoint that could not be connected to is not tried again (each try may cost
 #: ``connect_timeout_s`` before the transfer goes on NATS).
 FAILED_ENDPOINT_S = 30.0
@@ -51,7 +53,12 @@ def advertised_host(config: PathsConfig) -> str:
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
-        return "127.0.0.1"
+        return LOOPBACK
+
+
+def bind_host(config: PathsConfig) -> str:
+    """Where the data listener binds: `PathsConfig.tcp_host`, else where it is advertised (no other interface)."""
+    return config.tcp_host or advertised_host(config)
 
 
 class TcpPath:
@@ -66,7 +73,7 @@ class TcpPath:
         if registry is not None and (tls is None or tls.can_serve):
             self.listener = TcpListener(
                 registry,
-                host=config.tcp_host,
+                host=bind_host(config),
                 port=config.tcp_port,
                 ssl_context=tls.server_context() if tls else None,
                 bind_timeout=config.connect_timeout_s,
@@ -80,10 +87,32 @@ class TcpPath:
         self.advertise = ""
 
     async def start(self) -> None:
-        """Start the listener, if this process receives on ``tcp``."""
-        if self.listener is not None:
+        """Start the listener, if this process receives on ``tcp``, where it is advertised (or
+        at `PathsConfig.tcp_host`).
+
+        Raises:
+            ConfigError: the address to listen on is none of this machine's.
+            OSError: the port is taken, or another reason it cannot listen.
+        """
+        if self.listener is None:
+            return
+        advertise = advertised_host(self.config)
+        try:
             await self.listener.start()
-            self.advertise = advertised_host(self.config)
+        except OSError as exc:
+            if exc.errno != errno.EADDRNOTAVAIL:
+                raise
+            if self.config.tcp_host or self.config.advertise_host:
+                raise ConfigError(
+                    f"paths: the tcp data listener cannot bind {self.listener.host}, none of this machine's "
+                    "addresses; it binds where paths.advertise_host says unless paths.tcp_host names another "
+                    "address (0.0.0.0: every interface)"
+                ) from None
+            # This host's name resolves elsewhere: listen (and be found) on loopback only.
+            logger.warning("tcp data listener: %s is not an address of this machine, using %s", advertise, LOOPBACK)
+            self.listener.host = advertise = LOOPBACK
+            await self.listener.start()
+        self.advertise = advertise
 
     @property
     def endpoint(self) -> tuple[str, int] | None:
