@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
-"""Generate the README's performance tables from bench JSON files, so no number is copied by hand.
+"""Generate the performance tables of ``docs/performance.md`` from bench JSON files, so no number is
+copied by hand.
 
-    kvbus bench sched --json bench-results/sched.json      # ... one file per suite
-    python scripts/perf_tables.py bench-results             # print every table
-    python scripts/perf_tables.py bench-results --readme README.md   # rewrite the README's tables
+    kvbus bench sched --json docs/bench-results/sched.json      # ... one file per suite
+    python scripts/perf_tables.py docs/bench-results             # print every table
+    python scripts/perf_tables.py docs/bench-results --page docs/performance.md   # rewrite its tables
 
 Each table is preceded by a line stating the machine, the date, the network mode (``netns``: the
 testbed; ``emulated``; ``loopback``; ``none``) and the rounds of the JSON it came from. In the
-README each table sits between ``<!-- perf:SUITE -->`` and ``<!-- /perf:SUITE -->``; a suite with no
+page each table sits between ``<!-- perf:SUITE -->`` and ``<!-- /perf:SUITE -->``; a suite with no
 JSON file keeps what is there. A run on a cluster (``config.nats_cluster`` > 1 or
 ``config.redis_cluster``: ``--nats-cluster N``, ``--redis-cluster``) fills ``SUITE_cluster``, never the
 single-server suite's block. Only the standard library is used.
@@ -41,7 +42,7 @@ def _sp(s: Any, fmt: str = "{:.2f}") -> str:
     return f"{_f(s['median'], fmt)} [{_f(s['min'], fmt)} - {_f(s['max'], fmt)}]"
 
 
-#: The goals the README states for a suite's headline figures: (key in ``results``, ``<=`` or ``>=``, value).
+#: The goals the performance page states for a suite's headline figures: (key in ``results``, ``<=`` or ``>=``, value).
 GOALS: dict[str, tuple[tuple[str, str, float], ...]] = {
     "select": (("adaptive_vs_best_static_max", "<=", 1.05), ("fluctuating_adaptive_vs_best_static", "<=", 0.85)),
     "cachetier": (("offload_fetch_vs_raw_redis", ">=", 0.8), ("int8_effective_vs_raw_redis", ">=", 1.5)),
@@ -428,7 +429,11 @@ def load_all(folder: Path) -> dict[str, Json]:
     return {k: v for k, (_, v) in found.items()}
 
 
-def update_readme(text: str, tables: dict[str, str]) -> tuple[str, list[str]]:
+#: The page that holds the generated tables (the README links to it).
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "performance.md"
+
+
+def update_page(text: str, tables: dict[str, str]) -> tuple[str, list[str]]:
     """``text`` with every ``<!-- perf:SUITE -->...<!-- /perf:SUITE -->`` block that has a table replaced."""
     done = []
     for suite, table in tables.items():
@@ -442,21 +447,23 @@ def update_readme(text: str, tables: dict[str, str]) -> tuple[str, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", type=Path, help="folder with bench JSON files (one per suite)")
-    parser.add_argument("--readme", type=Path, default=None, help="rewrite this README's perf blocks in place")
+    parser.add_argument(
+        "--page", type=Path, default=None, help=f"rewrite this page's perf blocks in place (they live in {PAGE.name})"
+    )
     args = parser.parse_args(argv)
     found = load_all(args.folder)
     if not found:
         print(f"no bench JSON in {args.folder}", file=sys.stderr)
         return 1
     tables = {suite: render(suite, data) for suite, data in found.items()}
-    if args.readme is None:
+    if args.page is None:
         for suite, table in tables.items():
             print(f"## {suite}\n\n{table}\n")
         return 0
-    text, done = update_readme(args.readme.read_text(), tables)
-    args.readme.write_text(text)
+    text, done = update_page(args.page.read_text(), tables)
+    args.page.write_text(text)
     print(
-        f"updated {', '.join(done) or 'nothing'} in {args.readme}; no block for "
+        f"updated {', '.join(done) or 'nothing'} in {args.page}; no block for "
         f"{', '.join(sorted(set(tables) - set(done))) or '-'}"
     )
     return 0

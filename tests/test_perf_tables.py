@@ -1,5 +1,6 @@
-"""`scripts/perf_tables.py`: which README block a bench JSON fills (a cluster run never overwrites the
-single-server suite's table), and that the cluster tables render from the keys the benches write."""
+"""`scripts/perf_tables.py`: which block of `docs/performance.md` a bench JSON fills (a cluster run never
+overwrites the single-server suite's table), that the cluster tables render from the keys the benches
+write, and that the page holds every table, generated from the stored JSON as it is."""
 
 from __future__ import annotations
 
@@ -98,12 +99,12 @@ def test_cluster_tables_render_and_replace_only_their_blocks() -> None:
     assert "--nats-cluster 3" in tables["chaos_cluster"]
     assert "| `lost` | 0 | 0, met |" in tables["chaos_cluster"]
     assert "0 of 40 confirmed" in tables["cachetier_cluster"]
-    readme = (
+    page = (
         "<!-- perf:chaos -->\nhand\n<!-- /perf:chaos -->\n"
         "<!-- perf:chaos_cluster -->\nold\n<!-- /perf:chaos_cluster -->\n"
         "<!-- perf:cachetier_cluster -->\nold\n<!-- /perf:cachetier_cluster -->\n"
     )
-    text, done = perf_tables.update_readme(readme, tables)
+    text, done = perf_tables.update_page(page, tables)
     assert sorted(done) == ["cachetier_cluster", "chaos_cluster"]
     assert "<!-- perf:chaos -->\nhand\n" in text
     assert "old" not in text
@@ -113,3 +114,24 @@ def test_a_missed_goal_is_said() -> None:
     bad = json.loads(json.dumps(CHAOS_CLUSTER))
     bad["results"]["lost"] = 2
     assert "| `lost` | 2 | 0, **not met** |" in perf_tables.render("chaos_cluster", bad)
+
+
+def test_the_performance_page_holds_every_table_and_the_readme_none() -> None:
+    page = perf_tables.PAGE.read_text()
+    assert perf_tables.PAGE == ROOT / "docs" / "performance.md"
+    for suite in perf_tables.TABLES:
+        assert page.count(f"<!-- perf:{suite} -->\n") == 1, suite
+        assert page.count(f"<!-- /perf:{suite} -->") == 1, suite
+    assert "<!-- perf:" not in (ROOT / "README.md").read_text()
+
+
+def test_the_stored_tables_are_what_the_stored_json_gives() -> None:
+    """Regenerating the page from `docs/bench-results/` changes nothing: no figure was edited by hand
+    and no stored JSON is newer than its table (run the script with ``--page`` after a bench run)."""
+    found = perf_tables.load_all(ROOT / "docs" / "bench-results")
+    assert found
+    tables = {suite: perf_tables.render(suite, data) for suite, data in found.items()}
+    page = perf_tables.PAGE.read_text()
+    text, done = perf_tables.update_page(page, tables)
+    assert sorted(done) == sorted(tables)
+    assert text == page
