@@ -9,14 +9,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import fcntl
 import json
 import logging
 import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from kvbus.app.processes import process_alive, process_start_time
 from kvbus.config import redact_url
 from kvbus.errors import NatsConnectError
 
@@ -30,12 +33,135 @@ CREDENTIALS_FILE = Path(os.environ.get("KVBUS_CREDENTIALS_FILE", Path.home() / "
 def stack_nats_url() -> str:
     """NATS URL of a running `kvbus up` (from its stack file, ``KVBUS_STACK_FILE``), else the
     default local server: what the CLI's verbs and the examples connect to unless told."""
+    data = _read_stack_file()
+    if data is not None and _stack_alive(data) and isinstance(data.get("nats_url"), str):
+        return str(data["nats_url"])
+    return "nats://127.0.0.1:4222"
+
+
+# -- the stack file: one running `kvbus up` per file ----------------------------------------------
+#
+# `kvbus up` claims the file before it starts anything (a second one stops with a message naming
+# the first), fills it in once its servers are up, and removes it when it stops. A file whose
+# process is gone (killed with -9) is taken over. The file holds ``pid`` and ``pid_start`` (so a
+# recycled pid is not taken for the stack), ``nats_url``, ``redis_url``, ``groups``, ``secure``
+# and ``credentials``; while the stack starts, only the first two and ``"starting": true``.
+
+
+def _read_stack_file() -> dict[str, Any] | None:
+    """The stack file's contents, or None when there is none or it is not a JSON object."""
     try:
         data = json.loads(STACK_FILE.read_text())
-        os.kill(int(data["pid"]), 0)
-        return str(data["nats_url"])
-    except (OSError, ValueError, KeyError):
-        return "nats://127.0.0.1:4222"
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _stack_alive(data: dict[str, Any]) -> bool:
+    """Whether the `kvbus up` a stack file names still runs. (A file without ``pid_start``, as an
+    older kvbus or a test standing in for `kvbus up` writes, is checked by its pid alone.)"""
+    return process_alive(data.get("pid"), data.get("pid_start"))
+
+
+@contextlib.contextmanager
+def _stack_file_locked() -> Iterator[None]:
+    """Hold the lock beside the stack file: two `kvbus up` started at once do not both see it free.
+    (The kernel drops the lock of a process that dies holding it.)"""
+    STACK_FILE.parent.mkdir(parents=True, exist_ok=True)
+    with open(STACK_FILE.with_name(STACK_FILE.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _write_stack_file(data: dict[str, Any]) -> None:
+    """Replace the stack file at once: a reader never sees half of it (and takes it for stale)."""
+    tmp = STACK_FILE.with_name(f"{STACK_FILE.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(STACK_FILE)
+
+
+def _already_running(data: dict[str, Any]) -> str:
+    pid = data.get("pid")
+    where = f"NATS {redact_url(str(data['nats_url']))}" if data.get("nats_url") else "still starting"
+    return (
+        f"kvbus up: a kvbus stack is already running (pid {pid}, {where}; recorded in {STACK_FILE}). "
+        f"Stop it first (Ctrl-C where it runs, or kill {pid}), or give this one a stack file of its "
+        f"own: KVBUS_STACK_FILE=/some/other/stack.json kvbus up"
+    )
+
+
+def _claim_stack_file() -> dict[str, Any]:
+    """Make the stack file this process's; returns its identity (``pid``, ``pid_start``).
+
+    Raises:
+        SystemExit: another live `kvbus up` holds the file (the message names its pid and URL).
+    """
+    me = {"pid": os.getpid(), "pid_start": process_start_time(os.getpid())}
+    with _stack_file_locked():
+        data = _read_stack_file()
+        if data is not None and _stack_alive(data):
+            raise SystemExit(_already_running(data))
+        if STACK_FILE.exists():
+            logger.info("taking over %s: the kvbus up it names (pid %s) is gone", STACK_FILE, (data or {}).get("pid"))
+        _write_stack_file({**me, "starting": True})
+    return me
+
+
+def _fill_stack_file(me: dict[str, Any], info: dict[str, Any]) -> None:
+    """Write what clients read (URLs, groups) into the stack file this process claimed."""
+    with _stack_file_locked():
+        _write_stack_file({**info, **me})
+
+
+def _release_stack_file(me: dict[str, Any]) -> None:
+    """Remove the stack file if it is still this process's."""
+    with _stack_file_locked():
+        data = _read_stack_file()
+        if data is not None and data.get("pid") == me["pid"] and data.get("pid_start") == me["pid_start"]:
+            STACK_FILE.unlink(missing_ok=True)
+
+
+class _Sigterm:
+    """While entered, SIGTERM cancels the task that entered, as `asyncio.run` does on Ctrl-C.
+
+    Why: the `kvbus` command's own SIGTERM handler raises KeyboardInterrupt out of the event loop,
+    and `asyncio.run` then cancels every task at once, the NATS clients' reader tasks too; each
+    scheduler's and coordinator's lease release then waited out its timeout on a connection that
+    no longer read (4.5 s to exit with one group, 8.5 s with three). Cancelling only this task
+    lets its cleanup run while the connections still work.
+    """
+
+    def __init__(self) -> None:
+        self.received = False
+        """Whether a SIGTERM came (and cancelled the task)."""
+        self._installed = False
+        self._previous: Any = None
+
+    def __enter__(self) -> _Sigterm:
+        loop, task = asyncio.get_running_loop(), asyncio.current_task()
+        if task is None:
+            return self
+
+        def on_sigterm() -> None:
+            logger.info("SIGTERM: stopping")
+            self.received = True
+            task.cancel()
+
+        self._previous = signal.getsignal(signal.SIGTERM)
+        try:
+            loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no loop signals here
+            return self
+        self._installed = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._installed:
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, self._previous)  # the loop's removal left the default
 
 
 async def _nats_options(url: str) -> dict[str, Any]:
@@ -103,6 +229,30 @@ def _pinned(url: str, k: int) -> tuple[str, dict[str, Any]]:
 
 
 async def _up(args: argparse.Namespace) -> None:
+    """`kvbus up`: claim the stack file, run the stack until Ctrl-C or SIGTERM, release the file.
+
+    Raises:
+        SystemExit: another `kvbus up` runs on the same stack file, or the options conflict.
+        KeyboardInterrupt: after a SIGTERM, once everything stopped (the command then exits 0, as
+            after Ctrl-C).
+    """
+    me = _claim_stack_file()
+    try:
+        with _Sigterm() as sigterm:
+            try:
+                await _run_stack(args, me)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if not sigterm.received or task is None:
+                    raise
+                task.uncancel()
+    finally:
+        _release_stack_file(me)
+    if sigterm.received:
+        raise KeyboardInterrupt
+
+
+async def _run_stack(args: argparse.Namespace, me: dict[str, Any]) -> None:
     from kvbus.app.local import LocalServers
     from kvbus.coordinator import Coordinator
     from kvbus.group_scheduler import GroupScheduler
@@ -143,18 +293,15 @@ async def _up(args: argparse.Namespace) -> None:
             for k, g in enumerate(groups)
             for _ in range(replicas)
         ]
-        STACK_FILE.parent.mkdir(parents=True, exist_ok=True)
-        STACK_FILE.write_text(
-            json.dumps(
-                {
-                    "nats_url": servers.nats_url,
-                    "redis_url": servers.redis_url,
-                    "groups": groups,
-                    "pid": os.getpid(),
-                    "secure": bool(creds),
-                    "credentials": str(CREDENTIALS_FILE) if creds else None,
-                }
-            )
+        _fill_stack_file(
+            me,
+            {
+                "nats_url": servers.nats_url,
+                "redis_url": servers.redis_url,
+                "groups": groups,
+                "secure": bool(creds),
+                "credentials": str(CREDENTIALS_FILE) if creds else None,
+            },
         )
         secure = (
             (
@@ -173,7 +320,6 @@ async def _up(args: argparse.Namespace) -> None:
         try:
             await asyncio.Event().wait()
         finally:
-            STACK_FILE.unlink(missing_ok=True)
             for s in scheds:
                 await s.close()
             for c in coords:

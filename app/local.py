@@ -6,8 +6,8 @@ removes its folder.
 
 A server dies with the process that started it, ``kill -9`` included, and the folder of a server
 whose owner died is removed by the next server started on the machine: `kvbus.app.processes`
-(`spawn`, `sweep_stale_folders`, `free_port`, `find_nats_server`, `find_redis_server`, all
-importable from here too).
+(`spawn`, `sweep_stale_folders`, `free_port`, `find_nats_server`, `find_redis_server`,
+`find_binary`, all importable from here too).
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from typing import Any
 from kvbus.app.processes import (
     FOLDER_PREFIX,
     OWNER_FILE,
+    ServerBinaryNotFound,
     _start_time,
+    find_binary,
     find_nats_server,
     find_redis_server,
     free_port,
@@ -49,6 +51,8 @@ __all__ = [
     "LocalServers",
     "NatsServer",
     "RedisServer",
+    "ServerBinaryNotFound",
+    "find_binary",
     "find_nats_server",
     "find_redis_server",
     "free_port",

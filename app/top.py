@@ -48,8 +48,9 @@ async def collect(nc: Any, groups: list[str] | None, timeout: float = 1.0) -> tu
     return out, notes
 
 
-def render(snapshots: dict[str, Any], notes: list[str]) -> Group:
-    """One frame: a panel per group with agents, transfers and links."""
+def render(snapshots: dict[str, Any], notes: list[str], *, live: bool = False) -> Group:
+    """One frame: a panel per group with agents, transfers and links, and the time; a ``live``
+    frame (one of a refreshing view, not a ``--once`` print) also says how to quit."""
     parts: list[Any] = []
     for g, snap in sorted(snapshots.items()):
         agents = Table("agent", "role", "prio", "queue", "cache", "load", "seen", box=None, pad_edge=False)
@@ -96,7 +97,7 @@ def render(snapshots: dict[str, Any], notes: list[str]) -> Group:
         parts.append(Panel("no groups found", title="kvbus top"))
     for n in notes:
         parts.append(f"[yellow]{n}[/]")
-    parts.append(f"[dim]{time.strftime('%H:%M:%S')}  Ctrl-C quits[/]")
+    parts.append(f"[dim]{time.strftime('%H:%M:%S')}{'  Ctrl-C quits' if live else ''}[/]")
     return Group(*parts)
 
 
@@ -120,7 +121,7 @@ async def top(
         with Live(console=console, refresh_per_second=4, screen=False) as live:
             while True:
                 snaps, notes = await collect(nc, groups)
-                live.update(render(snaps, notes))
+                live.update(render(snaps, notes, live=True))
                 await asyncio.sleep(interval)
     finally:
         await nc.close()
