@@ -151,15 +151,11 @@ class PairQueues:
             return w
         self._w_stale.clear()
         self._w_at = now
-        delay = now - self.since[:n]
-        np.minimum(delay, model.max_delay_s, out=delay)
-        np.maximum(delay, 0.0, out=delay)
-        delay *= model.beta
-        np.exp(delay, out=delay)
-        delay *= model.alpha
+        with np.errstate(invalid="ignore"):  # inf - inf (a running pair's since) is NaN: no wait
+            waiting = model.waiting_terms(now - self.since[:n])
         w = self._w[:n]
         np.add(self.rp[:n], model.base, out=w)
-        w += delay
+        w += waiting
         for slot in self.special_heads:
             w[slot] = self.weight(slot, now, model)
         return w

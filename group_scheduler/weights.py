@@ -10,12 +10,21 @@
 - The deadline term grows as the deadline nears: ``deadline_boost * exp(-slack / deadline_horizon_s)``
   with ``slack`` the time left (the full boost once the deadline is reached or passed).
 - A critical transfer gets ``critical_boost`` on top.
+
+Every weight is finite by construction, whatever the clock or a transfer says: the exponent
+``beta * queue_delay`` stops growing at `MAX_EXPONENT` (as it does at ``max_delay_s``), the
+model's parameters are finite and at most `MAX_TERM`, and a NaN or infinite time counts as no
+wait (or, for a deadline, as a deadline reached). ``exp`` never overflows, so no urgency is
+``inf`` and no difference of two urgencies is NaN (which would hand every pick of the round
+robin to one pair).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+import numpy as np
 
 from kvbus.errors import ConfigError
 from kvbus.group_scheduler.state import GroupState, Pending
@@ -27,6 +36,13 @@ DEFAULT_MAX_DELAY_S = 30.0
 DEFAULT_DEADLINE_BOOST = 8.0
 DEFAULT_DEADLINE_HORIZON_S = 0.5
 DEFAULT_CRITICAL_BOOST = 50.0
+#: Largest exponent of the waiting term: ``exp(200)`` is 7.2e86, far from float overflow (e^709.8).
+MAX_EXPONENT = 200.0
+#: Largest base, alpha and boost: with `MAX_EXPONENT` an urgency stays below 1e100.
+MAX_TERM = 1e12
+#: Largest urgency any transfer can have, 7.2e98: plus two role priorities (at most 1e6 each), a
+#: weight stays far below the round robin's `MAX_WEIGHT`, and sums of many stay finite.
+MAX_URGENCY = 3 * MAX_TERM + MAX_TERM * math.exp(MAX_EXPONENT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +56,8 @@ class UrgencyModel:
     beta: float = DEFAULT_BETA
     """Growth rate of the queue-delay term, per second of waiting."""
     max_delay_s: float = DEFAULT_MAX_DELAY_S
-    """Queue delay beyond which the term stops growing (keeps exp finite)."""
+    """Queue delay beyond which the term stops growing (it also stops where ``beta * delay``
+    reaches `MAX_EXPONENT`)."""
     deadline_boost: float = DEFAULT_DEADLINE_BOOST
     """Urgency added at (or past) a transfer's deadline."""
     deadline_horizon_s: float = DEFAULT_DEADLINE_HORIZON_S
@@ -49,12 +66,36 @@ class UrgencyModel:
     """Urgency added for a transfer flagged critical."""
 
     def __post_init__(self) -> None:
-        if self.base < 0 or self.alpha <= 0 or self.beta <= 0:
-            raise ConfigError("urgency needs base >= 0, alpha > 0 and beta > 0")
-        if self.max_delay_s <= 0 or self.deadline_horizon_s <= 0:
-            raise ConfigError("max_delay_s and deadline_horizon_s must be positive")
-        if self.deadline_boost < 0 or self.critical_boost < 0:
-            raise ConfigError("deadline_boost and critical_boost must not be negative")
+        for name in ("base", "alpha", "beta", "max_delay_s", "deadline_boost", "deadline_horizon_s", "critical_boost"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+                raise ConfigError(f"urgency {name} must be a number, got {value!r}")
+        if not (0 <= self.base <= MAX_TERM and 0 < self.alpha <= MAX_TERM and 0 < self.beta < math.inf):
+            raise ConfigError(f"urgency needs base in 0..{MAX_TERM:g}, alpha in (0, {MAX_TERM:g}] and beta > 0, finite")
+        if self.max_delay_s <= 0 or not 0 < self.deadline_horizon_s < math.inf:
+            raise ConfigError("max_delay_s and deadline_horizon_s must be positive (deadline_horizon_s finite)")
+        if not (0 <= self.deadline_boost <= MAX_TERM and 0 <= self.critical_boost <= MAX_TERM):
+            raise ConfigError(f"deadline_boost and critical_boost must be within 0..{MAX_TERM:g}")
+
+    @property
+    def delay_cap_s(self) -> float:
+        """Queue delay beyond which the waiting term stops growing: ``max_delay_s``, or less when
+        ``beta * max_delay_s`` would pass `MAX_EXPONENT`."""
+        return min(self.max_delay_s, MAX_EXPONENT / self.beta)
+
+    def waiting_term(self, delay: float) -> float:
+        """``alpha * exp(beta * delay)``, with the delay within ``0..delay_cap_s`` (NaN: 0)."""
+        d = delay if delay > 0 else 0.0  # NaN and negative delays are no wait
+        return self.alpha * math.exp(self.beta * min(d, self.delay_cap_s))
+
+    def waiting_terms(self, delays: np.ndarray) -> np.ndarray:
+        """`waiting_term` of every element of ``delays``, computed in place (and returned)."""
+        np.fmax(delays, 0.0, out=delays)  # fmax: NaN becomes 0
+        np.minimum(delays, self.delay_cap_s, out=delays)
+        delays *= self.beta
+        np.exp(delays, out=delays)
+        delays *= self.alpha
+        return delays
 
     def urgency(self, p: Pending, now: float, *, running: bool = False, since: float | None = None) -> float:
         """Urgency of ``p`` at monotonic time ``now``.
@@ -65,11 +106,11 @@ class UrgencyModel:
                 pair's waiting from when it last had nothing running).
         """
         start = p.arrived if since is None else since
-        delay = 0.0 if running else min(max(0.0, now - start), self.max_delay_s)
-        u = self.base + self.alpha * math.exp(self.beta * delay)
+        u = self.base + (self.alpha if running else self.waiting_term(now - start))
         if p.deadline_at is not None:
             slack = p.deadline_at - now
-            u += self.deadline_boost * (1.0 if slack <= 0 else math.exp(-slack / self.deadline_horizon_s))
+            # not slack > 0: reached, passed, or NaN (a broken clock counts as a deadline reached)
+            u += self.deadline_boost * (math.exp(-slack / self.deadline_horizon_s) if slack > 0 else 1.0)
         if p.request.critical:
             u += self.critical_boost
         return u

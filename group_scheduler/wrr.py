@@ -8,13 +8,27 @@ the table loses its accumulated credit, so an idle pair cannot save up turns.
 
 Keys live in numbered slots (see `kvbus.group_scheduler.pairs.PairQueues`) and the weights
 come as an array, so a pick is a few vector operations however many pairs wait.
+
+The weights are finite by construction (`kvbus.group_scheduler.weights`), and the picker does
+not rely on it: one NaN or infinite weight would make the credits NaN, and ``argmax`` would then
+hand every pick to one slot for good. A slot that is not eligible counts with nothing, whatever
+its weight; an eligible one's weight is clamped into ``0..MAX_WEIGHT``, and a non-finite one
+counts as the largest finite weight among the eligible slots, or 1 if there is none (an
+overflowed urgency is as urgent as the most urgent well-formed one, never more), with a warning.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from abc import ABC, abstractmethod
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
+
+#: Largest weight a slot counts with (a sum of a million of them is still far from overflow).
+MAX_WEIGHT = 1e150
 
 
 class PairPicker(ABC):
@@ -34,6 +48,8 @@ class SmoothWRR(PairPicker):
     def __init__(self) -> None:
         self.current = np.zeros(64)
         self._masked = np.empty(64)
+        self.clamped = 0
+        """Picks whose weights had to be clamped (out of range or not finite)."""
 
     def _grow(self, n: int) -> None:
         if n > len(self.current):
@@ -46,14 +62,38 @@ class SmoothWRR(PairPicker):
         if n > len(self._masked):
             self._masked = np.empty(len(self.current))
         current = self.current[:n]
-        w = weights * eligible
+        w = np.where(eligible, weights, 0.0)  # not weights * eligible: inf * 0 is NaN
+        # The sum only of weights that are not negative: inf + -inf would warn (and be NaN).
+        total = w.sum() if w.min() >= 0.0 else math.nan
+        if not total <= MAX_WEIGHT:  # NaN and inf too
+            total = self._clamp(w, eligible)
         current += w
         masked = self._masked[:n]
         np.copyto(masked, current)
         masked[~eligible] = -np.inf
         best = int(masked.argmax())
-        current[best] -= w.sum()
+        current[best] -= total
         return best
+
+    def _clamp(self, w: np.ndarray, eligible: np.ndarray) -> float:
+        """Bring the eligible slots' weights in ``w`` into ``0..MAX_WEIGHT``, in place; their sum.
+
+        Warns on the first pick that needed it, then on every 10,000th (picks run on every grant).
+        """
+        finite = np.isfinite(w)
+        if finite.all() and w.min() >= 0.0 and w.max() <= MAX_WEIGHT:
+            return float(w.sum())  # only the sum is large: fine as it is
+        np.clip(w, 0.0, MAX_WEIGHT, out=w)  # NaN stays NaN, and is replaced below
+        w[~finite] = w[finite & eligible].max(initial=0.0) or 1.0
+        if self.clamped % 10_000 == 0:
+            logger.warning(
+                "smooth WRR: weights outside 0..%g clamped (non-finite in slots %s; %d picks so far)",
+                MAX_WEIGHT,
+                np.flatnonzero(~finite)[:8].tolist(),
+                self.clamped + 1,
+            )
+        self.clamped += 1
+        return float(w.sum())
 
     def reset(self, slot: int) -> None:
         """Zero ``slot``'s credit."""

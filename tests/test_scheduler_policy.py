@@ -9,6 +9,7 @@ import math
 from collections import Counter
 
 import msgpack
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -28,8 +29,10 @@ from kvbus.group_scheduler import (
     make_policy,
     weighted_max_min,
 )
+from kvbus.group_scheduler.pairs import PairQueues
 from kvbus.group_scheduler.simulate import SIM_SIGNATURE, FixedSelector, Simulation
-from kvbus.group_scheduler.wrr import smooth_wrr_order
+from kvbus.group_scheduler.weights import MAX_URGENCY
+from kvbus.group_scheduler.wrr import MAX_WEIGHT, SmoothWRR, smooth_wrr_order
 from kvbus.protocol import Control, ControlReply, FlowReservation, Probe, TransferRequest, decode_message
 
 CI = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -51,6 +54,148 @@ def test_smooth_wrr_picks_in_proportion_and_interleaves() -> None:
     assert longest <= math.ceil(weights["d"] / (total - weights["d"])) + 1
     # nginx's classic example: weights 5, 1, 1 give a a b a c a a, not a a a a a b c.
     assert "".join(smooth_wrr_order({"a": 5, "b": 1, "c": 1}, 7)) == "aabacaa"
+
+
+#: Weights the round robin may be handed by a bug: infinities, NaN, beyond-range and non-positive values.
+BAD_WEIGHTS = [math.inf, -math.inf, math.nan, 1e300, 0.0, -3.0]
+
+
+def _picks(weights: list[float], eligible: list[bool], n: int) -> list[int]:
+    picker = SmoothWRR()
+    w, e = np.array(weights, dtype=float), np.array(eligible, dtype=bool)
+    counts = [0] * len(weights)
+    for _ in range(n):
+        counts[picker.pick(w, e)] += 1
+    return counts
+
+
+def _counted(weights: list[float], eligible: list[bool]) -> list[float]:
+    """What each slot should count with: 0 if not eligible, a finite weight clamped into
+    0..MAX_WEIGHT, a non-finite one as the largest finite eligible weight (1.0 if that is 0 or none)."""
+    clamped = [min(max(w, 0.0), MAX_WEIGHT) if math.isfinite(w) else math.nan for w in weights]
+    top = max((w for w, e in zip(clamped, eligible) if e and math.isfinite(w)), default=0.0) or 1.0
+    return [0.0 if not e else (w if math.isfinite(w) else top) for w, e in zip(clamped, eligible)]
+
+
+def _assert_in_proportion(counts: list[int], counted: list[float]) -> None:
+    n, total = sum(counts), sum(counted)
+    if total == 0:  # only zero weights: any eligible slot may be served
+        return
+    for c, w in zip(counts, counted):
+        assert abs(c - n * w / total) <= 1.0, (counts, counted)
+    served = [w for w in counted if w > 0]
+    if len(served) > 1 and max(served) < 10 * min(served):
+        assert max(counts) < n, "one slot took every pick"
+
+
+@CI
+@given(
+    st.lists(
+        st.tuples(st.booleans(), st.one_of(st.floats(0.5, 1000.0), st.sampled_from(BAD_WEIGHTS))),
+        min_size=1,
+        max_size=8,
+    ).filter(lambda slots: any(e for e, _ in slots))
+)
+@example([(True, 1.0), (True, 2.0), (False, math.inf)])  # an ineligible inf once gave slot 0 every pick
+@example([(True, 1.0), (True, 2.0), (True, math.nan)])
+@example([(True, 1.0), (True, 2.0), (True, math.inf), (True, 1e300)])
+def test_smooth_wrr_stays_in_proportion_whatever_the_weights(slots: list[tuple[bool, float]]) -> None:
+    eligible, weights = [e for e, _ in slots], [w for _, w in slots]
+    counts = _picks(weights, eligible, 600)
+    assert all(c == 0 for c, e in zip(counts, eligible) if not e)
+    _assert_in_proportion(counts, _counted(weights, eligible))
+
+
+def test_smooth_wrr_gives_a_non_finite_weight_no_more_than_the_heaviest_finite_one() -> None:
+    # Not eligible: it counts with nothing, and the others share 1:2.
+    assert _picks([1.0, 2.0, math.inf], [True, True, False], 300) == [100, 200, 0]
+    assert _picks([1.0, 2.0, math.nan], [True, True, False], 300) == [100, 200, 0]
+    # Eligible: as the heaviest finite weight (2), never every pick.
+    assert _picks([1.0, 2.0, math.inf], [True, True, True], 500) == [100, 200, 200]
+    assert _picks([1.0, 2.0, math.nan], [True, True, True], 500) == [100, 200, 200]
+    assert _picks([math.nan, math.inf], [True, True], 10) == [5, 5]
+
+
+#: Times the scheduler's clock or a transfer might carry after a bug: huge, infinite, NaN.
+TIMES = st.one_of(
+    st.floats(-1e6, 1e7),
+    st.sampled_from([1e300, -1e300, math.inf, -math.inf, math.nan, 1e6]),
+)
+
+
+@CI
+@given(
+    st.lists(
+        st.tuples(
+            TIMES,
+            st.one_of(st.none(), TIMES),
+            st.booleans(),
+            st.floats(0.0, 1e6),
+            st.booleans(),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    TIMES,
+    st.sampled_from([UrgencyModel(), UrgencyModel(beta=50.0, max_delay_s=math.inf), UrgencyModel(max_delay_s=1e9)]),
+)
+def test_weights_from_any_times_are_finite_and_picked_in_proportion(
+    slots: list[tuple[float, float | None, bool, float, bool]], now: float, model: UrgencyModel
+) -> None:
+    pairs = PairQueues()
+    for i, (since, deadline_at, critical, rp, busy) in enumerate(slots):
+        p = pending(f"s{i}", "rx", arrived=since, critical=critical, deadline_at=deadline_at)
+        pairs.push(p, rp, 1 if busy else 0, since)
+    weights = pairs.weights(now, model).copy()
+    assert all(math.isfinite(w) and 0 < w <= 2e6 + MAX_URGENCY for w in weights), weights
+    for slot in range(len(slots)):  # the scalar path agrees with the vector one
+        assert pairs.weight(slot, now, model) == pytest.approx(weights[slot], rel=1e-9)
+    eligible = pairs.eligible()
+    if eligible.any():
+        counts = _picks(list(weights), list(eligible), 600)
+        _assert_in_proportion(counts, [w if e else 0.0 for w, e in zip(weights, eligible)])
+
+
+def test_urgency_after_a_very_long_wait_is_finite_and_no_smaller() -> None:
+    for model in (UrgencyModel(), UrgencyModel(max_delay_s=1e7), UrgencyModel(beta=50.0, max_delay_s=math.inf)):
+        p = pending("a", "b", arrived=0.0)
+        waits = [0.0, 1.0, 10.0, 100.0, 1e3, 1e5, 1e6, 1e300, math.inf]
+        us = [model.urgency(p, t) for t in waits]
+        assert all(math.isfinite(u) and u <= MAX_URGENCY for u in us), us
+        assert us == sorted(us)  # ordered: never less urgent for waiting longer
+        assert us[waits.index(1e6)] >= us[waits.index(100.0)] > us[0]
+        # The vector path of the round robin agrees, and stays finite too.
+        pairs = PairQueues()
+        pairs.push(p, 2.0, 0, 0.0)
+        w = pairs.weights(1e6, model)
+        assert math.isfinite(w[0]) and w[0] == pytest.approx(2.0 + us[waits.index(1e6)])
+        # NaN times count as no wait; a NaN deadline as a deadline reached.
+        assert model.urgency(p, math.nan) == model.urgency(p, 0.0)
+        late = pending("a", "b", arrived=0.0, deadline_at=math.nan)
+        assert model.urgency(late, 0.0) == pytest.approx(model.base + model.alpha + model.deadline_boost)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("base", math.nan),
+        ("alpha", math.inf),
+        ("alpha", math.nan),
+        ("beta", math.inf),
+        ("beta", math.nan),
+        ("max_delay_s", math.nan),
+        ("deadline_horizon_s", math.inf),
+        ("critical_boost", math.inf),
+        ("deadline_boost", math.nan),
+        ("base", 1e300),
+    ],
+)
+def test_urgency_model_refuses_non_finite_parameters(field: str, value: float) -> None:
+    with pytest.raises(ConfigError, match=field):
+        UrgencyModel(**{field: value})
+    key = f"urgency_{field}" if field in ("base", "alpha", "beta", "max_delay_s") else field
+    with pytest.raises(ConfigError, match=field):  # as KVBUS_SCHEDULER_<key> would set it
+        WeightedPolicy.from_config(SchedulerConfig(**{key: value}))
 
 
 # -- weighted max-min --------------------------------------------------------------------------------
