@@ -3,6 +3,7 @@ the prefix index, and two engines' agents exchanging KV through a real bus and g
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -70,7 +71,7 @@ def test_config_parses_the_extra_config() -> None:
         ({"agent": "a", "nats": "x"}, "unknown kv_connector_extra_config key"),
         ({"agent": "a", "medium": "gzip"}, "medium"),
         ({"agent": "a", "store_bytes": "lots"}, "must be an integer"),
-        ({"agent": "a", "lookup_timeout_s": 0}, "must be positive"),
+        ({"agent": "a", "lookup_timeout_s": 0}, r"\['lookup_timeout_s'\] must be a finite float within 0.001..60"),
         ({"agent": "a", "push_to": [1]}, "list of agent names"),
         ({"agent": "a", "pull": 2}, "true or false"),
         ("agent=a", "JSON object"),
@@ -79,6 +80,121 @@ def test_config_parses_the_extra_config() -> None:
 def test_config_refuses_bad_values(extra: object, what: str) -> None:
     with pytest.raises(ConfigError, match=what):
         ConnectorConfig.from_extra(extra, environ={})
+
+
+#: What issue 31 found accepted, or refused with another exception than `ConfigError`: the input,
+#: and what the error must say (the key and what it allows).
+ISSUE_31_CONFIGS = [
+    ({"agent": "e0", 1: "x", "b": 2}, "keys must be strings, got 1"),
+    ({"agent": "e0", ("k",): 1}, "keys must be strings"),
+    ({"agent": "e0", "priority": math.nan}, r"\['priority'\] must be a finite float within 0..1e\+06, got nan"),
+    ({"agent": "e0", "priority": math.inf}, r"\['priority'\] must be a finite float within 0..1e\+06, got inf"),
+    ({"agent": "e0", "priority": -1}, r"\['priority'\] must be a finite float within 0..1e\+06, got -1"),
+    ({"agent": "e0", "priority": 1e7}, r"\['priority'\] must be .* within 0..1e\+06"),
+    ({"agent": "e0", "index_ttl_s": 1e300}, r"\['index_ttl_s'\] must be a finite float within 0.1..1e\+09"),
+    ({"agent": "e0", "index_ttl_s": math.inf}, r"\['index_ttl_s'\] must be a finite float within 0.1..1e\+09"),
+    ({"agent": "e0", "index_ttl_s": 0.01}, r"\['index_ttl_s'\] must be a finite float within 0.1"),
+    (
+        {"agent": "eng0", "index_bucket": "kv.prefix"},
+        r"\['index_bucket'\]: invalid index bucket name .*letters, digits",
+    ),
+    ({"agent": "e0", "index_bucket": "kv prefix"}, r"\['index_bucket'\]: invalid index bucket name"),
+    ({"agent": "e0", "index_bucket": "kv>*"}, r"\['index_bucket'\]: invalid index bucket name"),
+    ({"agent": "e0", "nats_url": "not a url"}, r"\['nats_url'\]: 'not a url' is not a NATS URL .*nats://, tls://"),
+    ({"agent": "e0", "nats_url": "http://127.0.0.1:4222"}, r"\['nats_url'\]: 'http://127.0.0.1:4222' is not a NATS"),
+    ({"agent": "e0", "nats_url": "nats://h:99999"}, r"\['nats_url'\].* is not a NATS URL"),
+    ({"agent": "e0", "nats_url": "nats://h:4222,ws://h:8080"}, r"\['nats_url'\]: websocket .* cannot be mixed"),
+    ({"agent": "e0", "nats_url": ""}, r"\['nats_url'\] must be a non-empty string"),
+    ({"agent": "e0", "nats_url": " , "}, r"\['nats_url'\] must be a NATS URL"),
+    (
+        {"agent": "eng0", "lookup_timeout_s": math.inf},
+        r"\['lookup_timeout_s'\] must be a finite float within 0.001..60",
+    ),
+    ({"agent": "e0", "lookup_timeout_s": math.nan}, r"\['lookup_timeout_s'\] must be a finite float"),
+    ({"agent": "e0", "load_timeout_s": math.inf}, r"\['load_timeout_s'\] must be a finite float within 0.001..3600"),
+    ({"agent": "e0", "connect_timeout_s": -1.0}, r"\['connect_timeout_s'\] must be a finite float"),
+    ({"agent": "e0", "store_bytes": math.inf}, r"\['store_bytes'\] must be an integer within 1.."),
+    ({"agent": "e0", "store_bytes": 1e300}, r"\['store_bytes'\] must be an integer within 1.."),
+    ({"agent": "e0", "store_bytes": True}, r"\['store_bytes'\] must be an integer"),
+    ({"agent": "e0", "priority": True}, r"\['priority'\] must be a finite float"),
+    ({"agent": "e0", "redis_url": "http://h:6379"}, r"\['redis_url'\] must be a Redis URL .*redis://"),
+    ({"agent": "e0", "role": "x" * 1000}, r"\['role'\] must be 1-256 printable characters"),
+    ({"agent": "e0", "model_name": "a\nb"}, r"\['model_name'\] must be 1-256 printable characters"),
+    ({"agent": "e0", "push_to": ["b"] * 300}, r"\['push_to'\] must list at most 256"),
+]
+
+
+@pytest.mark.parametrize("extra, what", ISSUE_31_CONFIGS)
+def test_config_names_the_key_and_what_it_allows(extra: dict, what: str) -> None:
+    with pytest.raises(ConfigError, match=what):
+        ConnectorConfig.from_extra(extra, environ={})
+
+
+def test_config_takes_every_nats_url_nats_py_takes() -> None:
+    for url in (
+        "nats://127.0.0.1:4222",
+        "tls://nats.example.com",
+        "nats://user:secret@h1:4222, nats://h2:4222",
+        "ws://h:8080/nats",
+        "wss://h",
+        "h:4222",
+        "localhost",
+        "nats://[::1]:4222",
+    ):
+        assert ConnectorConfig.from_extra({"agent": "a", "nats_url": url}, environ={}).nats_url == url
+    with pytest.raises(ConfigError, match="KVBUS_NATS_URL: 'http://h:4222' is not a NATS URL"):
+        ConnectorConfig.from_extra({"agent": "a"}, environ={"KVBUS_NATS_URL": "http://h:4222"})
+    # Built directly, the dataclass checks the same.
+    with pytest.raises(ConfigError, match="priority"):
+        ConnectorConfig(agent="a", priority=math.nan)
+
+
+_KEYS = [
+    "agent", "nats_url", "group", "role", "priority", "model_name", "medium", "pull", "push_to", "redis_url",
+    "store_bytes", "lookup_timeout_s", "load_timeout_s", "connect_timeout_s", "index_bucket", "index_ttl_s",
+]  # fmt: skip
+_SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0, 1, 4, 1e300, -1, "nats://127.0.0.1:4222", "redis://h:6379", "int8", "eng1", "true", ""]),
+    st.text(max_size=20),
+)
+_JSON = st.recursive(
+    _SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4),
+    max_leaves=10,
+)  # fmt: skip
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.fixed_dictionaries(
+        {},
+        optional={
+            **{k: _JSON for k in _KEYS},
+            "agent": st.one_of(st.sampled_from(["eng0", "a-b_c"]), _JSON),
+            "x_note": _JSON,
+        },
+    ),
+    st.dictionaries(
+        st.one_of(st.text(max_size=12), st.integers(), st.floats(), st.booleans(), st.none(), st.sampled_from(_KEYS)),
+        _JSON,
+        max_size=3,
+    ),
+)
+def test_config_from_any_json_is_a_config_or_a_config_error(known: dict, other: dict) -> None:
+    extra = {**other, **known}
+    try:
+        cfg = ConnectorConfig.from_extra(extra, environ={})
+    except ConfigError as exc:
+        assert str(exc)
+        return
+    # What is accepted is what the rest may rely on.
+    assert 0 <= cfg.priority <= 1e6 and math.isfinite(cfg.priority)
+    for name in ("lookup_timeout_s", "load_timeout_s", "connect_timeout_s", "index_ttl_s"):
+        assert 0 < getattr(cfg, name) <= 1e9
+    assert 0 < cfg.store_bytes <= 2**53
 
 
 # -- prefix keys ----------------------------------------------------------------------------------------
@@ -305,6 +421,26 @@ async def _client(name: str, nats_url: str, signature: ModelSignature = SIG, **e
 def _context(n: int, seed: int) -> KVCache:
     kv = random_kv(SIG, n, seed=seed)
     return kv
+
+
+async def test_a_server_that_never_answers_names_the_keys() -> None:
+    import asyncio
+
+    from kvbus.errors import NatsConnectError
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # accepts, never sends INFO: the client's connect hangs
+        writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        cfg = _config("e-silent", f"nats://127.0.0.1:{port}", connect_timeout_s=0.5)
+        client = KVBusClient(cfg, SIG, block_size=BS, dtype=torch.float32)
+        with pytest.raises(NatsConnectError, match=r"connect_timeout_s'\] \(0.5 s\).*\['nats_url'\]"):
+            await client.start()
+    finally:
+        server.close()
 
 
 async def test_index_finds_the_longest_holder(nats_url: str) -> None:

@@ -23,7 +23,8 @@ import torch
 
 from kvbus.bus import Agent, Bus, Delivery, NoResponders
 from kvbus.cachetier import CacheTier, CacheTierConfig, CacheTierError
-from kvbus.errors import KVBusError, WireFormatError
+from kvbus.config import redact_url
+from kvbus.errors import KVBusError, NatsConnectError, WireFormatError
 from kvbus.integrations.vllm import serving
 from kvbus.integrations.vllm.config import ConnectorConfig
 from kvbus.integrations.vllm.errors import LoadFailed
@@ -84,9 +85,17 @@ class KVBusClient:
         from kvbus.net.auth import NatsAuth
 
         cfg = self.config
-        bus = await asyncio.wait_for(
-            Bus.connect(cfg.nats_url, **NatsAuth.from_env().connect_options()), cfg.connect_timeout_s
-        )
+        try:
+            bus = await asyncio.wait_for(
+                Bus.connect(cfg.nats_url, **NatsAuth.from_env().connect_options()), cfg.connect_timeout_s
+            )
+        except TimeoutError:
+            raise NatsConnectError(
+                redact_url(cfg.nats_url),
+                f"no connection within kv_connector_extra_config['connect_timeout_s'] ({cfg.connect_timeout_s:g} s)",
+                "is a NATS server running at kv_connector_extra_config['nats_url'], and reachable?",
+                retryable=True,
+            ) from None
         self.bus = bus
         tier_config = CacheTierConfig.from_env(block_tokens=self.block_size, budget_bytes=cfg.store_bytes)
         self.tier = await CacheTier.connect(
@@ -99,7 +108,10 @@ class KVBusClient:
             self.index = await PrefixIndex.connect(bus.transport, cfg.index_bucket, ttl_s=cfg.index_ttl_s)
         except Exception:
             logger.warning(
-                "kvbus connector %s: no prefix index (JetStream unavailable); pulls are off", self.name, exc_info=True
+                "kvbus connector %s: no prefix index in JetStream KV bucket %s; pulls are off",
+                self.name,
+                cfg.index_bucket,
+                exc_info=True,
             )
         t = bus.transport
         for kind, handler in (
