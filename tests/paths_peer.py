@@ -1,8 +1,8 @@
 """One side of a data-path transfer in its own OS process, for the cross-process path tests.
 
 Usage: ``python tests/paths_peer.py rx|tx [--paths shm,tcp,nats] [--nats URL] [--tls-ca F --tls-cert F
---tls-key F] [--private]``. Prints one JSON object per line (``{"ready": ..., "pid": ..., "host": ...}``
-first), reads one JSON command per line on stdin:
+--tls-key F] [--private] [--bind-deadline S]``. Prints one JSON object per line (``{"ready": ..., "pid": ...,
+"host": ...}`` first), reads one JSON command per line on stdin:
 
 - rx ``{"cmd": "expect", "tid", "total", "chunk", "peer_paths", "peer_host"}``: offers the
   transfer, answers ``{"offer": <OpenReply path fields>, "paths": [...]}``; when every chunk is
@@ -13,7 +13,8 @@ first), reads one JSON command per line on stdin:
   sends random bytes (from ``seed``) on the fastest path, ``pace_s`` between chunks, and after
   ``stall_at`` chunks stops (``{"stalled": tid}``) and waits; ``{"sent": tid, "digest", "path"}``
   when all went out; ``{"lost": tid, "error"}`` when the path broke.
-- both ``{"cmd": "status"}``: ``{"status": {"memfd_fds", "memfd_maps", "sessions", ...}}`` after a GC.
+- both ``{"cmd": "status"}``: ``{"status": {"memfd_fds", "memfd_maps", "rss_kb", "sessions", ...}}`` after a
+  GC, with the tcp listener's books (``tcp_unbound``, ``tcp_refused``, ``tcp_evicted``, ...).
 """
 
 from __future__ import annotations
@@ -60,6 +61,29 @@ def memfd_status() -> dict[str, int]:
     return {"memfd_fds": fds, "memfd_maps": maps}
 
 
+def rss_kb() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def tcp_listener_status(plane: DataPlane) -> dict[str, Any]:
+    """The tcp listener's own books: connections not bound yet (in all and per source), turned
+    away, and the most buffer bytes an unbound connection holds."""
+    listener = plane.tcp.listener if plane.tcp is not None else None
+    if listener is None:
+        return {"rss_kb": rss_kb()}
+    waiting = [c for c in listener.connections if c.unbound]
+    return {
+        "rss_kb": rss_kb(),
+        "tcp_accepted": listener.accepted,
+        "tcp_unbound": listener.unbound_total,
+        "tcp_unbound_by_source": dict(listener.unbound),
+        "tcp_refused": listener.refused,
+        "tcp_evicted": listener.evicted,
+        "tcp_unbound_max_buffer": max((c.buffer_bytes for c in waiting), default=0),
+    }
+
+
 class Sink:
     """Collects one transfer's chunks; reports when whole."""
 
@@ -102,6 +126,7 @@ async def main() -> None:
     parser.add_argument("--tls-cert", default="")
     parser.add_argument("--tls-key", default="")
     parser.add_argument("--private", action="store_true")
+    parser.add_argument("--bind-deadline", type=float, default=3.0)
     args = parser.parse_args()
     transport = None
     if args.nats:
@@ -109,7 +134,13 @@ async def main() -> None:
 
         transport = await NatsTransport.connect(args.nats)
     tls = DataTls(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key) if args.tls_ca else None
-    config = PathsConfig(allowed=args.paths, tcp_host="127.0.0.1", shm_private=args.private, connect_timeout_s=3.0)
+    config = PathsConfig(
+        allowed=args.paths,
+        tcp_host="127.0.0.1",
+        shm_private=args.private,
+        connect_timeout_s=3.0,
+        tcp_bind_deadline_s=args.bind_deadline,
+    )
     plane = DataPlane(transport, config=config, tls=tls, receive=args.role == "rx")
     await plane.start()
     sinks: dict[str, Sink] = {}
@@ -184,6 +215,7 @@ async def main() -> None:
             emit(
                 status={
                     **memfd_status(),
+                    **tcp_listener_status(plane),
                     "sinks": len(sinks),
                     "expected": len(plane.registry) if plane.registry is not None else 0,
                     "tcp_rx_connections": len(plane.tcp.listener.connections)

@@ -4,6 +4,9 @@
   drops the connection and the transfer goes on over NATS;
 - the data port listens where it is advertised (or where the configuration says), on no other
   interface;
+- 1,100 connections that never bind cost the receiver a few hundred bytes each, at most 128 of
+  them (32 per address) are kept, a sender still gets through, and a slowloris is closed at its
+  deadline;
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import asyncio
 import socket
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -23,6 +27,7 @@ from kvbus.group_scheduler import GroupScheduler
 from tests.conftest import FAST
 from tests.kvutil import kv_of_bytes
 from tests.peer import SIG, kv_digest
+from tests.test_paths import Peer, transfer
 
 MB = 1 << 20
 
@@ -180,3 +185,94 @@ async def test_an_advertised_address_of_another_machine_is_a_config_error() -> N
     with pytest.raises(ConfigError, match="paths.tcp_host"):
         await plane.start()
     await plane.close()
+
+
+# -- 2: strangers on the data port cost (almost) nothing ----------------------------------------------
+
+
+async def _connect_from(source: str, host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    sock.bind((source, 0))
+    try:
+        await asyncio.get_running_loop().sock_connect(sock, (host, port))
+    except OSError:
+        pass  # turned away already: what the receiver's books say is what counts
+    return sock
+
+
+async def _books(rx: Peer, attempts: int) -> dict[str, Any]:
+    """The receiver's status once its listener took or turned away ``attempts`` connections."""
+    for _ in range(600):
+        status = await rx.status()
+        if status["tcp_accepted"] + status["tcp_refused"] >= attempts:
+            return status
+    raise AssertionError(f"the listener saw fewer than {attempts} connections: {status}")
+
+
+async def test_eleven_hundred_strangers_cost_the_receiver_little_and_a_sender_still_gets_through() -> None:
+    rx = await Peer.start("rx", "--paths", "tcp", "--bind-deadline", "60")
+    tx = await Peer.start("tx", "--paths", "tcp")
+    socks: list[socket.socket] = []
+    try:
+        assert rx.tcp is not None
+        host, port = rx.tcp
+        before = await rx.status()
+        # 100 idle connections from one address (over the per-source cap), then 1,000 from 40
+        # others (over the total cap), and 30 that trickle a header a byte at a time.
+        sources = ["127.0.0.1"] * 100 + [f"127.0.1.{i % 40 + 1}" for i in range(1000)]
+        for source in sources:
+            socks.append(await _connect_from(source, host, port))
+        trickle = [await _connect_from(f"127.0.2.{i + 1}", host, port) for i in range(30)]
+        socks += trickle
+        for sock in trickle:
+            sock.send(pack(FrameType.BIND, 1, 40)[:1])
+        after = await _books(rx, len(socks))
+        grown_mb = (after["rss_kb"] - before["rss_kb"]) / 1024
+        print(f"{len(socks)} pre-BIND connections: receiver RSS +{grown_mb:.1f} MB; books {after}")
+        assert grown_mb < 64, f"{len(socks)} pre-BIND connections grew the receiver by {grown_mb:.0f} MB"
+        # The listener's own books: the caps hold, and an unbound connection holds a header's worth.
+        assert after["tcp_unbound"] == 128
+        assert all(n <= 32 for n in after["tcp_unbound_by_source"].values())
+        assert after["tcp_accepted"] - after["tcp_evicted"] == 128
+        assert after["tcp_refused"] >= 68  # 100 - 32 from 127.0.0.1 at least
+        assert 0 < after["tcp_unbound_max_buffer"] <= 256
+        # A sender still binds: the stranger that waited longest makes room.
+        _, sent, done = await transfer(rx, tx, ["tcp"], total=8 * MB)
+        assert sent["path"] == "tcp" and done["digest"] == sent["digest"] and done["via"] == ["tcp"]
+    finally:
+        for sock in socks:
+            sock.close()
+        await tx.stop()
+        await rx.stop()
+
+
+async def test_a_connection_that_does_not_bind_in_time_is_closed() -> None:
+    rx = await Peer.start("rx", "--paths", "tcp", "--bind-deadline", "1")
+    try:
+        assert rx.tcp is not None
+        host, port = rx.tcp
+        loop = asyncio.get_running_loop()
+        sock = await _connect_from("127.0.0.1", host, port)
+        header = pack(FrameType.BIND, 1, 40)
+        closed = False
+        started = loop.time()
+        for i in range(len(header)):  # slowloris: a byte every 0.2 s, never a whole BIND
+            try:
+                sock.send(header[i : i + 1])
+                await asyncio.sleep(0.2)
+                if await asyncio.wait_for(loop.sock_recv(sock, 1), 0.01) == b"":
+                    closed = True
+                    break
+            except TimeoutError:
+                continue
+            except OSError:
+                closed = True
+                break
+        took = loop.time() - started
+        sock.close()
+        assert closed and took < 5, f"closed={closed} after {took:.1f} s"
+        status = await rx.status()
+        assert status["tcp_unbound"] == 0
+    finally:
+        await rx.stop()

@@ -55,6 +55,16 @@ class PathsConfig:
     """Seconds to connect and bind a stream (TLS handshake included) before the path counts as unavailable."""
     max_connections: int = 1024
     """Direct connections a receiving process accepts at once (more are closed at once)."""
+    tcp_max_unbound: int = 128
+    """Of those, ``tcp`` connections that have not bound a stream yet (TLS handshake included),
+    kept at once: a sender binds as soon as it is connected, so only strangers wait here. Each
+    costs a few hundred bytes (with TLS, also asyncio's 256 KB TLS buffer); more are closed at
+    once."""
+    tcp_max_unbound_per_source: int = 32
+    """Of those, the most from one source address."""
+    tcp_bind_deadline_s: float = 3.0
+    """Seconds a ``tcp`` connection has to bind its first stream (TLS handshake included) before
+    the receiver closes it (a client that connects and then trickles bytes holds nothing longer)."""
     tls_server_name: str = ""
     """Name the receiver's certificate must carry on the ``tcp`` path; empty: its advertised address."""
 
@@ -64,7 +74,7 @@ class PathsConfig:
             raise ConfigError("paths.allowed names no path; use any of " + DEFAULT_ALLOWED)
         if not 0 <= self.tcp_port <= 65535:
             raise ConfigError(f"paths.tcp_port {self.tcp_port} must be within 0..65535")
-        for name in ("token_ttl_s", "connect_timeout_s"):
+        for name in ("token_ttl_s", "connect_timeout_s", "tcp_bind_deadline_s"):
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:
                 raise ConfigError(f"paths.{name} must be positive and finite")
@@ -76,8 +86,9 @@ class PathsConfig:
             )
         if self.direct_chunk_size and not 1024 <= self.direct_chunk_size <= 1 << 30:
             raise ConfigError("paths.direct_chunk_size must be 0 or within 1 KB..1 GB")
-        if self.max_connections < 1:
-            raise ConfigError("paths.max_connections must be at least 1")
+        for name in ("max_connections", "tcp_max_unbound", "tcp_max_unbound_per_source"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"paths.{name} must be at least 1")
 
     @property
     def allowed_paths(self) -> tuple[str, ...]:

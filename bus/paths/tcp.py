@@ -76,8 +76,10 @@ class TcpPath:
                 host=bind_host(config),
                 port=config.tcp_port,
                 ssl_context=tls.server_context() if tls else None,
-                bind_timeout=config.connect_timeout_s,
+                bind_deadline=config.tcp_bind_deadline_s,
                 max_connections=config.max_connections,
+                max_unbound=config.tcp_max_unbound,
+                max_unbound_per_source=config.tcp_max_unbound_per_source,
             )
         self._client_ssl = tls.client_context() if tls else None
         self._conns: dict[tuple[str, int], TxConnection] = {}

@@ -6,14 +6,21 @@ A connection must bind a stream with a valid, unused token for an offered transf
 anything else; the first frame that is not such a BIND closes it, so a client that merely
 reaches the port can neither write into a transfer nor read anything. A later bad BIND on an
 authenticated connection is refused for that stream only.
+
+Until its first BIND a connection costs a few hundred bytes here (a frame header and the BIND's
+payload; with TLS, also asyncio's TLS buffer): at most `PathsConfig.tcp_max_unbound` such
+connections are kept, `PathsConfig.tcp_max_unbound_per_source` of them from one address, each
+for `PathsConfig.tcp_bind_deadline_s` (TLS handshake included); more are closed at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import socket
 import ssl
+import time
 
 import xxhash
 
@@ -35,8 +42,12 @@ from kvbus.bus.paths.registry import Expectations, Expected
 logger = logging.getLogger(__name__)
 
 _HEADER, _SMALL, _DATA, _DISCARD = range(4)
-#: Scratch space for bytes read only to be dropped (duplicates, superseded streams).
+#: Scratch space for bytes read only to be dropped (duplicates, superseded streams): one for
+#: the process, as nothing ever reads it back.
 _SCRATCH = 1 << 20
+_DROPPED = memoryview(bytearray(_SCRATCH))
+#: Seconds between two warnings about connections turned away.
+WARN_EVERY_S = 10.0
 #: Ended stream ids remembered per connection (late frames on them are dropped, not an error).
 MAX_ENDED = 4096
 
@@ -73,18 +84,16 @@ class TcpRxSession:
         """
         if len(data) > MAX_CTRL:
             raise ValueError(f"control message of {len(data)} bytes is over {MAX_CTRL}")
-        if self.closed or self.conn.transport is None or self.conn.transport.is_closing():
+        if self.closed or not self.conn.writable:
             raise PathBroken("tcp", "the connection is closed", peer=self.spec.sender)
-        self.conn.transport.write(pack(FrameType.CTRL, self.stream, len(data)) + data)
+        self.conn.write(pack(FrameType.CTRL, self.stream, len(data)) + data)
 
     def close(self) -> None:
         """Stop taking bytes for this transfer here and tell the sender (END)."""
         if self.closed:
             return
         self.conn.end_stream(self)
-        t = self.conn.transport
-        if t is not None and not t.is_closing():
-            t.write(pack(FrameType.END, self.stream))
+        self.conn.write(pack(FrameType.END, self.stream))
 
 
 class RxConnection(asyncio.BufferedProtocol):
@@ -94,6 +103,11 @@ class RxConnection(asyncio.BufferedProtocol):
         self.listener = listener
         self.transport: asyncio.Transport | None = None
         self.peer = ""
+        self.source = ""
+        """The peer's address (without the port): pre-BIND connections are counted per source."""
+        self.unbound = False
+        """Counted among the listener's connections that have not bound a stream yet."""
+        self.gone = False
         self.streams: dict[int, TcpRxSession] = {}
         self.ended: set[int] = set()
         """Streams that ended: late frames for them are read and dropped."""
@@ -106,29 +120,83 @@ class RxConnection(asyncio.BufferedProtocol):
         self._target = memoryview(b"")
         self._session: TcpRxSession | None = None
         self._left = 0
-        self._scratch = memoryview(bytearray(_SCRATCH))
         self._timer: asyncio.TimerHandle | None = None
+        self._held: list[bytes] | None = None
+        """Writes held while the TLS handshake completes (frames read right after it may answer
+        before `transport` is the TLS one)."""
+        self._tls: asyncio.Task[None] | None = None
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of buffers this connection holds of its own (a chunk's bytes go to its transfer's buffer)."""
+        return len(self._hdr) + self._small.nbytes
+
+    @property
+    def writable(self) -> bool:
+        """Whether frames can still go to the sender."""
+        return not self.gone and self.transport is not None and not self.transport.is_closing()
+
+    def write(self, data: bytes) -> None:
+        """Send ``data`` to the sender (dropped once the connection is closing)."""
+        t = self.transport
+        if self._held is not None:
+            self._held.append(data)
+        elif not self.gone and t is not None and not t.is_closing():
+            t.write(data)
 
     # -- asyncio callbacks ------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        """asyncio: a connection arrived (too many: closed at once; else a BIND is due within the timeout)."""
+        """asyncio: a connection arrived, before any TLS handshake (over a cap: closed at once;
+        else a BIND is due within the deadline)."""
         self.transport = transport  # type: ignore[assignment]
         peer = transport.get_extra_info("peername")
+        self.source = str(peer[0]) if isinstance(peer, tuple) else str(peer)
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
-        if len(self.listener.connections) >= self.listener.max_connections:
-            logger.warning("tcp data listener: too many connections, closing the one from %s", self.peer)
+        if not self.listener.admit(self):
             transport.abort()  # type: ignore[attr-defined]
             return
-        self.listener.connections.add(self)
-        self.listener.accepted += 1
         sock = transport.get_extra_info("socket")
         if sock is not None:
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError:
                 pass
-        self._timer = asyncio.get_running_loop().call_later(self.listener.bind_timeout, self._bind_deadline)
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(self.listener.bind_deadline, self._bind_deadline)
+        if self.listener.ssl_context is not None:
+            # Nothing is read until TLS wraps the connection (`loop.start_tls` takes over reading).
+            transport.pause_reading()  # type: ignore[attr-defined]
+            self._held = []
+            self._tls = loop.create_task(self._start_tls(transport), name=f"kvbus-tcp-tls-{self.peer}")
+
+    async def _start_tls(self, plain: asyncio.BaseTransport) -> None:
+        assert self.listener.ssl_context is not None
+        tls: asyncio.BaseTransport | None = None
+        try:
+            tls = await asyncio.get_running_loop().start_tls(
+                plain,  # type: ignore[arg-type]
+                self,
+                self.listener.ssl_context,
+                server_side=True,
+                ssl_handshake_timeout=self.listener.bind_deadline,
+            )
+        except asyncio.CancelledError:
+            plain.close()
+            self._forget(None)
+            raise
+        except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
+            logger.warning("tcp data connection from %s closed: TLS handshake failed (%s)", self.peer, exc)
+        except Exception:
+            logger.exception("tcp data connection from %s: TLS failed", self.peer)
+        if tls is None or tls.is_closing():
+            plain.close()
+            self._forget(None)  # asyncio tells no one of a connection lost in the handshake
+            return
+        self.transport = tls  # type: ignore[assignment]
+        held, self._held = self._held or [], None
+        for data in held:
+            self.write(data)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         """asyncio: where the next bytes go (header, small payload, the chunk's place in its buffer, scratch)."""
@@ -142,7 +210,7 @@ class RxConnection(asyncio.BufferedProtocol):
             return self._hview[self._got :]
         if self._state == _SMALL:
             return self._small[self._got :]
-        return self._scratch[: min(self._left, _SCRATCH)]
+        return _DROPPED[: min(self._left, _SCRATCH)]
 
     def buffer_updated(self, nbytes: int) -> None:
         """asyncio: ``nbytes`` arrived in the buffer last handed out."""
@@ -150,7 +218,7 @@ class RxConnection(asyncio.BufferedProtocol):
             self._advance(nbytes)
         except PathProtocolError as exc:
             logger.warning("tcp data connection from %s closed: %s", self.peer, exc.detail)
-            self._abort()
+            self.abort()
 
     def eof_received(self) -> bool:
         """asyncio: the sender closed its side; the connection closes."""
@@ -158,9 +226,15 @@ class RxConnection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         """asyncio: the connection is gone; its bound transfers are told."""
+        self._forget(exc)
+
+    def _forget(self, exc: Exception | None) -> None:
+        if self.gone:
+            return
+        self.gone = True
         if self._timer is not None:
             self._timer.cancel()
-        self.listener.connections.discard(self)
+        self.listener.forget(self)
         why = f"connection from {self.peer} lost" + (f" ({exc})" if exc else "")
         for session in self.streams.values():
             if not session.closed:
@@ -244,11 +318,10 @@ class RxConnection(asyncio.BufferedProtocol):
         except TokenRefused as exc:
             if not self.streams:
                 logger.warning("tcp data connection from %s closed: transfer %s: %s", self.peer, tid[:64], exc.code)
-                self._abort()
+                self.abort()
             else:
                 reason = exc.code.encode()
-                assert self.transport is not None
-                self.transport.write(pack(FrameType.REFUSED, frame.stream, len(reason)) + reason)
+                self.write(pack(FrameType.REFUSED, frame.stream, len(reason)) + reason)
             return
         for old in list(expected.sessions):
             if isinstance(old, TcpRxSession):
@@ -259,8 +332,8 @@ class RxConnection(asyncio.BufferedProtocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        assert self.transport is not None
-        self.transport.write(pack(FrameType.BOUND, frame.stream))
+        self.listener.bound(self)
+        self.write(pack(FrameType.BOUND, frame.stream))
         expected.notify_opened(session)
 
     def _data_done(self) -> None:
@@ -287,18 +360,31 @@ class RxConnection(asyncio.BufferedProtocol):
         self._timer = None
         if not self.streams:
             logger.warning(
-                "tcp data connection from %s closed: no valid BIND within %.1f s", self.peer, self.listener.bind_timeout
+                "tcp data connection from %s closed: no valid BIND within %.1f s",
+                self.peer,
+                self.listener.bind_deadline,
             )
-            self._abort()
+            self.abort()
 
-    def _abort(self) -> None:
+    def abort(self) -> None:
+        """Close the connection at once; nothing more it sends is looked at."""
         self._state, self._left = _DISCARD, 1 << 62  # nothing more is looked at
         if self.transport is not None:
             self.transport.abort()
 
 
 class TcpListener:
-    """The per-process data listener of the ``tcp`` path."""
+    """The per-process data listener of the ``tcp`` path.
+
+    Args:
+        registry: the transfers offered (what a BIND may claim).
+        host: address to listen on; port: port (0: a free one, set by `start`).
+        ssl_context: TLS of each connection (the handshake runs once it was admitted).
+        bind_deadline: seconds a connection has to bind its first stream, TLS handshake included.
+        max_connections: connections kept at once, bound or not.
+        max_unbound: of those, how many may not have bound a stream yet.
+        max_unbound_per_source: of those, how many from one address.
+    """
 
     def __init__(
         self,
@@ -307,31 +393,102 @@ class TcpListener:
         host: str,
         port: int,
         ssl_context: ssl.SSLContext | None,
-        bind_timeout: float,
+        bind_deadline: float,
         max_connections: int,
+        max_unbound: int,
+        max_unbound_per_source: int,
     ) -> None:
         self.registry = registry
         self.host = host
         self.port = port
         self.ssl_context = ssl_context
-        self.bind_timeout = bind_timeout
+        self.bind_deadline = bind_deadline
         self.max_connections = max_connections
+        self.max_unbound = max_unbound
+        self.max_unbound_per_source = max_unbound_per_source
         self.connections: set[RxConnection] = set()
+        self.unbound: collections.Counter[str] = collections.Counter()
+        """Per source address, its connections that have not bound a stream yet."""
+        self._waiting: dict[RxConnection, None] = {}
+        """The connections that have not bound a stream yet, oldest first."""
         self.accepted = 0
         """Connections accepted so far (for tests and `kvbus top`)."""
+        self.refused = 0
+        """Connections closed as they came, over a cap (for tests and `kvbus top`)."""
+        self.evicted = 0
+        """Unbound connections closed to make room for a new one (for tests and `kvbus top`)."""
+        self._warned = 0.0
         self._server: asyncio.Server | None = None
+
+    @property
+    def turned_away(self) -> int:
+        """Connections closed over a cap, refused or evicted."""
+        return self.refused + self.evicted
+
+    @property
+    def unbound_total(self) -> int:
+        """Connections that have not bound a stream yet."""
+        return len(self._waiting)
+
+    def admit(self, conn: RxConnection) -> bool:
+        """Keep ``conn`` (it just connected) unless a cap says no; counted as unbound until `bound`.
+
+        Over `max_unbound` the oldest unbound connection makes room (a sender binds within a
+        round trip, so what waits longest is a stranger's); over `max_unbound_per_source` or
+        `max_connections` the new one is closed.
+        """
+        if len(self.connections) >= self.max_connections:
+            self.refused += 1
+            self._turn_away(conn, f"{len(self.connections)} connections are open")
+            return False
+        if self.unbound[conn.source] >= self.max_unbound_per_source:
+            self.refused += 1
+            self._turn_away(conn, f"{self.unbound[conn.source]} connections from {conn.source} have not bound yet")
+            return False
+        if len(self._waiting) >= self.max_unbound:
+            oldest = next(iter(self._waiting))
+            self.bound(oldest)
+            self.evicted += 1
+            self._turn_away(oldest, f"{self.max_unbound} connections have not bound yet; this one waited longest")
+            oldest.abort()
+        self.connections.add(conn)
+        self.unbound[conn.source] += 1
+        self._waiting[conn] = None
+        conn.unbound = True
+        self.accepted += 1
+        return True
+
+    def _turn_away(self, conn: RxConnection, why: str) -> None:
+        now = time.monotonic()
+        if now - self._warned >= WARN_EVERY_S:
+            self._warned = now
+            logger.warning(
+                "tcp data listener: closing the connection from %s: %s (%d turned away so far)",
+                conn.peer,
+                why,
+                self.turned_away,
+            )
+
+    def bound(self, conn: RxConnection) -> None:
+        """``conn`` bound its first stream (or is gone): it no longer counts against the pre-BIND caps."""
+        if conn.unbound:
+            conn.unbound = False
+            self._waiting.pop(conn, None)
+            self.unbound[conn.source] -= 1
+            if self.unbound[conn.source] <= 0:
+                del self.unbound[conn.source]
+
+    def forget(self, conn: RxConnection) -> None:
+        """``conn`` is gone."""
+        self.bound(conn)
+        self.connections.discard(conn)
 
     async def start(self) -> None:
         """Listen (``port`` 0: on a free port, then set)."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            lambda: RxConnection(self),
-            self.host,
-            self.port,
-            ssl=self.ssl_context,
-            reuse_address=True,
-            ssl_handshake_timeout=self.bind_timeout if self.ssl_context else None,
-        )
+        # TLS is started per connection once it is admitted (`RxConnection._start_tls`), so that
+        # a handshake in progress counts against the caps too.
+        self._server = await loop.create_server(lambda: RxConnection(self), self.host, self.port, reuse_address=True)
         self.port = self._server.sockets[0].getsockname()[1]
         logger.info("tcp data listener on %s:%d%s", self.host, self.port, " (TLS)" if self.ssl_context else "")
 
@@ -342,6 +499,8 @@ class TcpListener:
             return
         server.close()
         for conn in list(self.connections):
+            if conn._tls is not None:
+                conn._tls.cancel()
             if conn.transport is not None:
                 conn.transport.abort()
         await server.wait_closed()
