@@ -114,6 +114,7 @@ def write_report(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.artist import Artist
     from matplotlib.patches import Rectangle
 
     by = _as_rounds(runs)
@@ -194,8 +195,10 @@ def write_report(
         ax.set_title("media chosen by adaptive over time (marker area ~ context tokens)")
         refs = sorted({max(1, round(most * f)) for f in (0.25, 0.5, 1.0)})
         sizes = [ax.scatter([], [], s=size(n), color="grey", alpha=0.6) for n in refs]
+        keys: list[Artist] = [Rectangle((0, 0), 1, 1, color=colour(m)) for m in media]
+        keys += sizes
         ax.legend(
-            [Rectangle((0, 0), 1, 1, color=colour(m)) for m in media] + sizes,
+            keys,
             media + [f"{n} tokens" for n in refs],
             fontsize=7,
             loc="center left",

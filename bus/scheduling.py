@@ -267,8 +267,11 @@ class SchedulerLink:
         error: BaseException | None,
         wire_s: float = 0.0,
         path: str = "",
+        encode_s: float = 0.0,
+        decode_s: float = 0.0,
     ) -> None:
-        """Tell the scheduler a granted transfer finished (or failed), with its observed size and time."""
+        """Tell the scheduler a granted transfer finished (or failed), with its observed size and
+        time, and the phases of that time the cost model learns from (encode, the slowest decode)."""
         ep = self._ep
         budget = self.budgets.finished(transfer_id)
         ending = transfer_id in self._end_on_done
@@ -285,6 +288,8 @@ class SchedulerLink:
             wire_s=wire_s,
             path=path,
             budget=budget.transfer_id if budget is not None else (transfer_id if ending else ""),
+            encode_s=encode_s,
+            decode_s=decode_s,
         )
         await self._publish_done(done)
 

@@ -215,6 +215,8 @@ class Sender:
                 error,
                 wire_s=max(0.0, t_done - t_enc - slowest_decode),
                 path=out.route.summary if out.route is not None else "nats",
+                encode_s=t_enc - t_grant,
+                decode_s=slowest_decode,
             )
             fidelity, lossless = self._delivered(receivers, kv, codec, encoded)
             for rx, o in outcomes.items():
@@ -244,7 +246,17 @@ class Sender:
                 decode_s={rx: o.decode_s for rx, o in outcomes.items()},
                 total_s=t_done - t0,
                 rate_bps=grant.rate_bps,
-                decision={**grant.decision, "reason": grant.reason, "observed_s": round(t_done - t_grant, 6)},
+                decision={
+                    **grant.decision,
+                    "reason": grant.reason,
+                    "observed_s": round(t_done - t_grant, 6),
+                    "measured": {
+                        "encode_s": round(t_enc - t_grant, 6),
+                        "wire_s": round(max(0.0, t_done - t_enc - slowest_decode), 6),
+                        "decode_s": round(slowest_decode, 6),
+                        "total_s": round(t_done - t_grant, 6),
+                    },
+                },
                 fidelity=fidelity,
                 path=path,
                 paths=tuple(out.paths_used),

@@ -75,6 +75,16 @@ class SchedulerConfig:
     """A pair switches medium only if the new one is predicted at least this much faster."""
     default_bandwidth_bps: float = 1e9
     """Bandwidth assumed for a pair with no observation and no declared capacity."""
+    explore_fraction: float = 0.1
+    """Most adaptive decisions that may explore (send a medium to measure it), as a share; 0 = never."""
+    explore_margin: float = 1.0
+    """A medium predicted at most (1 + this) x the chosen one's latency may be explored."""
+    explore_min_samples: int = 3
+    """A medium measured fewer times than this at a context size is explored there."""
+    explore_stale_s: float = 600.0
+    """A medium not measured for this long at a context size is explored again."""
+    learned_save_s: float = 5.0
+    """Seconds between writes of what the scheduler learned to JetStream KV (0 = never persisted)."""
     # -- weights: W_ij = role_priority_i + role_priority_j + urgency ----------------------------
     urgency_base: float = DEFAULT_BASE
     """Urgency every transfer has."""
@@ -141,6 +151,15 @@ class SchedulerConfig:
             raise ConfigError("max_active and per_pair must be at least 1")
         if self.selector not in ("adaptive", "static"):
             raise ConfigError(f"selector {self.selector!r} must be 'adaptive' or 'static'")
+        if not 0 <= self.explore_fraction <= 1 or not 0 <= self.explore_margin < float("inf"):
+            raise ConfigError(
+                f"explore_fraction {self.explore_fraction} must be within 0..1, explore_margin "
+                f"{self.explore_margin} a finite number >= 0"
+            )
+        if self.explore_min_samples < 0 or not 0 < self.explore_stale_s < float("inf"):
+            raise ConfigError("explore_min_samples must be >= 0 and explore_stale_s a positive number of seconds")
+        if not 0 <= self.learned_save_s < float("inf"):
+            raise ConfigError(f"learned_save_s {self.learned_save_s} must be a finite number of seconds >= 0")
         if not 0 <= self.hysteresis < 1:
             raise ConfigError(f"hysteresis {self.hysteresis} must be in [0, 1)")
         if self.probe_ttl_s <= 0:

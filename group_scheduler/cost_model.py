@@ -31,6 +31,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvbus.group_scheduler.learning import LearnedCosts
 from kvbus.signature import ModelSignature
 
 logger = logging.getLogger(__name__)
@@ -108,6 +109,8 @@ class Link:
     rtt_s: float = 0.0
     source: str = "estimate"
     """``estimate`` (observed transfers), ``configured`` (declared capacity) or ``default``."""
+    path: str = "nats"
+    """The data path the bytes are expected to take (its learned fixed cost applies)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +143,20 @@ class Estimate:
     fidelity: float
     usable: bool = True
     why_not: str = ""
+    enc_s: float = 0.0
+    """Encode on A (in ``comp_s``)."""
+    dec_s: float = 0.0
+    """Decode on B (in ``comp_s``)."""
+    recompute_s: float = 0.0
+    """B's prefill (``tokens``; A's summary and B's prefill of it for ``summary``; in ``comp_s``)."""
+    fixed_s: float = 0.0
+    """Round trips and per-transfer costs beyond the bytes (in ``comm_s``)."""
+    prior_enc_s: float = 0.0
+    """Encode by the calibrated figures alone (what a measured encode is compared with)."""
+    prior_dec_s: float = 0.0
+    """Decode by the calibrated figures alone."""
+    learned: bool = False
+    """Some term was corrected by what the scheduler measured (`kvbus.group_scheduler.learning`)."""
 
     @property
     def total_s(self) -> float:
@@ -157,6 +174,21 @@ class Estimate:
             "total_s": round(self.total_s, 6) if self.usable else None,
             "fidelity": self.fidelity,
             **({"why_not": self.why_not} if self.why_not else {}),
+            **(
+                {
+                    "terms": {
+                        "fixed_s": round(self.fixed_s, 6),
+                        "bytes_s": round(self.comm_s - self.fixed_s, 6),
+                        "enc_s": round(self.enc_s, 6),
+                        "dec_s": round(self.dec_s, 6),
+                        "recompute_s": round(self.recompute_s, 6),
+                    },
+                    "prior": {"enc_s": self.prior_enc_s, "dec_s": self.prior_dec_s},
+                    "learned": self.learned,
+                }
+                if self.usable
+                else {}
+            ),
         }
 
 
@@ -170,6 +202,8 @@ class Choice:
     reason: str
     forced_lossless: bool = False
     kept_by_hysteresis: bool = False
+    explored: bool = False
+    """Chosen to measure it (bounded exploration), not because it was predicted fastest."""
 
     def record(self) -> dict[str, Any]:
         """The decision record that travels in the grant and ends up in the TransferReport."""
@@ -179,6 +213,7 @@ class Choice:
             "predicted_s": round(self.estimate.total_s, 6),
             "forced_lossless": self.forced_lossless,
             "kept_by_hysteresis": self.kept_by_hysteresis,
+            "explored": self.explored,
             "candidates": [c.as_dict() for c in self.candidates],
         }
 
@@ -202,7 +237,11 @@ class CostModel:
         self.config = config or CostConfig()
         self.calibrated = calibrated and figures is not None
         self.bias: dict[str, float] = {}
-        """Observed / predicted compute time per medium (online correction), 1.0 until observed."""
+        """Observed / predicted compute time per medium (online correction), 1.0 until observed;
+        applies where `learned` has no measured encode and decode for the medium at that size."""
+        self.learned = LearnedCosts()
+        """What the scheduler measured of each term (fixed cost per path, codec speed per medium
+        and size, prefill per receiver): corrections over the calibrated prior."""
 
     @classmethod
     def from_profile(cls, profile: Any, *, config: CostConfig | None = None) -> CostModel:
@@ -280,9 +319,17 @@ class CostModel:
         bw = max(link.bandwidth_bps, 1.0)
         rtt = link.rtt_s or cfg.rtt_s
         chunks = max(1, math.ceil(nbytes / cfg.chunk_bytes))
-        comm = nbytes / bw + cfg.round_trips * rtt + chunks * cfg.per_chunk_s
-        enc = raw / (fig.encode_gbps * 1e9) / _free(sender.compute_load)
-        dec = raw / (fig.decode_gbps * 1e9) / _free(receiver.compute_load)
+        learned_fixed = self.learned.fixed(link.path)
+        # The grant's round trip, then what a transfer on this path was measured to cost beyond
+        # its bytes (Open, verdict); before any measurement, the configured round trips.
+        fixed = rtt + learned_fixed if learned_fixed is not None else cfg.round_trips * rtt
+        comm = nbytes / bw + fixed + chunks * cfg.per_chunk_s
+        prior_enc = raw / (fig.encode_gbps * 1e9) / _free(sender.compute_load)
+        prior_dec = raw / (fig.decode_gbps * 1e9) / _free(receiver.compute_load)
+        f_enc = self.learned.factor(medium, kv_bytes, "encode")
+        f_dec = self.learned.factor(medium, kv_bytes, "decode")
+        enc = prior_enc * (f_enc if f_enc is not None else 1.0)
+        dec = prior_dec * (f_dec if f_dec is not None else 1.0)
         recompute = 0.0
         if kind == "tokens":
             recompute = new_tokens / receiver.model.prefill_tokens_per_s / _prefill_free(receiver)
@@ -290,16 +337,34 @@ class CostModel:
             write = fig.summary_tokens * sender.model.decode_token_s / _free(sender.compute_load)
             read = fig.summary_tokens / receiver.model.prefill_tokens_per_s / _prefill_free(receiver)
             recompute = write + read
+        # The per-medium bias is the older, coarser correction: only where nothing finer was measured.
+        measured_codec = f_enc is not None or f_dec is not None
+        bias = 1.0 if measured_codec else self.bias.get(medium, 1.0)
+        enc, dec, recompute = enc * bias, dec * bias, recompute * bias
         comp = enc + dec + recompute
         fidelity = fig.fidelity
         loss = cfg.loss_weight * cfg.output_tokens * (1.0 - fidelity) * receiver.model.decode_token_s
         # What B must hold: the payload while it arrives, then the decoded KV.
         resident = per_token_bytes * fig.summary_tokens if kind == "summary" else kv_bytes * fig.resident_fraction
         comp += cfg.memory_penalty_s_per_gb * receiver.memory_pressure * (nbytes + resident) / 1e9
-        # The online correction applies to the compute terms only: the communication term comes
+        # The corrections apply to the compute terms and the fixed cost only: the bytes' time comes
         # from the link as observed (the group's estimate), and scaling it too would carry what
         # one link taught about a medium's codec speed to every other link.
-        return Estimate(medium, nbytes, comm, comp * self.bias.get(medium, 1.0), loss, fidelity)
+        return Estimate(
+            medium,
+            nbytes,
+            comm,
+            comp,
+            loss,
+            fidelity,
+            enc_s=enc,
+            dec_s=dec,
+            recompute_s=recompute,
+            fixed_s=fixed,
+            prior_enc_s=round(prior_enc, 9),
+            prior_dec_s=round(prior_dec, 9),
+            learned=measured_codec or learned_fixed is not None or bias != 1.0,
+        )
 
     def choose(
         self,

@@ -358,13 +358,28 @@ class GrantLoop:
         """The link estimates, the cost model and the reservation stats from a transfer that went well."""
         state = self.state
         path = done.path or "nats"
-        if done.nbytes >= MIN_ESTIMATE_BYTES and done.wire_s > 0 and path in PATH_NAMES:
-            for rx in done.dst:
-                state.link(done.src, rx, path).observe(done.nbytes, done.wire_s)
-                telemetry.instruments().link_bandwidth.record(
-                    done.nbytes / done.wire_s, {"group": self.group, "link": f"{done.src}->{rx}", "path": path}
-                )
         model = getattr(self.policy.selector, "model", None)
+        fixed = 0.0
+        if model is not None and path in PATH_NAMES and done.dst:
+            est = state.link(done.src, done.dst[0], path)
+            declared = state.declared_bandwidth(done.src, done.dst[0])
+            bw = est.bandwidth_bps if est.known else declared if declared > 0 else None
+            req = pending.request
+            fixed = model.learned.observe_transfer(
+                done,
+                pending.decision,
+                kv_bytes=req.nbytes,
+                new_tokens=max(0, req.n_tokens - req.base_tokens) if done.medium.startswith("delta+") else req.n_tokens,
+                bandwidth_bps=bw,
+                teach_codec=not budgeted,
+            )
+        if done.nbytes >= MIN_ESTIMATE_BYTES and done.wire_s > 0 and path in PATH_NAMES:
+            wire_s = done.wire_s - fixed  # the bytes' own time: a transfer's round trips are not the link
+            for rx in done.dst:
+                state.link(done.src, rx, path).observe(done.nbytes, wire_s)
+                telemetry.instruments().link_bandwidth.record(
+                    done.nbytes / wire_s, {"group": self.group, "link": f"{done.src}->{rx}", "path": path}
+                )
         compute_s = done.seconds - done.wire_s  # encode, decode, recompute: what the link estimate does not say
         if model is not None and pending.predicted_comp_s > 0 and done.wire_s > 0 and compute_s > 0 and not budgeted:
             model.observe(pending.medium, pending.predicted_comp_s, compute_s)

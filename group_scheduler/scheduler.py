@@ -26,9 +26,11 @@ from nats.aio.msg import Msg
 from kvbus.errors import WireFormatError
 from kvbus.group_scheduler.admission import RequestAdmission, check_sender, refusal_code
 from kvbus.group_scheduler.config import SchedulerConfig
+from kvbus.group_scheduler.cost_model import CostModel
 from kvbus.group_scheduler.directory import Directory
 from kvbus.group_scheduler.handlers import SchedulerHandlers
 from kvbus.group_scheduler.intergroup import InterGroupLease
+from kvbus.group_scheduler.learning import LearnedStore
 from kvbus.group_scheduler.loop import GrantLoop
 from kvbus.group_scheduler.memory_hints import MemoryHints
 from kvbus.group_scheduler.policies import make_policy
@@ -105,6 +107,8 @@ class GroupScheduler(SchedulerHandlers, ReplicatedService):
         """The time-slice loop: decisions -> grants and controls."""
         self.store = ReservationStore(transport, group)
         """The admitted reservations in JetStream KV."""
+        self.learned_store = LearnedStore(transport, group)
+        """What the cost model learned, in JetStream KV (loaded when this replica starts serving)."""
         self.memory = MemoryHints(self.config)
         """Cache watermarks and shed hints."""
         self.inter = InterGroupLease(
@@ -195,6 +199,7 @@ class GroupScheduler(SchedulerHandlers, ReplicatedService):
             asyncio.create_task(self._heartbeat(), name=f"kvbus-sched-hb-{self.group}"),
             asyncio.create_task(self.inter.run(), name=f"kvbus-sched-lease-{self.group}"),
             asyncio.create_task(self.directory.watch(), name=f"kvbus-sched-dir-{self.group}"),
+            asyncio.create_task(self._save_learned(), name=f"kvbus-sched-learned-{self.group}"),
         ]
         bucket = await transport_bucket(self.transport, COORD_BUCKET) if self.config.leader_ttl_s > 0 else None
         await self.campaign(bucket, f"sched.{self.group}", ttl=self.config.leader_ttl_s)
@@ -211,17 +216,50 @@ class GroupScheduler(SchedulerHandlers, ReplicatedService):
             Endpoint(sched_subject(self.group, "register", "*"), self._on_register, q),
         ]
 
+    @property
+    def cost_model(self) -> CostModel | None:
+        """The adaptive selector's cost model (None for a static selector)."""
+        model = getattr(self.policy.selector, "model", None)
+        return model if isinstance(model, CostModel) else None
+
     async def now_serving(self) -> None:
-        """Look at the queue at once (a standby that took over may hold re-sent requests)."""
+        """Take up what the group learned (a restart or a standby taking over starts from it, not
+        from the prior alone), then look at the queue at once (a standby may hold re-sent requests)."""
+        model = self.cost_model
+        if model is not None and self.config.learned_save_s > 0:
+            stored = await self.learned_store.load()
+            if stored is not None:
+                model.learned = stored
+                logger.info(
+                    "group %s: learned costs restored (%d codec, %d fixed-cost, %d prefill entries)",
+                    self.group,
+                    len(stored.codec),
+                    len(stored.fixed_s),
+                    len(stored.prefill_tps),
+                )
         self.loop.wake.set()
         logger.info("group scheduler %s serving (%s policy)", self.name, type(self.policy).__name__)
 
     async def closing(self) -> None:
-        """Stop renewing the inter-group lease and, as the serving replica, leave the coordinator."""
+        """Stop renewing the inter-group lease and, as the serving replica, keep what it learned
+        and leave the coordinator."""
         self.inter.stop()
         self.directory.stopped = True
         if self.serving:
+            model = self.cost_model
+            if model is not None and model.learned.changes and self.config.learned_save_s > 0:
+                await bounded(self.learned_store.save(model.learned), "save the learned costs")
             await bounded(self.inter.leave(), "leave")
+
+    async def _save_learned(self) -> None:
+        """Every ``learned_save_s``, write what the cost model learned since (the serving replica only)."""
+        if self.config.learned_save_s <= 0:
+            return
+        while True:
+            await asyncio.sleep(self.config.learned_save_s)
+            model = self.cost_model
+            if self.serving and model is not None and model.learned.changes:
+                await self.learned_store.save(model.learned)
 
     async def closed_down(self) -> None:
         """Stop the background tasks and the probe subscription."""

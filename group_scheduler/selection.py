@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, replace
 
 from kvbus.codecs import get_codec
@@ -48,6 +49,28 @@ def _known(spec: str) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
+class Exploration:
+    """Bounded exploration: how often, and which, media are tried to measure them.
+
+    A medium whose estimate at this context size is unmeasured (fewer than ``min_samples``
+    transfers) or stale (none for ``stale_s``), and predicted within ``margin`` of the chosen
+    one, is sent instead on at most ``fraction`` of the transfers, so that a wrong prior is
+    corrected within a few dozen transfers. Never for a critical transfer, one with a deadline,
+    a broadcast, a receiver under memory pressure, a medium the precision refresh forbids, or
+    a medium the sender asked for.
+    """
+
+    fraction: float = 0.1
+    """Most transfers that may explore, as a share of the adaptive decisions (0 = never)."""
+    margin: float = 1.0
+    """A candidate predicted at most (1 + margin) x the chosen one's latency may be explored."""
+    min_samples: int = 3
+    """A medium measured fewer times than this at a context size is unmeasured there."""
+    stale_s: float = 600.0
+    """A medium not measured for this long at a context size is measured again."""
+
+
+@dataclass(frozen=True, slots=True)
 class Decided:
     """The selector's choice for one transfer, with the cost model's record of it."""
 
@@ -73,8 +96,14 @@ class AdaptiveSelector(MediumSelector):
         *,
         candidates: tuple[str, ...] = DEFAULT_CANDIDATES,
         default_bandwidth_bps: float = 1e9,
+        exploration: Exploration | None = None,
     ) -> None:
         self.model = model or CostModel()
+        self.exploration = exploration or Exploration()
+        self.decided = 0
+        """Decisions the selector made itself (not a medium the sender asked for)."""
+        self.explored = 0
+        """Of those, the ones that explored."""
         self.candidates = tuple(
             dict.fromkeys(c for c in (_canonical(m) for m in candidates) if c in self.model.figures and _known(c))
         )
@@ -87,11 +116,11 @@ class AdaptiveSelector(MediumSelector):
         declared capacity, else the default."""
         est = state.link(src, dst, path)
         if est.known:
-            return Link(est.bandwidth_bps, 2 * state.declared_latency(src, dst), "estimate")
+            return Link(est.bandwidth_bps, 2 * state.declared_latency(src, dst), "estimate", path)
         declared = state.declared_bandwidth(src, dst)
         if declared > 0:
-            return Link(declared, 2 * state.declared_latency(src, dst), "configured")
-        return Link(self.default_bandwidth_bps, 0.0, "default")
+            return Link(declared, 2 * state.declared_latency(src, dst), "configured", path)
+        return Link(self.default_bandwidth_bps, 0.0, "default", path)
 
     def endpoint(
         self, state: GroupState, name: str, signature: ModelSignature | None, *, recompute: bool = True
@@ -103,6 +132,8 @@ class AdaptiveSelector(MediumSelector):
         pressure = agent.memory_pressure if agent else 0.0
         costs = getattr(self.model, "default_model_costs", ModelCosts())
         measured = agent.prefill_tps if agent else 0.0
+        if measured <= 0:  # the agent measures none: what its tokens deliveries took, if any
+            measured = self.model.learned.prefill(name) or 0.0
         if measured > 0:
             costs = replace(costs, prefill_tokens_per_s=measured)
         return Endpoint(signature, load, pressure, costs, recompute=recompute, prefill_measured=measured > 0)
@@ -173,8 +204,50 @@ class AdaptiveSelector(MediumSelector):
             if previous is not None and previous != choice.medium:
                 self.switches += 1
             self.last[(req.src, rx)] = choice.medium
-        reason = "requested by the sender" if req.medium else choice.reason
-        return Decided(choice.medium, reason, choice)
+        if req.medium:
+            return Decided(choice.medium, "requested by the sender", choice)
+        self.decided += 1
+        if len(per_rx) == 1:
+            # The pair keeps its exploited medium for hysteresis: an exploration is one transfer.
+            rx = next(iter(pending.receivers))
+            explore = self._explore(state, pending, choice, rx)
+            if explore is not None:
+                self.explored += 1
+                return Decided(explore.medium, explore.reason, explore)
+        return Decided(choice.medium, choice.reason, choice)
+
+    def _explore(self, state: GroupState, pending: Pending, choice: Choice, rx: str) -> Choice | None:
+        """The medium to measure on this transfer instead of ``choice``, if any (see `Exploration`)."""
+        ex = self.exploration
+        req = pending.request
+        if ex.fraction <= 0 or self.explored >= ex.fraction * self.decided + 1:
+            return None
+        if req.critical or req.deadline is not None or pending.deadline_at is not None:
+            return None
+        agent = state.agents.get(rx)
+        if agent is not None and agent.memory_pressure > 0:
+            return None
+        cfg, learned = self.model.config, self.model.learned
+        now = time.time()
+        best = choice.estimate.total_s
+        options: list[tuple[int, float, Estimate]] = []
+        for e in choice.candidates:
+            if not e.usable or e.medium == choice.medium or e.total_s > (1 + ex.margin) * best:
+                continue
+            figures = self.model.figures[e.medium]
+            if not figures.lossless and req.fidelity * e.fidelity < cfg.refresh_threshold:
+                continue  # the precision refresh would not allow it
+            n, ts = learned.measured(e.medium, req.nbytes)
+            if n < ex.min_samples or now - ts > ex.stale_s:
+                options.append((n, e.total_s, e))
+        if not options:
+            return None
+        n, _, est = min(options, key=lambda o: (o[0], o[1]))
+        reason = (
+            f"explore: {est.medium} measured {n} time(s) at this size; predicted "
+            f"{est.total_s * 1000:.1f} ms against {best * 1000:.1f} ms for {choice.medium}"
+        )
+        return replace(choice, medium=est.medium, estimate=est, reason=reason, explored=True, kept_by_hysteresis=False)
 
     def _broadcast_choice(self, per_rx: list[Choice]) -> Choice | None:
         """One medium for all receivers: the one whose slowest receiver is fastest."""
@@ -210,4 +283,10 @@ def default_selector(config: SchedulerConfig) -> MediumSelector:
     except Exception as exc:  # noqa: BLE001 - no profile: decisions say they used fallback figures
         logger.warning("no calibration profile (%s); the cost model uses fallback figures", exc)
         model = CostModel(config=CostConfig(hysteresis=config.hysteresis))
-    return AdaptiveSelector(model, default_bandwidth_bps=config.default_bandwidth_bps)
+    exploration = Exploration(
+        fraction=config.explore_fraction,
+        margin=config.explore_margin,
+        min_samples=config.explore_min_samples,
+        stale_s=config.explore_stale_s,
+    )
+    return AdaptiveSelector(model, default_bandwidth_bps=config.default_bandwidth_bps, exploration=exploration)

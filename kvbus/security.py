@@ -172,6 +172,7 @@ def scheduler_permissions(group: str) -> dict[str, object]:
                 "$KV.kvbus_agents.>",
                 "$KV.kvbus_coord.>",
                 f"$KV.kvbus_sched_reservations.{g}.>",
+                f"$KV.kvbus_sched_learned.{g}.>",
                 f"_INBOX.sched-{g}.>",
             ]
         },
@@ -181,6 +182,7 @@ def scheduler_permissions(group: str) -> dict[str, object]:
                 f"_INBOX.sched-{g}.>",
                 "$KV.kvbus_agents.>",
                 f"$KV.kvbus_sched_reservations.{g}.>",
+                f"$KV.kvbus_sched_learned.{g}.>",
             ]
         },
         "allow_responses": True,

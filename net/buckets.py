@@ -103,6 +103,7 @@ SPECS: dict[str, BucketSpec] = {
     COORD_BUCKET: BucketSpec(description="kvbus coordinator state and leader leases (leases age by their timestamp)"),
     GROUPS_BUCKET: BucketSpec(description="kvbus group records"),
     "kvbus_sched_reservations": BucketSpec(description="kvbus reservations, deleted when cancelled"),
+    "kvbus_sched_learned": BucketSpec(description="kvbus cost-model corrections each group scheduler learned"),
 }
 
 

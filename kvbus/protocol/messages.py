@@ -273,6 +273,8 @@ class FlowReservation(Message):
         "wire_s": SECONDS,
         "path": str,
         "budget": str,
+        "encode_s": SECONDS,
+        "decode_s": SECONDS,
     },
 )
 @dataclass(frozen=True, slots=True)
@@ -296,6 +298,10 @@ class TransferDone(Message):
     budget: str = ""
     """The granted transfer whose rate budget this one ran under (`Grant.budget_s`; the
     scheduler never saw a request for it). Equal to ``transfer_id``: the sender ends that budget."""
+    encode_s: float = 0.0
+    """The sender's encode (in ``seconds``; 0: not measured), for the cost model's codec term."""
+    decode_s: float = 0.0
+    """The slowest receiver's decode, its prefill for ``tokens`` (in ``seconds``; 0: not measured)."""
 
 
 @message(

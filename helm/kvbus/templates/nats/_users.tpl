@@ -53,9 +53,9 @@ only on its own group's coordinator subjects. */}}
 {{- $publish := list "kvbus.agent.*.ctl" (printf "kvbus.coord.register.%s" .) (printf "kvbus.coord.leave.%s" .)
   "kvbus.coord.lease" "kvbus.coord.reserve" "kvbus.coord.unreserve" "kvbus.coord.groups"
   "$JS.API.>" "$KV.kvbus_agents.>" "$KV.kvbus_coord.>" (printf "$KV.kvbus_sched_reservations.%s.>" .)
-  (printf "_INBOX.sched-%s.>" .) -}}
+  (printf "$KV.kvbus_sched_learned.%s.>" .) (printf "_INBOX.sched-%s.>" .) -}}
 {{- $subscribe := list (printf "kvbus.sched.%s.>" .) (printf "_INBOX.sched-%s.>" .) "$KV.kvbus_agents.>"
-  (printf "$KV.kvbus_sched_reservations.%s.>" .) -}}
+  (printf "$KV.kvbus_sched_reservations.%s.>" .) (printf "$KV.kvbus_sched_learned.%s.>" .) -}}
 {{- toJson (dict "publish" (dict "allow" $publish) "subscribe" (dict "allow" $subscribe) "allow_responses" true) -}}
 {{- end -}}
 

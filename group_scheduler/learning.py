@@ -1,0 +1,343 @@
+"""What a group scheduler learns from finished transfers: online corrections of the cost model.
+
+The cost model's physics (bytes over bandwidth, calibrated codec speeds, a prefill rate) is the
+prior: it makes a first decision sensible. Every transfer that finishes reports what it took
+(`TransferDone`: encode, time on the wire, the slowest receiver's decode), and `LearnedCosts`
+corrects each term from it:
+
+- the fixed cost of a transfer per data path (the `Open`, the verdict, per-transfer work: what a
+  transfer costs beyond its bytes), from transfers whose bytes are a small part of their time;
+- encode and decode per (medium, size class), as a factor on the calibrated speed (kept in log
+  space, so one slow outlier moves it as much as one fast one);
+- prefill tokens/s per receiver, from ``tokens`` transfers (the receiver's decode is its prefill);
+- how often, and how recently, each (medium, size class) was measured: what exploration asks.
+
+Per-byte throughput per (path, link) is the group's sliding-window link estimate
+(`kvbus.group_scheduler.state.LinkEstimate`); it is fed the wire time less the learned fixed
+cost, so a small transfer's round trips are not read as a slow link.
+
+The state is plain data (`as_dict` / `from_dict`), persisted by `LearnedStore` in JetStream KV,
+where the group's reservations live too, so that a restarted scheduler or a standby that takes
+over starts from what the group learned.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from nats.js.errors import KeyNotFoundError
+
+from kvbus.net.buckets import transport_bucket
+from kvbus.net.transport import Transport
+from kvbus.protocol import packb, unpackb
+
+logger = logging.getLogger(__name__)
+
+#: Upper bounds (bytes of uncompressed context) of the size classes; larger is the last class.
+SIZE_CLASS_BOUNDS = (1 << 20, 8 << 20, 64 << 20, 512 << 20)
+#: Weight of a new sample in the exponentially weighted averages.
+LEARN_WEIGHT = 0.3
+#: A learned factor stays within this range of the prior (1/x .. x): a broken clock or one absurd
+#: sample cannot make a medium look free or impossible.
+MAX_FACTOR = 50.0
+#: A sample of the fixed cost is taken only when the bytes' predicted share of the wire time is below this.
+FIXED_SAMPLE_SHARE = 0.5
+#: The fixed cost taken off a wire time before it feeds the link estimate is at most this share of it.
+FIXED_MAX_SHARE = 0.5
+#: Recent prediction errors kept for `prediction_error`.
+ERRORS_KEPT = 512
+#: Entries kept per table (the oldest measured are dropped past it): the state stays small.
+MAX_ENTRIES = 1024
+#: JetStream KV bucket of the learned state (key ``<group>.state``).
+LEARNED_BUCKET = "kvbus_sched_learned"
+#: Version of the stored layout; another version is ignored (the prior applies).
+LAYOUT = 1
+
+
+def size_class(kv_bytes: float) -> int:
+    """The size class of a context of ``kv_bytes`` uncompressed bytes (0 = under 1 MB)."""
+    for i, bound in enumerate(SIZE_CLASS_BOUNDS):
+        if kv_bytes < bound:
+            return i
+    return len(SIZE_CLASS_BOUNDS)
+
+
+@dataclass(slots=True)
+class Learned:
+    """One learned quantity: an exponentially weighted average, its sample count and last time."""
+
+    value: float
+    n: int = 1
+    ts: float = 0.0
+    """Wall-clock time of the last sample."""
+
+    def add(self, sample: float, now: float, *, log: bool = False) -> None:
+        """Fold in ``sample`` (``log``: average in log space)."""
+        if log:
+            self.value = math.exp((1 - LEARN_WEIGHT) * math.log(self.value) + LEARN_WEIGHT * math.log(sample))
+        else:
+            self.value = (1 - LEARN_WEIGHT) * self.value + LEARN_WEIGHT * sample
+        self.n += 1
+        self.ts = now
+
+
+def _finite_positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+@dataclass(slots=True)
+class LearnedCosts:
+    """The corrections a group scheduler learned (see the module docstring)."""
+
+    fixed_s: dict[str, Learned] = field(default_factory=dict)
+    """Per data path: seconds a transfer costs beyond its bytes."""
+    codec: dict[tuple[str, int, str], Learned] = field(default_factory=dict)
+    """Per (medium, size class, ``encode`` or ``decode``): measured / calibrated seconds."""
+    prefill_tps: dict[str, Learned] = field(default_factory=dict)
+    """Per receiver: prefill tokens/s measured from its ``tokens`` deliveries."""
+    errors: deque[tuple[str, float]] = field(default_factory=lambda: deque(maxlen=ERRORS_KEPT))
+    """(medium, |predicted - measured| / measured) of recent transfers (not persisted)."""
+    changes: int = 0
+    """Samples folded in since the state was last persisted."""
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def fixed(self, path: str) -> float | None:
+        """The learned fixed cost of a transfer on ``path`` (None before its first sample)."""
+        got = self.fixed_s.get(path)
+        return got.value if got is not None else None
+
+    def factor(self, medium: str, kv_bytes: float, phase: str) -> float | None:
+        """Measured / calibrated seconds of ``phase`` (``encode``/``decode``) for ``medium`` at
+        this size, or None when never measured."""
+        got = self.codec.get((medium, size_class(kv_bytes), phase))
+        return got.value if got is not None else None
+
+    def prefill(self, receiver: str) -> float | None:
+        """The receiver's measured prefill tokens/s (None before a ``tokens`` delivery to it)."""
+        got = self.prefill_tps.get(receiver)
+        return got.value if got is not None else None
+
+    def measured(self, medium: str, kv_bytes: float) -> tuple[int, float]:
+        """(samples, wall time of the last one) of ``medium`` at this size (0, 0.0 when never)."""
+        got = [self.codec.get((medium, size_class(kv_bytes), p)) for p in ("encode", "decode")]
+        seen = [g for g in got if g is not None]
+        if not seen:
+            return 0, 0.0
+        return max(g.n for g in seen), max(g.ts for g in seen)
+
+    def prediction_error(self) -> dict[str, Any]:
+        """Median and p90 of |predicted - measured| / measured over the recent transfers."""
+        vals = sorted(e for _, e in self.errors)
+        if not vals:
+            return {"n": 0, "median": None, "p90": None}
+        return {
+            "n": len(vals),
+            "median": round(vals[len(vals) // 2], 4),
+            "p90": round(vals[min(len(vals) - 1, int(0.9 * len(vals)))], 4),
+        }
+
+    # -- learning -----------------------------------------------------------------------------
+
+    def observe_fixed(self, path: str, sample_s: float, now: float | None = None) -> None:
+        """A transfer on ``path`` spent ``sample_s`` beyond its bytes."""
+        if not math.isfinite(sample_s) or sample_s < 0:
+            return
+        now = time.time() if now is None else now
+        got = self.fixed_s.get(path)
+        if got is None:
+            self.fixed_s[path] = Learned(sample_s, 1, now)
+        else:
+            got.add(sample_s, now)
+        self.changes += 1
+
+    def observe_codec(
+        self, medium: str, kv_bytes: float, phase: str, measured_s: float, prior_s: float, now: float | None = None
+    ) -> None:
+        """``phase`` of ``medium`` took ``measured_s`` where the calibrated figures said ``prior_s``."""
+        if not (_finite_positive(measured_s) and _finite_positive(prior_s)):
+            return
+        now = time.time() if now is None else now
+        sample = min(MAX_FACTOR, max(1 / MAX_FACTOR, measured_s / prior_s))
+        key = (medium, size_class(kv_bytes), phase)
+        got = self.codec.get(key)
+        if got is None:
+            self.codec[key] = Learned(sample, 1, now)
+            self._trim(self.codec)
+        else:
+            got.add(sample, now, log=True)
+        self.changes += 1
+
+    def observe_prefill(self, receiver: str, tokens: int, seconds: float, now: float | None = None) -> None:
+        """``receiver`` rebuilt ``tokens`` tokens of KV in ``seconds``."""
+        if tokens <= 0 or not _finite_positive(seconds):
+            return
+        now = time.time() if now is None else now
+        tps = tokens / seconds
+        got = self.prefill_tps.get(receiver)
+        if got is None:
+            self.prefill_tps[receiver] = Learned(tps, 1, now)
+            self._trim(self.prefill_tps)
+        else:
+            got.add(tps, now, log=True)
+        self.changes += 1
+
+    def observe_error(self, medium: str, predicted_s: float, measured_s: float) -> None:
+        """How far the prediction of a finished transfer was from what it took."""
+        if _finite_positive(predicted_s) and _finite_positive(measured_s):
+            self.errors.append((medium, abs(predicted_s - measured_s) / measured_s))
+
+    def observe_transfer(
+        self,
+        done: Any,
+        decision: Mapping[str, Any],
+        *,
+        kv_bytes: int,
+        new_tokens: int,
+        bandwidth_bps: float | None,
+        teach_codec: bool = True,
+    ) -> float:
+        """Learn from one finished transfer (a `TransferDone` and the decision record it was granted
+        with); returns the fixed cost to take off its wire time before the link estimate sees it.
+
+        Args:
+            kv_bytes: the context's uncompressed bytes (its size class).
+            new_tokens: the tokens the receiver had to rebuild (``tokens``: its prefill's length).
+            bandwidth_bps: the pair's bandwidth on the path the bytes took, when known (to tell
+                the bytes' time from the fixed cost); None: no fixed-cost sample.
+            teach_codec: False for a transfer under another's rate budget (its record is the other's).
+        """
+        now = time.time()
+        medium = str(done.medium)
+        candidate = next((c for c in decision.get("candidates", ()) if c.get("medium") == medium), None)
+        prior = candidate.get("prior") if candidate else None
+        if teach_codec and isinstance(prior, Mapping):
+            kind = medium.split("+")[-1].split("(")[0]
+            self.observe_codec(medium, kv_bytes, "encode", done.encode_s, prior.get("enc_s", 0.0), now)
+            if kind == "tokens":
+                if len(done.dst) == 1:
+                    self.observe_prefill(str(done.dst[0]), new_tokens, done.decode_s, now)
+            elif kind != "summary":
+                self.observe_codec(medium, kv_bytes, "decode", done.decode_s, prior.get("dec_s", 0.0), now)
+            if done.encode_s > 0 or done.decode_s > 0:
+                self.observe_error(medium, candidate["comm_s"] + candidate["comp_s"], done.seconds)  # type: ignore[index]
+        path = done.path or "nats"
+        if bandwidth_bps and done.wire_s > 0:
+            bytes_s = done.nbytes / bandwidth_bps
+            if bytes_s <= FIXED_SAMPLE_SHARE * done.wire_s:
+                self.observe_fixed(path, done.wire_s - bytes_s, now)
+        fixed = self.fixed(path)
+        return min(fixed, FIXED_MAX_SHARE * done.wire_s) if fixed else 0.0
+
+    @staticmethod
+    def _trim(table: dict[Any, Learned]) -> None:
+        if len(table) > MAX_ENTRIES:
+            oldest = min(table, key=lambda k: table[k].ts)
+            del table[oldest]
+
+    # -- persistence --------------------------------------------------------------------------
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data (what `LearnedStore` writes and the scheduler's snapshot shows)."""
+        return {
+            "layout": LAYOUT,
+            "fixed_s": {p: [v.value, v.n, v.ts] for p, v in self.fixed_s.items()},
+            "codec": [[m, c, ph, v.value, v.n, v.ts] for (m, c, ph), v in self.codec.items()],
+            "prefill_tps": {r: [v.value, v.n, v.ts] for r, v in self.prefill_tps.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> LearnedCosts:
+        """The state ``as_dict`` wrote; entries that are malformed or out of range are skipped.
+
+        Raises:
+            ValueError: ``data`` is not a learned state of this layout.
+        """
+        if not isinstance(data, dict) or data.get("layout") != LAYOUT:
+            raise ValueError(f"not a learned state of layout {LAYOUT}")
+        out = cls()
+
+        def entry(raw: Any, *, factor: bool = False) -> Learned | None:
+            if not (isinstance(raw, (list, tuple)) and len(raw) == 3):
+                return None
+            value, n, ts = raw
+            if not (_finite_positive(value) or (value == 0 and not factor)) or not isinstance(n, int) or n < 1:
+                return None
+            if factor and not 1 / MAX_FACTOR <= value <= MAX_FACTOR:
+                return None
+            return Learned(float(value), n, float(ts) if _finite_positive(ts) else 0.0)
+
+        def table(key: str) -> dict[Any, Any]:
+            got = data.get(key)
+            return got if isinstance(got, dict) else {}
+
+        codec = data.get("codec")
+        for path, raw in table("fixed_s").items():
+            got = entry(raw)
+            if isinstance(path, str) and got is not None:
+                out.fixed_s[path] = got
+        for raw in codec if isinstance(codec, list) else []:
+            if not (isinstance(raw, (list, tuple)) and len(raw) == 6):
+                continue
+            medium, cls_, phase, *rest = raw
+            got = entry(rest, factor=True)
+            ok = isinstance(medium, str) and isinstance(cls_, int) and phase in ("encode", "decode")
+            if ok and got is not None and len(out.codec) < MAX_ENTRIES:
+                out.codec[(medium, cls_, phase)] = got
+        for rx, raw in table("prefill_tps").items():
+            got = entry(raw)
+            if isinstance(rx, str) and got is not None and got.value > 0 and len(out.prefill_tps) < MAX_ENTRIES:
+                out.prefill_tps[rx] = got
+        return out
+
+
+class LearnedStore:
+    """Persists one group's `LearnedCosts` in JetStream KV (bucket `LEARNED_BUCKET`, key
+    ``<group>.state``: a scheduler in secure mode may write only its own group's keys).
+
+    Failures are logged, never raised: the state in memory holds, and a scheduler that cannot
+    read it starts from the prior.
+    """
+
+    def __init__(self, transport: Transport, group: str) -> None:
+        self.transport = transport
+        self.group = group
+        self._key = f"{group}.state"
+        self._bucket: Any = None
+
+    async def _open(self) -> Any:
+        if self._bucket is None:
+            self._bucket = await transport_bucket(self.transport, LEARNED_BUCKET)
+        return self._bucket
+
+    async def save(self, learned: LearnedCosts) -> None:
+        """Write ``learned`` (the whole state: it is small)."""
+        try:
+            bucket = await self._open()
+            if bucket is not None:
+                await bucket.put(self._key, packb(learned.as_dict()))
+                learned.changes = 0
+        except Exception:
+            logger.warning("group %s: could not persist what the scheduler learned", self.group, exc_info=True)
+
+    async def load(self) -> LearnedCosts | None:
+        """The stored state, or None (nothing stored, unreadable, or another layout)."""
+        try:
+            bucket = await self._open()
+            if bucket is None:
+                return None
+            entry = await bucket.get(self._key)
+            return LearnedCosts.from_dict(unpackb(bytes(entry.value or b""), "learned state"))
+        except KeyNotFoundError:
+            return None
+        except Exception:
+            logger.warning(
+                "group %s: the stored learned state is not readable; the prior applies", self.group, exc_info=True
+            )
+            return None

@@ -1,0 +1,272 @@
+"""Closed-loop medium selection (issue 32): the scheduler learns each cost term from finished
+transfers, explores a capped share of unmeasured media, and keeps what it learned across a
+restart. Real nats-server and schedulers where a scheduler is the point; no timing is asserted
+(learned figures are checked for direction, not for size)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvbus.bus import Bus
+from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
+from kvbus.group_scheduler.cost_model import CostConfig, CostModel, Endpoint, Link, MediumFigures, ModelCosts
+from kvbus.group_scheduler.learning import LearnedCosts, size_class
+from kvbus.group_scheduler.selection import AdaptiveSelector, Exploration
+from kvbus.group_scheduler.state import GroupState, Pending
+from kvbus.protocol import Probe, TransferDone, TransferRequest
+from kvbus.signature import ModelSignature
+from tests.conftest import FAST
+from tests.kvutil import kv_of_bytes
+from tests.peer import SIG
+
+SMOL = ModelSignature("SmolLM2-135M-Instruct", 30, 3, 64, "float32", 49152)
+FIGS = {
+    "full": MediumFigures(1.0, 1e6, 1e6, 1.0, True, True),
+    "int8": MediumFigures(1.95, 0.05, 0.1, 0.995, True, False),  # a pessimistic calibration: slow codec
+    "int4": MediumFigures(3.6, 0.04, 0.08, 0.99, True, False),
+    "tokens": MediumFigures(1.0, 1e6, 1e6, 1.0, False, True),
+}
+COSTS = ModelCosts(prefill_tokens_per_s=2000.0, decode_token_s=0.02)
+N = 1024
+KV_BYTES = N * SMOL.kv_bytes_per_token()
+
+
+def cost_model() -> CostModel:
+    m = CostModel(FIGS, config=CostConfig(refresh_threshold=0.5))
+    m.default_model_costs = COSTS
+    return m
+
+
+def choose(m: CostModel, medium: str | None = None, bw: float = 1.25e8) -> object:
+    a, b = Endpoint(SMOL, model=COSTS), Endpoint(SMOL, model=COSTS)
+    return m.choose(
+        [medium] if medium else list(FIGS),
+        n_tokens=N,
+        kv_bytes=KV_BYTES,
+        link=Link(bw),
+        sender=a,
+        receiver=b,
+        requested=medium is not None,
+    )
+
+
+def done_of(choice: object, *, encode_s: float, decode_s: float, wire_s: float, nbytes: int) -> TransferDone:
+    medium = choice.medium  # type: ignore[attr-defined]
+    return TransferDone(
+        transfer_id="t",
+        src="a",
+        ok=True,
+        medium=medium,
+        nbytes=nbytes,
+        seconds=encode_s + wire_s + decode_s,
+        dst=["b"],
+        wire_s=wire_s,
+        path="nats",
+        encode_s=encode_s,
+        decode_s=decode_s,
+    )
+
+
+def test_a_measured_codec_corrects_its_prediction_and_the_choice_follows() -> None:
+    """int8 calibrated at 0.05 GB/s loses to full on a 1 Gbit/s link; measured 40x faster, it wins."""
+    m = cost_model()
+    assert choose(m).medium == "full"  # type: ignore[attr-defined]
+    forced = choose(m, "int8")
+    est = forced.estimate  # type: ignore[attr-defined]
+    for _ in range(6):
+        done = done_of(
+            forced, encode_s=est.prior_enc_s / 40, decode_s=est.prior_dec_s / 40, wire_s=0.05, nbytes=est.nbytes
+        )
+        m.learned.observe_transfer(done, forced.record(), kv_bytes=KV_BYTES, new_tokens=N, bandwidth_bps=None)  # type: ignore[attr-defined]
+    assert m.learned.factor("int8", KV_BYTES, "encode") < 0.1
+    again = choose(m, "int8").estimate  # type: ignore[attr-defined]
+    assert again.enc_s < est.enc_s / 10 and again.learned
+    assert choose(m).medium == "int8"  # type: ignore[attr-defined]
+    # A size class never measured keeps the prior.
+    assert m.learned.factor("int8", KV_BYTES * 100, "encode") is None
+    assert size_class(KV_BYTES) != size_class(KV_BYTES * 100)
+
+
+def test_the_fixed_cost_per_path_is_learned_from_small_transfers_and_kept_off_the_link() -> None:
+    m = cost_model()
+    learned = m.learned
+    record = choose(m, "full").record()  # type: ignore[attr-defined]
+    for _ in range(5):
+        small = TransferDone("t", "a", True, "full", 4096, 0.012, dst=["b"], wire_s=0.01, path="tcp")
+        off = learned.observe_transfer(small, record, kv_bytes=4096, new_tokens=4, bandwidth_bps=1.25e8)
+    fixed = learned.fixed("tcp")
+    assert fixed is not None and 0.008 < fixed < 0.01 and learned.fixed("nats") is None
+    # A big transfer's wire time has the same round trips in it: what the link estimate sees is
+    # the bytes' time (at most half the wire time is taken off).
+    big = TransferDone("t", "a", True, "full", 100 << 20, 1.0, dst=["b"], wire_s=0.8, path="tcp")
+    off = learned.observe_transfer(big, record, kv_bytes=100 << 20, new_tokens=N, bandwidth_bps=1.25e8)
+    assert off == pytest.approx(learned.fixed("tcp"))
+    tiny = TransferDone("t", "a", True, "full", 10, 0.01, dst=["b"], wire_s=0.004, path="tcp")
+    assert learned.observe_transfer(tiny, record, kv_bytes=10, new_tokens=1, bandwidth_bps=None) <= 0.002
+    # The prediction on tcp now carries it.
+    est = m.estimate(
+        "full",
+        n_tokens=N,
+        kv_bytes=KV_BYTES,
+        link=Link(1.25e8, path="tcp"),
+        sender=Endpoint(SMOL, model=COSTS),
+        receiver=Endpoint(SMOL, model=COSTS),
+    )
+    assert est.fixed_s >= learned.fixed("tcp")  # type: ignore[operator]
+
+
+def test_prefill_speed_is_learned_per_receiver_from_tokens_transfers() -> None:
+    m = cost_model()
+    record = choose(m, "tokens").record()  # type: ignore[attr-defined]
+    done = TransferDone(
+        "t", "a", True, "tokens", 8 * N, 0.6, dst=["b"], wire_s=0.1, path="nats", encode_s=0.0, decode_s=0.5
+    )
+    m.learned.observe_transfer(done, record, kv_bytes=KV_BYTES, new_tokens=N, bandwidth_bps=None)
+    assert m.learned.prefill("b") == pytest.approx(N / 0.5)
+    assert m.learned.prefill("a") is None
+    state = GroupState("g")
+    selector = AdaptiveSelector(m, candidates=tuple(FIGS))
+    assert selector.endpoint(state, "b", SMOL).model.prefill_tokens_per_s == pytest.approx(N / 0.5)
+
+
+def _pending(critical: bool = False, deadline: float | None = None) -> Pending:
+    req = TransferRequest(
+        transfer_id=f"t{time.monotonic_ns()}",
+        src="a",
+        dst=["b"],
+        group="g",
+        n_tokens=N,
+        nbytes=KV_BYTES,
+        signature=SMOL.to_dict(),
+        critical=critical,
+        deadline=deadline,
+    )
+    return Pending(req, {"b": SMOL}, arrived=time.monotonic())
+
+
+def _state() -> GroupState:
+    state = GroupState("g")
+    for name in ("a", "b"):
+        state.on_probe(Probe(name, "g", 0, 0, 0.0, 1.0, link_bps=1.25e8))
+    return state
+
+
+def test_exploration_tries_unmeasured_media_on_a_capped_share_and_says_so() -> None:
+    m = cost_model()
+    selector = AdaptiveSelector(m, candidates=tuple(FIGS), exploration=Exploration(fraction=0.2, margin=100.0))
+    state = _state()
+    picks = []
+    for _ in range(40):
+        p = _pending()
+        medium, _ = selector.choose(state, p)
+        picks.append((medium, p.decision["explored"], p.decision["reason"]))
+    explored = [p for p in picks if p[1]]
+    # The cap: at most fraction x decisions (+1 for the first), and some exploration happened.
+    assert 1 <= len(explored) <= 0.2 * 40 + 1
+    assert all(r.startswith("explore: ") for _, _, r in explored)
+    assert {m for m, _, _ in explored} <= set(FIGS) - {"full"}
+    # The pair keeps its exploited medium: every transfer that did not explore sent full.
+    assert {m for m, e, _ in picks if not e} == {"full"}
+
+
+@pytest.mark.parametrize(
+    "pending",
+    [lambda: _pending(critical=True), lambda: _pending(deadline=time.time() + 5)],
+    ids=["critical", "deadline"],
+)
+def test_no_exploration_for_critical_or_deadline_transfers_or_a_pressed_receiver(pending: object) -> None:
+    m = cost_model()
+    selector = AdaptiveSelector(m, candidates=tuple(FIGS), exploration=Exploration(fraction=1.0, margin=100.0))
+    state = _state()
+    for _ in range(10):
+        p = pending()  # type: ignore[operator]
+        selector.choose(state, p)
+        assert not p.decision["explored"]
+    state.agents["b"].memory_pressure = 0.5
+    for _ in range(5):
+        p = _pending()
+        selector.choose(state, p)
+        assert not p.decision["explored"]
+
+
+def test_a_medium_measured_enough_is_not_explored_again() -> None:
+    m = cost_model()
+    now = time.time()
+    for medium in FIGS:
+        for _ in range(3):
+            m.learned.observe_codec(medium, KV_BYTES, "encode", 0.01, 0.01, now)
+    selector = AdaptiveSelector(m, candidates=tuple(FIGS), exploration=Exploration(fraction=1.0, margin=100.0))
+    state = _state()
+    for _ in range(10):
+        p = _pending()
+        selector.choose(state, p)
+        assert not p.decision["explored"]
+
+
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+        lambda kids: st.lists(kids, max_size=6) | st.dictionaries(st.text(max_size=8), kids, max_size=6),
+        max_leaves=30,
+    )
+)
+def test_a_stored_state_either_loads_or_is_refused_with_value_error(data: object) -> None:
+    for raw in (data, {"layout": 1, "fixed_s": data, "codec": data, "prefill_tps": data}):
+        try:
+            got = LearnedCosts.from_dict(raw)
+        except ValueError:
+            continue
+        for v in list(got.fixed_s.values()) + list(got.codec.values()) + list(got.prefill_tps.values()):
+            assert v.value >= 0 and v.n >= 1
+
+
+def test_the_state_round_trips() -> None:
+    learned = LearnedCosts()
+    learned.observe_fixed("tcp", 0.004)
+    learned.observe_codec("int8", KV_BYTES, "decode", 0.02, 0.05)
+    learned.observe_prefill("b", 512, 0.25)
+    back = LearnedCosts.from_dict(learned.as_dict())
+    assert back.as_dict() == learned.as_dict()
+
+
+async def test_what_a_scheduler_learned_survives_its_restart(nats_url: str) -> None:
+    """A real transfer teaches the scheduler int8's codec speed; a scheduler of the same group
+    started after it closed has it (JetStream KV, where the reservations live too)."""
+    group = f"learn{time.monotonic_ns() % 10**9}"
+    config = SchedulerConfig(learned_save_s=0.2)
+    sched = await GroupScheduler.connect(nats_url, group, config=config)
+    bus = await Bus.connect(nats_url, config=FAST)
+    try:
+        tx = await bus.agent("learn-tx", group=group, signature=SIG)
+        rx = await bus.agent("learn-rx", group=group, signature=SIG)
+        kv = kv_of_bytes(SIG, 2 << 20)
+        for _ in range(2):
+            report = await tx.send("learn-rx", kv, medium="int8")
+            await rx.receive(timeout=10)
+        measured = report.decision["measured"]
+        assert measured["encode_s"] > 0 and measured["total_s"] >= measured["wire_s"]
+        learned = sched.cost_model.learned  # type: ignore[union-attr]
+        for _ in range(100):
+            if learned.factor("int8", kv.nbytes, "encode") is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert learned.factor("int8", kv.nbytes, "encode") is not None
+    finally:
+        await bus.close()
+        await sched.close()
+    factor = learned.factor("int8", kv.nbytes, "encode")  # as it closed (it saves then)
+    again = await GroupScheduler.connect(nats_url, group, config=config)
+    try:
+        for _ in range(100):  # it loads when it starts serving
+            restored = again.cost_model.learned.factor("int8", kv.nbytes, "encode")  # type: ignore[union-attr]
+            if restored is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert restored == pytest.approx(factor)
+    finally:
+        await again.close()
