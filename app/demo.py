@@ -160,8 +160,10 @@ async def run_policies(
         "rounds": rounds,
         "policies": policies,
         "interleaving": "per round every policy once, in this order: " + ", ".join(policies),
-        "fresh": "every run registers fresh agents and restarts both group schedulers (nothing learnt carries "
-        "over); the coordinator runs throughout",
+        "fresh": "every run registers fresh agents and restarts both group schedulers (empty state and link "
+        "estimates); the cost model's learned corrections carry over in JetStream KV, as a restarted "
+        "deployment's do (the first run starts from the calibrated prior alone, and every run, static ones "
+        "included, teaches the group's scheduler what its transfers took); the coordinator runs throughout",
         "static_delta": "a static delta+X policy sends delta+X when the receiver holds an earlier context from "
         "the sender, else X (the scheduler refuses delta without a base)",
         "agents": [

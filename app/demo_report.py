@@ -106,10 +106,71 @@ def render_table(rows: list[dict[str, Any]], console: Console) -> None:
     console.print(table)
 
 
+def _chosen(decision: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The chosen medium's estimate in a decision record."""
+    return next((c for c in decision.get("candidates", ()) if c.get("medium") == decision.get("medium")), None)
+
+
+def predictions(runs: Sequence[RunResult]) -> list[tuple[str, float, float, bool]]:
+    """(medium, predicted s, measured s, explored) of every transfer of ``runs`` whose decision
+    the scheduler made and whose sender measured it; predicted without the fidelity penalty
+    (a penalty is not a time anything takes)."""
+    out = []
+    for run in runs:
+        for t in run.transfers:
+            est, measured = _chosen(t.decision), t.decision.get("measured") or {}
+            if est is None or not measured.get("total_s") or est.get("total_s") is None:
+                continue
+            out.append((t.medium, est["comm_s"] + est["comp_s"], measured["total_s"], bool(t.decision.get("explored"))))
+    return out
+
+
+def prediction_summary(runs: Sequence[RunResult]) -> dict[str, Any]:
+    """|predicted - measured| / measured over ``runs``' transfers (median, p90), and the share that explored."""
+    pm = predictions(runs)
+    errors = sorted(abs(p - m) / m for _, p, m, _ in pm if m > 0)
+    n_decided = sum(1 for run in runs for t in run.transfers if t.decision.get("candidates"))
+    return {
+        "transfers": len(pm),
+        "prediction_error_median": round(errors[len(errors) // 2], 3) if errors else None,
+        "prediction_error_p90": round(errors[min(len(errors) - 1, int(0.9 * len(errors)))], 3) if errors else None,
+        "explored": sum(1 for *_, e in pm if e),
+        "explored_fraction": round(sum(1 for *_, e in pm if e) / n_decided, 3) if n_decided else None,
+    }
+
+
+def why_table(runs: Sequence[RunResult]) -> list[str]:
+    """Markdown rows: per medium adaptive chose, how often, the median predicted terms of the
+    choice (communication, computation, the fidelity penalty) and the median measured time."""
+    by: dict[str, list[tuple[Mapping[str, Any], Mapping[str, Any], bool]]] = {}
+    for run in runs:
+        for t in run.transfers:
+            est = _chosen(t.decision)
+            if est is not None:
+                by.setdefault(t.medium, []).append(
+                    (est, t.decision.get("measured") or {}, bool(t.decision.get("explored")))
+                )
+    rows = [
+        "| medium | transfers (explored) | predicted comm / comp / loss (ms) | predicted total (ms) | measured (ms) |",
+        "|---|---|---|---|---|",
+    ]
+    for medium, items in sorted(by.items()):
+
+        def med(key: str, src: int = 0, _items: list[Any] = items) -> float:
+            vals = [float(i[src].get(key) or 0.0) for i in _items if i[src].get(key) is not None]
+            return 1000 * (statistics.median(vals) if vals else float("nan"))
+
+        rows.append(
+            f"| {medium} | {len(items)} ({sum(1 for i in items if i[2])}) | {med('comm_s'):.0f} / "
+            f"{med('comp_s'):.0f} / {med('loss_s'):.0f} | {med('total_s'):.0f} | {med('total_s', 1):.0f} |"
+        )
+    return rows
+
+
 def write_report(
     folder: Path, rows: list[dict[str, Any]], runs: Mapping[str, RunResult | Sequence[RunResult]], meta: dict[str, Any]
 ) -> None:
-    """``report.md``, ``results.json`` and four PNG plots in ``folder``."""
+    """``report.md``, ``results.json`` and five PNG plots in ``folder``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -208,6 +269,32 @@ def write_report(
         fig.savefig(folder / "media_over_time.png", dpi=110)
         plt.close(fig)
 
+    pm = predictions(by.get("adaptive", []))
+    fig, ax = plt.subplots(figsize=(5.5, 4.2))
+    for medium in sorted({m for m, *_ in pm}):
+        pts = [(p, m, e) for mm, p, m, e in pm if mm == medium]
+        ax.scatter(
+            [p * 1000 for p, _, _ in pts], [m * 1000 for _, m, _ in pts], color=colour(medium), label=medium, s=22
+        )
+        ex = [(p, m) for p, m, e in pts if e]
+        if ex:
+            ax.scatter(
+                [p * 1000 for p, _ in ex], [m * 1000 for _, m in ex], facecolors="none", edgecolors="black", s=60
+            )
+    if pm:
+        lo = min(min(p, m) for _, p, m, _ in pm) * 1000
+        hi = max(max(p, m) for _, p, m, _ in pm) * 1000
+        ax.plot([lo, hi], [lo, hi], color="grey", linestyle="--", linewidth=1, label="predicted = measured")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.legend(fontsize=7)
+    ax.set_xlabel("predicted (ms, without the fidelity penalty)")
+    ax.set_ylabel("measured (ms)")
+    ax.set_title("adaptive: predicted against measured per transfer\n(ringed: explored)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(folder / "predicted_vs_measured.png", dpi=110)
+    plt.close(fig)
+
     figures = meta.get("figures") or {}
     net = meta.get("net") or {}
     lines = [
@@ -231,7 +318,22 @@ def write_report(
             f"{row['bytes'] / 1e6:.1f} | {row['recompute_s']:.2f} | {row['peak_kv_bytes'] / 1e6:.0f} | "
             f"{agree} | {', '.join(row['media'])} |"
         )
+    summary = prediction_summary(by.get("adaptive", []))
     lines += [
+        "",
+        "## Why adaptive chose what it chose",
+        "",
+        "The scheduler predicts each medium's latency as communication + computation + a penalty for "
+        "fidelity loss (the calibrated agreement of the receiver's model under that medium, charged as the "
+        "extra tokens it would have to generate); medians over the adaptive runs' transfers:",
+        "",
+        *why_table(by.get("adaptive", [])),
+        "",
+        f"Prediction error |predicted - measured| / measured over {summary['transfers']} adaptive transfers: "
+        f"median {summary['prediction_error_median']}, p90 {summary['prediction_error_p90']}; "
+        f"{summary['explored']} explored (a medium sent to measure it, share {summary['explored_fraction']}).",
+        "",
+        "![predicted against measured](predicted_vs_measured.png)",
         "",
         "## Setup",
         "",
@@ -249,7 +351,8 @@ def write_report(
         "",
     ]
     (folder / "report.md").write_text("\n".join(lines))
-    (folder / "results.json").write_text(json.dumps({"rows": rows, "meta": meta}, indent=2, default=str))
+    results = {"rows": rows, "meta": meta, "adaptive_predictions": summary}
+    (folder / "results.json").write_text(json.dumps(results, indent=2, default=str))
 
 
 def compare(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -73,7 +73,9 @@ class _Services:
         return svc
 
     async def fresh_schedulers(self) -> None:
-        """Stop the groups' schedulers and start new ones (empty state, an unlearnt cost model)."""
+        """Stop the groups' schedulers and start new ones: empty S(t) and link estimates; the cost
+        model starts from what the group's schedulers learned so far (kept in JetStream KV, as a
+        deployment's restarted scheduler does), the calibrated prior alone for the first run."""
         for g in self.topo.groups:
             w = self.workers[g.name]
             if g.name in self.running:

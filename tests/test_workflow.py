@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvbus.app.demo import STATIC_POLICIES, summarise, write_report
-from kvbus.app.demo_report import RATIO_MEANS, compare, headline
+from kvbus.app.demo_report import RATIO_MEANS, compare, headline, prediction_summary
 from kvbus.app.models import random_model
 from kvbus.app.workflow import AgentSpec, Workflow
 from kvbus.bus import EmulatedLink
@@ -64,6 +64,9 @@ async def test_workflow_under_each_policy_and_the_report(flow: Workflow, nats_ur
     rows = summarise(runs)
     assert {r["policy"] for r in rows} == set(policies)
     assert next(r for r in rows if r["policy"] == "full")["agreement"] == 1.0
+    # Each adaptive transfer carries its prediction and what it took (issue 32).
+    summary = prediction_summary([runs["adaptive"]])
+    assert summary["transfers"] == len(runs["adaptive"].transfers) and summary["prediction_error_median"] is not None
     figures = compare(rows)
     write_report(tmp_path, rows, runs, {"test": True, "figures": figures, "net": {"why": "emulated links: asked for"}})
     report = (tmp_path / "report.md").read_text()
@@ -75,7 +78,8 @@ async def test_workflow_under_each_policy_and_the_report(flow: Workflow, nats_ur
     assert "emulated links: asked for" in report
     data = json.loads((tmp_path / "results.json").read_text())
     assert {r["policy"] for r in data["rows"]} == set(policies)
-    for name in ("latency_by_policy.png", "bytes_by_medium.png", "timeline_adaptive.png", "media_over_time.png"):
+    pngs = ("latency_by_policy.png", "bytes_by_medium.png", "timeline_adaptive.png", "media_over_time.png")
+    for name in (*pngs, "predicted_vs_measured.png"):
         img = mpimg.imread(tmp_path / name)
         assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100, name
 
