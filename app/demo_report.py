@@ -282,9 +282,9 @@ def write_report(
                 [p * 1000 for p, _ in ex], [m * 1000 for _, m in ex], facecolors="none", edgecolors="black", s=60
             )
     if pm:
-        lo = min(min(p, m) for _, p, m, _ in pm) * 1000
-        hi = max(max(p, m) for _, p, m, _ in pm) * 1000
-        ax.plot([lo, hi], [lo, hi], color="grey", linestyle="--", linewidth=1, label="predicted = measured")
+        lo_ms = min(min(p, m) for _, p, m, _ in pm) * 1000
+        hi_ms = max(max(p, m) for _, p, m, _ in pm) * 1000
+        ax.plot([lo_ms, hi_ms], [lo_ms, hi_ms], color="grey", linestyle="--", linewidth=1, label="predicted = measured")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.legend(fontsize=7)
