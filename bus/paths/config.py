@@ -55,7 +55,7 @@ class PathsConfig:
     """Seconds to connect and bind a stream (TLS handshake included) before the path counts as unavailable."""
     max_connections: int = 1024
     """Direct connections a receiving process accepts at once (more are closed at once)."""
-    tcp_max_unbound: int = 128
+    tcp_max_unbound: int = 64
     """Of those, ``tcp`` connections that have not bound a stream yet (TLS handshake included),
     kept at once: a sender binds as soon as it is connected, so only strangers wait here. Each
     costs a few hundred bytes (with TLS, also asyncio's 256 KB TLS buffer); more are closed at

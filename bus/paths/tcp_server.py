@@ -108,6 +108,8 @@ class RxConnection(asyncio.BufferedProtocol):
         self.unbound = False
         """Counted among the listener's connections that have not bound a stream yet."""
         self.gone = False
+        self.aborted = False
+        """Closed by this side (a bad frame, the deadline, an eviction)."""
         self.streams: dict[int, TcpRxSession] = {}
         self.ended: set[int] = set()
         """Streams that ended: late frames for them are read and dropped."""
@@ -172,6 +174,8 @@ class RxConnection(asyncio.BufferedProtocol):
 
     async def _start_tls(self, plain: asyncio.BaseTransport) -> None:
         assert self.listener.ssl_context is not None
+        if self.gone or plain.is_closing():
+            return  # closed before its turn came (evicted in the same burst of connections)
         tls: asyncio.BaseTransport | None = None
         try:
             tls = await asyncio.get_running_loop().start_tls(
@@ -186,7 +190,8 @@ class RxConnection(asyncio.BufferedProtocol):
             self._forget(None)
             raise
         except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
-            logger.warning("tcp data connection from %s closed: TLS handshake failed (%s)", self.peer, exc)
+            if not self.aborted:  # (closed by this side: the deadline, an eviction)
+                logger.info("tcp data connection from %s closed: TLS handshake failed (%r)", self.peer, exc)
         except Exception:
             logger.exception("tcp data connection from %s: TLS failed", self.peer)
         if tls is None or tls.is_closing():
@@ -368,6 +373,7 @@ class RxConnection(asyncio.BufferedProtocol):
 
     def abort(self) -> None:
         """Close the connection at once; nothing more it sends is looked at."""
+        self.aborted = True
         self._state, self._left = _DISCARD, 1 << 62  # nothing more is looked at
         if self.transport is not None:
             self.transport.abort()
