@@ -309,7 +309,7 @@ async def _run_stack(args: argparse.Namespace, me: dict[str, Any]) -> None:
                 f"connect with Bus.connect(url, secure=True, **creds.agent_options(name))\n"
             )
             if creds
-            else ""
+            else "  not secure (no --secure): any NATS client can read any agent's KV and fake its deliveries\n"
         )
         print(
             f"kvbus is up\n  NATS:   {redact_url(servers.nats_url)}\n  Redis:  {redact_url(servers.redis_url)}\n"

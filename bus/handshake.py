@@ -8,11 +8,16 @@ expects (learned from this transfer's replies, else from earlier transfers to th
 and ``retry_age``, so a receiver that restarted in between refuses it with
 `Reason.RECEIVER_RESTARTED` instead of delivering a transfer its earlier incarnation may have
 delivered already.
+
+A reply counts only if it names this transfer: outside secure mode any client may answer an
+agent's `Open`, and one for another transfer id decides nothing here (it is counted in
+`Handshake.foreign` and the `Open` is asked again).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,6 +25,8 @@ from dataclasses import dataclass
 from kvbus.bus.errors import TransferError, TransferRejected
 from kvbus.net.transport import Transport, request_views
 from kvbus.protocol import Open, OpenReply, Reason, inbox_subject
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -51,6 +58,8 @@ class Handshake:
         self.attempts = 0
         self.first_sent = 0.0
         self.outcome = ReceiverOutcome()
+        self.foreign = 0
+        """Replies that named another transfer id (ignored)."""
 
     @property
     def incarnation(self) -> str:
@@ -82,15 +91,29 @@ class Handshake:
         """
         return await request_views(self.transport, inbox_subject(self.rx, self.open.src), frame, timeout=timeout)
 
-    def apply(self, data: bytes) -> OpenReply | None:
+    def apply(self, data: bytes, *, verdict: bool = True) -> OpenReply | None:
         """Read a reply: learn the incarnation; a refusal or a broken reply fails this receiver,
-        ``done`` delivers it. Returns the reply when the receiver is still receiving."""
+        ``done`` delivers it. Returns the reply when the receiver is still receiving.
+
+        A reply naming another transfer id is ignored (counted in `foreign`): None while the
+        outcome stays pending. With ``verdict`` False (the transfer's bytes go on a direct path,
+        whose own verdict counts), a ``done`` is not taken either.
+        """
         outcome = self.outcome
         tid = self.open.transfer_id
         try:
             reply = OpenReply.decode(data)
         except Exception as exc:  # noqa: BLE001 - a broken reply fails this receiver only
             outcome.error = TransferError(tid, f"bad reply from {self.rx}: {exc}", peer=self.rx)
+            return None
+        if reply.transfer_id != tid:
+            self.foreign += 1
+            logger.warning(
+                "transfer %s: a reply on %s's inbox names transfer %r; ignored",
+                tid,
+                self.rx,
+                reply.transfer_id[:64],
+            )
             return None
         if reply.incarnation:
             self.learned = reply.incarnation
@@ -100,6 +123,8 @@ class Handshake:
             outcome.error = TransferRejected(tid, self.rx, reply.reason, code=reply.code or Reason.OTHER)
             return None
         if reply.done:
+            if not verdict:
+                return None
             outcome.ok = True
             outcome.decode_s = reply.decode_s
             return None

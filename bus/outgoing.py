@@ -12,6 +12,13 @@ chunks beyond the slowest receiver's acknowledged position. Receivers ask for mi
 chunks (resent to them only, on per-receiver streams); a sender without acknowledgements asks
 each lagging receiver where it stands (`kvbus.bus.handshake`). Each receiver's acks come on a
 subject ending in its name, and only those count.
+
+While a transfer's bytes go on a direct path (``shm``, ``tcp``), only the acks and the verdict
+that come on that path count: its stream is bound with the one-time token the receiver's reply
+to this transfer's `Open` handed out, where outside secure mode any client may publish on a NATS
+ack subject or answer a status request. The receiver sends its verdict on NATS as well; one that
+comes there meanwhile is held, and taken only if the direct path fails and the transfer goes on
+over NATS.
 """
 
 from __future__ import annotations
@@ -47,6 +54,10 @@ from kvbus.protocol import (
 logger = logging.getLogger(__name__)
 
 __all__ = ["OutgoingTransfer", "ReceiverOutcome", "StreamStats"]
+
+#: Seconds to wait, per reply for another transfer received so far, before asking a receiver
+#: again (a client answering every `Open` with other ids does not make its sender spin).
+FOREIGN_BACKOFF_S = 0.02
 
 
 @dataclass
@@ -149,6 +160,9 @@ class OutgoingTransfer:
         self.bucket = bucket or TokenBucket(rate_bps, burst=max(chunk_size, rate_bps * 0.02))
         self.stats = StreamStats()
         self._acked: dict[str, int] = {}
+        self._held: dict[str, Ack] = {}
+        """Per receiver: a verdict that came on NATS while the bytes went on a direct path (taken
+        only should the transfer fall back to NATS)."""
         self._resend: dict[int, set[str]] = {}
         """Chunks to send again, each to the receivers that asked."""
         self._next = 0
@@ -245,8 +259,20 @@ class OutgoingTransfer:
 
     # -- acks -------------------------------------------------------------------------------
 
-    def on_ack(self, rx: str, ack: Ack) -> None:
-        """Apply an acknowledgement that came on ``rx``'s ack subject (called by the agent's ack subscription)."""
+    def on_ack(self, rx: str, ack: Ack, *, direct: bool = False) -> None:
+        """Apply an acknowledgement from ``rx``: on its NATS ack subject (called by the agent's ack
+        subscription), or on the transfer's direct path (``direct``, called by the `Route`).
+
+        An ack for another transfer is dropped. While the bytes go on a direct path (or it is
+        being opened), one from NATS does not count; a verdict among them is held (`_held`).
+        """
+        if ack.transfer_id != self.transfer_id:
+            logger.warning("transfer %s: an ack for transfer %r dropped", self.transfer_id, ack.transfer_id[:64])
+            return
+        if not direct and self._direct_only:
+            if ack.done:
+                self._held[rx] = ack
+            return
         outcome = self.outcomes.get(rx)
         if outcome is None or not outcome.pending:
             return
@@ -266,6 +292,21 @@ class OutgoingTransfer:
                     self._resend.setdefault(m, set()).add(rx)
         self._last_progress = time.monotonic()
         self._progress.set()
+
+    @property
+    def _direct_only(self) -> bool:
+        """Whether only the direct path's acks count: one is up or being opened for this
+        transfer's one receiver (a streamed transfer with a data plane, until it uses NATS)."""
+        if self.plane is None or self.open.inline:
+            return False
+        return self.route is None or self.route.bound
+
+    def _take_held(self, rx: str) -> None:
+        """The transfer goes on NATS after all: a verdict that came there meanwhile counts now."""
+        if not self._direct_only:
+            held = self._held.pop(rx, None)
+            if held is not None:
+                self.on_ack(rx, held)
 
     def _active(self) -> list[str]:
         return [rx for rx, o in self.outcomes.items() if o.pending]
@@ -355,22 +396,33 @@ class OutgoingTransfer:
         # server restarted or the receiver was busy does not fail the transfer.
         started = time.monotonic()
         give_up = started + max(self.config.peer_timeout, self.config.request_timeout)
+        reply: OpenReply | None = None
         while True:
             left = give_up - time.monotonic()
             try:
                 data = await link.ask(link.frame(payload), timeout=min(self.config.request_timeout, max(left, 0.001)))
-                break
             except NoResponders:
                 outcome.error = ReceiverGone(self.transfer_id, link.rx, "no agent listens on its inbox")
                 return
             except TimeoutError:
-                if time.monotonic() >= give_up - 1e-3:
-                    outcome.error = TransferTimeout(
-                        self.transfer_id, f"waiting for {link.rx} to accept", time.monotonic() - started, link.rx
-                    )
-                    return
-                self.span.add_event("open.retry", {"kvbus.receiver": link.rx})
-        reply = link.apply(data)
+                data = None
+            if data is not None:
+                reply = link.apply(data)
+                if reply is not None or not outcome.pending:
+                    break
+                # A reply for another transfer (outside secure mode anyone may answer an Open):
+                # it decides nothing; ask again, a little later each time.
+                await asyncio.sleep(min(FOREIGN_BACKOFF_S * link.foreign, max(0.0, give_up - time.monotonic())))
+            if time.monotonic() >= give_up - 1e-3:
+                foreign = f" ({link.foreign} replies for other transfers ignored)" if link.foreign else ""
+                outcome.error = TransferTimeout(
+                    self.transfer_id,
+                    f"waiting for {link.rx} to accept{foreign}",
+                    time.monotonic() - started,
+                    link.rx,
+                )
+                return
+            self.span.add_event("open.retry", {"kvbus.receiver": link.rx})
         if reply is not None:
             self._acked[link.rx] = max(self._acked.get(link.rx, 0), reply.next)
             if self.plane is not None and not self.open.inline:
@@ -387,13 +439,14 @@ class OutgoingTransfer:
             spec,
             self.open.digests,
             segment=self._segment,
-            on_ack=lambda ack: self.on_ack(link.rx, ack),
+            on_ack=lambda ack: self.on_ack(link.rx, ack, direct=True),
             on_lost=lambda error: self._path_lost(link.rx, error),
         )
         self.route = route
         error = await route.open(reply)
         if error is not None and link.outcome.pending:
             link.outcome.error = error
+        self._take_held(link.rx)
         self.span.set_attribute("kvbus.path", route.path)
 
     def _path_lost(self, rx: str, error: PathError) -> None:
@@ -412,6 +465,7 @@ class OutgoingTransfer:
             # NATS (the receiver drops the ones it has), nothing acknowledged is sent twice.
             self._next = min(self._next, self._acked.get(rx, 0))
             self._resend = {i: r for i, r in self._resend.items() if i < self._next}
+            self._take_held(rx)
         self._last_progress = time.monotonic()
         self._progress.set()
 
@@ -482,7 +536,8 @@ class OutgoingTransfer:
                 continue
             except Exception:  # noqa: BLE001 - timeouts count as no progress
                 data = None
-            reply = link.apply(data) if data is not None else None
+            # While the bytes go on a direct path, its verdict counts, not a status reply's.
+            reply = link.apply(data, verdict=not self._direct_only) if data is not None else None
             if not link.outcome.pending:
                 continue
             if waited > self.config.peer_timeout:

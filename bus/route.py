@@ -111,6 +111,12 @@ class Route:
         return None
 
     @property
+    def bound(self) -> bool:
+        """Whether the receiver's acks count only on the direct path: its session is up, or the
+        path is still being chosen (`open` has not returned)."""
+        return self.session is not None or not self.used
+
+    @property
     def windowless(self) -> bool:
         """The chunks lie in a segment the receiver maps whole (``shm``): a credit window bounds
         no memory there, it would only make the sender wait for acks between batches of headers."""

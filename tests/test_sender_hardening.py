@@ -1,0 +1,182 @@
+"""Issue 31 (hardening, round three), the sender's findings, against a real nats-server, a real
+scheduler and a receiving agent in another OS process (`tests/peer.py`):
+
+- 10: outside secure mode any client may answer an `Open` or publish on an ack subject. A reply
+  for another transfer id decides nothing (the `Open` is asked again); while the bytes go on a
+  direct path, a verdict on NATS does not count, only the one on the path bound with the
+  receiver's token does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from kvbus.bus import Bus, TransferError
+from kvbus.bus.paths import PathsConfig
+from kvbus.group_scheduler import GroupScheduler
+from kvbus.protocol import Ack, OpenReply, ack_subject, inbox_subject
+from tests.conftest import FAST
+from tests.kvutil import kv_of_bytes
+from tests.peer import SIG, kv_digest
+from tests.test_bus_paths import Peer
+from tests.test_helm import CHART, HELM, NAMESPACE, RELEASE, helm
+
+MB = 1 << 20
+
+
+@pytest.fixture
+async def sender_bus(nats_url: str, scheduler: GroupScheduler, request: pytest.FixtureRequest) -> AsyncIterator[Bus]:
+    """A sending bus (not secure) whose allowed paths the test names (``shm,tcp,nats`` by default)."""
+    allowed = getattr(request, "param", "shm,tcp,nats")
+    bus = await Bus.connect(nats_url, config=FAST, paths=PathsConfig(allowed=allowed, tcp_host="127.0.0.1"))
+    try:
+        yield bus
+    finally:
+        await bus.close()
+
+
+# -- 10: non-secure mode -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sender_bus", ["tcp,nats"], indirect=True)
+async def test_a_reply_to_the_open_for_another_transfer_is_ignored_and_the_open_asked_again(
+    nats_url: str, sender_bus: Bus, bus: Bus
+) -> None:
+    """Finding 10: another client answers the `Open` first (the receiver is stopped until then)
+    with "done" for another transfer id. The sender took the first reply as the verdict and
+    reported a delivery that never happened; now it ignores it, asks again, and the receiver
+    gets the transfer."""
+    name = f"foreign-rx-{uuid.uuid4().hex[:6]}"
+    peer = Peer(nats_url, name)
+    answered: list[str] = []
+
+    async def rogue(msg: Any) -> None:
+        if answered:
+            return
+        answered.append(msg.subject)
+        reply = OpenReply(transfer_id="f" * 32, ok=True, done=True)
+        await bus.transport.reply(msg, reply.encode())
+        await bus.transport.flush()
+        os.kill(peer.proc.pid, signal.SIGCONT)
+
+    try:
+        tx = await sender_bus.agent(f"foreign-tx-{uuid.uuid4().hex[:6]}", signature=SIG)
+        sub = await bus.transport.subscribe(inbox_subject(name, tx.name), rogue)
+        await bus.transport.flush()
+        os.kill(peer.proc.pid, signal.SIGSTOP)  # the rogue answers first
+        try:
+            kv = kv_of_bytes(SIG, 4 * MB, seed=21)
+            report = await tx.send(name, kv, medium="full")
+        finally:
+            os.kill(peer.proc.pid, signal.SIGCONT)
+            await sub.unsubscribe()
+        assert answered
+        got = await peer.line(timeout=30)
+        assert got["transfer_id"] == report.transfer_id and got["digest"] == kv_digest(kv)
+    finally:
+        peer.stop()
+
+
+@pytest.mark.parametrize(
+    ("sender_bus", "path"), [("shm,tcp,nats", "shm"), ("tcp,nats", "tcp")], indirect=["sender_bus"], ids=["shm", "tcp"]
+)
+async def test_a_verdict_on_nats_does_not_count_while_the_bytes_go_on_a_direct_path(
+    nats_url: str, sender_bus: Bus, bus: Bus, path: str
+) -> None:
+    """Finding 10: the receiver freezes mid-transfer on a direct path; another client publishes
+    "done, ok" for the transfer on the receiver's NATS ack subject. The sender counted it and
+    `send()` reported success while the addressee got nothing; now only the bound path's verdict
+    counts and the send fails."""
+    name = f"nats-verdict-rx-{path}-{uuid.uuid4().hex[:6]}"
+    peer = Peer(nats_url, name, "--stall-at-chunk", "9")
+    try:
+        tx = await sender_bus.agent(f"nats-verdict-tx-{uuid.uuid4().hex[:6]}", signature=SIG)
+        # Nine chunks (one per buffer): the receiver freezes on the last, every byte read (a
+        # frozen reader would leave a ``tcp`` sender blocked on its socket).
+        send = asyncio.create_task(tx.send(name, kv_of_bytes(SIG, 12 * MB, seed=22), medium="full"))
+        stalled = await peer.line()
+        assert stalled["via"] == [path]
+        tid = stalled["stalled"]
+        forged = Ack(transfer_id=tid, rx=name, next=1 << 20, received=1 << 20, done=True, ok=True)
+        await bus.transport.publish(ack_subject(tx.name, name), forged.encode())
+        await bus.transport.flush()
+        with pytest.raises(TransferError) as info:
+            await asyncio.wait_for(send, 60)
+        assert info.value.transfer_id == tid
+    finally:
+        peer.stop()
+
+
+#: What `kvbus up`'s banner and the chart's NOTES say outside secure mode.
+BANNER = "not secure (no --secure): any NATS client can read any agent's KV and fake its deliveries"
+NOTES_WARNING = "make its send() report a delivery that never happened"
+
+
+def test_kvbus_up_says_what_non_secure_mode_cannot_protect(tmp_path: Any) -> None:
+    """Finding 10: `kvbus up` without ``--secure`` says so, and what it means, in its banner."""
+    env = {**os.environ, "KVBUS_STACK_FILE": str(tmp_path / "stack.json")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvbus.app.cli", "up", "--replicas", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        assert proc.stdout is not None
+        lines: list[str] = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if "Ctrl-C" in line or not line:
+                break
+        out = "".join(lines)
+        assert "kvbus is up" in out and BANNER in out, out
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.skipif(HELM is None, reason="helm binary not found (scripts/install-helm.sh)")
+@pytest.mark.parametrize(
+    ("sets", "warned"),
+    [
+        ((), None),
+        (("nats.auth.enabled=false",), "nats.auth.enabled is false"),
+        (
+            ("nats.enabled=false", "nats.external.url=nats://nats.elsewhere:4222"),
+            "nats.external.existingSecret is empty",
+        ),
+    ],
+    ids=["default-secure", "auth-off", "external-without-users"],
+)
+def test_the_chart_is_secure_by_default_and_its_notes_warn_when_it_is_not(
+    sets: tuple[str, ...], warned: str | None
+) -> None:
+    """Finding 10: the chart's default is per-agent users (no warning); turning them off takes an
+    explicit value, and the NOTES then say what that cannot protect (an external NATS without
+    users was not warned about)."""
+    args = [a for s in sets for a in ("--set", s)]
+    out = helm("install", RELEASE, str(CHART), "--dry-run=client", "--namespace", NAMESPACE, *args)
+    notes = out[out.index("NOTES:") :]
+    if warned is None:
+        assert "secure mode is off" not in notes and "Bus.connect(url, secure=True" in notes
+    else:
+        flat = " ".join(notes.split())
+        assert f"WARNING: {warned}: secure mode is off." in flat and NOTES_WARNING in flat
+        assert "Bus.connect(url)" in notes
