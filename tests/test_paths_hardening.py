@@ -7,11 +7,13 @@
 - 1,100 connections that never bind cost the receiver a few hundred bytes each, at most 64 of
   them (32 per address) are kept, a sender still gets through, and a slowloris is closed at its
   deadline;
+- a receiver that holds shm deliveries holds their mappings and not one descriptor.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import uuid
 from collections.abc import AsyncIterator
@@ -23,6 +25,8 @@ import pytest
 from kvbus.bus import Bus
 from kvbus.bus.paths import DataPlane, PathsConfig
 from kvbus.bus.paths.frames import HEADER_SIZE, RECEIVER, FrameType, pack, unpack
+from kvbus.bus.paths.shm import Segment
+from kvbus.bus.paths.shm_server import map_fd
 from kvbus.errors import ConfigError
 from kvbus.group_scheduler import GroupScheduler
 from tests.conftest import FAST
@@ -306,3 +310,69 @@ async def test_tls_handshakes_in_progress_count_against_the_caps_and_a_sender_st
             sock.close()
         await tx.stop()
         await rx.stop()
+
+
+# -- 8: held shm deliveries hold no descriptors -------------------------------------------------------
+
+
+def memfd_descriptors(pid: int) -> int:
+    """Descriptors of process ``pid`` that are shared segments."""
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            n += "memfd:" in os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            pass
+    return n
+
+
+async def test_held_shm_deliveries_hold_mappings_and_no_descriptors() -> None:
+    rx = await Peer.start("rx", "--paths", "shm")
+    tx = await Peer.start("tx", "--paths", "shm")
+    try:
+        held = 6
+        fds_before = len(os.listdir(f"/proc/{rx.pid}/fd"))
+        digests = set()
+        for _ in range(held):  # the receiver keeps every chunk view: the deliveries are held
+            _, sent, done = await transfer(rx, tx, ["shm"], total=4 * MB)
+            assert done["via"] == ["shm"] and done["digest"] == sent["digest"]
+            digests.add(done["digest"])
+        status = await rx.status()
+        fds_after = len(os.listdir(f"/proc/{rx.pid}/fd"))
+        print(f"{held} held shm deliveries: receiver fds {fds_before} -> {fds_after}, {status}")
+        assert status["sinks"] == held and status["memfd_maps"] >= held  # still mapped...
+        assert status["memfd_fds"] == 0 and memfd_descriptors(rx.pid) == 0  # ...without a descriptor
+        assert fds_after - fds_before <= 1  # the one connection from the sender
+        # Each segment the sender made holds one descriptor there (the one it passes), no more.
+        assert memfd_descriptors(tx.pid) <= held
+    finally:
+        await tx.stop()
+        await rx.stop()
+
+
+def test_a_mapping_without_a_descriptor_behaves_as_mmap_does() -> None:
+    seg = Segment(MB)
+    try:
+        seg.view[:5] = b"hello"
+        before = memfd_descriptors(os.getpid())
+        private = map_fd(seg.fd, MB, shared=False, writable=True)
+        shared = map_fd(seg.fd, MB, shared=True, writable=False)
+        assert memfd_descriptors(os.getpid()) == before  # neither holds a descriptor
+        assert len(private) == len(shared) == MB and bytes(shared[:5]) == bytes(private[:5]) == b"hello"
+        private[:5] = b"HELLO"  # copy-on-write: the segment keeps its bytes
+        assert bytes(seg.view[:5]) == bytes(shared[:5]) == b"hello"
+        seg.view[5:10] = b"world"  # shared: the receiver sees what is in the segment
+        assert bytes(shared[5:10]) == b"world"
+        with pytest.raises(TypeError):
+            shared[:1] = b"x"
+        assert memoryview(shared).readonly and not memoryview(private).readonly
+        with open("/proc/self/maps") as f:
+            mapped = sum("memfd:" in line for line in f)
+        private.close()
+        shared.close()
+        with open("/proc/self/maps") as f:
+            assert sum("memfd:" in line for line in f) == mapped - 2  # unmapped on close
+        with pytest.raises(OSError):
+            map_fd(-1, MB, shared=True, writable=False)  # no descriptor: the kernel refuses
+    finally:
+        seg.close()

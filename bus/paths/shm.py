@@ -34,7 +34,7 @@ from kvbus.bus.paths.errors import PathUnavailable, TokenRefused
 from kvbus.bus.paths.frames import FrameType, pack
 from kvbus.bus.paths.host import host_identity
 from kvbus.bus.paths.registry import Expectations
-from kvbus.bus.paths.shm_server import ShmListener
+from kvbus.bus.paths.shm_server import ShmListener, map_fd
 from kvbus.protocol import PathOffer
 
 logger = logging.getLogger(__name__)
@@ -68,8 +68,8 @@ class Segment:
         try:
             os.ftruncate(self.fd, nbytes)
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SIZE_SEALS)
-            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
-            self._map: mmap.mmap | None = mmap.mmap(self.fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            # One descriptor per segment (the one passed to receivers): the mapping keeps none.
+            self._map: mmap.mmap | None = map_fd(self.fd, nbytes, shared=True, writable=True, populate=populate)
         except BaseException:
             os.close(self.fd)
             raise

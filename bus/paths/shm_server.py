@@ -2,9 +2,9 @@
 
 Each message is one frame. A BIND brings the segment's descriptor; with a valid, unused token
 the receiver checks the segment (its size is the payload's, it is sealed against resizing),
-maps it copy-on-write and closes the descriptor at once; DATA frames name chunks to verify in
-place. A connection whose first frame is not a valid BIND is closed (and any descriptor it
-passed with it).
+maps it copy-on-write and closes the descriptor at once (no mapping keeps one: `map_fd`);
+DATA frames name chunks to verify in place. A connection whose first frame is not a valid BIND
+is closed (and any descriptor it passed with it).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import array
 import asyncio
 import collections
+import ctypes
 import fcntl
 import logging
 import mmap
@@ -21,6 +22,7 @@ import threading
 import weakref
 from collections.abc import Callable
 
+import numpy as np
 import xxhash
 
 from kvbus.bus.paths.base import PathKind, TransferSpec, digest_hex
@@ -48,6 +50,46 @@ _SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 #: a larger one in `CHECK_THREADS` worker threads.
 INLINE_CHECK_BYTES = 1 << 20
 CHECK_THREADS = max(1, min(4, os.cpu_count() or 1))
+_MAP_FIXED = getattr(mmap, "MAP_FIXED", 0x10)  # Linux
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc_mmap = _libc.mmap
+_libc_mmap.restype = ctypes.c_void_p
+_libc_mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+
+
+def map_fd(fd: int, size: int, *, shared: bool, writable: bool, populate: bool = False) -> mmap.mmap:
+    """A mapping of the first ``size`` bytes of ``fd`` that holds no descriptor of it.
+
+    CPython's ``mmap.mmap(fd, ...)`` keeps a ``dup`` of the descriptor for as long as the mapping
+    lives (3.13's ``trackfd=False`` does not), so every delivery a receiver holds would hold a
+    descriptor too, up to the process's limit. Here an anonymous mapping of the same size (no
+    descriptor) reserves the range and the file is mapped over it in place (``MAP_FIXED``): the
+    `mmap.mmap` owns the range as usual (unmapped by ``close`` or when its last view goes) and
+    the caller may close ``fd`` at once.
+
+    Args:
+        shared: ``MAP_SHARED`` (else copy-on-write, ``MAP_PRIVATE``).
+        writable: mapped read-write (else read-only: writes through the object are refused).
+        populate: fault every page in now (``MAP_POPULATE``).
+
+    Raises:
+        OSError: the kernel refused either mapping.
+    """
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    placeholder = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE, prot=prot)
+    try:
+        start = np.frombuffer(placeholder, dtype=np.uint8).ctypes.data
+        flags = (mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE) | _MAP_FIXED
+        if populate:
+            flags |= mmap.MAP_POPULATE
+        got = _libc_mmap(start, size, prot, flags, fd, 0)
+        if got != start:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+    except BaseException:
+        placeholder.close()
+        raise
+    return placeholder
 
 
 class ShmRxSession:
@@ -234,12 +276,9 @@ class ShmRxConnection:
             # Copy-on-write: the receiver may write its tensors; the sender's bytes stay as they are.
             # The twin is a second such mapping, for the receiver to keep as the sender's delta
             # base without copying the payload (pages are shared until either side writes).
-            mapped = mmap.mmap(fd, total, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            twin = (
-                None
-                if self.listener.private
-                else mmap.mmap(fd, total, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            )
+            # Neither keeps a descriptor (`map_fd`): a held delivery holds memory, not a descriptor.
+            mapped = map_fd(fd, total, shared=False, writable=True)
+            twin = None if self.listener.private else map_fd(fd, total, shared=False, writable=True)
         except OSError as exc:
             self._refuse(frame.stream, f"cannot map the segment ({exc})")
             return
@@ -497,7 +536,7 @@ class SegmentMaps:
         if kept is not None:
             self._drop(key)
         try:
-            kept = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            kept = map_fd(fd, size, shared=True, writable=False)
         except OSError:
             return None
         self._maps[key] = kept
