@@ -8,22 +8,43 @@ direct path breaks, the route drops its session and the transfer resumes on NATS
 receiver's last acknowledged chunk (chunks that did arrive on the direct path are dropped by
 the receiver as duplicates, so nothing is delivered twice and nothing is lost). A route whose
 process may not use NATS (``KVBUS_PATHS_ALLOWED`` without ``nats``) fails the receiver instead.
+
+A direct path that damages chunks is left the same way: when the receiver has asked for
+`DIRECT_REPAIR_LIMIT` chunks again without its position advancing in between, the route gives
+the path up and the transfer resumes on NATS (repairs on the path that damaged the chunks
+would only be damaged again).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 
 from kvbus.bus.errors import TransferError
-from kvbus.bus.paths import DataPlane, PathError, PathKind, PathUnavailable, Segment, SendSession, TransferSpec
+from kvbus.bus.paths import (
+    DataPlane,
+    PathBroken,
+    PathError,
+    PathKind,
+    PathUnavailable,
+    Segment,
+    SendSession,
+    TransferSpec,
+)
 from kvbus.errors import WireFormatError
 from kvbus.protocol import DIGEST_BYTES, Ack, OpenReply
 
 logger = logging.getLogger(__name__)
 
 NATS = "nats"
+
+#: Chunks a receiver may ask for again on a direct path, its position (the first chunk it lacks)
+#: not advancing in between, before the transfer leaves that path for NATS. One damaged chunk
+#: now and then is repaired on the path; a path that damages (or loses) every chunk costs this
+#: many resends, not every resend until the peer timeout.
+DIRECT_REPAIR_LIMIT = 4
 
 
 class Route:
@@ -64,6 +85,10 @@ class Route:
         self._closing: set[asyncio.Task[None]] = set()
         self.broken: PathError | None = None
         """Why the direct path failed, once it has."""
+        self._position = 0
+        """The receiver's position (first chunk it lacks) in the last ack on the direct path."""
+        self.repairs = 0
+        """Chunks the receiver asked for again on the direct path since its position last advanced."""
 
     @property
     def summary(self) -> str:
@@ -152,7 +177,31 @@ class Route:
         if ack.rx != self.spec.receiver or ack.transfer_id != self.spec.transfer_id:
             logger.warning("transfer %s: an ack for another transfer on its path dropped", self.spec.transfer_id)
             return
+        if self.session is None and ack.missing:
+            # The path was left: what it lost is sent again on NATS from the last ack anyway.
+            ack = dataclasses.replace(ack, missing=[])
         self._on_ack(ack)
+        self._count_repairs(ack)
+
+    def _count_repairs(self, ack: Ack) -> None:
+        """Give the direct path up once the receiver asked for `DIRECT_REPAIR_LIMIT` chunks again
+        on it without its position advancing (see the module's docstring)."""
+        session = self.session
+        if session is None or ack.done:
+            return
+        if ack.next > self._position:
+            self._position, self.repairs = ack.next, 0
+        self.repairs += len(ack.missing)
+        if self.repairs >= DIRECT_REPAIR_LIMIT:
+            logger.warning(
+                "transfer %s: %s asked for %d chunks again on the %s path without progress; leaving it",
+                self.spec.transfer_id,
+                self.spec.receiver,
+                self.repairs,
+                self.path,
+            )
+            detail = f"the receiver asked for {self.repairs} chunks again without progress (damaged or lost on it)"
+            self._lost(PathBroken(self.path, detail, peer=self.spec.receiver))
 
     def _lost(self, error: PathError) -> None:
         session, self.session = self.session, None

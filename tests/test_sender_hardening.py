@@ -5,6 +5,8 @@ scheduler and a receiving agent in another OS process (`tests/peer.py`):
   for another transfer id decides nothing (the `Open` is asked again); while the bytes go on a
   direct path, a verdict on NATS does not count, only the one on the path bound with the
   receiver's token does.
+- 6: a direct path that damages every chunk is left for NATS after a few repairs; the transfer
+  completes there, verified, once.
 """
 
 from __future__ import annotations
@@ -16,13 +18,15 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import pytest
 
 from kvbus.bus import Bus, TransferError
 from kvbus.bus.paths import PathsConfig
+from kvbus.bus.paths.tcp import TcpSendSession
+from kvbus.bus.route import DIRECT_REPAIR_LIMIT
 from kvbus.group_scheduler import GroupScheduler
 from kvbus.protocol import Ack, OpenReply, ack_subject, inbox_subject
 from tests.conftest import FAST
@@ -180,3 +184,48 @@ def test_the_chart_is_secure_by_default_and_its_notes_warn_when_it_is_not(
         flat = " ".join(notes.split())
         assert f"WARNING: {warned}: secure mode is off." in flat and NOTES_WARNING in flat
         assert "Bus.connect(url)" in notes
+
+
+# -- 6: a direct path that damages every chunk ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sender_bus", ["tcp,nats"], indirect=True)
+async def test_a_tcp_path_that_damages_every_chunk_is_left_for_nats_and_delivers_once(
+    nats_url: str, sender_bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Finding 6: every chunk on ``tcp`` arrives with one byte changed (the damage of
+    `kvbus bench chaos`'s ``damage_tcp``). The sender resent on ``tcp`` until the peer timeout
+    failed the transfer; now it leaves the path after `DIRECT_REPAIR_LIMIT` repairs and the
+    transfer completes on NATS, verified, once."""
+    name = f"damaged-rx-{uuid.uuid4().hex[:6]}"
+    peer = Peer(nats_url, name)
+    damaged: list[int] = []
+    original = TcpSendSession.send_chunk
+
+    async def damaging(
+        self: TcpSendSession, index: int, pieces: Sequence[memoryview], digest: str, *, root: str = ""
+    ) -> None:
+        data = bytearray(b"".join(pieces))
+        data[len(data) // 2] ^= 0x5A  # under the announced digest: the receiver asks again
+        damaged.append(index)
+        await original(self, index, [memoryview(data)], digest, root=root)
+
+    monkeypatch.setattr(TcpSendSession, "send_chunk", damaging)
+    try:
+        tx = await sender_bus.agent(f"damaged-tx-{uuid.uuid4().hex[:6]}", signature=SIG)
+        kv = kv_of_bytes(SIG, 24 * MB, seed=23)
+        report = await tx.send(name, kv, medium="full")
+        assert report.paths == ("tcp", "nats") and report.path == "nats"
+        # A few repairs on tcp, then every chunk from the last ack once on NATS.
+        assert len(damaged) >= DIRECT_REPAIR_LIMIT and report.retransmits <= DIRECT_REPAIR_LIMIT
+        got = await peer.line()
+        assert got["transfer_id"] == report.transfer_id and got["digest"] == kv_digest(kv)
+        # Once: the next delivery is the next transfer (on tcp again, now undamaged).
+        monkeypatch.setattr(TcpSendSession, "send_chunk", original)
+        marker = kv_of_bytes(SIG, 4 * MB, seed=24)
+        second = await tx.send(name, marker, medium="full")
+        got2 = await peer.line()
+        assert got2["transfer_id"] == second.transfer_id and got2["digest"] == kv_digest(marker)
+        assert second.paths == ("tcp",)
+    finally:
+        peer.stop()
