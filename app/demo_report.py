@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvbus.app.bench.rounds import median, ratio, spread
@@ -78,7 +79,7 @@ def summarise(runs: Mapping[str, RunResult | Sequence[RunResult]]) -> list[dict[
 
 def render_table(rows: list[dict[str, Any]], console: Console) -> None:
     """The rows in the terminal."""
-    table = Table(title="the same workflow under each policy (median over interleaved rounds [min - max])")
+    table = Table(title=escape("the same workflow under each policy (median over interleaved rounds [min - max])"))
     for col in (
         "policy",
         "E2E",

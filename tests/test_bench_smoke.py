@@ -101,6 +101,11 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "adaptive_vs_best_static_median": NUM,
         "adaptive_vs_best_static_latency_max": NUM,
         "fluctuating_adaptive_vs_best_static": NUM,
+        "prediction_error_p90": OPT_NUM,
+        "prediction_error_median": OPT_NUM,
+        "prediction_errors_counted": int,
+        "regret_vs_oracle": NUM,
+        "explored_fraction": NUM,
         "switches_with_hysteresis": int,
         "switches_without_hysteresis": int,
         "relay": {

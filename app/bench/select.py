@@ -162,6 +162,8 @@ async def _cell(h: Harness, shape: str, n: int, mbit: float, rounds: int) -> dic
     lat: dict[str, list[float]] = {m: [] for m in ["adaptive", *statics]}
     obj: dict[str, list[float]] = {m: [] for m in ["adaptive", *statics]}
     used: list[str] = []
+    explored: list[bool] = []
+    predicted: list[tuple[float, float]] = []
     nbytes: dict[str, int] = {}
     for _ in range(rounds):
         for arm in ["adaptive", *statics]:
@@ -169,8 +171,12 @@ async def _cell(h: Harness, shape: str, n: int, mbit: float, rounds: int) -> dic
             lat[arm].append(t)
             obj[arm].append(t + h.loss_s(medium, n))
             nbytes[arm] = size
+            pm = predicted_measured(pair.last_decision)
+            if pm is not None:
+                predicted.append(pm)
             if arm == "adaptive":
                 used.append(medium)
+                explored.append(bool(pair.last_decision.get("explored")))
     row["adaptive"] = {
         "latency_s": round(statistics.median(lat["adaptive"]), 4),
         "media": used,
@@ -193,8 +199,38 @@ async def _cell(h: Harness, shape: str, n: int, mbit: float, rounds: int) -> dic
     row["adaptive_vs_best_static_rounds"] = per
     row["adaptive_vs_best_static_latency"] = per_lat["median"]
     row["adaptive_vs_best_static_latency_rounds"] = per_lat
+    # The oracle: per round, the best of every way this cell's transfer was sent (the statics
+    # and adaptive itself), measured in the same round.
+    row["adaptive_objective_sum_s"] = round(sum(obj["adaptive"]), 4)
+    row["oracle_objective_sum_s"] = round(
+        sum(min(obj[arm][r] for arm in ["adaptive", *statics]) for r in range(rounds)), 4
+    )
+    row["explored"] = sum(explored)
+    skip = min(PREDICTION_WARMUP, len(predicted) // 2)
+    row["prediction_errors"] = [round(abs(p - m) / m, 4) for p, m in predicted[skip:] if m > 0]
+    row["prediction_skipped"] = skip
     await pair.close()
     return row
+
+
+#: Transfers of a cell whose prediction error is not counted (the model learns from them); at
+#: most half the cell's transfers.
+PREDICTION_WARMUP = 20
+
+
+def predicted_measured(decision: dict[str, Any]) -> tuple[float, float] | None:
+    """(predicted seconds without the fidelity penalty, measured seconds from grant to done) of
+    a transfer whose scheduler decided it, from the report's decision record."""
+    est = next((c for c in decision.get("candidates", ()) if c.get("medium") == decision.get("medium")), None)
+    measured = decision.get("observed_s")
+    if est is None or est.get("total_s") is None or not measured:
+        return None
+    return float(est["comm_s"]) + float(est["comp_s"]), float(measured)
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    vals = sorted(values)
+    return round(vals[min(len(vals) - 1, int(q * len(vals)))], 4) if vals else None
 
 
 async def _relay(h: Harness, shape: str, n: int, hops: int, mbit: float) -> dict[str, Any]:
@@ -331,6 +367,15 @@ async def _run(quick: bool, smoke: bool, nats_url: str | None, cap_s: float, net
             "adaptive_vs_best_static_median": median(c["adaptive_vs_best_static"] for c in cells),
             "adaptive_vs_best_static_latency_max": max(c["adaptive_vs_best_static_latency"] for c in cells),
             "fluctuating_adaptive_vs_best_static": fluct["fluctuating_adaptive_vs_best_static"],
+            "prediction_error_p90": _quantile([e for c in cells for e in c["prediction_errors"]], 0.9),
+            "prediction_error_median": _quantile([e for c in cells for e in c["prediction_errors"]], 0.5),
+            "prediction_errors_counted": sum(len(c["prediction_errors"]) for c in cells),
+            "regret_vs_oracle": round(
+                sum(c["adaptive_objective_sum_s"] for c in cells) / sum(c["oracle_objective_sum_s"] for c in cells), 4
+            ),
+            "explored_fraction": round(
+                sum(c["explored"] for c in cells) / max(1, sum(len(c["adaptive"]["media"]) for c in cells)), 4
+            ),
             "switches_with_hysteresis": with_h,
             "switches_without_hysteresis": without_h,
             "relay": relay,
@@ -362,6 +407,13 @@ async def _run(quick: bool, smoke: bool, nats_url: str | None, cap_s: float, net
                 "cell's context length, not the selector's calibration profile",
                 "cell_figure": "per round adaptive / the static with the lowest median objective; "
                 "median over rounds (min, max in *_rounds)",
+                "prediction_error": "|predicted - measured| / measured of every transfer of a cell (adaptive and "
+                "static) after its first "
+                f"{PREDICTION_WARMUP} (at most half of the cell's); predicted without the fidelity penalty, "
+                "measured from grant to done",
+                "regret_vs_oracle": "sum over cells and rounds of adaptive's objective over the best objective "
+                "any way (adaptive or a static) reached in the same cell and round",
+                "exploration": "the scheduler's default (SchedulerConfig.explore_*)",
             },
             "results": results,
         }

@@ -48,6 +48,9 @@ def shifted(kv: KVCache, shift: int) -> KVCache:
 class Pair(Protocol):
     """A sender and a receiver of one cell."""
 
+    last_decision: dict[str, Any]
+    """The scheduler's decision record of the last `once`, with the sender's measured phases."""
+
     async def once(self, n: int, shift: int, medium: str | None) -> tuple[float, str, int]:
         """Send the ``n``-token context with token ids shifted by ``shift``; (latency, medium, bytes)."""
 
@@ -63,11 +66,13 @@ class LocalPair:
 
     def __init__(self, h: Harness, tx: Any, rx: Any) -> None:
         self.h, self.tx, self.rx = h, tx, rx
+        self.last_decision: dict[str, Any] = {}
 
     async def once(self, n: int, shift: int, medium: str | None) -> tuple[float, str, int]:
         """`Pair.once` in this process."""
         report = await self.tx.send(self.rx.name, shifted(self.h.quality.context(n), shift), medium=medium)
         await self.rx.receive(timeout=RECEIVE_TIMEOUT_S)
+        self.last_decision = dict(report.decision or {})
         return report.total_s, report.medium, report.nbytes
 
     async def set_link(self, mbit: float) -> None:
@@ -87,6 +92,7 @@ class TestbedPair:
 
     def __init__(self, site: TestbedSite, tx: str, rx: str) -> None:
         self.site, self.tx, self.rx = site, tx, rx
+        self.last_decision: dict[str, Any] = {}
 
     async def once(self, n: int, shift: int, medium: str | None) -> tuple[float, str, int]:
         """`Pair.once` across the testbed: the receive is asked for before the send starts."""
@@ -98,6 +104,7 @@ class TestbedPair:
             if not recv.done():
                 recv.cancel()
         self.site.paths.append(sent["path"])
+        self.last_decision = dict(sent.get("decision") or {})
         return float(sent["total_s"]), str(sent["medium"]), int(sent["nbytes"])
 
     async def set_link(self, mbit: float) -> None:
@@ -204,7 +211,13 @@ async def send(ctx: WorkerContext, *, sender: str, to: str, n: int, shift: int, 
     """Send the ``n``-token context with its token ids shifted by ``shift`` (a context the receiver
     holds no prefix of); the report's figures."""
     report = await ops.get_agent(ctx, sender).send(to, shifted(await _context(ctx, n), shift), medium=medium)
-    return {"total_s": report.total_s, "medium": report.medium, "nbytes": report.nbytes, "path": report.path}
+    return {
+        "total_s": report.total_s,
+        "medium": report.medium,
+        "nbytes": report.nbytes,
+        "path": report.path,
+        "decision": report.decision,
+    }
 
 
 async def receive(ctx: WorkerContext, *, receiver: str, wait_s: float) -> int:
