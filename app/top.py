@@ -65,12 +65,16 @@ def render(snapshots: dict[str, Any], notes: list[str], *, live: bool = False) -
                 f"{a['load']:.0%}",
                 seen,
             )
-        active = Table("transfer", "src -> dst", "medium", "rate", "bytes", "age", box=None, pad_edge=False)
+        active = Table(
+            "transfer", "src -> dst", "medium", "predicted", "rate", "bytes", "age", box=None, pad_edge=False
+        )
         for t in snap.get("active", []):
+            predicted = t.get("predicted_s")
             active.add_row(
                 t["id"],
                 f"{t['src']} -> {','.join(t['dst'])}",
-                t["medium"],
+                t["medium"] + (" (explore)" if t.get("explored") else ""),
+                f"{predicted * 1000:.0f} ms" if predicted else "-",
                 _fmt_rate(t["rate_bps"]),
                 _fmt_bytes(t["bytes"]),
                 f"{t['age_s']:.1f}s",
@@ -80,10 +84,16 @@ def render(snapshots: dict[str, Any], notes: list[str], *, live: bool = False) -
                 q["id"],
                 f"{q['src']} -> {','.join(q['dst'])}",
                 "[dim]queued[/]",
+                "",
                 "critical" if q["critical"] else "",
                 "",
                 f"{q['wait_s']:.2f}s",
             )
+        sel = snap.get("selection") or {}
+        recent = Table("recent transfer", "predicted", "measured", box=None, pad_edge=False)
+        for r in sel.get("recent", []):
+            recent.add_row(r["medium"], f"{r['predicted_s'] * 1000:.0f} ms", f"{r['measured_s'] * 1000:.0f} ms")
+        err = sel.get("prediction_error") or {}
         links = Table("link", "estimate", "samples", box=None, pad_edge=False)
         for name, est in sorted(snap.get("links", {}).items()):
             links.add_row(name, _fmt_rate(est["bandwidth_bps"]), str(est["samples"]))
@@ -92,7 +102,14 @@ def render(snapshots: dict[str, Any], notes: list[str], *, live: bool = False) -
             f"group {g}  ({snap.get('scheduler', '?')})  granted {c.get('granted', 0)}  "
             f"completed {c.get('completed', 0)}  failed {c.get('failed', 0)}"
         )
-        parts.append(Panel(Group(agents, active, links), title=title, title_align="left"))
+        body: list[Any] = [agents, active, links]
+        if sel:
+            body.append(
+                f"selection: {sel.get('decided', 0)} decided, {sel.get('explored', 0)} explored; prediction error "
+                f"median {err.get('median')} p90 {err.get('p90')} over {err.get('n', 0)}"
+            )
+            body.append(recent)
+        parts.append(Panel(Group(*body), title=title, title_align="left"))
     if not snapshots:
         parts.append(Panel("no groups found", title="kvbus top"))
     for n in notes:

@@ -101,8 +101,8 @@ class LearnedCosts:
     """Per (medium, size class, ``encode`` or ``decode``): measured / calibrated seconds."""
     prefill_tps: dict[str, Learned] = field(default_factory=dict)
     """Per receiver: prefill tokens/s measured from its ``tokens`` deliveries."""
-    errors: deque[tuple[str, float]] = field(default_factory=lambda: deque(maxlen=ERRORS_KEPT))
-    """(medium, |predicted - measured| / measured) of recent transfers (not persisted)."""
+    recent: deque[tuple[str, float, float]] = field(default_factory=lambda: deque(maxlen=ERRORS_KEPT))
+    """(medium, predicted s, measured s) of recent transfers (not persisted)."""
     changes: int = 0
     """Samples folded in since the state was last persisted."""
 
@@ -134,7 +134,7 @@ class LearnedCosts:
 
     def prediction_error(self) -> dict[str, Any]:
         """Median and p90 of |predicted - measured| / measured over the recent transfers."""
-        vals = sorted(e for _, e in self.errors)
+        vals = sorted(abs(p - m) / m for _, p, m in self.recent)
         if not vals:
             return {"n": 0, "median": None, "p90": None}
         return {
@@ -191,7 +191,7 @@ class LearnedCosts:
     def observe_error(self, medium: str, predicted_s: float, measured_s: float) -> None:
         """How far the prediction of a finished transfer was from what it took."""
         if _finite_positive(predicted_s) and _finite_positive(measured_s):
-            self.errors.append((medium, abs(predicted_s - measured_s) / measured_s))
+            self.recent.append((medium, predicted_s, measured_s))
 
     def observe_transfer(
         self,

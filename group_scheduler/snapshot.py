@@ -35,6 +35,8 @@ def snapshot(scheduler: Any) -> dict[str, Any]:
             "bytes": p.request.nbytes,
             "tokens": p.request.n_tokens,
             "age_s": round(now - p.granted_at, 2) if p.granted_at else 0.0,
+            "predicted_s": round(p.predicted_s, 4) if p.predicted_s < float("inf") else None,
+            "explored": bool(p.decision.get("explored")),
         }
         for p in state.active.values()
     ]
@@ -61,8 +63,28 @@ def snapshot(scheduler: Any) -> dict[str, Any]:
             if est.samples
         }
     )
+    selection: dict[str, Any] = {}
+    selector = getattr(getattr(scheduler, "policy", None), "selector", None)
+    model = getattr(selector, "model", None)
+    learned = getattr(model, "learned", None)
+    if learned is not None:
+        selection = {
+            "decided": getattr(selector, "decided", 0),
+            "explored": getattr(selector, "explored", 0),
+            "prediction_error": learned.prediction_error(),
+            "recent": [
+                {"medium": m, "predicted_s": round(p, 4), "measured_s": round(ms, 4)}
+                for m, p, ms in list(learned.recent)[-8:]
+            ],
+            "learned": {
+                "codec": len(learned.codec),
+                "fixed": len(learned.fixed_s),
+                "prefill": len(learned.prefill_tps),
+            },
+        }
     return {
         "group": state.group,
+        "selection": selection,
         "scheduler": scheduler.name,
         "ts": time.time(),
         "agents": agents,
