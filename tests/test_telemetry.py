@@ -181,6 +181,11 @@ def test_one_trace_across_sender_scheduler_and_receiver(transfer: dict[str, Any]
     assert sched["kvbus.medium"] == report["medium"] and sched["kvbus.transfer_id"] == report["transfer_id"]
     candidates = json.loads(sched["kvbus.candidates"])
     assert isinstance(candidates, list)
+    chosen = next(c for c in candidates if c["medium"] == report["medium"])
+    # The predicted terms of the choice, as the decision record has them (issue 32).
+    assert sched["kvbus.predicted.comm_s"] == pytest.approx(chosen["comm_s"])
+    assert sched["kvbus.predicted.loss_s"] == pytest.approx(chosen["loss_s"])
+    assert sched["kvbus.explored"] is report["decision"]["explored"]
     if report["decision"].get("predicted_s") is not None:
         assert a["kvbus.predicted_s"] == pytest.approx(report["decision"]["predicted_s"])
 
