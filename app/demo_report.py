@@ -168,6 +168,23 @@ def why_table(runs: Sequence[RunResult]) -> list[str]:
     return rows
 
 
+def pair_table(runs: Sequence[RunResult]) -> list[str]:
+    """Markdown rows: per (sender, receivers) pair, the media adaptive sent and the reason of its last decision."""
+    by: dict[tuple[str, tuple[str, ...]], list[Any]] = {}
+    for run in runs:
+        for t in run.transfers:
+            by.setdefault((t.src, t.dst), []).append(t)
+    rows = ["| pair | media sent (count) | last decision's reason |", "|---|---|---|"]
+    for (src, dst), items in sorted(by.items()):
+        counts: dict[str, int] = {}
+        for t in items:
+            counts[t.medium] = counts.get(t.medium, 0) + 1
+        reason = str(items[-1].decision.get("reason") or "-").replace("|", "/")
+        media = ", ".join(f"{m} ({n})" for m, n in sorted(counts.items()))
+        rows.append(f"| {src} -> {', '.join(dst)} | {media} | {reason} |")
+    return rows
+
+
 def write_report(
     folder: Path, rows: list[dict[str, Any]], runs: Mapping[str, RunResult | Sequence[RunResult]], meta: dict[str, Any]
 ) -> None:
@@ -329,6 +346,10 @@ def write_report(
         "extra tokens it would have to generate); medians over the adaptive runs' transfers:",
         "",
         *why_table(by.get("adaptive", [])),
+        "",
+        "Which medium each pair got (pairs differ: the same rack, a slow uplink, a receiver of another model):",
+        "",
+        *pair_table(by.get("adaptive", [])),
         "",
         f"Prediction error |predicted - measured| / measured over {summary['transfers']} adaptive transfers: "
         f"median {summary['prediction_error_median']}, p90 {summary['prediction_error_p90']}; "

@@ -10,8 +10,8 @@ import matplotlib.image as mpimg
 import pytest
 import torch
 
-from kvbus.app.demo import STATIC_POLICIES, summarise, write_report
-from kvbus.app.demo_report import RATIO_MEANS, compare, headline, prediction_summary
+from kvbus.app.demo import STATIC_POLICIES
+from kvbus.app.demo_report import RATIO_MEANS, compare, headline, prediction_summary, summarise, write_report
 from kvbus.app.models import random_model
 from kvbus.app.workflow import AgentSpec, Workflow
 from kvbus.bus import EmulatedLink
@@ -76,6 +76,7 @@ async def test_workflow_under_each_policy_and_the_report(flow: Workflow, nats_ur
     assert first == f"**{figures['headline']}**" and "adaptive took" in first
     assert RATIO_MEANS in report and report.index(RATIO_MEANS) < report.index("| policy |")
     assert "emulated links: asked for" in report
+    assert "| pair | media sent (count) |" in report and "| coordinator -> " in report
     data = json.loads((tmp_path / "results.json").read_text())
     assert {r["policy"] for r in data["rows"]} == set(policies)
     pngs = ("latency_by_policy.png", "bytes_by_medium.png", "timeline_adaptive.png", "media_over_time.png")
@@ -125,7 +126,7 @@ def test_the_headline_says_the_result_in_one_sentence(ratios: dict, word: str) -
 
 def test_every_medium_adaptive_can_pick_is_a_static_policy() -> None:
     from kvbus.group_scheduler import SchedulerConfig
-    from kvbus.group_scheduler.scheduler import default_selector
+    from kvbus.group_scheduler.selection import default_selector
 
     assert set(STATIC_POLICIES) == set(default_selector(SchedulerConfig()).candidates)
     assert {"delta+full", "delta+int8", "delta+int4"} <= set(STATIC_POLICIES)
