@@ -11,6 +11,7 @@ from kvbus.bus.errors import (
     ReceiveTimeout,
     SchedulerUnavailable,
     TransferError,
+    TransferInDoubt,
     TransferRejected,
     TransferTimeout,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "SchedulerUnavailable",
     "Status",
     "TransferError",
+    "TransferInDoubt",
     "TransferRejected",
     "TransferReport",
     "TransferTimeout",

@@ -18,7 +18,15 @@ from kvbus.bus.types import Delivery, TransferReport
 from kvbus.codecs import ModelRunner
 from kvbus.kvcache import KVCache
 from kvbus.net.transport import Transport
-from kvbus.protocol import AgentLeave, Probe, ack_subject, agent_subject, inbox_subject, sched_subject
+from kvbus.protocol import (
+    MAX_IDEMPOTENCY_KEY,
+    AgentLeave,
+    Probe,
+    ack_subject,
+    agent_subject,
+    inbox_subject,
+    sched_subject,
+)
 from kvbus.signature import ModelSignature
 
 if TYPE_CHECKING:
@@ -142,7 +150,14 @@ class Agent(Endpoint):
     # -- sending ------------------------------------------------------------------------------
 
     async def send(
-        self, to: str, kv: KVCache, *, medium: str | None = None, deadline: float | None = None, critical: bool = False
+        self,
+        to: str,
+        kv: KVCache,
+        *,
+        medium: str | None = None,
+        deadline: float | None = None,
+        critical: bool = False,
+        idempotency_key: str | None = None,
     ) -> TransferReport:
         """Send a context to agent ``to`` and wait until it arrived whole and verified.
 
@@ -153,14 +168,25 @@ class Agent(Endpoint):
             deadline: seconds from now by which the transfer should be done (raises urgency;
                 also bounds the wait for a grant).
             critical: mark as critical traffic.
+            idempotency_key: the caller's name for this send (1 to `MAX_IDEMPOTENCY_KEY`
+                characters). Sent again with the same key after a `TransferInDoubt`, it is
+                answered with the first one's verdict by a receiver that delivered it (the
+                receiver's bus remembers the keys of its last deliveries while it runs).
 
         Raises:
             UnknownCodec: ``medium`` is not a registered codec (a `ValueError`).
             SignatureMismatch: ``kv`` does not fit its own model signature.
-            TransferError: the transfer failed; the subclass says why (a `TransferRejected`
-                has the `Reason` in ``code``).
+            ValueError: ``idempotency_key`` is empty or too long.
+            TransferInDoubt: the transfer failed after its bytes may have arrived (the receiver
+                may have it); ``cause`` says how it failed.
+            TransferError: the transfer failed and nothing was delivered; the subclass says why
+                (a `TransferRejected` has the `Reason` in ``code``).
         """
-        return await self._sender.send([to], kv, medium=medium, deadline=deadline, critical=critical)
+        if idempotency_key is not None and not 1 <= len(idempotency_key) <= MAX_IDEMPOTENCY_KEY:
+            raise ValueError(f"idempotency_key must be 1 to {MAX_IDEMPOTENCY_KEY} characters")
+        return await self._sender.send(
+            [to], kv, medium=medium, deadline=deadline, critical=critical, idempotency_key=idempotency_key or ""
+        )
 
     async def broadcast(
         self,

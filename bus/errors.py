@@ -59,6 +59,22 @@ class TransferTimeout(TransferError, TimeoutError):
         super().__init__(transfer_id, f"timed out after {seconds:.1f} s while {stage}", peer=peer)
 
 
+class TransferInDoubt(TransferError):
+    """The transfer failed after its bytes may have arrived: the receiver may have delivered it
+    (its verdict was lost with it, or it restarted after the last chunk). A plain `TransferError`
+    means nothing can have been delivered; this one does not know.
+
+    ``cause`` is the failure as the sender saw it (a `TransferTimeout`, `ReceiverGone`, ...).
+    Sent again with the same ``idempotency_key`` (`Agent.send`), a receiver that delivered the
+    first answers with that verdict instead of delivering it twice.
+    """
+
+    def __init__(self, cause: TransferError) -> None:
+        self.cause = cause
+        detail = str(cause).removeprefix(f"transfer {cause.transfer_id}: ")
+        super().__init__(cause.transfer_id, f"in doubt, the receiver may have it ({detail})", peer=cause.peer)
+
+
 class SchedulerUnavailable(TransferError):
     """No group scheduler answers for the sender's group."""
 

@@ -34,7 +34,7 @@ from opentelemetry.trace import INVALID_SPAN, Span
 
 from kvbus.bus.chunking import ChunkSource, digest_chunks, digests_root, stage, tree_digest
 from kvbus.bus.config import OFFLOAD_BYTES, BusConfig
-from kvbus.bus.errors import ReceiverGone, TransferError, TransferRejected, TransferTimeout
+from kvbus.bus.errors import ReceiverGone, TransferError, TransferInDoubt, TransferRejected, TransferTimeout
 from kvbus.bus.handshake import Handshake, ReceiverOutcome
 from kvbus.bus.pacing import TokenBucket
 from kvbus.bus.paths import DataPlane, PathError, Segment, TransferSpec
@@ -107,6 +107,7 @@ class OutgoingTransfer:
         incarnations: dict[str, str] | None = None,
         plane: DataPlane | None = None,
         trace_link: str | None = None,
+        idempotency_key: str = "",
     ) -> None:
         self.transport = transport
         self.transfer_id = transfer_id
@@ -144,6 +145,7 @@ class OutgoingTransfer:
             paths=paths,
             host=self.plane.host if self.plane is not None else "",
             trace_link=None if traceparent else trace_link,
+            idempotency_key=idempotency_key,
         )
         """The `Open` of the first receiver (before its digests are known); each gets its own."""
         # Inline when small enough and the framed Open (header + payload) fits the server's max_payload.
@@ -166,6 +168,8 @@ class OutgoingTransfer:
         self._resend: dict[int, set[str]] = {}
         """Chunks to send again, each to the receivers that asked."""
         self._next = 0
+        self._sent = 0
+        """Chunks sent at least once, from the first (all of them: the receiver may have the payload)."""
         self._progress = asyncio.Event()
         self._running = asyncio.Event()
         self._running.set()
@@ -337,7 +341,30 @@ class OutgoingTransfer:
             if segment is not None and self.plane is not None:
                 self.plane.release(segment)
         self.stats.finished = time.perf_counter()
+        for rx, outcome in self.outcomes.items():
+            if outcome.error is not None and self._in_doubt(self.links[rx], outcome.error):
+                outcome.error = TransferInDoubt(outcome.error)
         return self.outcomes
+
+    def _in_doubt(self, link: Handshake, error: TransferError) -> bool:
+        """Whether ``link``'s receiver may have delivered the payload although ``error`` failed it:
+        every byte may have reached it (the inline `Open` went out, or every chunk did at least
+        once) and no verdict of its own says it did not."""
+        if isinstance(error, TransferInDoubt):
+            return False
+        if isinstance(error, TransferRejected):
+            # A refusal is the receiver's verdict, except one that says an earlier incarnation, or
+            # a transfer with the same key still under way, may deliver it.
+            if error.code not in (Reason.RECEIVER_RESTARTED, Reason.KEY_IN_PROGRESS, Reason.CANCELLED):
+                return False
+            if error.code is Reason.KEY_IN_PROGRESS:
+                return True
+        if not link.attempts:
+            return False  # no Open went out
+        if self.open.inline or not self.plan.n_chunks:
+            # The payload travels in the Open: anything but "nobody listens" may hide a delivery.
+            return not isinstance(error, ReceiverGone)
+        return self._sent >= self.plan.n_chunks
 
     @property
     def path(self) -> str:
@@ -477,6 +504,8 @@ class OutgoingTransfer:
         return [self.links[rx].open.data_subject for rx in wanted]
 
     async def _send_chunk(self, index: int, receivers: set[str] | None = None) -> None:
+        if index == self._sent:
+            self._sent += 1  # before the send: once it starts, the chunk may arrive
         data = self._chunks[index]
         route = self.route
         if route is not None and route.session is not None:

@@ -8,8 +8,12 @@ chunk calls `Receiver.finish`. Decoded contexts go to the agent's `Inbox`; compl
 ids are remembered so that an `Open` asked again is answered, not delivered twice (so is one
 that comes while its transfer's last chunk is being verified and decoded), and each
 agent start is a new incarnation that refuses a retried `Open` an earlier one may have
-delivered (`Reason.RECEIVER_RESTARTED`). A private copy of the last context from each sender
-is kept as the base delta media decode against (deliveries never alias it).
+delivered (`Reason.RECEIVER_RESTARTED`). A send's idempotency key is remembered with its
+delivery too (before the verdict goes out): a new transfer from the same sender with the same
+key (a retry after `TransferInDoubt`) is answered "done" without a second delivery, and one
+that comes while the first is still under way is refused with `Reason.KEY_IN_PROGRESS`. A
+private copy of the last context from each sender is kept as the base delta media decode
+against (deliveries never alias it).
 """
 
 from __future__ import annotations
@@ -67,6 +71,12 @@ COMPLETED_MEMORY = 4096
 RETRY_MARGIN_S = 1.0
 
 
+def key_entry(sender: str, key: str) -> str:
+    """Where a delivered send's idempotency key is remembered, among the completed transfer ids
+    (a newline is in no transfer id: the two never meet)."""
+    return f"{sender}\n{key}"
+
+
 def _refuse(transfer_id: str, code: Reason, reason: str) -> OpenReply:
     return OpenReply(transfer_id=transfer_id, ok=False, reason=reason, code=code)
 
@@ -109,6 +119,8 @@ class Receiver:
         """Streamed transfers whose last chunk is in, while they are verified and decoded (no longer
         partial, not yet completed): an `Open` asked again meanwhile learns that every chunk is in
         and waits for the verdict, rather than starting the transfer over (a second delivery)."""
+        self.keyed: collections.OrderedDict[str, str] = collections.OrderedDict()
+        """Idempotency keys of streamed transfers under way (`key_entry` -> transfer id)."""
         self.incarnation = secrets.token_hex(8)
         """This agent start's id, in every `OpenReply`: a retried `Open` for another is refused."""
         self.started = time.monotonic()
@@ -155,6 +167,15 @@ class Receiver:
         active = self.incoming.get(tid) or self.finishing.get(tid)
         if active is not None:
             return self._status(active)
+        key = open_msg.idempotency_key
+        if key:
+            entry = key_entry(sender, key)
+            if entry in self.completed:
+                logger.info("transfer %s from %s: its key was delivered already; answering done", tid, sender)
+                return OpenReply(transfer_id=tid, ok=True, done=True)
+            first = self.keyed.get(entry)
+            if first is not None and (self.incoming.get(first) or self.finishing.get(first)):
+                return _refuse(tid, Reason.KEY_IN_PROGRESS, f"transfer {first} with the same key is still under way")
         restarted = self._restarted(open_msg)
         if restarted:
             logger.warning("transfer %s from %s: %s", tid, open_msg.src, restarted)
@@ -204,6 +225,10 @@ class Receiver:
         receive_span = _receive_span(ep.name, open_msg)
         incoming.spans = (receive_span, telemetry.start("kvbus.reassemble", parent=receive_span, lazy=True))
         self.incoming.add(incoming)
+        if key:
+            self.keyed[key_entry(sender, key)] = tid
+            while len(self.keyed) > COMPLETED_MEMORY:
+                self.keyed.popitem(last=False)
         await incoming.start()
         return self._offer(incoming, plan)
 
@@ -272,7 +297,7 @@ class Receiver:
             except KVBusError as exc:
                 telemetry.fail(receive_span, exc)
                 return _refuse(tid, *decode_failure(exc))
-        self._deliver(delivery)
+        self._deliver(delivery, key=open_msg.idempotency_key)
         return OpenReply(transfer_id=tid, ok=True, done=True, decode_s=time.perf_counter() - t0)
 
     def _check_signature(self, codec: Any, meta: dict) -> tuple[Reason, str]:
@@ -310,6 +335,9 @@ class Receiver:
             await self._finish(incoming)
         finally:
             self.finishing.pop(tid, None)
+            key = incoming.open.idempotency_key
+            if key and self.keyed.get(key_entry(incoming.open.src, key)) == tid:
+                del self.keyed[key_entry(incoming.open.src, key)]
 
     async def _finish(self, incoming: IncomingTransfer) -> None:
         tid = incoming.open.transfer_id
@@ -341,7 +369,7 @@ class Receiver:
                 await incoming.report(ok=False, reason=reason, code=code)
                 return
             decode_s = time.perf_counter() - t0
-            self._deliver(delivery, twins=incoming.twins)
+            self._deliver(delivery, twins=incoming.twins, key=incoming.open.idempotency_key)
             await incoming.report(ok=True, decode_s=decode_s)
 
     async def janitor(self) -> None:
@@ -424,9 +452,12 @@ class Receiver:
             )
         return kv
 
-    def _deliver(self, delivery: Delivery, *, twins: Sequence[tuple[memoryview, memoryview]] = ()) -> None:
-        """Record ``delivery`` as done and hand it to the inbox, after a private copy of it is kept as
-        the sender's delta base (the delivery is the application's to edit in place).
+    def _deliver(
+        self, delivery: Delivery, *, twins: Sequence[tuple[memoryview, memoryview]] = (), key: str = ""
+    ) -> None:
+        """Record ``delivery`` as done (and its send's idempotency ``key``) and hand it to the inbox,
+        after a private copy of it is kept as the sender's delta base (the delivery is the
+        application's to edit in place).
 
         A delivery whose tensors all lie in a segment the sender lent (``shm``) is kept without a
         copy: its base views the same bytes through a second copy-on-write mapping (`twin_base`).
@@ -435,6 +466,8 @@ class Receiver:
         decode waits for the copy it may need.
         """
         self.completed[delivery.transfer_id] = time.monotonic()
+        if key:
+            self.completed[key_entry(delivery.sender, key)] = time.monotonic()
         while len(self.completed) > COMPLETED_MEMORY:
             self.completed.popitem(last=False)
         if not self._ep.config.keep_bases:

@@ -96,7 +96,14 @@ class Sender:
         """Per receiver: the data path the last transfer to it took (the next one likely takes it too)."""
 
     async def send(
-        self, receivers: list[str], kv: KVCache, *, medium: str | None, deadline: float | None, critical: bool
+        self,
+        receivers: list[str],
+        kv: KVCache,
+        *,
+        medium: str | None,
+        deadline: float | None,
+        critical: bool,
+        idempotency_key: str = "",
     ) -> TransferReport:
         """Send ``kv`` to ``receivers``; sent again without delta when a receiver no longer holds
         the base it was encoded against (it restarted, or got a context from us it could not keep).
@@ -106,7 +113,9 @@ class Sender:
             NonFiniteValues: ``medium`` is lossy and ``kv`` holds NaN or inf.
         """
         try:
-            return await self._transfer(receivers, kv, medium=medium, deadline=deadline, critical=critical)
+            return await self._transfer(
+                receivers, kv, medium=medium, deadline=deadline, critical=critical, key=idempotency_key
+            )
         except TransferRejected as exc:
             if exc.code is not Reason.DELTA_BASE_MISMATCH:
                 raise
@@ -114,10 +123,19 @@ class Sender:
                 self.bases.pop(rx, None)
             logger.info("transfer %s: a receiver lost its delta base; sending the whole context", exc.transfer_id)
             retry = medium.split("+", 1)[1] if medium and medium.startswith("delta+") else medium
-            return await self._transfer(receivers, kv, medium=retry, deadline=deadline, critical=critical)
+            return await self._transfer(
+                receivers, kv, medium=retry, deadline=deadline, critical=critical, key=idempotency_key
+            )
 
     async def _transfer(
-        self, receivers: list[str], kv: KVCache, *, medium: str | None, deadline: float | None, critical: bool
+        self,
+        receivers: list[str],
+        kv: KVCache,
+        *,
+        medium: str | None,
+        deadline: float | None,
+        critical: bool,
+        key: str = "",
     ) -> TransferReport:
         ep = self._ep
         if ep.closed:
@@ -176,7 +194,7 @@ class Sender:
                         encoded = await self._encode(codec, kv, base)
                 sent_medium = encoded.codec
                 t_enc = time.perf_counter()
-                out = self._outgoing(transfer_id, receivers, grant, encoded)
+                out = self._outgoing(transfer_id, receivers, grant, encoded, key=key)
                 self.outgoing[transfer_id] = out
                 try:
                     # (Its counts are on kvbus.send; pause, resume and retransmit are its events.)
@@ -274,7 +292,9 @@ class Sender:
             raise PayloadTooLarge("codec metadata", len(meta), MAX_META_BYTES)
         return encoded
 
-    def _outgoing(self, transfer_id: str, receivers: list[str], grant: Grant, encoded: Encoded) -> OutgoingTransfer:
+    def _outgoing(
+        self, transfer_id: str, receivers: list[str], grant: Grant, encoded: Encoded, *, key: str = ""
+    ) -> OutgoingTransfer:
         """The transfer's stream, its chunk size fitted to the protocol's chunk count.
 
         Raises:
@@ -316,6 +336,7 @@ class Sender:
             incarnations=self.incarnations,
             plane=ep.bus.plane,
             trace_link=grant.traceparent,  # the scheduler's root span, for a sender that does not trace
+            idempotency_key=key,
         )
         if out.plan.n_chunks > MAX_CHUNKS:
             raise PayloadTooLarge(f"payload in chunks of {chunk_size} bytes", out.plan.n_chunks, MAX_CHUNKS)

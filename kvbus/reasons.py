@@ -49,6 +49,10 @@ class Reason(StrEnum):
     """A retried `Open` reached a new incarnation of the receiver (it restarted since the transfer
     was first offered): an earlier incarnation may have delivered it, so this one refuses rather
     than risk a second delivery. The transfer is not confirmed; a retry is a new transfer."""
+    KEY_IN_PROGRESS = "key_in_progress"
+    """An `Open` carries the idempotency key of a transfer from the same sender that this
+    receiver is still receiving or decoding: it is refused rather than delivered twice (the
+    first may yet be delivered; ask again once it has its verdict)."""
     PARTIAL_DROPPED = "partial_dropped"
     """The receiver dropped a partial transfer: no valid progress for ``partial_timeout``, or evicted
     (the one with the oldest valid progress) to stay within its caps on partial transfers."""

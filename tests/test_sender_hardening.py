@@ -7,6 +7,9 @@ scheduler and a receiving agent in another OS process (`tests/peer.py`):
   receiver's token does.
 - 6: a direct path that damages every chunk is left for NATS after a few repairs; the transfer
   completes there, verified, once.
+- 4: a failure after the bytes may have arrived is `TransferInDoubt`, a plain `TransferError`
+  only where nothing can have been delivered; a retry with the same idempotency key is answered
+  with the first verdict.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from typing import Any
 
 import pytest
 
-from kvbus.bus import Bus, TransferError
+from kvbus.bus import Bus, ReceiveTimeout, TransferError, TransferInDoubt, TransferTimeout
+from kvbus.bus.incoming import IncomingTransfer
 from kvbus.bus.paths import PathsConfig
 from kvbus.bus.paths.tcp import TcpSendSession
 from kvbus.bus.route import DIRECT_REPAIR_LIMIT
@@ -229,3 +233,87 @@ async def test_a_tcp_path_that_damages_every_chunk_is_left_for_nats_and_delivers
         assert second.paths == ("tcp",)
     finally:
         peer.stop()
+
+
+# -- 4: "failed" while delivered ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("sender_bus", "path"), [("shm,tcp,nats", "shm"), ("tcp,nats", "tcp")], indirect=["sender_bus"], ids=["shm", "tcp"]
+)
+async def test_a_receiver_killed_between_its_verdict_and_the_senders_read_of_it_is_in_doubt(
+    nats_url: str, sender_bus: Bus, path: str
+) -> None:
+    """Finding 4: the receiver delivers, then is killed -9 before the sender reads its verdict.
+    The sender said the transfer failed (`ReceiverGone`) and an application that retried on that
+    delivered it twice; now it says `TransferInDoubt`, with the failure it saw as ``cause``."""
+    name = f"doubt-rx-{path}-{uuid.uuid4().hex[:6]}"
+    peer = Peer(nats_url, name, "--hang-after-delivery")
+    try:
+        tx = await sender_bus.agent(f"doubt-tx-{uuid.uuid4().hex[:6]}", signature=SIG)
+        kv = kv_of_bytes(SIG, 12 * MB, seed=41)
+        send = asyncio.create_task(tx.send(name, kv, medium="full", idempotency_key="doubt-1"))
+        delivered = await peer.line()  # printed by the receiver as it delivers, before its verdict
+        assert delivered["digest"] == kv_digest(kv)
+        os.kill(peer.proc.pid, signal.SIGKILL)
+        with pytest.raises(TransferInDoubt) as info:
+            await asyncio.wait_for(send, 60)
+        assert info.value.transfer_id == delivered["transfer_id"]
+        assert isinstance(info.value.cause, TransferError) and not isinstance(info.value.cause, TransferInDoubt)
+    finally:
+        peer.stop()
+
+
+@pytest.mark.usefixtures("nats_only")
+async def test_a_transfer_that_fails_before_every_chunk_went_out_is_a_plain_failure(nats_url: str, bus: Bus) -> None:
+    """Finding 4, the other side: the receiver freezes at its second chunk, so the sender (its
+    window full) never sends the rest: nothing can have been delivered, the failure is plain."""
+    name = f"plain-rx-{uuid.uuid4().hex[:6]}"
+    peer = Peer(nats_url, name, "--stall-at-chunk", "2", "--paths", "nats")
+    try:
+        tx = await bus.agent(f"plain-tx-{uuid.uuid4().hex[:6]}", signature=SIG)
+        n_chunks = (24 * MB) // bus.chunk_size
+        assert n_chunks > 2 + FAST.window  # the window stops the sender short of the last chunk
+        with pytest.raises(TransferTimeout) as info:
+            await tx.send(name, kv_of_bytes(SIG, 24 * MB, seed=42), medium="full")
+        assert not isinstance(info.value, TransferInDoubt)
+    finally:
+        peer.stop()
+
+
+async def test_a_retry_with_the_same_idempotency_key_is_answered_with_the_first_verdict(
+    nats_url: str, bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Finding 4: the receiver delivers and goes away before its verdict leaves (its agent closes);
+    the sender gets `TransferInDoubt`. The agent comes back on the same bus, and the send is
+    retried with the same key: answered "done" from the first delivery, not delivered again; a
+    send with another key is delivered."""
+    other = await Bus.connect(nats_url, config=FAST)
+    try:
+        name = f"key-rx-{uuid.uuid4().hex[:6]}"
+        rx = await other.agent(name, signature=SIG)
+        tx = await bus.agent(f"key-tx-{uuid.uuid4().hex[:6]}", signature=SIG)
+        report = IncomingTransfer.report
+        closing: list[asyncio.Task[None]] = []
+
+        async def vanish(self: IncomingTransfer, *, ok: bool, **kwargs: Any) -> None:
+            if ok and self.rx == name and not closing:
+                closing.append(asyncio.create_task(rx.close()))  # gone before its verdict leaves
+                return
+            await report(self, ok=ok, **kwargs)
+
+        monkeypatch.setattr(IncomingTransfer, "report", vanish)
+        kv = kv_of_bytes(SIG, 6 * MB, seed=43)
+        with pytest.raises(TransferInDoubt):
+            await tx.send(name, kv, medium="full", idempotency_key="job-7")
+        await closing[0]
+        monkeypatch.setattr(IncomingTransfer, "report", report)
+        rx = await other.agent(name, signature=SIG)  # the same name on the same bus: its memory
+        again = await tx.send(name, kv, medium="full", idempotency_key="job-7")
+        assert again.transfer_id  # answered with the first verdict: delivered
+        with pytest.raises(ReceiveTimeout):
+            await rx.receive(timeout=0.5)  # ...and not delivered a second time
+        fresh = await tx.send(name, kv, medium="full", idempotency_key="job-8")
+        assert (await rx.receive(timeout=5)).transfer_id == fresh.transfer_id
+    finally:
+        await other.close()

@@ -37,6 +37,8 @@ MAX_TOTAL = 1 << 48
 DIGEST_BYTES = 8
 #: Longest receiver incarnation id.
 MAX_INCARNATION = 32
+#: Longest idempotency key of a send (`Open.idempotency_key`).
+MAX_IDEMPOTENCY_KEY = 128
 
 CHUNK_INDEX_HEADER = "Kvbus-Chunk"
 #: Formerly each chunk's own digest; receivers now verify chunks against `Open.digests` only and
@@ -99,6 +101,7 @@ PAYLOAD_ALIGN = 16
         "attempt": int_in(0, 1 << 20),
         "retry_age": float_in(0.0, MAX_SECONDS),
         "trace_link": OptStr,
+        "idempotency_key": str,
     },
 )
 @dataclass(frozen=True, slots=True)
@@ -151,6 +154,10 @@ class Open(Message):
     """0 for the first `Open` of a transfer, then 1, 2, ... for retries and status requests."""
     retry_age: float = 0.0
     """On a retry: seconds since the sender's first attempt (its own clock)."""
+    idempotency_key: str = ""
+    """The caller's key for this send (`Agent.send`), at most `MAX_IDEMPOTENCY_KEY` characters;
+    empty: none. A receiver that delivered a transfer from the same sender with the same key
+    answers "done" without delivering again."""
 
     _PREFIX: ClassVar[struct.Struct] = struct.Struct("!I")
 
@@ -228,6 +235,8 @@ class Open(Message):
             raise WireFormatError(what, f"digests has {len(self.digests)} bytes, {want} expected")
         if len(self.incarnation) > MAX_INCARNATION:
             raise WireFormatError(what, f"incarnation is longer than {MAX_INCARNATION} characters")
+        if len(self.idempotency_key) > MAX_IDEMPOTENCY_KEY:
+            raise WireFormatError(what, f"idempotency_key is longer than {MAX_IDEMPOTENCY_KEY} characters")
         if not 0 <= self.attempt <= 1 << 20:
             raise WireFormatError(what, f"attempt {self.attempt} is out of range")
         if not 0.0 <= self.retry_age <= 1e9:  # also rejects NaN
