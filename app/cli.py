@@ -17,7 +17,6 @@ from typing import Any
 
 from kvbus.app.cli_commands import (
     CREDENTIALS_FILE,
-    STACK_FILE,
     _coordinator,
     _group_scheduler,
     _nats_options,
@@ -28,7 +27,7 @@ from kvbus.app.cli_commands import (
 )
 from kvbus.errors import ConfigError, NatsConnectError
 
-__all__ = ["CREDENTIALS_FILE", "STACK_FILE", "build_parser", "main"]
+__all__ = ["build_parser", "main"]
 
 logger = logging.getLogger("kvbus")
 

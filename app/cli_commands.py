@@ -212,7 +212,7 @@ def _embedded_clusters(args: argparse.Namespace, extra: str) -> Iterator[tuple[s
 
             nats_url = stack.enter_context(NatsCluster(args.nats_cluster, extra_config=extra)).url
         if args.redis_cluster and not redis_url:
-            from kvbus.app.cluster import ValkeyCluster
+            from kvbus.app.valkey_cluster import ValkeyCluster
 
             redis_url = stack.enter_context(ValkeyCluster(3, 1)).url
         yield nats_url, redis_url

@@ -6,7 +6,7 @@
 killed (SIGKILL), stopped (SIGSTOP: a stand-in for a partitioned host on loopback, where no
 network namespace is available), resumed and restarted on its ports with its store.
 
-`ValkeyCluster` (Valkey in cluster mode) is `kvbus.app.valkey_cluster`'s, importable from here too.
+Valkey in cluster mode is `kvbus.app.valkey_cluster`'s `ValkeyCluster`.
 """
 
 from __future__ import annotations
@@ -24,18 +24,9 @@ from typing import Any
 
 from kvbus.app.local import FORM_TIMEOUT, START_TIMEOUT, NatsServer
 from kvbus.app.processes import free_ports
-from kvbus.app.valkey_cluster import SLOTS, VALKEY_NODE_TIMEOUT_MS, ValkeyCluster, ValkeyClusterNode
 from kvbus.errors import ServerStartError
 
-__all__ = [
-    "FORM_TIMEOUT",
-    "SLOTS",
-    "VALKEY_NODE_TIMEOUT_MS",
-    "ClusterNatsServer",
-    "NatsCluster",
-    "ValkeyCluster",
-    "ValkeyClusterNode",
-]
+__all__ = ["ClusterNatsServer", "NatsCluster"]
 
 logger = logging.getLogger(__name__)
 

@@ -31,39 +31,25 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvbus.app.demo_report import (
     RATIO_MEANS,
-    agreement,
     compare,
     compute_check,
     render_table,
     summarise,
     write_report,
 )
-from kvbus.app.demo_team import ROLES, _Services, local_agents, placements
+from kvbus.app.demo_team import _Services, local_agents, placements
 from kvbus.app.testbed.benchnet import open_net
 from kvbus.app.testbed.topology import load
 from kvbus.app.workflow import AgentSpec, RunResult, Workflow
 from kvbus.app.workflow_remote import RemoteTeam
 
-__all__ = [
-    "ROLES",
-    "STATIC_POLICIES",
-    "agreement",
-    "compare",
-    "compute_check",
-    "local_agents",
-    "placements",
-    "render_table",
-    "run_demo",
-    "run_policies",
-    "summarise",
-    "write_report",
-]
+__all__ = ["STATIC_POLICIES", "run_demo", "run_policies"]
 
 
 def static_policies() -> tuple[str, ...]:
     """Every medium the adaptive selector can pick (its candidates with calibrated figures)."""
     from kvbus.group_scheduler import SchedulerConfig
-    from kvbus.group_scheduler.scheduler import default_selector
+    from kvbus.group_scheduler.selection import default_selector
 
     selector = default_selector(SchedulerConfig())
     return tuple(getattr(selector, "candidates", ("full", "int8", "int4", "tokens")))

@@ -7,7 +7,7 @@ removes its folder.
 A server dies with the process that started it, ``kill -9`` included, and the folder of a server
 whose owner died is removed by the next server started on the machine: `kvbus.app.processes`
 (`spawn`, `sweep_stale_folders`, `free_port`, `find_nats_server`, `find_redis_server`,
-`find_binary`, all importable from here too).
+`find_binary`).
 """
 
 from __future__ import annotations
@@ -28,9 +28,7 @@ from typing import Any
 from kvbus.app.processes import (
     FOLDER_PREFIX,
     OWNER_FILE,
-    ServerBinaryNotFound,
     _start_time,
-    find_binary,
     find_nats_server,
     find_redis_server,
     free_port,
@@ -41,23 +39,14 @@ from kvbus.config import redact_url
 from kvbus.errors import ServerStartError
 
 __all__ = [
-    "FOLDER_PREFIX",
     "FORM_TIMEOUT",
     "NATS_MAX_PAYLOAD",
     "NATS_MAX_PENDING",
-    "OWNER_FILE",
     "START_TIMEOUT",
     "EmbeddedServer",
     "LocalServers",
     "NatsServer",
     "RedisServer",
-    "ServerBinaryNotFound",
-    "find_binary",
-    "find_nats_server",
-    "find_redis_server",
-    "free_port",
-    "spawn",
-    "sweep_stale_folders",
 ]
 
 logger = logging.getLogger(__name__)

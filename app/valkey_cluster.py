@@ -13,7 +13,8 @@ import time
 from types import TracebackType
 from typing import Any
 
-from kvbus.app.local import FORM_TIMEOUT, START_TIMEOUT, RedisServer, free_port
+from kvbus.app.local import FORM_TIMEOUT, START_TIMEOUT, RedisServer
+from kvbus.app.processes import free_port
 from kvbus.errors import ServerStartError
 
 logger = logging.getLogger(__name__)

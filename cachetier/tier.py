@@ -42,7 +42,7 @@ import torch
 from kvbus.cachetier.config import CacheTierConfig
 from kvbus.cachetier.errors import ContextMismatch, TierClosed
 from kvbus.cachetier.keys import BlockSpan
-from kvbus.cachetier.loader import LOAD_ATTEMPTS, Loader
+from kvbus.cachetier.loader import Loader
 from kvbus.cachetier.offload import Offloader
 from kvbus.cachetier.policy import BlockInfo, ShedPolicy, UtilityPolicy
 from kvbus.cachetier.record import Stub, storage_codec
@@ -56,7 +56,7 @@ from kvbus.signature import ModelSignature, dtype_name
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LOAD_ATTEMPTS", "CacheTier"]
+__all__ = ["CacheTier"]
 
 
 class CacheTier:

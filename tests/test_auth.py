@@ -532,7 +532,7 @@ async def test_wrong_or_missing_token_is_a_clear_error(token_server: NatsServer,
 
 
 async def test_unreachable_server_is_retryable() -> None:
-    from kvbus.app.local import free_port
+    from kvbus.app.processes import free_port
 
     err = await refused(f"nats://127.0.0.1:{free_port()}", NatsAuth(token=TOKEN).connect_options())
     assert err.retryable and TOKEN not in str(err)

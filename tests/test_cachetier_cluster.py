@@ -16,8 +16,8 @@ import pytest
 import redis
 import torch
 
-from kvbus.app.cluster import ValkeyCluster
 from kvbus.app.models import random_model
+from kvbus.app.valkey_cluster import ValkeyCluster
 from kvbus.cachetier import CacheTier, CacheTierConfig, TierListener
 from kvbus.cachetier.cluster import is_cluster_url, parse_cluster_url
 from kvbus.codecs.runner import HFRunner

@@ -17,7 +17,7 @@ import psutil
 import pytest
 from rich.console import Console
 
-from kvbus.app.local import ServerBinaryNotFound, find_binary, find_nats_server
+from kvbus.app.processes import ServerBinaryNotFound, find_binary, find_nats_server
 from kvbus.app.top import render
 from kvbus.errors import MissingBinaryError
 

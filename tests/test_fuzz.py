@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 from kvbus.bus import Bus, BusConfig
 from kvbus.bus.chunking import ChunkSource, check_open_plan, chunk_digest, digest_chunks, digests_root
 from kvbus.bus.incoming import IncomingTransfer
-from kvbus.cachetier.record import RecordFormatError, Stub, parse_record
+from kvbus.cachetier.errors import RecordFormatError
+from kvbus.cachetier.record import Stub, parse_record
 from kvbus.codecs import Encoded, available_codecs, get_codec
 from kvbus.errors import KVBusError
 from kvbus.protocol import (

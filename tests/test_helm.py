@@ -1165,7 +1165,7 @@ def _chart_nats(
     includes; or, with nats.auth.existingSecret, its environment set as the StatefulSet sets it
     (each user's password variable from ``existing_secret``, that Secret's keys). Its pid file
     is tmp_path/nats.pid. Returns the server and each user's password."""
-    from kvbus.app.local import find_nats_server
+    from kvbus.app.processes import find_nats_server
 
     conf = nats_conf(docs)
     conf = re.sub(r"^port: \d+$", f"port: {port}", conf, flags=re.M)
@@ -1267,7 +1267,7 @@ async def test_chart_users_on_a_real_server(tmp_path: Path) -> None:
     password is refused."""
     import nats
 
-    from kvbus.app.local import free_port
+    from kvbus.app.processes import free_port
     from kvbus.bus import Bus
     from kvbus.coordinator import Coordinator
     from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
@@ -1388,7 +1388,7 @@ def _chart_services(docs: list[dict[str, Any]], tmp_path: Path) -> Iterator[tupl
     """The chart's nats.conf on a real nats-server, with `kvbus coordinator` and `kvbus
     group-scheduler --group g0` running with their pods' environment; yields the port and the
     users' passwords once both serve."""
-    from kvbus.app.local import free_port
+    from kvbus.app.processes import free_port
 
     port, monitor = free_port(), free_port()
     server, secret = _chart_nats(docs, tmp_path, port, monitor)
@@ -1476,7 +1476,7 @@ def test_helm_test_pod_on_a_real_server(tmp_path: Path) -> None:
 def _start_reloader(docs: list[dict[str, Any]], tmp_path: Path) -> subprocess.Popen[bytes]:
     """The NATS pod's reloader sidecar: its very shell loop (from the rendered StatefulSet),
     watching tmp_path (the server's /etc/nats-config) and signalling through tmp_path/nats.pid."""
-    from kvbus.app.local import find_nats_server
+    from kvbus.app.processes import find_nats_server
 
     reloader = next(
         c for c in pod_spec(one(docs, "StatefulSet", f"{RELEASE}-nats"))["containers"] if c["name"] == "reloader"
@@ -1521,7 +1521,7 @@ async def test_adding_an_agent_is_a_hot_reload_on_a_real_server(tmp_path: Path) 
     connected (no disconnect, no reconnect, its subscription still delivers)."""
     import nats
 
-    from kvbus.app.local import free_port
+    from kvbus.app.processes import free_port
 
     interval = "nats.reloader.intervalSeconds=1"
     old_docs = render(_agents_value([("alice", "g0", ())]), interval, SINGLE)
@@ -1601,7 +1601,7 @@ async def test_existing_secret_users_on_a_real_server(tmp_path: Path) -> None:
 
     import nats
 
-    from kvbus.app.local import free_port
+    from kvbus.app.processes import free_port
 
     docs = render(_agents_value([("alice", "g0", ())]), "nats.auth.existingSecret=kvbus-nats-users", SINGLE)
     # A letter first: nats-server parses a variable's value as a config value, and one that

@@ -16,7 +16,8 @@ import psutil
 import pytest
 import redis
 
-from kvbus.app.local import NATS_MAX_PAYLOAD, NatsServer, RedisServer, spawn, sweep_stale_folders
+from kvbus.app.local import NATS_MAX_PAYLOAD, NatsServer, RedisServer
+from kvbus.app.processes import spawn, sweep_stale_folders
 from kvbus.errors import MissingBinaryError
 
 
@@ -156,7 +157,7 @@ def test_a_child_started_from_a_worker_thread_dies_with_the_process_not_the_thre
     script = tmp_path / "parent.py"
     script.write_text(
         "import sys, threading, time\n"
-        "from kvbus.app.local import spawn\n"
+        "from kvbus.app.processes import spawn\n"
         "out = []\n"
         "t = threading.Thread(target=lambda: out.append(spawn(['sleep', '300'])))\n"
         "t.start(); t.join()\n"

@@ -1,6 +1,6 @@
 """`kvbus bench cachetier --redis-cluster`: the cache tier on a Valkey cluster, through a primary's failover.
 
-A real Valkey cluster of 3 primaries + 3 replicas (`kvbus.app.cluster.ValkeyCluster`). Figures:
+A real Valkey cluster of 3 primaries + 3 replicas (`kvbus.app.valkey_cluster.ValkeyCluster`). Figures:
 
 - the cost of ``WAIT 1`` (a block counts as written only once a replica has it): offload
   throughput with and without it, same cluster, alternating runs;
@@ -20,7 +20,7 @@ import uuid
 from typing import Any
 
 from kvbus.app.bench.cachetier import BLOCK, make_kv
-from kvbus.app.cluster import ValkeyCluster
+from kvbus.app.valkey_cluster import ValkeyCluster
 from kvbus.cachetier import BlockUnavailable, CacheTier, CacheTierConfig, TierListener, UtilityPolicy
 from kvbus.kvcache import KVCache
 

@@ -71,13 +71,12 @@ from kvbus.app.bench.chaos_agents import (
     DIED_AFTER_DELIVERY,
     GROUP,
     POOL_SPEC,
-    SIG,
-    ChaosTransport,
     Forger,
     kv_digest,
     make_kv,
 )
-from kvbus.app.local import NatsServer, spawn
+from kvbus.app.local import NatsServer
+from kvbus.app.processes import spawn
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
 from kvbus.net.transport import NatsTransport
 
@@ -86,7 +85,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CONFIG", "GROUP", "SIG", "ChaosTransport", "kv_digest", "make_kv", "run"]
+__all__ = ["run"]
 
 #: Chunk damage by the senders' transports (per chunk message).
 P_DROP, P_CORRUPT, P_FORGE, P_DUP = 0.01, 0.005, 0.0005, 0.005

@@ -21,7 +21,8 @@ from typing import Any
 from rich.console import Console
 
 from kvbus.app.bench.rounds import FULL_ROUNDS
-from kvbus.app.demo import STATIC_POLICIES, compare, render_table, run_policies
+from kvbus.app.demo import STATIC_POLICIES, run_policies
+from kvbus.app.demo_report import compare, render_table
 
 SMOKE_POLICIES = ["full", "adaptive", "int8", "delta+int8", "tokens"]
 

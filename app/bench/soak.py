@@ -27,7 +27,7 @@ from typing import Any
 
 import psutil
 
-from kvbus.app.bench.chaos import SIG, make_kv
+from kvbus.app.bench.chaos_agents import SIG, make_kv
 from kvbus.app.local import NatsServer
 from kvbus.bus import Bus, BusConfig, TransferError
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig

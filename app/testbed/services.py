@@ -8,7 +8,8 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbus.app.local import NATS_MAX_PAYLOAD, NATS_MAX_PENDING, find_nats_server, find_redis_server
+from kvbus.app.local import NATS_MAX_PAYLOAD, NATS_MAX_PENDING
+from kvbus.app.processes import find_nats_server, find_redis_server
 from kvbus.app.testbed.fabric import Testbed
 
 logger = logging.getLogger(__name__)
