@@ -53,6 +53,17 @@ def redis_server() -> Iterator[RedisServer]:
         server.stop()
 
 
+@pytest.fixture
+def fresh_nats() -> Iterator[NatsServer]:
+    """A nats-server of this test only: for a test that kills, restarts or reconfigures it, or
+    needs its JetStream buckets (the coordinator's, the leases) to start empty."""
+    server = NatsServer().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="session")
 def nats_url(nats_server: NatsServer) -> str:
     return nats_server.url

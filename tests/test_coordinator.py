@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import msgpack
 import pytest
@@ -27,18 +27,8 @@ CFG = CoordinatorConfig(
 
 
 @pytest.fixture
-def nats() -> Iterator[NatsServer]:
-    """A fresh server per test: the coordinator's bucket must start empty."""
-    server = NatsServer().start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-async def coord(nats: NatsServer) -> AsyncIterator[Coordinator]:
-    c = await Coordinator.connect(nats.url, config=CFG)
+async def coord(fresh_nats: NatsServer) -> AsyncIterator[Coordinator]:
+    c = await Coordinator.connect(fresh_nats.url, config=CFG)
     try:
         yield c
     finally:
@@ -81,8 +71,8 @@ def test_max_min_properties(cap: float, demands: dict[str, float], weights: dict
 # -- leases and reservations -----------------------------------------------------------------------
 
 
-async def test_leases_split_by_max_min_and_expire(coord: Coordinator, nats: NatsServer) -> None:
-    t = await NatsTransport.connect(nats.url)
+async def test_leases_split_by_max_min_and_expire(coord: Coordinator, fresh_nats: NatsServer) -> None:
+    t = await NatsTransport.connect(fresh_nats.url)
     try:
         client = CoordinatorClient(t)
         a = await client.lease("ga", "s", 300)
@@ -98,8 +88,8 @@ async def test_leases_split_by_max_min_and_expire(coord: Coordinator, nats: Nats
         await t.close()
 
 
-async def test_a_reservation_over_capacity_is_refused(coord: Coordinator, nats: NatsServer) -> None:
-    t = await NatsTransport.connect(nats.url)
+async def test_a_reservation_over_capacity_is_refused(coord: Coordinator, fresh_nats: NatsServer) -> None:
+    t = await NatsTransport.connect(fresh_nats.url)
     try:
         client = CoordinatorClient(t)
         ok = await client.reserve("ga", "heartbeat", period_s=1.0, size_bytes=100, deadline_s=0.5)
@@ -114,9 +104,9 @@ async def test_a_reservation_over_capacity_is_refused(coord: Coordinator, nats: 
         await t.close()
 
 
-async def test_state_survives_a_coordinator_restart(nats: NatsServer) -> None:
-    first = await Coordinator.connect(nats.url, config=CFG)
-    t = await NatsTransport.connect(nats.url)
+async def test_state_survives_a_coordinator_restart(fresh_nats: NatsServer) -> None:
+    first = await Coordinator.connect(fresh_nats.url, config=CFG)
+    t = await NatsTransport.connect(fresh_nats.url)
     try:
         client = CoordinatorClient(t)
         await client.reserve("ga", "heartbeat", period_s=1.0, size_bytes=100, deadline_s=0.5, reservation_id="r1")
@@ -124,7 +114,7 @@ async def test_state_survives_a_coordinator_restart(nats: NatsServer) -> None:
         await t.flush()
         await asyncio.sleep(0.1)
         await first.close()
-        second = await Coordinator.connect(nats.url, config=CFG)
+        second = await Coordinator.connect(fresh_nats.url, config=CFG)
         try:
             assert "r1" in second.reservations
             assert "ga" in second.groups and second.groups["ga"].agents == 3
@@ -138,10 +128,10 @@ async def test_state_survives_a_coordinator_restart(nats: NatsServer) -> None:
         await t.close()
 
 
-async def test_standby_takes_over_when_the_leader_dies(nats: NatsServer) -> None:
-    leader = await Coordinator.connect(nats.url, config=CFG)
-    standby = await Coordinator.connect(nats.url, config=CFG)
-    t = await NatsTransport.connect(nats.url)
+async def test_standby_takes_over_when_the_leader_dies(fresh_nats: NatsServer) -> None:
+    leader = await Coordinator.connect(fresh_nats.url, config=CFG)
+    standby = await Coordinator.connect(fresh_nats.url, config=CFG)
+    t = await NatsTransport.connect(fresh_nats.url)
     try:
         assert leader.serving and not standby.serving
         # A crash: no clean release of the lease.
@@ -161,9 +151,9 @@ async def test_standby_takes_over_when_the_leader_dies(nats: NatsServer) -> None
         await t.close()
 
 
-async def test_new_agents_go_to_a_group_added_at_run_time(coord: Coordinator, nats: NatsServer) -> None:
-    t = await NatsTransport.connect(nats.url)
-    bus = await Bus.connect(nats.url)
+async def test_new_agents_go_to_a_group_added_at_run_time(coord: Coordinator, fresh_nats: NatsServer) -> None:
+    t = await NatsTransport.connect(fresh_nats.url)
+    bus = await Bus.connect(fresh_nats.url)
     try:
         client = CoordinatorClient(t)
         await t.publish(group_subject(COORD_REGISTER, "g0"), GroupHeartbeat("g0", "s0", agents=10).encode())
@@ -184,10 +174,10 @@ async def test_new_agents_go_to_a_group_added_at_run_time(coord: Coordinator, na
         await t.close()
 
 
-async def test_a_groups_reply_that_is_not_a_map_is_a_wire_format_error(nats: NatsServer) -> None:
+async def test_a_groups_reply_that_is_not_a_map_is_a_wire_format_error(fresh_nats: NatsServer) -> None:
     # Something that is not the coordinator answers on its subject with a list: the caller gets
     # a clear WireFormatError, not a list posing as the groups map.
-    t = await NatsTransport.connect(nats.url)
+    t = await NatsTransport.connect(fresh_nats.url)
     try:
 
         async def impostor(msg: Msg) -> None:
@@ -220,15 +210,15 @@ async def _until(predicate: object, what: str, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def test_a_forged_heartbeat_expires_and_does_not_survive_a_restart(nats: NatsServer) -> None:
+async def test_a_forged_heartbeat_expires_and_does_not_survive_a_restart(fresh_nats: NatsServer) -> None:
     """A heartbeat for a group that does not exist, dated far in the future and claiming no agents,
     takes placements only until it expires (the coordinator's clock decides, not the message);
     then its placement weight is gone, and a restarted coordinator does not bring it back."""
     cfg = CoordinatorConfig(
         **{**{f: getattr(CFG, f) for f in ("capacity_bps", "epoch_s", "leader_ttl_s")}, "group_ttl_s": 1.0}
     )
-    first = await Coordinator.connect(nats.url, config=cfg)
-    t = await NatsTransport.connect(nats.url)
+    first = await Coordinator.connect(fresh_nats.url, config=cfg)
+    t = await NatsTransport.connect(fresh_nats.url)
     try:
         client = CoordinatorClient(t)
         await _heartbeat(t, "ghost", 0, ts=9e10)
@@ -244,7 +234,7 @@ async def test_a_forged_heartbeat_expires_and_does_not_survive_a_restart(nats: N
         assert placed.group == "real", placed
         assert "ghost" not in (await client.groups()) and "ghost" not in first.groups
         await first.close()
-        second = await Coordinator.connect(nats.url, config=cfg)
+        second = await Coordinator.connect(fresh_nats.url, config=cfg)
         try:
             assert "ghost" not in second.groups
             await _heartbeat(t, "real", 50)
@@ -255,24 +245,24 @@ async def test_a_forged_heartbeat_expires_and_does_not_survive_a_restart(nats: N
         await t.close()
 
 
-async def test_a_group_that_went_silent_while_no_coordinator_ran_does_not_come_back(nats: NatsServer) -> None:
+async def test_a_group_that_went_silent_while_no_coordinator_ran_does_not_come_back(fresh_nats: NatsServer) -> None:
     cfg = CoordinatorConfig(
         **{**{f: getattr(CFG, f) for f in ("capacity_bps", "epoch_s", "leader_ttl_s")}, "group_ttl_s": 0.5}
     )
-    first = await Coordinator.connect(nats.url, config=cfg)
-    t = await NatsTransport.connect(nats.url)
+    first = await Coordinator.connect(fresh_nats.url, config=cfg)
+    t = await NatsTransport.connect(fresh_nats.url)
     try:
         await _heartbeat(t, "gone", 1)
         await _until(lambda: "gone" in first.groups, "the heartbeat")
         await first.close()
         await asyncio.sleep(1.0)  # longer than group_ttl_s: it stopped heartbeating meanwhile
-        second = await Coordinator.connect(nats.url, config=cfg)
+        second = await Coordinator.connect(fresh_nats.url, config=cfg)
         try:
             assert "gone" not in second.groups
             assert (await CoordinatorClient(t).place("a")).group == ""
         finally:
             await second.close()
-        third = await Coordinator.connect(nats.url, config=cfg)  # and it was deleted, not just skipped
+        third = await Coordinator.connect(fresh_nats.url, config=cfg)  # and it was deleted, not just skipped
         try:
             assert "gone" not in third.groups
         finally:
@@ -281,10 +271,10 @@ async def test_a_group_that_went_silent_while_no_coordinator_ran_does_not_come_b
         await t.close()
 
 
-async def test_a_heartbeat_or_leave_for_another_group_is_dropped(coord: Coordinator, nats: NatsServer) -> None:
+async def test_a_heartbeat_or_leave_for_another_group_is_dropped(coord: Coordinator, fresh_nats: NatsServer) -> None:
     """Group messages count only on their own group's subject (in secure mode a scheduler may
     publish only there)."""
-    t = await NatsTransport.connect(nats.url)
+    t = await NatsTransport.connect(fresh_nats.url)
     try:
         await _heartbeat(t, "g-victim", 3)
         await _until(lambda: "g-victim" in coord.groups, "the victim's heartbeat")

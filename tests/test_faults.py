@@ -40,16 +40,6 @@ RESTART = BusConfig(
 )
 
 
-@pytest.fixture
-def own_nats() -> Iterator[NatsServer]:
-    """A nats-server of this test only (it gets killed and restarted on the same port)."""
-    server = NatsServer().start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 class KillServerAt:
     """Transport wrapper: kills nats-server as chunk ``at`` of a transfer is published, restarts it
     ``down_s`` later (in a thread: the agents' event loop goes on meanwhile, as it would in a
@@ -79,21 +69,21 @@ class KillServerAt:
 
 @pytest.mark.usefixtures("nats_only")
 @pytest.mark.parametrize("down_s", [0.3, 1.5], ids=["blip", "outage"])
-async def test_nats_restart_mid_transfer_delivers_once_or_fails_loudly(own_nats: NatsServer, down_s: float) -> None:
-    port = own_nats.port
-    sched = await GroupScheduler.connect(own_nats.url, "faults", config=SchedulerConfig(max_active=4))
-    tx_bus = await Bus.connect(own_nats.url, config=RESTART)
-    rx_bus = await Bus.connect(own_nats.url, config=RESTART)
+async def test_nats_restart_mid_transfer_delivers_once_or_fails_loudly(fresh_nats: NatsServer, down_s: float) -> None:
+    port = fresh_nats.port
+    sched = await GroupScheduler.connect(fresh_nats.url, "faults", config=SchedulerConfig(max_active=4))
+    tx_bus = await Bus.connect(fresh_nats.url, config=RESTART)
+    rx_bus = await Bus.connect(fresh_nats.url, config=RESTART)
     try:
         tx = await tx_bus.agent("restart-tx", group="faults", signature=SIG)
         rx = await rx_bus.agent("restart-rx", group="faults", signature=SIG)
-        killer = KillServerAt(tx._transport, own_nats, at=5, down_s=down_s)
+        killer = KillServerAt(tx._transport, fresh_nats, at=5, down_s=down_s)
         tx._transport = killer
         kvs = [kv_of_bytes(SIG, 12 << 20, seed=i) for i in range(3)]
         results = await asyncio.gather(*(tx.send(rx.name, kv, medium="full") for kv in kvs), return_exceptions=True)
         assert killer.fired.is_set()
         await asyncio.wait_for(killer.restarted.wait(), 60)
-        assert own_nats.port == port  # restarted on the same port: clients reconnect by themselves
+        assert fresh_nats.port == port  # restarted on the same port: clients reconnect by themselves
         for r in results:
             # Either a report or one of our errors, never anything else (a crash, a hang).
             assert not isinstance(r, BaseException) or isinstance(r, TransferError), repr(r)
@@ -127,24 +117,24 @@ async def test_nats_restart_mid_transfer_delivers_once_or_fails_loudly(own_nats:
         await sched.close()
 
 
-async def test_no_responders_right_after_a_reconnection_is_asked_again(own_nats: NatsServer) -> None:
+async def test_no_responders_right_after_a_reconnection_is_asked_again(fresh_nats: NatsServer) -> None:
     """The cause of the short-restart failures: after a server restart each client reconnects on
     its own schedule, so a sender back first found "no responders" on a receiver that had not
     subscribed again yet and took it for gone. Right after its own reconnection a request is asked
     again (within its timeout) until the responder is back; otherwise no responder is at once an
     error, as before."""
-    requester = await NatsTransport.connect(own_nats.url, reconnect_grace_s=30.0)
+    requester = await NatsTransport.connect(fresh_nats.url, reconnect_grace_s=30.0)
     try:
         with pytest.raises(NoResponders):  # never reconnected: believed at once
             await requester.request("kvbus.test.late", b"x", timeout=5.0)
-        own_nats.kill()
-        await asyncio.to_thread(own_nats.start)
+        fresh_nats.kill()
+        await asyncio.to_thread(fresh_nats.start)
         while requester.reconnected_at == float("-inf"):
             await asyncio.sleep(0.02)
         asked = asyncio.create_task(requester.request("kvbus.test.late", b"ping", timeout=20.0))
         await asyncio.sleep(0.3)
         assert not asked.done()  # no responder yet: still asking, not failed
-        responder = await NatsTransport.connect(own_nats.url)  # the peer that reconnects late
+        responder = await NatsTransport.connect(fresh_nats.url)  # the peer that reconnects late
         try:
 
             async def answer(msg: Any) -> None:

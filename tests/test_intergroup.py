@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -37,16 +37,6 @@ BUS = BusConfig(
     regrant_interval=0.3,
 )
 SCHED = SchedulerConfig(max_active=2, leader_ttl_s=0.6, heartbeat_s=0.2)
-
-
-@pytest.fixture
-def nats() -> Iterator[NatsServer]:
-    """A fresh server per test: the coordinator's bucket (leases, leaders) must start empty."""
-    server = NatsServer().start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @contextlib.asynccontextmanager
@@ -125,11 +115,11 @@ async def exchange(
 # -- the lease caps inter-group transfers -------------------------------------------------------
 
 
-async def test_inter_group_transfers_share_the_lease_local_ones_do_not(nats: NatsServer) -> None:
-    coord = await Coordinator.connect(nats.url, config=CFG)
-    sched = await GroupScheduler.connect(nats.url, "ga", config=SchedulerConfig(max_active=8))
+async def test_inter_group_transfers_share_the_lease_local_ones_do_not(fresh_nats: NatsServer) -> None:
+    coord = await Coordinator.connect(fresh_nats.url, config=CFG)
+    sched = await GroupScheduler.connect(fresh_nats.url, "ga", config=SchedulerConfig(max_active=8))
     try:
-        async with bus(nats.url) as b:
+        async with bus(fresh_nats.url) as b:
             s1 = await b.agent("s1", group="ga", signature=SIG)
             s2 = await b.agent("s2", group="ga", signature=SIG)
             local = await b.agent("local", group="ga", signature=SIG)
@@ -169,13 +159,13 @@ async def _true(x: bool) -> bool:
     return x
 
 
-async def test_without_a_coordinator_the_group_falls_back_to_its_budget(nats: NatsServer) -> None:
-    coord = await Coordinator.connect(nats.url, config=CFG)
+async def test_without_a_coordinator_the_group_falls_back_to_its_budget(fresh_nats: NatsServer) -> None:
+    coord = await Coordinator.connect(fresh_nats.url, config=CFG)
     sched = await GroupScheduler.connect(
-        nats.url, "ga", config=SchedulerConfig(bandwidth_bps=2e6, coordinator_timeout_s=0.1)
+        fresh_nats.url, "ga", config=SchedulerConfig(bandwidth_bps=2e6, coordinator_timeout_s=0.1)
     )
     try:
-        async with bus(nats.url) as b:
+        async with bus(fresh_nats.url) as b:
             s = await b.agent("s", group="ga", signature=SIG)
             far = await b.agent("far", group="gb", signature=SIG)
             kv = kv_of_bytes(SIG, 20_000)
@@ -200,20 +190,20 @@ async def test_without_a_coordinator_the_group_falls_back_to_its_budget(nats: Na
 # -- failover ----------------------------------------------------------------------------------------
 
 
-async def test_kill_9_of_the_leading_scheduler_mid_inter_group_transfers(nats: NatsServer) -> None:
+async def test_kill_9_of_the_leading_scheduler_mid_inter_group_transfers(fresh_nats: NatsServer) -> None:
     env = {
         "KVBUS_SCHEDULER_LEADER_TTL_S": "0.6",
         "KVBUS_SCHEDULER_MAX_ACTIVE": "2",
         "KVBUS_SCHEDULER_HEARTBEAT_S": "0.2",
     }
-    coord = await Coordinator.connect(nats.url, config=CFG)
-    replicas = [spawn("group-scheduler", "--group", "ga", "--nats-url", nats.url, env=env) for _ in range(2)]
+    coord = await Coordinator.connect(fresh_nats.url, config=CFG)
+    replicas = [spawn("group-scheduler", "--group", "ga", "--nats-url", fresh_nats.url, env=env) for _ in range(2)]
     try:
-        await until(lambda: _true_async(holder(nats.url, "sched.ga")), 30, "a leader for ga")
-        async with bus(nats.url) as b:
+        await until(lambda: _true_async(holder(fresh_nats.url, "sched.ga")), 30, "a leader for ga")
+        async with bus(fresh_nats.url) as b:
             senders = [await b.agent(f"s{i}", group="ga", signature=SIG) for i in range(4)]
             receivers = [await b.agent(f"r{i}", group="gb", signature=SIG) for i in range(4)]
-            first = await holder(nats.url, "sched.ga")
+            first = await holder(fresh_nats.url, "sched.ga")
             assert first is not None
             leader_pid = int(first.rsplit(":", 2)[1])
             assert leader_pid in {p.pid for p in replicas}
@@ -228,7 +218,7 @@ async def test_kill_9_of_the_leading_scheduler_mid_inter_group_transfers(nats: N
             assert all(isinstance(e, KVBusError) for e in errors), errors
             assert all(n == 1 for n in delivered.values()), delivered
             assert ok >= 10, errors  # the standby granted the queued ones
-            second = await holder(nats.url, "sched.ga")
+            second = await holder(fresh_nats.url, "sched.ga")
             assert second is not None and second != first
     finally:
         for p in replicas:
@@ -246,22 +236,22 @@ async def _true_async(x: Any) -> bool:
     return bool(await x)
 
 
-async def test_kill_9_of_the_coordinator_mid_inter_group_transfers(nats: NatsServer) -> None:
+async def test_kill_9_of_the_coordinator_mid_inter_group_transfers(fresh_nats: NatsServer) -> None:
     env = {
         "KVBUS_COORDINATOR_CAPACITY_BPS": str(CAP),
         "KVBUS_COORDINATOR_EPOCH_S": "0.05",
         "KVBUS_COORDINATOR_LEADER_TTL_S": "0.6",
     }
-    first = spawn("coordinator", "--nats-url", nats.url, env=env)
+    first = spawn("coordinator", "--nats-url", fresh_nats.url, env=env)
     standby: subprocess.Popen[bytes] | None = None
     sched = await GroupScheduler.connect(
-        nats.url, "ga", config=SchedulerConfig(max_active=4, coordinator_timeout_s=0.1)
+        fresh_nats.url, "ga", config=SchedulerConfig(max_active=4, coordinator_timeout_s=0.1)
     )
     try:
-        await until(lambda: _true_async(holder(nats.url, "leader")), 30, "a coordinator")
-        standby = spawn("coordinator", "--nats-url", nats.url, env=env)
+        await until(lambda: _true_async(holder(fresh_nats.url, "leader")), 30, "a coordinator")
+        standby = spawn("coordinator", "--nats-url", fresh_nats.url, env=env)
         await asyncio.sleep(1.0)  # the standby is up and campaigning
-        async with bus(nats.url) as b:
+        async with bus(fresh_nats.url) as b:
             senders = [await b.agent(f"s{i}", group="ga", signature=SIG) for i in range(4)]
             receivers = [await b.agent(f"r{i}", group="gb", signature=SIG) for i in range(4)]
             leases: list[int] = []
@@ -276,7 +266,7 @@ async def test_kill_9_of_the_coordinator_mid_inter_group_transfers(nats: NatsSer
             assert ok == 12 and not errors, errors
             assert all(n == 1 for n in delivered.values())
             # The standby leads now and answers lease requests: a new inter-group transfer gets one.
-            await until(lambda: _true_async(_not_pid(holder(nats.url, "leader"), first.pid)), 10, "the standby")
+            await until(lambda: _true_async(_not_pid(holder(fresh_nats.url, "leader"), first.pid)), 10, "the standby")
             before = sched.inter.leases
             await until(lambda: _true(time.time() > sched.inter._retry_at), 3, "the retry time")
             await senders[0].send(receivers[0].name, kv)
@@ -290,11 +280,11 @@ async def test_kill_9_of_the_coordinator_mid_inter_group_transfers(nats: NatsSer
                 p.wait()
 
 
-async def test_placement_puts_new_agents_in_a_group_added_at_run_time(nats: NatsServer) -> None:
-    coord = await Coordinator.connect(nats.url, config=CFG)
-    g0 = await GroupScheduler.connect(nats.url, "g0", config=SchedulerConfig(heartbeat_s=0.1))
+async def test_placement_puts_new_agents_in_a_group_added_at_run_time(fresh_nats: NatsServer) -> None:
+    coord = await Coordinator.connect(fresh_nats.url, config=CFG)
+    g0 = await GroupScheduler.connect(fresh_nats.url, "g0", config=SchedulerConfig(heartbeat_s=0.1))
     try:
-        async with bus(nats.url) as b:
+        async with bus(fresh_nats.url) as b:
             await until(lambda: _true("g0" in coord.groups), 5, "g0 to join")
             a = await b.agent("a", group=None, signature=SIG)
             assert a.group == "g0"
@@ -303,7 +293,7 @@ async def test_placement_puts_new_agents_in_a_group_added_at_run_time(nats: Nats
                 5,
                 "g0 to report its agent",
             )
-            g1 = await GroupScheduler.connect(nats.url, "g1", config=SchedulerConfig(heartbeat_s=0.1))
+            g1 = await GroupScheduler.connect(fresh_nats.url, "g1", config=SchedulerConfig(heartbeat_s=0.1))
             try:
                 await until(lambda: _true("g1" in coord.groups), 5, "g1 to join")
                 c = await b.agent("c", group=None, signature=SIG)

@@ -7,7 +7,6 @@ import asyncio
 import itertools
 import time
 from collections import Counter
-from collections.abc import Iterator
 
 import pytest
 from nats.aio.msg import Msg
@@ -123,19 +122,10 @@ class Echo(ReplicatedService):
         await self.transport.reply(msg, self.name.encode())
 
 
-@pytest.fixture
-def own_nats() -> Iterator[NatsServer]:
-    server = NatsServer().start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-async def test_one_replica_serves_and_a_standby_takes_over_on_close(own_nats: NatsServer) -> None:
+async def test_one_replica_serves_and_a_standby_takes_over_on_close(fresh_nats: NatsServer) -> None:
     subject = "test.echo"
     log: list[str] = []
-    ta, tb, client = [await NatsTransport.connect(own_nats.url) for _ in range(3)]
+    ta, tb, client = [await NatsTransport.connect(fresh_nats.url) for _ in range(3)]
     bucket = await key_value(client.nc.jetstream(), "test_echo_leases")
     first, second = Echo(ta, subject, log), Echo(tb, subject, log)
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -187,18 +187,8 @@ async def test_reservation_refusals_of_the_scheduler(nats_url: str) -> None:
         assert gone.ok and gone.code == Reason.NONE
 
 
-@pytest.fixture
-def own_nats() -> Iterator[NatsServer]:
-    """A fresh server: the coordinator's bucket must start empty."""
-    server = NatsServer().start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-async def test_coordinator_refusals(own_nats: NatsServer) -> None:
-    url = own_nats.url
+async def test_coordinator_refusals(fresh_nats: NatsServer) -> None:
+    url = fresh_nats.url
     # Without a coordinator, a deployment-wide admission cannot be made.
     async with scheduled(url, admission="coordinator") as (sched, raw, _):
         verdict = await sched.reserve("tx", ["rx"], period_s=1.0, size_bytes=1000, deadline_s=0.5)
