@@ -426,7 +426,9 @@ def _decision_span(
         span = telemetry.start("kvbus.schedule", parent=parent, start_time=start_ns)
     if span.is_recording():
         choice = pending.decision or {}
-        chosen = next((c for c in choice.get("candidates", ()) if c.get("medium") == choice.get("medium")), {})
+        chosen: dict[str, Any] = next(
+            (c for c in choice.get("candidates", ()) if c.get("medium") == choice.get("medium")), {}
+        )
         terms = {f"kvbus.predicted.{k}": float(chosen[k]) for k in ("comm_s", "comp_s", "loss_s") if k in chosen}
         span.set_attributes(
             {
