@@ -139,9 +139,11 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "critical_p99_ratio_fifo_vs_wrr_rounds": SPREAD,
         "critical_p99_ratio_unscheduled_vs_wrr_rounds": SPREAD,
         "critical": {
-            arm: {"critical_p99_ms": OPT_NUM, "critical_p99_ms_rounds": SPREAD, "bulk_mb_s": OPT_NUM}
+            arm: {"critical_p99_ms": OPT_NUM, "critical_p99_ms_rounds": SPREAD, "bulk_mb_s": OPT_NUM, "phases": dict}
             for arm in ("wrr", "fifo", "unscheduled")
         },
+        "critical_p99_ms": {arm: OPT_NUM for arm in ("wrr", "fifo", "unscheduled")},
+        "critical_phases": {"p50": dict, "p99": dict, "tail": dict, "n": int, "phases": list},
         "jain_fairness": OPT_NUM,
         "jain_fairness_rounds": SPREAD,
         "fairness": {

@@ -25,6 +25,9 @@ Figures (each per round, reported as median with min and max, see `kvbus.app.ben
   keep 8 MB transfers going to the receiver (40 MB/s link) while two critical senders each send
   a 64 KB critical message every 200 ms (open loop); p99 of the critical messages' latency
   (`send` to verified delivery) under the arm over the same under ``wrr``, same round.
+- ``critical_p99_ms`` per arm, and ``critical_phases`` (the ``wrr`` arm; every arm's in
+  ``critical.<arm>.phases``): where a critical transfer's time goes (`phases`), per phase the
+  median over rounds of its p50 and p99 and its mean over the slowest 5 % (``tail``).
 - ``jain_fairness``: four senders of role priority 0, 1, 2, 4 saturate a 30 MB/s receiver (priority
   0), so W = 2, 3, 4, 6; Jain's index of throughput / W over a window without the start, for
   every arm under the same budget (``fairness.<arm>``).
@@ -116,13 +119,89 @@ class Schedulers:
 
 
 async def _with_receiver(
-    net: BenchNet, rx: Worker, group: str, name: str, declared: float, job: Any, priority: float = 1.0
+    net: BenchNet,
+    rx: Worker,
+    group: str,
+    name: str,
+    declared: float,
+    job: Any,
+    priority: float = 1.0,
+    arrivals: dict[str, Any] | None = None,
 ) -> Any:
+    """Run ``job`` while the receiver ``name`` drains its inbox; ``arrivals``: filled with when
+    each transfer reached it (`sched_ops.receiver_arrivals`)."""
     await rx.call(f"{OPS}:receiver", url=net.url("rx"), name=name, group=group, link_bps=declared, priority=priority)
     try:
-        return await job
+        res = await job
+        if arrivals is not None:
+            arrivals.update(await rx.call(f"{OPS}:receiver_arrivals", name=name))
+        return res
     finally:
         await rx.call(f"{OPS}:receiver_stop", name=name)
+
+
+#: The phases of a critical transfer, in order (`phases`).
+PHASES = ("request_to_grant", "encode", "grant_to_receiver", "receiver", "verdict")
+
+
+def phases(sends: list[dict[str, Any]], arrivals: dict[str, Any]) -> list[dict[str, float]]:
+    """Where each transfer's time went, in ms, from the sender's records (`sched_ops.sent`) and
+    the receiver's arrivals (one monotonic clock for every process of the machine):
+
+    - ``request_to_grant``: `send` to the grant (the request's round trip and any wait in the queue);
+    - ``encode``: the codec;
+    - ``grant_to_receiver``: the end of the encode to the receiver's decode starting: hashing, the
+      sender's pacing, the `Open` (and chunks) crossing NATS or a direct path and the link's queue,
+      the receiving event loop's wait; ``pacing`` (a part of it) is what the granted rate alone
+      asks of the payload (the pacing starts empty, a rate budget's may not);
+    - ``receiver``: the receiver's own `Delivery.transfer_s` + `decode_s`;
+    - ``verdict``: the receiver's inbox to the sender's verdict (its way back, and the inbox's wake-up).
+
+    ``budget``: 1 when it ran under a rate budget (no request), else 0.
+    """
+    out = []
+    for s in sends:
+        got = arrivals.get(s["transfer_id"])
+        if got is None:
+            continue
+        t_recv, rx_transfer, rx_decode = got
+        t_enc = s["t0"] + s["queued_s"] + s["encode_s"]
+        budget = s["reason"] == "rate budget"
+        rate = s["rate_bps"]
+        out.append(
+            {
+                "total": 1e3 * s["total_s"],
+                "request_to_grant": 1e3 * s["queued_s"],
+                "encode": 1e3 * s["encode_s"],
+                "grant_to_receiver": 1e3 * (t_recv - rx_decode - rx_transfer - t_enc),
+                "pacing": 1e3 * s["nbytes"] / rate if rate > 0 and not budget else 0.0,
+                "receiver": 1e3 * (rx_transfer + rx_decode),
+                "verdict": 1e3 * (s["t0"] + s["total_s"] - t_recv),
+                "budget": 1.0 if budget else 0.0,
+            }
+        )
+    return out
+
+
+def phase_summary(rounds: list[list[dict[str, float]]]) -> dict[str, Any]:
+    """Per phase, the median over rounds of its p50 and p99, and its mean over the slowest 5 % of
+    each round's transfers (``tail``: what the critical p99 is made of)."""
+    keys = ("total", *PHASES, "pacing")
+    out: dict[str, Any] = {"p50": {}, "p99": {}, "tail": {}}
+    for k in keys:
+        out["p50"][k] = median(pct([x[k] for x in r], 0.5) for r in rounds if r)
+        out["p99"][k] = median(pct([x[k] for x in r], 0.99) for r in rounds if r)
+        tails = []
+        for r in rounds:
+            if not r:
+                continue
+            slow = sorted(r, key=lambda x: -x["total"])[: max(1, len(r) // 20)]
+            tails.append(sum(x[k] for x in slow) / len(slow))
+        out["tail"][k] = median(tails)
+    out["budget_share"] = median(sum(x["budget"] for x in r) / len(r) for r in rounds if r)
+    out["n"] = sum(len(r) for r in rounds)
+    out["phases"] = list(PHASES)
+    return out
 
 
 async def _critical(
@@ -146,7 +225,10 @@ async def _critical(
                     crit_bytes=64 * 1024,
                     every=0.2,
                 )
-                res = await _with_receiver(net, rx, group, f"{name}-rx", arm_config(arm, CRIT_LINK)[1], job)
+                arrivals: dict[str, Any] = {}
+                declared = arm_config(arm, CRIT_LINK)[1]
+                res = await _with_receiver(net, rx, group, f"{name}-rx", declared, job, arrivals=arrivals)
+                res["phases"] = phases(res.pop("crit_sends"), arrivals)
                 res["stats"] = await phase.stats(group)
                 per[arm].append(res)
                 print(
@@ -172,6 +254,7 @@ async def _critical(
             "bulk_jitter_p99_over_p50": median(
                 ratio(pct(x["bulk_lat"], 0.99), pct(x["bulk_lat"], 0.5)) for x in per[a]
             ),
+            "phases": phase_summary([x["phases"] for x in per[a]]),
         }
     ratios = {a: [ratio(p99[a][i], p99["wrr"][i]) for i in range(rounds)] for a in ("fifo", "unscheduled")}
     return {"arms": out, "ratios": ratios}
@@ -308,6 +391,8 @@ async def _run(*, quick: bool, smoke: bool, network: str | None, nats_url: str |
             results[f"critical_p99_ratio_{a}_vs_wrr"] = median(crit["ratios"][a])
             results[f"critical_p99_ratio_{a}_vs_wrr_rounds"] = spread(crit["ratios"][a])
         results["critical"] = crit["arms"]
+        results["critical_p99_ms"] = {a: crit["arms"][a]["critical_p99_ms"] for a in ARMS}
+        results["critical_phases"] = crit["arms"]["wrr"]["phases"]
         results["jitter_p99_over_p50"] = crit["arms"]["wrr"]["jitter_p99_over_p50"]
         results["jitter"] = {
             f"{a}_{kind}": crit["arms"][a][key]

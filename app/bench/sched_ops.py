@@ -95,15 +95,41 @@ async def _bulk(agent: Any, to: str, kv: KVCache, stop: float, spans: Spans, lat
         lat.append(report.total_s)
 
 
+def sent(t0: float, report: Any) -> dict[str, Any]:
+    """What the sender knows of one transfer's phases (monotonic ``t0`` at `send`), to be joined
+    with the receiver's `arrivals` by `kvbus.app.bench.sched.phases`."""
+    return {
+        "transfer_id": report.transfer_id,
+        "t0": t0,
+        "queued_s": report.queued_s,
+        "encode_s": report.encode_s,
+        "transfer_s": report.transfer_s,
+        "total_s": report.total_s,
+        "rate_bps": report.rate_bps,
+        "nbytes": report.nbytes,
+        "reason": str(report.decision.get("reason", "")),
+    }
+
+
 async def _periodic(
-    agent: Any, to: str, kv: KVCache, stop: float, every: float, lat: list[float], phase: float
+    agent: Any,
+    to: str,
+    kv: KVCache,
+    stop: float,
+    every: float,
+    lat: list[float],
+    phase: float,
+    sends: list[dict[str, Any]] | None = None,
 ) -> None:
     """Open loop: one critical send every ``every`` seconds, each in its own task."""
     tasks = []
 
     async def one() -> None:
+        t0 = time.monotonic()
         report = await agent.send(to, kv, medium="full", critical=True)
         lat.append(report.total_s)
+        if sends is not None:
+            sends.append(sent(t0, report))
 
     await asyncio.sleep(phase)
     nxt = time.monotonic()
@@ -130,19 +156,30 @@ async def receiver(
     )
     agent = ops.get_agent(ctx, name)
 
+    arrivals: dict[str, tuple[float, float, float]] = {}
+
     async def drain() -> None:
         while True:
-            await agent.receive()
+            delivery = await agent.receive()
+            arrivals[delivery.transfer_id] = (time.monotonic(), delivery.transfer_s, delivery.decode_s)
             ctx.state["received"][name] = ctx.state["received"].get(name, 0) + 1
 
     ctx.state.setdefault("received", {})
+    ctx.state.setdefault("arrivals", {})[name] = arrivals
     ctx.state.setdefault("drains", {})[name] = asyncio.create_task(drain())
     return name
+
+
+async def receiver_arrivals(ctx: WorkerContext, *, name: str) -> dict[str, tuple[float, float, float]]:
+    """Per transfer delivered to ``name``: (monotonic time its delivery was taken from the inbox,
+    its `Delivery.transfer_s`, its `Delivery.decode_s`)."""
+    return dict(ctx.state.get("arrivals", {}).get(name, {}))
 
 
 async def receiver_stop(ctx: WorkerContext, *, name: str) -> int:
     """Stop draining, close the receiving agent; returns how many deliveries it took."""
     task = ctx.state.get("drains", {}).pop(name, None)
+    ctx.state.get("arrivals", {}).pop(name, None)
     if task is not None:
         task.cancel()
     await ops.close_agent(ctx, name)
@@ -172,6 +209,7 @@ async def critical(
     spans = Spans()
     bulk_lat: list[float] = []
     crit_lat: list[float] = []
+    crit_sends: list[dict[str, Any]] = []
     t_start = time.monotonic()
     stop = t_start + seconds
     try:
@@ -179,7 +217,7 @@ async def critical(
         await asyncio.sleep(warmup)  # bulk saturates first
         await asyncio.gather(
             *(
-                _periodic(c, rx, small_kv, stop, every, crit_lat, 0.5 * every * i / max(1, n_crit))
+                _periodic(c, rx, small_kv, stop, every, crit_lat, 0.5 * every * i / max(1, n_crit), crit_sends)
                 for i, c in enumerate(crit)
             )
         )
@@ -188,7 +226,7 @@ async def critical(
         for a in [*bulk, *crit]:
             await ops.close_agent(ctx, a.name)
     bulk_rate = sum(spans.rate(b.name, t_start + warmup + 0.5, stop - 0.2) for b in bulk)
-    return {"crit_lat": crit_lat, "bulk_lat": bulk_lat, "bulk_mb_s": bulk_rate / MB}
+    return {"crit_lat": crit_lat, "crit_sends": crit_sends, "bulk_lat": bulk_lat, "bulk_mb_s": bulk_rate / MB}
 
 
 async def fairness(
