@@ -149,13 +149,7 @@ class LearnedCosts:
         """A transfer on ``path`` spent ``sample_s`` beyond its bytes."""
         if not math.isfinite(sample_s) or sample_s < 0:
             return
-        now = time.time() if now is None else now
-        got = self.fixed_s.get(path)
-        if got is None:
-            self.fixed_s[path] = Learned(sample_s, 1, now)
-        else:
-            got.add(sample_s, now)
-        self.changes += 1
+        self._fold(self.fixed_s, path, sample_s, now, log=False)
 
     def observe_codec(
         self, medium: str, kv_bytes: float, phase: str, measured_s: float, prior_s: float, now: float | None = None
@@ -163,30 +157,14 @@ class LearnedCosts:
         """``phase`` of ``medium`` took ``measured_s`` where the calibrated figures said ``prior_s``."""
         if not (_finite_positive(measured_s) and _finite_positive(prior_s)):
             return
-        now = time.time() if now is None else now
         sample = min(MAX_FACTOR, max(1 / MAX_FACTOR, measured_s / prior_s))
-        key = (medium, size_class(kv_bytes), phase)
-        got = self.codec.get(key)
-        if got is None:
-            self.codec[key] = Learned(sample, 1, now)
-            self._trim(self.codec)
-        else:
-            got.add(sample, now, log=True)
-        self.changes += 1
+        self._fold(self.codec, (medium, size_class(kv_bytes), phase), sample, now, log=True)
 
     def observe_prefill(self, receiver: str, tokens: int, seconds: float, now: float | None = None) -> None:
         """``receiver`` rebuilt ``tokens`` tokens of KV in ``seconds``."""
         if tokens <= 0 or not _finite_positive(seconds):
             return
-        now = time.time() if now is None else now
-        tps = tokens / seconds
-        got = self.prefill_tps.get(receiver)
-        if got is None:
-            self.prefill_tps[receiver] = Learned(tps, 1, now)
-            self._trim(self.prefill_tps)
-        else:
-            got.add(tps, now, log=True)
-        self.changes += 1
+        self._fold(self.prefill_tps, receiver, tokens / seconds, now, log=True)
 
     def observe_error(self, medium: str, predicted_s: float, measured_s: float) -> None:
         """How far the prediction of a finished transfer was from what it took."""
@@ -235,11 +213,17 @@ class LearnedCosts:
         fixed = self.fixed(path)
         return min(fixed, FIXED_MAX_SHARE * done.wire_s) if fixed else 0.0
 
-    @staticmethod
-    def _trim(table: dict[Any, Learned]) -> None:
-        if len(table) > MAX_ENTRIES:
-            oldest = min(table, key=lambda k: table[k].ts)
-            del table[oldest]
+    def _fold(self, table: dict[Any, Learned], key: Any, sample: float, now: float | None, *, log: bool) -> None:
+        """Fold ``sample`` into ``table[key]`` (a new entry drops the oldest past `MAX_ENTRIES`)."""
+        now = time.time() if now is None else now
+        got = table.get(key)
+        if got is None:
+            table[key] = Learned(sample, 1, now)
+            if len(table) > MAX_ENTRIES:
+                del table[min(table, key=lambda k: table[k].ts)]
+        else:
+            got.add(sample, now, log=log)
+        self.changes += 1
 
     # -- persistence --------------------------------------------------------------------------
 
