@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -19,6 +21,7 @@ import pytest
 
 from kvbus.app.local import NatsServer, RedisServer
 from kvbus.bus import Bus, BusConfig
+from kvbus.bus.paths import PathsConfig
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -97,6 +100,41 @@ async def bus(nats_url: str, scheduler: GroupScheduler) -> AsyncIterator[Bus]:
         yield b
     finally:
         await b.close()
+
+
+@pytest.fixture
+async def sender_bus(nats_url: str, scheduler: GroupScheduler, request: pytest.FixtureRequest) -> AsyncIterator[Bus]:
+    """A sending bus (not secure) whose allowed paths the test names (``shm,tcp,nats`` by default)."""
+    allowed = getattr(request, "param", "shm,tcp,nats")
+    bus = await Bus.connect(nats_url, config=FAST, paths=PathsConfig(allowed=allowed, tcp_host="127.0.0.1"))
+    try:
+        yield bus
+    finally:
+        await bus.close()
+
+
+def ready_up(tmp_path: Path) -> tuple[subprocess.Popen[str], str]:
+    """`kvbus up` (one group, one replica each, its stack file in ``tmp_path``) once it says it is
+    up, and what it printed until then."""
+    env = {**os.environ, "KVBUS_STACK_FILE": str(tmp_path / "stack.json")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvbus.app.cli", "up", "--replicas", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 60
+    lines = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        lines.append(line)
+        if "Ctrl-C" in line or not line:
+            break
+    out = "".join(lines)
+    assert "kvbus is up" in out, out
+    return proc, out
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -20,7 +20,6 @@ import socket
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -68,17 +67,6 @@ class Peer:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
-
-
-@pytest.fixture
-async def sender_bus(nats_url: str, scheduler: GroupScheduler, request: pytest.FixtureRequest) -> AsyncIterator[Bus]:
-    """A sending bus whose allowed paths the test names (``shm,tcp,nats`` by default)."""
-    allowed = getattr(request, "param", "shm,tcp,nats")
-    bus = await Bus.connect(nats_url, config=FAST, paths=PathsConfig(allowed=allowed, tcp_host="127.0.0.1"))
-    try:
-        yield bus
-    finally:
-        await bus.close()
 
 
 def memfd_count() -> int:

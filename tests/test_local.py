@@ -19,6 +19,7 @@ import redis
 from kvbus.app.local import NATS_MAX_PAYLOAD, NatsServer, RedisServer
 from kvbus.app.processes import spawn, sweep_stale_folders
 from kvbus.errors import MissingBinaryError
+from tests.conftest import ready_up
 
 
 async def test_nats_server_has_jetstream_and_a_raised_max_payload(nats_server: NatsServer) -> None:
@@ -103,32 +104,10 @@ def test_kvbus_up_starts_the_stack_and_ctrl_c_stops_it() -> None:
 # -- what kvbus starts dies with it (issue 18, finding 14) ----------------------------------------------------
 
 
-def _ready_up(tmp_path: Path) -> subprocess.Popen[str]:
-    """`kvbus up` (one group, one replica each), once it says it is up."""
-    env = {**os.environ, "KVBUS_STACK_FILE": str(tmp_path / "stack.json")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvbus.app.cli", "up", "--replicas", "1"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 60
-    lines = []
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        lines.append(line)
-        if "Ctrl-C" in line or not line:
-            break
-    assert "kvbus is up" in "".join(lines), "".join(lines)
-    return proc
-
-
 def test_kvbus_up_killed_with_sigkill_takes_its_servers_along(tmp_path: Path) -> None:
     """kill -9 of `kvbus up`: its nats-server and valkey-server die with it (parent-death signal);
     their folders stay until the next embedded server starts, which removes them."""
-    proc = _ready_up(tmp_path)
+    proc, _ = ready_up(tmp_path)
     try:
         servers = psutil.Process(proc.pid).children(recursive=True)
         names = sorted(p.name() for p in servers)

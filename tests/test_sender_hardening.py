@@ -18,39 +18,24 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
-import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 
 from kvbus.bus import Bus, ReceiveTimeout, TransferError, TransferInDoubt, TransferTimeout
 from kvbus.bus.incoming import IncomingTransfer
-from kvbus.bus.paths import PathsConfig
 from kvbus.bus.paths.tcp import TcpSendSession
 from kvbus.bus.route import DIRECT_REPAIR_LIMIT
-from kvbus.group_scheduler import GroupScheduler
 from kvbus.protocol import Ack, OpenReply, ack_subject, inbox_subject
-from tests.conftest import FAST
+from tests.conftest import FAST, ready_up
 from tests.kvutil import kv_of_bytes
 from tests.peer import SIG, kv_digest
 from tests.test_bus_paths import Peer
 from tests.test_helm import CHART, HELM, NAMESPACE, RELEASE, helm
 
 MB = 1 << 20
-
-
-@pytest.fixture
-async def sender_bus(nats_url: str, scheduler: GroupScheduler, request: pytest.FixtureRequest) -> AsyncIterator[Bus]:
-    """A sending bus (not secure) whose allowed paths the test names (``shm,tcp,nats`` by default)."""
-    allowed = getattr(request, "param", "shm,tcp,nats")
-    bus = await Bus.connect(nats_url, config=FAST, paths=PathsConfig(allowed=allowed, tcp_host="127.0.0.1"))
-    try:
-        yield bus
-    finally:
-        await bus.close()
 
 
 # -- 10: non-secure mode -------------------------------------------------------------------------------
@@ -132,25 +117,9 @@ NOTES_WARNING = "make its send() report a delivery that never happened"
 
 def test_kvbus_up_says_what_non_secure_mode_cannot_protect(tmp_path: Any) -> None:
     """Finding 10: `kvbus up` without ``--secure`` says so, and what it means, in its banner."""
-    env = {**os.environ, "KVBUS_STACK_FILE": str(tmp_path / "stack.json")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvbus.app.cli", "up", "--replicas", "1"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
+    proc, out = ready_up(tmp_path)
     try:
-        assert proc.stdout is not None
-        lines: list[str] = []
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            lines.append(line)
-            if "Ctrl-C" in line or not line:
-                break
-        out = "".join(lines)
-        assert "kvbus is up" in out and BANNER in out, out
+        assert BANNER in out, out
     finally:
         proc.send_signal(signal.SIGINT)
         try:
