@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import threading
 from collections.abc import Callable
@@ -110,6 +111,46 @@ def _step_up(scale: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
     return torch.where(scale.double() < exact, bumped, scale)
 
 
+#: Largest float32 scratch buffer a thread keeps between calls (elements: 64 MB); larger ones are
+#: allocated per call.
+SCRATCH_MAX_ELEMENTS = 16 << 20
+_local = threading.local()
+#: The dtypes the eager kernels compute in float32 passes (others go through plain torch ops).
+_FAST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _scratch(shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+    """A float32 tensor of ``shape`` from this thread's reused buffer (contents undefined).
+
+    A fresh tensor of a layer's size costs its page faults on every call (about as much as the
+    quantisation itself); the buffer is faulted in once per thread. Valid until this thread's
+    next call: callers never return it.
+    """
+    n = math.prod(shape)
+    if n > SCRATCH_MAX_ELEMENTS:
+        return torch.empty(shape, dtype=torch.float32)
+    buf: torch.Tensor | None = getattr(_local, "buf", None)
+    if buf is None or buf.numel() < n:
+        buf = _local.buf = torch.empty(n, dtype=torch.float32)
+    return buf[:n].view(shape)
+
+
+def _as_float32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself if float32, else ``x`` converted into this thread's scratch buffer (`_scratch`).
+
+    On CPUs without bfloat16 or float16 arithmetic units, every op on a 16-bit tensor converts
+    each element to float32 and back; converting once and doing every pass in float32 is
+    several times faster, and exact (float32 holds every 16-bit value).
+    """
+    if x.dtype == torch.float32:
+        return x
+    if x.dtype not in _FAST_DTYPES:
+        raise TypeError(f"the quantising kernels take float32, float16 or bfloat16 tensors, not {x.dtype}")
+    y = _scratch(x.shape)
+    y.copy_(x)
+    return y
+
+
 # -- int8: symmetric absmax ---------------------------------------------------------------------
 
 
@@ -121,28 +162,58 @@ def int8_encode(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]
     ``|x - q * scale| <= scale / 2`` element-wise (plus one rounding in the dtype). The scale is
     ``absmax / 127`` rounded up in the dtype, so no element clips; an all-zero slice gets 1. A
     slice holding NaN or inf gets a NaN or inf scale (callers refuse it). ``x`` is never written.
+
+    Eager, every pass runs in float32 in one reused buffer (see `_as_float32`, `_scratch`); the
+    codes are those of ``round(x.float() / scale.float())``.
     """
     if x.shape[axis] == 0:
         shape = list(x.shape)
         shape[axis] = 1
         return torch.empty(x.shape, dtype=torch.int8), torch.ones(shape, dtype=x.dtype)
-    am = x.abs().amax(dim=axis, keepdim=True).double()
+    if torch.compiler.is_compiling():
+        am = x.abs().amax(dim=axis, keepdim=True).double()
+        exact = torch.where(am == 0, 1.0, am / 127)
+        scale = _step_up(exact.to(x.dtype), exact)
+        return torch.round(x.float() / scale.float()).clamp(-127, 127).to(torch.int8), scale
+    if x.dtype not in _FAST_DTYPES:
+        raise TypeError(f"the quantising kernels take float32, float16 or bfloat16 tensors, not {x.dtype}")
+    if x.dtype == torch.float32:
+        # absmax through the scratch buffer (no fresh tensor to fault in), then x / scale into it
+        y = torch.abs(x, out=_scratch(x.shape))
+        am = y.amax(dim=axis, keepdim=True).double()
+    else:
+        # one conversion to float32, then ``max(amax, -amin)``: the absmax exactly (negation is
+        # exact), without an ``abs`` pass; NaN propagates through both
+        y = _as_float32(x)
+        am = torch.maximum(y.amax(dim=axis, keepdim=True).double(), y.amin(dim=axis, keepdim=True).double().neg_())
     # ``am == 0`` rather than ``am > 0``: a NaN absmax stays NaN in the scale (the caller checks it).
     exact = torch.where(am == 0, 1.0, am / 127)
     scale = _step_up(exact.to(x.dtype), exact)
-    if torch.compiler.is_compiling():
-        return torch.round(x.float() / scale.float()).clamp(-127, 127).to(torch.int8), scale
-    y = torch.div(x, scale.float())  # a new float32 tensor: x itself is never written
+    if x.dtype == torch.float32:
+        torch.div(x, scale.float(), out=y)  # x itself is never written
+    else:
+        y.div_(scale.float())
     y.add_(ROUND_MAGIC)
     return y.view(torch.int32).to(torch.int8), scale
 
 
 @compilable
 def int8_decode(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``q * scale`` in ``scale``'s dtype (one pass, one new tensor)."""
-    if torch.compiler.is_compiling():
-        return q.to(scale.dtype) * scale
-    return torch.mul(q, scale)
+    """``q * scale`` in ``scale``'s dtype (one new tensor).
+
+    Eager, the product is formed in float32 and rounded once to the dtype, as ``torch.mul``
+    rounds it (a 16-bit scale times a code of 7 bits is exact in float32): ``torch.mul`` of int8
+    by a 16-bit or a broadcast float32 scale runs 1.5-10x slower on CPUs without 16-bit units.
+    """
+    if torch.compiler.is_compiling() or scale.dtype not in _FAST_DTYPES:
+        return q.to(scale.dtype) * scale if torch.compiler.is_compiling() else torch.mul(q, scale)
+    if scale.dtype == torch.float32:
+        out = torch.empty(q.shape, dtype=torch.float32)
+        out.copy_(q)
+        return out.mul_(scale)
+    y = _scratch(q.shape)
+    y.copy_(q)
+    return y.mul_(scale.float()).to(scale.dtype)
 
 
 # -- int4: asymmetric min/max, grouped, two codes per byte ------------------------------------------
@@ -182,12 +253,16 @@ def int4_encode(x: torch.Tensor, axis: int, group: int) -> tuple[torch.Tensor, t
     if xg.numel() == 0:
         ones = torch.ones(red_shape, dtype=x.dtype)
         return torch.empty(0, dtype=torch.uint8), ones, torch.zeros(red_shape, dtype=x.dtype)
-    lo, hi = torch.aminmax(xg, dim=red, keepdim=True)
-    low = lo.to(x.dtype)  # lo is already in x's dtype: exact
+    y = _as_float32(xg)  # every pass in float32 (see `_as_float32`)
+    lo, hi = y.amin(dim=red, keepdim=True), y.amax(dim=red, keepdim=True)  # NaN propagates through both
+    low = lo.to(x.dtype)  # lo holds a value of x: exact
     span = hi.double() - low.double()
     exact = torch.where(span == 0, 1.0, span / 15)  # a NaN span stays NaN (the caller checks it)
     scale = _step_up(exact.to(x.dtype), exact)
-    y = xg.float() - low.float()  # a new tensor, even when x is float32
+    if y is xg:  # float32: x itself is never written
+        y = torch.sub(xg, low.float(), out=_scratch(xg.shape))
+    else:
+        y.sub_(low.float())
     y.div_(scale.float()).add_(ROUND_MAGIC)
     q = y.view(torch.int32).to(torch.uint8).reshape(-1)  # 0..15 by construction of the scale
     if q.numel() % 2:
