@@ -263,12 +263,12 @@ def int4_encode(x: torch.Tensor, axis: int, group: int) -> tuple[torch.Tensor, t
         y = torch.sub(xg, low.float(), out=_scratch(xg.shape))
     else:
         y.sub_(low.float())
-    y.div_(scale.float()).add_(ROUND_MAGIC)
-    q = y.view(torch.int32).to(torch.uint8).reshape(-1)  # 0..15 by construction of the scale
-    if q.numel() % 2:
-        q = torch.cat([q, q.new_zeros(1)])
-    pairs = q.view(-1, 2)
-    packed = torch.bitwise_left_shift(pairs[:, 1], 4).bitwise_or_(pairs[:, 0])
+    codes = y.div_(scale.float()).round_().view(-1)  # 0..15 by construction of the scale, half to even
+    if codes.numel() % 2:
+        codes = torch.cat([codes, codes.new_zeros(1)])
+    pairs = codes.view(-1, 2)
+    # two codes per byte, the first in the low nibble: first + 16 * second is exact in float32
+    packed = torch.add(pairs[:, 0], pairs[:, 1], alpha=16).to(torch.uint8)
     return packed, scale, low
 
 
