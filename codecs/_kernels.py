@@ -163,8 +163,8 @@ def int8_encode(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]
     ``absmax / 127`` rounded up in the dtype, so no element clips; an all-zero slice gets 1. A
     slice holding NaN or inf gets a NaN or inf scale (callers refuse it). ``x`` is never written.
 
-    Eager, every pass runs in float32 in one reused buffer (see `_as_float32`, `_scratch`); the
-    codes are those of ``round(x.float() / scale.float())``.
+    Eager, a 16-bit ``x`` is converted once into a reused float32 buffer and every pass runs
+    there (see `_as_float32`); the codes are those of ``round(x.float() / scale.float())``.
     """
     if x.shape[axis] == 0:
         shape = list(x.shape)
@@ -178,9 +178,7 @@ def int8_encode(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]
     if x.dtype not in _FAST_DTYPES:
         raise TypeError(f"the quantising kernels take float32, float16 or bfloat16 tensors, not {x.dtype}")
     if x.dtype == torch.float32:
-        # absmax through the scratch buffer (no fresh tensor to fault in), then x / scale into it
-        y = torch.abs(x, out=_scratch(x.shape))
-        am = y.amax(dim=axis, keepdim=True).double()
+        am = x.abs().amax(dim=axis, keepdim=True).double()
     else:
         # one conversion to float32, then ``max(amax, -amin)``: the absmax exactly (negation is
         # exact), without an ``abs`` pass; NaN propagates through both
@@ -190,7 +188,7 @@ def int8_encode(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]
     exact = torch.where(am == 0, 1.0, am / 127)
     scale = _step_up(exact.to(x.dtype), exact)
     if x.dtype == torch.float32:
-        torch.div(x, scale.float(), out=y)  # x itself is never written
+        y = torch.div(x, scale.float())  # a new tensor: x itself is never written
     else:
         y.div_(scale.float())
     y.add_(ROUND_MAGIC)
@@ -199,21 +197,10 @@ def int8_encode(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]
 
 @compilable
 def int8_decode(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``q * scale`` in ``scale``'s dtype (one new tensor).
-
-    Eager, the product is formed in float32 and rounded once to the dtype, as ``torch.mul``
-    rounds it (a 16-bit scale times a code of 7 bits is exact in float32): ``torch.mul`` of int8
-    by a 16-bit or a broadcast float32 scale runs 1.5-10x slower on CPUs without 16-bit units.
-    """
-    if torch.compiler.is_compiling() or scale.dtype not in _FAST_DTYPES:
-        return q.to(scale.dtype) * scale if torch.compiler.is_compiling() else torch.mul(q, scale)
-    if scale.dtype == torch.float32:
-        out = torch.empty(q.shape, dtype=torch.float32)
-        out.copy_(q)
-        return out.mul_(scale)
-    y = _scratch(q.shape)
-    y.copy_(q)
-    return y.mul_(scale.float()).to(scale.dtype)
+    """``q * scale`` in ``scale``'s dtype (one pass, one new tensor)."""
+    if torch.compiler.is_compiling():
+        return q.to(scale.dtype) * scale
+    return torch.mul(q, scale)
 
 
 # -- int4: asymmetric min/max, grouped, two codes per byte ------------------------------------------
