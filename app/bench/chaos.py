@@ -30,7 +30,11 @@ Figures: ``delivered`` (reported and received intact), ``failed_with_error``, ``
 (received more than once, across a receiver's incarnations), ``corrupted`` (received with other
 bytes than were sent), ``forged_delivered`` (a forged stream delivered as a transfer's content),
 ``crashed`` (a send raised anything but a `TransferError`, or an agent process died by itself).
-The goal is 0 for the last five.
+The goal is 0 for the last five. A failed send is one of two kinds: a plain `TransferError`
+says nothing can have arrived, so ``delivered_after_sender_error`` (such a send that the
+receiver did deliver) is a wrong answer, goal 0; a `TransferInDoubt` says the bytes may have
+arrived, and is counted as ``in_doubt`` (``in_doubt_delivered``: how many of those the receiver
+had; ``in_doubt_causes``: the failures they wrap, by type).
 
 How ``lost`` is told apart from a receiver killed at the wrong moment: a receiver process prints
 ``accepted`` when its bus has verified and decoded a transfer and recorded it as done (its
@@ -93,6 +97,8 @@ P_DROP, P_CORRUPT, P_FORGE, P_DUP = 0.01, 0.005, 0.0005, 0.005
 P_PEER_FORGE = 0.05
 #: Chance that a receiver dies right after a delivery, before its final ack.
 P_DIE_AFTER_DELIVERY = 0.01
+#: The error type of a send whose bytes may have arrived (`kvbus.bus.TransferInDoubt`).
+IN_DOUBT = "TransferInDoubt"
 #: How long an agent process may take to start (a loaded machine imports torch slowly).
 START_TIMEOUT_S = 180.0
 
@@ -109,6 +115,9 @@ class Send:
     """``ok``, ``error``, ``crash`` or ``killed`` (its sender died before it ended)."""
     tid: str = ""
     error: str = ""
+    """The type of the `TransferError` its sender got (``TransferInDoubt``: the bytes may have arrived)."""
+    cause: str = ""
+    """For a ``TransferInDoubt``: the type of the failure it wraps."""
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -274,10 +283,10 @@ async def _chaos(transfers: int, seed: int, concurrency: int = 16, site: Testbed
         restarts.add(task)
         task.add_done_callback(restarts.discard)
 
-    def finish(send: Send, outcome: str, tid: str = "", error: str = "") -> None:
+    def finish(send: Send, outcome: str, tid: str = "", error: str = "", cause: str = "") -> None:
         if send.done.is_set():
             return
-        send.outcome, send.tid, send.error = outcome, tid or send.tid, error
+        send.outcome, send.tid, send.error, send.cause = outcome, tid or send.tid, error, cause
         send.done.set()
 
     def on_event(agent: AgentProcess, event: dict[str, Any]) -> None:
@@ -293,7 +302,7 @@ async def _chaos(transfers: int, seed: int, concurrency: int = 16, site: Testbed
                 paths[str(event.get("path", "?"))] += 1
             send = agent.inflight.pop(int(event["k"]), None)
             if send is not None:
-                finish(send, kind, event.get("tid", ""), event.get("error", ""))
+                finish(send, kind, event.get("tid", ""), event.get("error", ""), event.get("cause", ""))
             if kind == "crash":
                 crashed.append(event.get("error", ""))
         elif kind == "fault":
@@ -465,10 +474,12 @@ def _figures(
     taken_by_killed = {tid for tid, pid in accepted or [] if pid in (killed_pids or set())}
     unseen = [tid for tid in ok if seen[tid] == 0]
     errors = collections.Counter(s.error for s in sends.values() if s.outcome == "error")
+    failed = [s for s in sends.values() if s.outcome == "error"]
+    in_doubt = [s for s in failed if s.error == IN_DOUBT]
     return {
         "transfers": transfers,
         "delivered": sum(1 for tid in ok if seen[tid] >= 1),
-        "failed_with_error": sum(1 for s in sends.values() if s.outcome == "error"),
+        "failed_with_error": len(failed),
         "sender_killed": len(killed),
         "lost": sum(1 for tid in unseen if tid not in taken_by_killed),
         "receiver_killed_after_verdict": sum(1 for tid in unseen if tid in taken_by_killed),
@@ -476,9 +487,10 @@ def _figures(
         "corrupted": corrupted,
         "forged_delivered": forged_delivered,
         "crashed": len(crashed),
-        "delivered_after_sender_error": sum(
-            1 for s in sends.values() if s.outcome == "error" and s.tid and seen[s.tid] >= 1
-        ),
+        "delivered_after_sender_error": sum(1 for s in failed if s.error != IN_DOUBT and s.tid and seen[s.tid] >= 1),
+        "in_doubt": len(in_doubt),
+        "in_doubt_delivered": sum(1 for s in in_doubt if s.tid and seen[s.tid] >= 1),
+        "in_doubt_causes": dict(collections.Counter(s.cause for s in in_doubt)),
         "delivered_after_sender_killed": sum(1 for tid in seen if tid not in by_tid),
         "errors_by_type": dict(errors),
         "crash_samples": crashed[:5],
@@ -506,7 +518,9 @@ def run(
         return run_cluster(transfers=n, seed=seed, nats_cluster=nats_cluster)
     results, where = _run_where(n, seed)
     print(
-        f"chaos: {results['delivered']} delivered, {results['failed_with_error']} failed with an error, "
+        f"chaos: {results['delivered']} delivered, {results['failed_with_error']} failed with an error "
+        f"({results['in_doubt']} of them in doubt, {results['in_doubt_delivered']} of those delivered; "
+        f"{results['delivered_after_sender_error']} delivered after a plain error), "
         f"{results['sender_killed']} lost to killed senders, {results['lost']} lost, "
         f"{results['duplicated']} duplicated, {results['corrupted']} corrupted, "
         f"{results['forged_delivered']} forged delivered, {results['crashed']} crashed; faults {results['faults']}"

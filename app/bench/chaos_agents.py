@@ -13,8 +13,9 @@ delta-base copy is made first); with ``--die-after-delivery`` it then exits at o
 probability (exit code `DIED_AFTER_DELIVERY`): a receiver that dies between delivery and its
 final ack. On stdin, ``restart <seconds>`` closes its agent and opens it again (a graceful
 leave). A sender reads ``send <k> <rx> <j>`` lines and sends pool context ``j`` to ``rx``,
-several at a time, printing ``{"event": "ok" | "error" | "crash", "k", "tid", ...}`` per send and
-``{"event": "fault", "kind"}`` per chunk its transport dropped, corrupted, forged or duplicated.
+several at a time, printing ``{"event": "ok" | "error" | "crash", "k", "tid", ...}`` per send
+(an ``error`` names the error's type and, for a `TransferInDoubt`, the type of its ``cause``:
+`error_fields`) and ``{"event": "fault", "kind"}`` per chunk its transport dropped, corrupted, forged or duplicated.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Any
 
 import torch
 
-from kvbus.bus import Bus, BusConfig, TransferError
+from kvbus.bus import Bus, BusConfig, TransferError, TransferInDoubt
 from kvbus.bus.chunking import ChunkPlan, chunk_digest, tree_digest
 from kvbus.errors import WireFormatError
 from kvbus.kvcache import KVCache
@@ -347,8 +348,8 @@ async def _sender(args: argparse.Namespace) -> None:
     pool = build_pool()
     bus = await Bus.connect(args.url, config=CONFIG)
     tx = await bus.agent(args.name, group=GROUP, signature=SIG)
-    tx._transport = ChaosTransport(
-        tx._transport,
+    chaos = ChaosTransport(
+        tx.transport,
         random.Random(args.seed),
         p_drop=args.p_drop,
         p_corrupt=args.p_corrupt,
@@ -356,7 +357,8 @@ async def _sender(args: argparse.Namespace) -> None:
         p_dup=args.p_dup,
         on_fault=lambda kind: _emit("fault", kind=kind),
     )
-    damage_tcp(tx._transport)
+    tx.transport = chaos  # a wrapper: what it does not define goes to the inner transport
+    damage_tcp(chaos)
     running: set[asyncio.Task[None]] = set()
 
     async def one(k: int, rx: str, j: int) -> None:
@@ -364,7 +366,7 @@ async def _sender(args: argparse.Namespace) -> None:
             report = await tx.send(rx, pool[j], medium="full")
             _emit("ok", k=k, tid=report.transfer_id, path=",".join(report.paths))
         except TransferError as exc:
-            _emit("error", k=k, tid=exc.transfer_id, error=type(exc).__name__, text=str(exc)[:200])
+            _emit("error", k=k, tid=exc.transfer_id, text=str(exc)[:200], **error_fields(exc))
         except Exception as exc:  # noqa: BLE001 - reported: the goal is none
             _emit("crash", k=k, error=f"{type(exc).__name__}: {exc}"[:300])
 
@@ -379,6 +381,13 @@ async def _sender(args: argparse.Namespace) -> None:
     if running:
         await asyncio.wait(running)
     await bus.close()
+
+
+def error_fields(exc: TransferError) -> dict[str, str]:
+    """How a sender reports a failed send: ``error``, the error's type, and ``cause``, the type of
+    the failure a `TransferInDoubt` wraps ("" for a plain `TransferError`: nothing can have arrived)."""
+    cause = type(exc.cause).__name__ if isinstance(exc, TransferInDoubt) else ""
+    return {"error": type(exc).__name__, "cause": cause}
 
 
 def main(argv: list[str] | None = None) -> None:
