@@ -1,6 +1,6 @@
 """The group scheduler: state S(t), the scheduling loop and its policies."""
 
-from kvbus.group_scheduler.allocation import Flow, weighted_max_min
+from kvbus.fairness import Flow, weighted_max_min
 from kvbus.group_scheduler.config import SchedulerConfig
 from kvbus.group_scheduler.policies import POLICIES, make_policy, register_policy
 from kvbus.group_scheduler.policy import (

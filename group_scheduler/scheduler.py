@@ -35,7 +35,7 @@ from kvbus.group_scheduler.loop import GrantLoop
 from kvbus.group_scheduler.memory_hints import MemoryHints
 from kvbus.group_scheduler.policies import make_policy
 from kvbus.group_scheduler.policy import SchedulingPolicy
-from kvbus.group_scheduler.reservation_store import RESERVATIONS_BUCKET, ReservationStore
+from kvbus.group_scheduler.reservation_store import ReservationStore
 from kvbus.group_scheduler.reservations import (
     Admission,
     AdmissionControl,
@@ -62,7 +62,7 @@ from kvbus.protocol import (
     sched_subject,
 )
 
-__all__ = ["RESERVATIONS_BUCKET", "GroupScheduler", "default_selector"]
+__all__ = ["GroupScheduler"]
 
 logger = logging.getLogger(__name__)
 

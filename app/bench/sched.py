@@ -49,7 +49,7 @@ from kvbus.app.testbed.benchnet import BenchNet, open_net
 from kvbus.app.testbed.topology import Topology, one_rack
 from kvbus.app.testbed.worker import Worker
 from kvbus.group_scheduler import SchedulerConfig
-from kvbus.group_scheduler.scheduler import default_selector
+from kvbus.group_scheduler.selection import default_selector
 from kvbus.group_scheduler.simulate import FixedSelector
 
 OPS = "kvbus.app.bench.sched_ops"
