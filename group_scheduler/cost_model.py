@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvbus.group_scheduler.learning import LearnedCosts
+from kvbus.protocol import PathName
 from kvbus.signature import ModelSignature
 
 logger = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ class Link:
     rtt_s: float = 0.0
     source: str = "estimate"
     """``estimate`` (observed transfers), ``configured`` (declared capacity) or ``default``."""
-    path: str = "nats"
+    path: str = PathName.NATS
     """The data path the bytes are expected to take (its learned fixed cost applies)."""
 
 

@@ -35,7 +35,7 @@ from nats.js.errors import KeyNotFoundError
 
 from kvbus.net.buckets import transport_bucket
 from kvbus.net.transport import Transport
-from kvbus.protocol import packb, unpackb
+from kvbus.protocol import PathName, packb, unpackb
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ class LearnedCosts:
                 self.observe_codec(medium, kv_bytes, "decode", done.decode_s, prior.get("dec_s", 0.0), now)
             if done.encode_s > 0 or done.decode_s > 0:
                 self.observe_error(medium, candidate["comm_s"] + candidate["comp_s"], done.seconds)  # type: ignore[index]
-        path = done.path or "nats"
+        path = done.path or PathName.NATS
         if bandwidth_bps and done.wire_s > 0:
             bytes_s = done.nbytes / bandwidth_bps
             if bytes_s <= FIXED_SAMPLE_SHARE * done.wire_s:

@@ -30,7 +30,17 @@ from kvbus.group_scheduler.reservations import ReservationTable
 from kvbus.group_scheduler.state import GroupState, Pending
 from kvbus.net.rpc import RpcClient
 from kvbus.net.transport import NoResponders, Transport
-from kvbus.protocol import PATH_NAMES, Control, ControlReply, Grant, Reason, TransferDone, agent_subject
+from kvbus.protocol import (
+    PATH_NAMES,
+    Control,
+    ControlAction,
+    ControlReply,
+    Grant,
+    PathName,
+    Reason,
+    TransferDone,
+    agent_subject,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +48,21 @@ logger = logging.getLogger(__name__)
 MIN_ESTIMATE_BYTES = 64 * 1024
 #: How long a pause request waits for the sender's answer.
 PAUSE_TIMEOUT_S = 2.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PlannedGrant:
+    """One decision of a pass, planned: what `GrantLoop._apply` changes and `_send_grants` sends."""
+
+    decision: Decision
+    rate_bps: float
+    """The granted rate: the policy's, paced to the declared link capacity (emulation)."""
+    data: bytes
+    """The encoded `Grant` (a refusal's too)."""
+    queued: bool
+    """It leaves the queue when applied (a decision of this pass, not a refusal of a transfer already out)."""
+    budget: bool
+    """The grant carries a rate budget (its transfer keeps the slot until the budget ends)."""
 
 
 class GrantLoop:
@@ -141,7 +166,7 @@ class GrantLoop:
                     state.drop(p)
                     policy.withdrawn(state, p)
                     refusal = down_refusal(state, self.config.probe_ttl_s, down, p.src, now)
-                    refusals.append(Decision(p, "", 0.0, refusal.reason, code=refusal.code))
+                    refusals.append(Decision.refusal(p, refusal.reason, refusal.code))
             for tid, p in list(state.active.items()):
                 if any(state.is_down(a) for a in (p.src, *p.dst)):
                     del state.active[tid]
@@ -161,7 +186,7 @@ class GrantLoop:
             policy.withdrawn(state, p)
             if name != p.src:
                 why = f"receiver {name!r} left the group (it closed)"
-                self._refusals.append(Decision(p, "", 0.0, why, code=Reason.RECEIVER_GONE))
+                self._refusals.append(Decision.refusal(p, why, Reason.RECEIVER_GONE))
                 refused += 1
         for tid, p in list(state.active.items()):
             if name == p.src or name in p.dst:
@@ -176,82 +201,105 @@ class GrantLoop:
 
         ``replies`` maps transfer ids to requests still waiting for their reply: a grant for one of
         them goes out as that reply (and the entry is removed) instead of on the sender's ctl subject.
+
+        In three stages: plan the grants (`_plan`: decisions to encoded grants, state untouched),
+        apply them and the policy's adjustments to the state, then send. All state changes come
+        before the first await, so a pass that runs while this one sends sees a consistent state.
         """
-        state = self.state
-        now = time.monotonic()
+        now, wall = time.monotonic(), time.time()
         self.slices += 1
-        decisions = self._expire(now)
-        if self._refusals:
-            decisions += self._refusals
-            self._refusals = []
-        expired = len(decisions)  # refusals of transfers already out of the queue
-        decisions += self.policy.decide(state, now)
-        # All state changes first, then the messages: a pass that runs while this one awaits
-        # its sends sees a consistent state. New grants are active before `adjust` looks.
-        out: list[tuple[Pending, bytes]] = []
-        granted = 0
-        wall = time.time()
-        for i, decision in enumerate(decisions):
-            pending = decision.pending
-            if i >= expired:
-                state.queue.remove(pending)
-            req = pending.request
-            rate = decision.rate_bps
-            emulated = min((state.declared_bandwidth(req.src, rx) for rx in req.dst), default=0.0)
-            if emulated > 0:
-                rate = min(rate, emulated) if rate > 0 else emulated
-            latency = max((state.declared_latency(req.src, rx) for rx in req.dst), default=0.0)
-            start = wall + max(0.0, decision.start_at - now) if decision.start_at else wall
-            grant = Grant(
-                transfer_id=pending.transfer_id,
-                medium=decision.medium,
-                rate_bps=rate,
-                start_at=start,
-                reason=decision.reason,
-                decision=pending.decision,
-                latency_s=latency,
-                sched_s=max(0.0, wall - req.ts),
-                code=decision.code,
-                traceparent=_record_decision(pending, decision, rate, wall, now),
-            )
-            if decision.medium and self._budget(pending):
-                grant = dataclasses.replace(
-                    grant, budget_s=self.config.budget_s, budget_bytes=self.config.budget_max_bytes
-                )
-                pending.budget_until = now + self.config.budget_s
-            data = grant.encode()
-            if decision.medium:
-                pending.granted_at = now
-                pending.medium = decision.medium
-                pending.rate_bps = rate
-                pending.grant = data
-                state.active[pending.transfer_id] = pending
-                self.policy.started(state, pending)
-                state.granted += 1
-                granted += 1
-            else:
-                state.refused += 1
-            out.append((pending, data))
-        adjustments = self.policy.adjust(state, now)
+        # Refusals of transfers already out of the queue (expired, departed), then the policy's decisions.
+        unqueued = self._expire(now) + self._take_refusals()
+        decided = self.policy.decide(self.state, now)
+        planned = [self._plan(d, now, wall, queued=False) for d in unqueued]
+        planned += [self._plan(d, now, wall, queued=True) for d in decided]
+        granted = self._apply(planned, now)
+        adjustments = self.policy.adjust(self.state, now)  # sees the new grants active
         # Still waiting after this pass: the slots rate budgets hold are freed for the next one.
-        withdrawn = self._withdraw_budgets() if state.queue else []
+        withdrawn = self._withdraw_budgets() if self.state.queue else []
         if withdrawn:
             self.wake.set()
-        for pending, data in out:
-            request_msg = replies.pop(pending.transfer_id, None) if replies else None
-            if request_msg is not None:
-                await self.transport.reply(request_msg, data)
-            else:
-                await self.transport.publish(agent_subject(pending.request.src, "ctl"), data)
+        await self._send_grants(planned, replies)
         for adj in adjustments:
             await self._control(adj)
+        await self._send_withdrawals(withdrawn)
+        return granted
+
+    def _take_refusals(self) -> list[Decision]:
+        """The refusals decided outside a pass since the last one (they are sent by this one)."""
+        refusals, self._refusals = self._refusals, []
+        return refusals
+
+    def _plan(self, decision: Decision, now: float, wall: float, *, queued: bool) -> PlannedGrant:
+        """The grant of one decision, encoded: its rate paced to the declared link, its start in
+        wall-clock time, its rate budget. Changes no state (its trace span is recorded)."""
+        pending = decision.pending
+        req = pending.request
+        rate = decision.rate_bps
+        emulated = min((self.state.declared_bandwidth(req.src, rx) for rx in req.dst), default=0.0)
+        if emulated > 0:
+            rate = min(rate, emulated) if rate > 0 else emulated
+        grant = Grant(
+            transfer_id=pending.transfer_id,
+            medium=decision.medium,
+            rate_bps=rate,
+            start_at=wall + max(0.0, decision.start_at - now) if decision.start_at else wall,
+            reason=decision.reason,
+            decision=pending.decision,
+            latency_s=max((self.state.declared_latency(req.src, rx) for rx in req.dst), default=0.0),
+            sched_s=max(0.0, wall - req.ts),
+            code=decision.code,
+            traceparent=_record_decision(pending, decision, rate, wall, now),
+        )
+        budget = not decision.refused and self._budget(pending)
+        if budget:
+            grant = dataclasses.replace(grant, budget_s=self.config.budget_s, budget_bytes=self.config.budget_max_bytes)
+        return PlannedGrant(decision, rate, grant.encode(), queued=queued, budget=budget)
+
+    def _apply(self, planned: list[PlannedGrant], now: float) -> int:
+        """Move the planned transfers out of the queue and the granted ones into the active set
+        (telling the policy); returns how many were granted."""
+        state = self.state
+        granted = 0
+        for plan in planned:
+            pending = plan.decision.pending
+            if plan.queued:
+                state.queue.remove(pending)
+            if plan.budget:
+                pending.budget_until = now + self.config.budget_s
+            if plan.decision.refused:
+                state.refused += 1
+                continue
+            pending.granted_at = now
+            pending.medium = plan.decision.medium
+            pending.rate_bps = plan.rate_bps
+            pending.grant = plan.data
+            state.active[pending.transfer_id] = pending
+            self.policy.started(state, pending)
+            state.granted += 1
+            granted += 1
+        return granted
+
+    async def _send_grants(self, planned: list[PlannedGrant], replies: dict[str, Msg] | None) -> None:
+        """Each grant as the reply its request waits for, else on its sender's ctl subject."""
+        for plan in planned:
+            pending = plan.decision.pending
+            request_msg = replies.pop(pending.transfer_id, None) if replies else None
+            if request_msg is not None:
+                await self.transport.reply(request_msg, plan.data)
+            else:
+                await self.transport.publish(agent_subject(pending.request.src, "ctl"), plan.data)
+
+    async def _send_withdrawals(self, withdrawn: list[Pending]) -> None:
+        """Tell the senders whose rate budgets were withdrawn (a ``cancel`` of the budget)."""
         for p in withdrawn:
-            ctl = Control(transfer_id=p.transfer_id, action="cancel", reason="rate budget withdrawn: transfers wait")
+            ctl = Control(
+                transfer_id=p.transfer_id, action=ControlAction.CANCEL, reason="rate budget withdrawn: transfers wait"
+            )
             try:
                 await self.transport.publish(agent_subject(p.src, "ctl"), ctl.encode())
             except Exception:
                 logger.warning("could not withdraw the rate budget of %s", p.src, exc_info=True)
-        return granted
 
     def _withdraw_budgets(self) -> list[Pending]:
         """Free the slots of rate budgets whose transfer is done: a budget never makes anyone wait."""
@@ -272,7 +320,7 @@ class GrantLoop:
             rate_bps=adj.rate_bps,
             max_fraction=adj.max_fraction,
         )
-        if adj.action == "pause":
+        if adj.action == ControlAction.PAUSE:
             # Conditional: the sender answers whether it paused (it declines past the threshold).
             self.state.preemptions += 1
             telemetry.instruments().preemptions.add(1, {"group": self.group})
@@ -357,7 +405,7 @@ class GrantLoop:
     def _learn(self, done: TransferDone, pending: Pending, *, budgeted: bool = False) -> None:
         """The link estimates, the cost model and the reservation stats from a transfer that went well."""
         state = self.state
-        path = done.path or "nats"
+        path = done.path or PathName.NATS
         model = getattr(self.policy.selector, "model", None)
         fixed = 0.0
         if model is not None and path in PATH_NAMES and done.dst:
@@ -441,7 +489,7 @@ def _decision_span(
                 "kvbus.src": pending.src,
                 "kvbus.dst": ",".join(pending.dst),
                 "kvbus.reason": decision.reason,
-                "kvbus.granted": bool(decision.medium),
+                "kvbus.granted": not decision.refused,
                 "kvbus.queue_wait_s": max(0.0, now - pending.arrived),
                 "kvbus.predicted_s": float(choice.get("predicted_s") or 0.0),
                 "kvbus.candidates": json.dumps(choice.get("candidates", []), separators=(",", ":"), default=str),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kvbus.group_scheduler.config import SchedulerConfig
 from kvbus.group_scheduler.state import AgentState
-from kvbus.protocol import Control
+from kvbus.protocol import Control, ControlAction
 
 
 class MemoryHints:
@@ -44,7 +44,7 @@ class MemoryHints:
         target = int(watermark * self.config.shed_target)
         hint = Control(
             transfer_id="",
-            action="shed",
+            action=ControlAction.SHED,
             nbytes=target,
             reason=f"cache {agent.cache_bytes} B is over its watermark {watermark} B",
         )

@@ -15,16 +15,20 @@ from kvbus.codecs import get_codec
 from kvbus.codecs.errors import CodecError
 from kvbus.group_scheduler.signatures import signature_of
 from kvbus.group_scheduler.state import AgentState, GroupState, Pending
-from kvbus.protocol import Reason
+from kvbus.protocol import ControlAction, Reason
 
 
 @dataclass(frozen=True)
 class Decision:
-    """What the policy decided for one pending transfer: (destination, medium, rate, scheduled time)."""
+    """What the policy decided for one pending transfer: (destination, medium, rate, scheduled time).
+
+    A refusal is made with `Decision.refusal` and told by `refused` (its grant goes out with an
+    empty medium, which is how the wire says it).
+    """
 
     pending: Pending
     medium: str
-    """Empty to refuse the transfer."""
+    """The granted medium (empty for a refusal: make those with `refusal`, test with `refused`)."""
     rate_bps: float = 0.0
     """Allocated bandwidth in bytes/s (0 = unpaced)."""
     reason: str = ""
@@ -32,6 +36,16 @@ class Decision:
     """Monotonic time at which sending may begin (0 = now)."""
     code: Reason = Reason.NONE
     """For a refusal: why, as a code (the grant carries it)."""
+
+    @classmethod
+    def refusal(cls, pending: Pending, reason: str, code: Reason = Reason.REFUSED) -> Decision:
+        """Refuse ``pending``: ``reason`` for people, ``code`` to match on."""
+        return cls(pending, "", 0.0, reason, code=code)
+
+    @property
+    def refused(self) -> bool:
+        """Whether this refuses the transfer (else it grants ``medium``)."""
+        return not self.medium
 
     @property
     def destination(self) -> tuple[str, ...]:
@@ -48,18 +62,28 @@ class Adjustment:
     """A change to a running transfer: ``pause`` (conditional on ``max_fraction``), ``resume`` or ``rate``."""
 
     pending: Pending
-    action: str
+    action: ControlAction
     rate_bps: float = 0.0
     max_fraction: float = 1.0
     reason: str = ""
 
 
 class Selection(NamedTuple):
-    """A selector's answer: the medium (empty to refuse), why, and for a refusal its code."""
+    """A selector's answer: the medium (empty to refuse: see `refusal`), why, and for a refusal its code."""
 
     medium: str
     reason: str
     code: Reason = Reason.NONE
+
+    @classmethod
+    def refusal(cls, reason: str, code: Reason = Reason.REFUSED) -> Selection:
+        """A refusal: ``reason`` for people, ``code`` to match on."""
+        return cls("", reason, code)
+
+    @property
+    def refused(self) -> bool:
+        """Whether the selector refused the transfer."""
+        return not self.medium
 
 
 class MediumSelector(ABC):
@@ -76,7 +100,7 @@ class MediumSelector(ABC):
         (an incompatible receiver, an unknown codec) override it.
         """
         medium, reason = self.choose(state, pending)
-        return Selection(medium, reason, Reason.NONE if medium else Reason.REFUSED)
+        return Selection(medium, reason) if medium else Selection.refusal(reason)
 
 
 class StaticSelector(MediumSelector):
@@ -97,16 +121,15 @@ class StaticSelector(MediumSelector):
         try:
             sender = signature_of(req.signature)
         except Exception as exc:  # noqa: BLE001 - validated on arrival; be safe anyway
-            return Selection("", f"bad sender signature: {exc}", Reason.MALFORMED)
+            return Selection.refusal(f"bad sender signature: {exc}", Reason.MALFORMED)
         unusable = [rx for rx, sig in pending.receivers.items() if sig is None or not sender.compatible_with(sig)]
         if req.medium:
             try:
                 codec = get_codec(req.medium)
             except CodecError as exc:
-                return Selection("", str(exc), Reason.UNKNOWN_CODEC)
+                return Selection.refusal(str(exc), Reason.UNKNOWN_CODEC)
             if codec.needs_kv and unusable:
-                return Selection(
-                    "",
+                return Selection.refusal(
                     f"medium {req.medium!r} carries KV that {', '.join(unusable)} cannot use "
                     f"(different model); send with medium='tokens' or let kvbus choose",
                     Reason.INCOMPATIBLE,
@@ -197,11 +220,12 @@ class FifoPolicy(SchedulingPolicy):
                 break
             if pending.request.src in busy:
                 continue
-            medium, reason, code = self.selector.select(state, pending)
+            medium, reason, code = selection = self.selector.select(state, pending)
             running = len(state.active) + len(decisions) + 1
             rate = state.bandwidth_bps / running if state.bandwidth_bps > 0 else 0.0
+            # A refusal too carries the even share its grant has always shown (the wire stays as it was).
             decisions.append(Decision(pending, medium, rate, reason, code=code))
-            if medium:
+            if not selection.refused:
                 busy.add(pending.request.src)
                 slots -= 1
         return decisions

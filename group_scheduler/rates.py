@@ -17,6 +17,7 @@ from kvbus.group_scheduler.bookkeeping import BUDGET, Run, WeightedBook
 from kvbus.group_scheduler.policy import Adjustment
 from kvbus.group_scheduler.reservations import ReservationTable
 from kvbus.group_scheduler.state import GroupState, Pending
+from kvbus.protocol import ControlAction
 
 #: Rates never go below this (a rate of 0 means unpaced on the wire).
 MIN_RATE_BPS = 1024.0
@@ -136,5 +137,5 @@ class WeightedRates(WeightedBook):
             if old == new or (old > 0 and new > 0 and abs(new - old) <= self.rate_epsilon * old):
                 continue
             f.rate_bps = new
-            out.append(Adjustment(f, "rate", rate_bps=new, reason=f"reallocated: {_mbit(new)}"))
+            out.append(Adjustment(f, ControlAction.RATE, rate_bps=new, reason=f"reallocated: {_mbit(new)}"))
         return out

@@ -13,7 +13,7 @@ from kvbus.group_scheduler.cost_model import Choice, CostConfig, CostModel, Endp
 from kvbus.group_scheduler.policy import MediumSelector, Selection, StaticSelector
 from kvbus.group_scheduler.signatures import signature_of
 from kvbus.group_scheduler.state import GroupState, Pending
-from kvbus.protocol import Reason
+from kvbus.protocol import PathName, Reason
 from kvbus.signature import ModelSignature
 
 logger = logging.getLogger(__name__)
@@ -80,6 +80,11 @@ class Decided:
     code: Reason = Reason.NONE
     """For a refusal: why, as a code."""
 
+    @classmethod
+    def refusal(cls, reason: str, code: Reason) -> Decided:
+        """A refusal (no medium, no cost model record): ``reason`` for people, ``code`` to match on."""
+        return cls("", reason, None, code)
+
 
 class AdaptiveSelector(MediumSelector):
     """For each transfer, the medium with the lowest predicted end-to-end latency.
@@ -111,7 +116,7 @@ class AdaptiveSelector(MediumSelector):
         self.last: dict[tuple[str, str], str] = {}
         self.switches = 0
 
-    def link(self, state: GroupState, src: str, dst: str, path: str = "nats") -> Link:
+    def link(self, state: GroupState, src: str, dst: str, path: str = PathName.NATS) -> Link:
         """The pair's bandwidth on data ``path``: that path's sliding-window estimate, else the
         declared capacity, else the default."""
         est = state.link(src, dst, path)
@@ -146,7 +151,8 @@ class AdaptiveSelector(MediumSelector):
     def select(self, state: GroupState, pending: Pending) -> Selection:
         """`choose` with the refusal's code."""
         decided = self.decide(state, pending)
-        pending.decision = {**decided.choice.record(), "path": pending.request.path or "nats"} if decided.choice else {}
+        path = pending.request.path or PathName.NATS
+        pending.decision = {**decided.choice.record(), "path": path} if decided.choice else {}
         if decided.choice is not None:
             pending.predicted_s = decided.choice.estimate.total_s
             pending.predicted_comp_s = decided.choice.estimate.comp_s
@@ -158,7 +164,7 @@ class AdaptiveSelector(MediumSelector):
         try:
             sender_sig = signature_of(req.signature)
         except Exception as exc:  # noqa: BLE001 - validated on arrival; be safe anyway
-            return Decided("", f"bad sender signature: {exc}", None, Reason.MALFORMED)
+            return Decided.refusal(f"bad sender signature: {exc}", Reason.MALFORMED)
         sender = self.endpoint(state, req.src, sender_sig)
         candidates = (req.medium,) if req.medium else self.candidates
         per_rx: list[Choice] = []
@@ -180,25 +186,21 @@ class AdaptiveSelector(MediumSelector):
                 )
             except ValueError:
                 if req.medium and not _known(req.medium):
-                    return Decided(
-                        "",
+                    return Decided.refusal(
                         f"medium {req.medium!r} is not a codec this scheduler knows; send with "
                         f"one it knows or let kvbus choose",
-                        None,
                         Reason.UNKNOWN_CODEC,
                     )
                 if req.medium:
-                    return Decided(
-                        "",
+                    return Decided.refusal(
                         f"medium {req.medium!r} carries KV that {rx} cannot use (different model); "
                         f"send with medium='tokens' or let kvbus choose",
-                        None,
                         Reason.INCOMPATIBLE,
                     )
-                return Decided("", f"no medium can reach {rx}", None, Reason.INCOMPATIBLE)
+                return Decided.refusal(f"no medium can reach {rx}", Reason.INCOMPATIBLE)
         choice = per_rx[0] if len(per_rx) == 1 else self._broadcast_choice(per_rx)
         if choice is None:
-            return Decided("", "no medium is usable by every receiver", None, Reason.INCOMPATIBLE)
+            return Decided.refusal("no medium is usable by every receiver", Reason.INCOMPATIBLE)
         for rx in pending.receivers:
             previous = self.last.get((req.src, rx))
             if previous is not None and previous != choice.medium:

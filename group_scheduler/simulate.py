@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from kvbus.group_scheduler.policy import Adjustment, Decision, MediumSelector, SchedulingPolicy
 from kvbus.group_scheduler.state import AgentState, GroupState, Pending
-from kvbus.protocol import TransferRequest
+from kvbus.protocol import ControlAction, TransferRequest
 from kvbus.signature import ModelSignature
 
 SIM_SIGNATURE = ModelSignature("sim-model", n_layers=2, n_kv_heads=2, head_dim=64, dtype="float16", vocab_size=1000)
@@ -206,7 +206,7 @@ class Simulation:
         p = d.pending
         self.state.queue.remove(p)
         t = self._by_id[p.transfer_id]
-        if not d.medium:
+        if d.refused:
             t.done_at = None
             return 0
         p.granted_at = self.now
@@ -225,11 +225,11 @@ class Simulation:
         def effect() -> None:
             if t.done_at is not None:
                 return
-            if a.action == "rate":
+            if a.action == ControlAction.RATE:
                 t.rate_bps = a.rate_bps
-            elif a.action == "resume":
+            elif a.action == ControlAction.RESUME:
                 t.paused = False
-            elif a.action == "pause":
+            elif a.action == ControlAction.PAUSE:
                 self.state.preemptions += 1
                 if t.sent / max(1, t.nbytes) < a.max_fraction:
                     t.paused = True

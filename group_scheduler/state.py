@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from kvbus.protocol import Probe, TransferRequest
+from kvbus.protocol import PathName, Probe, TransferRequest
 from kvbus.signature import ModelSignature
 
 #: Departed agents remembered (beyond that the oldest are forgotten: a transfer to one is then
@@ -256,9 +256,9 @@ class GroupState:
             for pkey in [k for k in self.path_links if agent in k[:2]]:
                 self.path_links[pkey].samples.clear()
 
-    def link(self, src: str, dst: str, path: str = "nats") -> LinkEstimate:
+    def link(self, src: str, dst: str, path: str = PathName.NATS) -> LinkEstimate:
         """The bandwidth estimate of the ``src`` -> ``dst`` link on data ``path`` (created empty on first use)."""
-        if not path or path == "nats":
+        if not path or path == PathName.NATS:
             return self.links.setdefault((src, dst), LinkEstimate())
         return self.path_links.setdefault((src, dst, path), LinkEstimate())
 

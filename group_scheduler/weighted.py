@@ -39,7 +39,7 @@ import math
 
 import numpy as np
 
-from kvbus.group_scheduler.bookkeeping import BUDGET, INTER, Pair
+from kvbus.group_scheduler.bookkeeping import Pair
 from kvbus.group_scheduler.config import SchedulerConfig
 from kvbus.group_scheduler.pairs import PairQueues
 from kvbus.group_scheduler.policy import Adjustment, Decision, MediumSelector, SchedulingPolicy
@@ -49,8 +49,9 @@ from kvbus.group_scheduler.reservations import ReservationTable
 from kvbus.group_scheduler.state import GroupState, Pending
 from kvbus.group_scheduler.weights import UrgencyModel
 from kvbus.group_scheduler.wrr import PairPicker, SmoothWRR
+from kvbus.protocol import ControlAction
 
-__all__ = ["BUDGET", "INTER", "MIN_RATE_BPS", "WeightedPolicy"]
+__all__ = ["WeightedPolicy"]
 
 #: What a pass starts: (transfer, its urgency, medium, reason).
 Started = tuple[Pending, float, str, str]
@@ -174,10 +175,10 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
             for u, p in scored:
                 r = self.reservations.match(p) if len(self.reservations) else None
                 if r is not None:
-                    medium, reason, code = self.selector.select(state, p)
+                    medium, reason, code = selection = self.selector.select(state, p)
                     self._unqueue(p.transfer_id)
-                    if not medium:
-                        decisions.append(Decision(p, "", 0.0, reason, code=code))
+                    if selection.refused:
+                        decisions.append(Decision.refusal(p, reason, code))
                         continue
                     p.reservation = r.reservation_id
                     r.on_instance(now)
@@ -186,10 +187,10 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
                 slots = self.max_active - len(self._runs)
                 if u < floor or not self._outranks_rivals(state, p, u, urgency(p, now, running=True), slots):
                     continue
-                medium, reason, code = self.selector.select(state, p)
+                medium, reason, code = selection = self.selector.select(state, p)
                 self._unqueue(p.transfer_id)
-                if not medium:
-                    decisions.append(Decision(p, "", 0.0, reason, code=code))
+                if selection.refused:
+                    decisions.append(Decision.refusal(p, reason, code))
                     continue
                 self.urgent_admissions += 1
                 self._run(state, p, now)
@@ -250,13 +251,13 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
             p = pairs.head(slot)
             w = float(weights[slot])
             rp = float(pairs.rp[slot])
-            medium, reason, code = self.selector.select(state, p)
+            medium, reason, code = selection = self.selector.select(state, p)
             self._unqueue(p.transfer_id)
-            if medium:
+            if selection.refused:
+                decisions.append(Decision.refusal(p, reason, code))
+            else:
                 self._run(state, p, now, rp)
                 started.append((p, w - rp, medium, f"round robin (W {w:.1f}); {reason}"))
-            else:
-                decisions.append(Decision(p, "", 0.0, reason, code=code))
             if not eligible[slot]:
                 n_eligible -= 1
             else:
@@ -287,7 +288,7 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
                 self._immediate.append(
                     Adjustment(
                         f,
-                        "pause",
+                        ControlAction.PAUSE,
                         max_fraction=self.preemption.threshold,
                         reason=f"preempted by {p.transfer_id} (urgency {level:.1f} vs {run.urgency:.1f})",
                     )
@@ -315,7 +316,7 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
             self._paused.discard(tid)
             if not f.done:  # a budget resumes without a share again
                 self._add_load(run, run.weight)
-            self._immediate.append(Adjustment(f, "resume", reason=why))
+            self._immediate.append(Adjustment(f, ControlAction.RESUME, reason=why))
             self._dirty = True
 
     def next_wakeup(self, state: GroupState, now: float) -> float | None:

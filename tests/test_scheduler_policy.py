@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from kvbus.errors import ConfigError, KVBusError
+from kvbus.errors import ConfigError, KVBusError, WireFormatError
 from kvbus.group_scheduler import (
     FifoPolicy,
     Flow,
@@ -30,10 +30,22 @@ from kvbus.group_scheduler import (
     weighted_max_min,
 )
 from kvbus.group_scheduler.pairs import PairQueues
+from kvbus.group_scheduler.policy import Decision, Selection
 from kvbus.group_scheduler.simulate import SIM_SIGNATURE, FixedSelector, Simulation
 from kvbus.group_scheduler.weights import MAX_URGENCY
 from kvbus.group_scheduler.wrr import MAX_WEIGHT, SmoothWRR, smooth_wrr_order
-from kvbus.protocol import Control, ControlReply, FlowReservation, Probe, TransferRequest, decode_message
+from kvbus.protocol import (
+    PATH_NAMES,
+    Control,
+    ControlAction,
+    ControlReply,
+    FlowReservation,
+    PathName,
+    Probe,
+    Reason,
+    TransferRequest,
+    decode_message,
+)
 
 CI = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MB = 1_000_000
@@ -481,6 +493,30 @@ def test_new_control_messages_round_trip() -> None:
         FlowReservation("r1", "a", ["b"], "g", 0.1, 1000, 0.02),
     ):
         assert decode_message(msg.encode(), Control, ControlReply, FlowReservation) == msg
+
+
+def test_a_control_action_is_an_enum_inside_and_its_string_on_the_wire() -> None:
+    for action in ControlAction:
+        msg = Control("t1", action)
+        assert msgpack.unpackb(msg.encode())["action"] == action.value
+        assert msg.encode() == Control("t1", action.value).encode()  # a plain string is taken as the same action
+        decoded = Control.decode(msg.encode())
+        assert decoded.action is action and decoded == msg
+    assert Control.ACTIONS == ("pause", "resume", "cancel", "rate", "shed")
+    body = msgpack.packb({"t": "control", "v": 1, "transfer_id": "t1", "action": "explode"})
+    with pytest.raises(WireFormatError, match=r"action 'explode' is not one of \('pause', 'resume'"):
+        Control.decode(body)
+
+
+def test_a_refusal_is_a_value_and_path_names_are_an_enum() -> None:
+    req = TransferRequest(transfer_id="t", src="a", dst=["b"], group="g", n_tokens=1, nbytes=1, signature={})
+    p = Pending(req, {"b": SIM_SIGNATURE})
+    refusal = Decision.refusal(p, "no", Reason.INCOMPATIBLE)
+    assert refusal.refused and refusal.code is Reason.INCOMPATIBLE and refusal.medium == "" and refusal.rate_bps == 0
+    assert not Decision(p, "full", 1e6, "ok").refused
+    assert Selection.refusal("no").refused and Selection.refusal("no").code is Reason.REFUSED
+    assert not Selection("int8", "ok").refused
+    assert PATH_NAMES == ("shm", "tcp", "nats") and tuple(PathName) == PATH_NAMES
 
 
 def _probe(name: str) -> Probe:

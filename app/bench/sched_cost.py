@@ -51,7 +51,7 @@ def decision_cost(n: int, steps: int, selector: Any, seed: int = 1) -> dict[str,
         granted = 0
         for d in decisions:
             state.queue.remove(d.pending)
-            if d.medium:
+            if not d.refused:
                 d.pending.granted_at, d.pending.rate_bps = now, d.rate_bps
                 state.active[d.pending.transfer_id] = d.pending
                 policy.started(state, d.pending)

@@ -7,6 +7,7 @@ Bulk data travels as chunk messages whose metadata rides in NATS headers (`CHUNK
 
 from __future__ import annotations
 
+import enum
 import math
 import re
 import struct
@@ -47,8 +48,21 @@ CHUNK_SUM_HEADER = "Kvbus-Sum"
 #: Formerly the whole-payload digest on the last chunk; ignored (the `Open` carries it).
 ROOT_SUM_HEADER = "Kvbus-Root"
 
-#: The data paths a transfer's bytes can take, fastest first (`PathOffer`, `Open.paths`).
-PATH_NAMES = ("shm", "tcp", "nats")
+
+class PathName(enum.StrEnum):
+    """The data paths a transfer's bytes can take, fastest first; on the wire, their values.
+
+    (`kvbus.bus.paths.PathKind` names the same paths with the same values, for the bus's own
+    path objects; the parts above the bus, which may not import it, use this one.)
+    """
+
+    SHM = "shm"
+    TCP = "tcp"
+    NATS = "nats"
+
+
+#: The data paths' wire names, fastest first (`PathOffer`, `Open.paths`).
+PATH_NAMES: tuple[str, ...] = tuple(p.value for p in PathName)
 #: Hex characters of a one-time transfer token (32 random bytes).
 TOKEN_HEX = 64
 #: Longest a transfer token may stay valid, in seconds.

@@ -3,6 +3,7 @@ reservations, reports, probes and directory records."""
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -159,6 +160,16 @@ class Grant(Message):
     """Largest context (``TransferRequest.nbytes``) a transfer under the budget may carry."""
 
 
+class ControlAction(enum.StrEnum):
+    """What a `Control` asks of its agent (see `Control`); on the wire, the value."""
+
+    PAUSE = "pause"
+    RESUME = "resume"
+    CANCEL = "cancel"
+    RATE = "rate"
+    SHED = "shed"
+
+
 @message(
     "control",
     {
@@ -183,9 +194,10 @@ class Control(Message):
       own low watermark). ``transfer_id`` is empty.
     """
 
-    ACTIONS: ClassVar[tuple[str, ...]] = ("pause", "resume", "cancel", "rate", "shed")
+    ACTIONS: ClassVar[tuple[str, ...]] = tuple(a.value for a in ControlAction)
     transfer_id: str
-    action: str
+    action: ControlAction
+    """A `ControlAction` (a plain string naming one is taken and converted)."""
     reason: str = ""
     rate_bps: float = 0.0
     """For ``rate``: the new allocated rate in bytes/s."""
@@ -195,8 +207,11 @@ class Control(Message):
     """For ``shed``: resident cache bytes to shed down to (0 = the tier's default)."""
 
     def __post_init__(self) -> None:
-        if self.action not in self.ACTIONS:
-            raise WireFormatError("control message", f"action {self.action!r} is not one of {self.ACTIONS}")
+        try:
+            action = ControlAction(self.action)
+        except ValueError:
+            raise WireFormatError("control message", f"action {self.action!r} is not one of {self.ACTIONS}") from None
+        object.__setattr__(self, "action", action)  # frozen: the wire's string becomes the enum once, here
         if not (0 <= self.rate_bps < float("inf")) or self.nbytes < 0:
             raise WireFormatError("control message", "rate_bps must be finite and nbytes not negative")
         if not 0 <= self.max_fraction <= 1:
