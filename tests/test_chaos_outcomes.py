@@ -18,6 +18,7 @@ from kvbus.app.bench.chaos_cluster import (
     attribute,
     causes_figures,
     cluster_figures,
+    delivery_figures,
     failed_by_cause,
 )
 from kvbus.bus import ReceiverGone, TransferError, TransferInDoubt, TransferTimeout
@@ -125,3 +126,20 @@ def test_a_sender_reports_in_doubt_with_its_cause_and_a_plain_error_without() ->
     doubt = TransferInDoubt(TransferTimeout("t2", "streaming", 3.0, "rx0"))
     assert error_fields(doubt) == {"error": "TransferInDoubt", "cause": "TransferTimeout"}
     assert error_fields(TransferError("t3", "no path")) == {"error": "TransferError", "cause": ""}
+
+
+def test_a_delivered_in_doubt_transfer_is_not_a_wrong_answer_and_a_delivered_plain_error_is() -> None:
+    outcomes = [
+        Outcome("rx0", 0, 1, tid="ok"),
+        Outcome("rx0", 0, 1, "TransferInDoubt", "TransferTimeout", tid="doubt-had"),
+        Outcome("rx0", 0, 1, "TransferInDoubt", "ReceiverGone", tid="doubt-not"),
+        Outcome("rx0", 0, 1, "TransferTimeout", tid="plain-had"),
+        Outcome("rx0", 0, 1, "ReceiverGone", tid="plain-not"),
+    ]
+    sent = {o.tid: ("rx0", "d") for o in outcomes}
+    deliveries = [("rx0", tid, "d") for tid in ("ok", "doubt-had", "plain-had")]
+    r = delivery_figures(outcomes, deliveries, sent, {"ok"})
+    assert r["delivered"] == 1 and r["failed_with_error"] == 4 and r["lost"] == 0 and r["corrupted"] == 0
+    assert r["delivered_after_sender_error"] == 1  # plain-had: the sender was told nothing arrived
+    assert r["in_doubt"] == 2 and r["in_doubt_delivered"] == 1
+    assert r["in_doubt_causes"] == {"TransferTimeout": 1, "ReceiverGone": 1}

@@ -40,7 +40,8 @@ more after it; the feed of transfers waits at each kill's share until that kill 
 every failover is measured on its own, under load, however fast the transfers go, and what the
 transfers during it pay is the kill's cost (the other faults' windows lie outside it). Extra figures:
 ``cluster_servers``, ``server_kills`` (kills made), ``failovers`` (per kill: the server, how long
-it was down, the resume times, the transfers in flight during it), ``transfers_during_failover``,
+it was down, the resume times, the transfers that met it and how many of them failed; a transfer
+that met two failovers counts in both), ``transfers_during_failover``,
 ``transfer_p99_ms`` overall, ``transfer_p99_during_failover_ms`` and
 ``transfer_p99_without_failover_ms`` (the transfers that met no failover), and ``resume_s``.
 
@@ -75,6 +76,7 @@ import functools
 import io
 import json
 import logging
+import math
 import os
 import random
 import time
@@ -282,11 +284,13 @@ class Receiver:
     async def restart(self, down_s: float) -> None:
         """Stop, stay down for ``down_s`` seconds, start again, and count the restart."""
         stopped = time.perf_counter()
+        at = len(self.windows)
+        self.windows.append((stopped, math.inf))  # down until it is up again, should the run end first
+        self.restarts += 1
         await self.stop()
         await asyncio.sleep(down_s)
         await self.start()
-        self.restarts += 1
-        self.windows.append((stopped, time.perf_counter()))
+        self.windows[at] = (stopped, time.perf_counter())
 
 
 async def _chaos(transfers: int, seed: int, concurrency: int = 16, nats_cluster: int = 0) -> dict[str, Any]:
@@ -377,8 +381,8 @@ async def _chaos(transfers: int, seed: int, concurrency: int = 16, nats_cluster:
                 roll = rng.random()
                 async with alone:
                     if roll < 0.55:
-                        await rng.choice(receivers).restart(rng.uniform(0.05, 0.5))
                         faults["receiver_restarts"] += 1
+                        await rng.choice(receivers).restart(rng.uniform(0.05, 0.5))
                     elif roll < 0.8:
                         if server is None:
                             continue  # on a cluster, `kill_servers` kills the servers
@@ -390,12 +394,13 @@ async def _chaos(transfers: int, seed: int, concurrency: int = 16, nats_cluster:
                         faults["nats_restarts"] += 1
                         await asyncio.sleep(1.0)  # let everyone reconnect before the next fault
                     else:
-                        t0 = time.perf_counter()
+                        # Down until it is up again, should the run end first.
+                        injected_faults.append(Fault(Cause.SCHEDULER_RESTART, time.perf_counter(), math.inf))
+                        faults["scheduler_restarts"] += 1
                         await sched.close()
                         await asyncio.sleep(rng.uniform(0.05, 0.5))
                         sched = await GroupScheduler.connect(url, GROUP, config=sched_cfg)
-                        injected_faults.append(Fault(Cause.SCHEDULER_RESTART, t0, time.perf_counter()))
-                        faults["scheduler_restarts"] += 1
+                        injected_faults[-1] = dataclasses.replace(injected_faults[-1], end=time.perf_counter())
 
         def loaded(at: int) -> bool:
             return started >= at and inflight >= concurrency // 2
@@ -439,13 +444,6 @@ async def _chaos(transfers: int, seed: int, concurrency: int = 16, nats_cluster:
             await r.stop()
         await sched.close()
 
-        seen: collections.Counter[str] = collections.Counter(tid for _, tid, _ in deliveries)
-        corrupted = sum(1 for name, tid, d in deliveries if tid not in sent or sent[tid] != (name, d))
-        duplicated = sum(n - 1 for n in seen.values() if n > 1)
-        delivered = sum(1 for tid in ok_ids if seen[tid] >= 1)
-        lost = sum(1 for tid in ok_ids if seen[tid] == 0)
-        failed = [o for o in outcomes if o.failed]
-        in_doubt = [o for o in failed if o.error == IN_DOUBT]
         injected: collections.Counter[str] = collections.Counter()
         for w in chaos:
             injected.update(w.counts)
@@ -454,18 +452,9 @@ async def _chaos(transfers: int, seed: int, concurrency: int = 16, nats_cluster:
             _dump_trace(os.environ["KVBUS_CHAOS_TRACE"], t0, outcomes, [*restarts, *injected_faults])
         return {
             "transfers": transfers,
-            "delivered": delivered,
-            "failed_with_error": len(failed),
-            "lost": lost,
-            "duplicated": duplicated,
-            "corrupted": corrupted,
+            **delivery_figures(outcomes, deliveries, sent, ok_ids),
             "crashed": len(crashed),
             "hung": len(hung),
-            "delivered_after_sender_error": sum(1 for o in failed if o.error != IN_DOUBT and o.tid and seen[o.tid]),
-            "in_doubt": len(in_doubt),
-            "in_doubt_delivered": sum(1 for o in in_doubt if o.tid and seen[o.tid]),
-            "in_doubt_causes": dict(collections.Counter(o.cause for o in in_doubt)),
-            "errors_by_type": dict(collections.Counter(o.error for o in failed)),
             **causes_figures(outcomes, [*restarts, *injected_faults]),
             "crash_samples": crashed[:5],
             "faults": {**faults, **dict(injected)},
@@ -599,6 +588,32 @@ def _median_max(values: list[float]) -> dict[str, float | None]:
     if not values:
         return {"median": None, "max": None}
     return {"median": round(sorted(values)[len(values) // 2], 3), "max": round(max(values), 3)}
+
+
+def delivery_figures(
+    outcomes: Sequence[Outcome],
+    deliveries: Sequence[tuple[str, str, str]],
+    sent: dict[str, tuple[str, str]],
+    ok_ids: set[str],
+) -> dict[str, Any]:
+    """What arrived against what the senders were told: ``deliveries`` are (receiver, transfer id,
+    digest) as received, ``sent`` maps each transfer id to its (receiver, digest), ``ok_ids`` are
+    the transfers reported delivered."""
+    seen: collections.Counter[str] = collections.Counter(tid for _, tid, _ in deliveries)
+    failed = [o for o in outcomes if o.failed]
+    in_doubt = [o for o in failed if o.error == IN_DOUBT]
+    return {
+        "delivered": sum(1 for tid in ok_ids if seen[tid] >= 1),
+        "failed_with_error": len(failed),
+        "lost": sum(1 for tid in ok_ids if seen[tid] == 0),
+        "duplicated": sum(n - 1 for n in seen.values() if n > 1),
+        "corrupted": sum(1 for name, tid, d in deliveries if tid not in sent or sent[tid] != (name, d)),
+        "delivered_after_sender_error": sum(1 for o in failed if o.error != IN_DOUBT and o.tid and seen[o.tid]),
+        "in_doubt": len(in_doubt),
+        "in_doubt_delivered": sum(1 for o in in_doubt if o.tid and seen[o.tid]),
+        "in_doubt_causes": dict(collections.Counter(o.cause for o in in_doubt)),
+        "errors_by_type": dict(collections.Counter(o.error for o in failed)),
+    }
 
 
 def causes_figures(outcomes: Sequence[Outcome], faults: Sequence[Fault]) -> dict[str, Any]:
