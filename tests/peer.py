@@ -12,6 +12,9 @@ freeze there (for a ``kill -9`` mid-transfer). ``--paths``: the data paths this 
 (default all); each delivery line has ``accepted``, the connections its data listeners took.
 ``--wait``: print ``waiting`` once imported, and connect only when a line arrives on stdin (a
 restart "at once": the process is warm).
+
+Imported, it gives the tests `Peer`: one handle on a helper process that speaks lines on stdin and
+stdout, this file's receiving agent (`Peer.agent`) or a `paths_peer.py` endpoint (`Peer.paths`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import asyncio
 import hashlib
 import json
 import os
+import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +37,126 @@ from kvbus.kvcache import KVCache
 from kvbus.signature import ModelSignature
 
 SIG = ModelSignature("test-model", n_layers=4, n_kv_heads=4, head_dim=64, dtype="bfloat16", vocab_size=32000)
+HERE = Path(__file__).parent
+BOUND = 60.0
+"""Seconds a helper process may take to start or to print the line a test waits for."""
+
+
+class Peer:
+    """A helper process of a test: JSON commands in on stdin, one JSON event a line out on stdout.
+
+    Every event read is kept in `events` (in order), so a test can also check what came before
+    the one it waited for.
+    """
+
+    def __init__(self, proc: asyncio.subprocess.Process, name: str, hello: dict[str, Any]) -> None:
+        self.proc = proc
+        self.name = name
+        self.hello = hello
+        """The first line the process printed: ``{"line": "ready"}`` for an agent (a line that is
+        not JSON comes as ``{"line": text}``), the pid, host and tcp listener of a `paths_peer.py`
+        endpoint."""
+        self.events: list[dict[str, Any]] = []
+
+    @classmethod
+    async def agent(cls, url: str, name: str, *extra: str) -> Peer:
+        """A receiving agent ``name`` on ``url`` in its own process (this file, options ``extra``),
+        once it is ready (with ``--wait``: once it is waiting for its go line)."""
+        peer = await cls.start("peer.py", url, name, *extra, name=name)
+        if peer.hello.get("line") not in ("ready", "waiting"):
+            await peer.stop()
+            raise RuntimeError(f"peer {name} did not start: {peer.hello!r}")
+        return peer
+
+    @classmethod
+    async def paths(cls, role: str, *args: str) -> Peer:
+        """A `paths_peer.py` endpoint, ``rx`` or ``tx``, with the paths (and options) ``args``."""
+        return await cls.start("paths_peer.py", role, *args, name=role)
+
+    @classmethod
+    async def start(cls, script: str, *args: str, name: str = "") -> Peer:
+        """The helper ``script`` (a file next to this one) run with ``args``, once it printed its
+        first line (the `hello`); ``name`` names it in errors."""
+        name = name or script
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(HERE / script),
+            *args,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            cwd=HERE.parent,
+            limit=1 << 20,  # a status line can be long
+        )
+        assert proc.stdout is not None
+        first = await asyncio.wait_for(proc.stdout.readline(), BOUND)
+        if not first.strip():
+            await cls(proc, name, {}).stop()
+            raise RuntimeError(f"{script} {name} did not start")
+        return cls(proc, name, _event(first))
+
+    @property
+    def pid(self) -> int:
+        return int(self.proc.pid)
+
+    @property
+    def host(self) -> str:
+        """The host identity a `paths_peer.py` endpoint offers its paths under."""
+        return str(self.hello["host"])
+
+    @property
+    def tcp(self) -> list[Any] | None:
+        """A `paths_peer.py` receiver's tcp listener (host, port), if it has one."""
+        tcp: list[Any] | None = self.hello["tcp"]
+        return tcp
+
+    async def send(self, **cmd: Any) -> None:
+        """Write one command line (to `paths_peer.py`; any line is the go of ``peer.py --wait``)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd).encode() + b"\n")
+        await self.proc.stdin.drain()
+
+    async def line(self, timeout: float = BOUND) -> dict[str, Any]:
+        """The next event (an agent's: one delivery, or ``{"line": "ready"}``)."""
+        assert self.proc.stdout is not None
+        raw = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
+        if not raw:
+            raise EOFError(f"peer {self.name} ({self.pid}) exited; events: {self.events[-5:]}")
+        event = _event(raw)
+        self.events.append(event)
+        return event
+
+    async def wait(self, key: str, value: Any = None, timeout: float = BOUND) -> dict[str, Any]:
+        """The next event with ``key`` (equal to ``value`` if given); earlier ones are kept in `events`."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while True:
+            event = await self.line(max(0.01, end - loop.time()))
+            if key in event and (value is None or event[key] == value):
+                return event
+
+    async def status(self) -> dict[str, Any]:
+        """A `paths_peer.py` endpoint's status."""
+        await self.send(cmd="status")
+        status: dict[str, Any] = (await self.wait("status"))["status"]
+        return status
+
+    def kill9(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+
+    async def exit_code(self, timeout: float = BOUND) -> int:
+        """The code the process exits with (waiting up to ``timeout`` seconds for it)."""
+        return await asyncio.wait_for(self.proc.wait(), timeout)
+
+    async def stop(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.kill()
+        await self.proc.wait()
+
+
+def _event(raw: bytes) -> dict[str, Any]:
+    """One output line of a helper process: its JSON object, or ``{"line": text}``."""
+    text = raw.decode().strip()
+    return dict(json.loads(text)) if text.startswith("{") else {"line": text}
 
 
 def kv_digest(kv: KVCache) -> str:

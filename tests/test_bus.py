@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import subprocess
-import sys
 import time
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -34,44 +30,18 @@ from kvbus.signature import ModelSignature
 from kvbus.telemetry import CacheMetrics
 from tests.conftest import FAST
 from tests.kvutil import kv_of_bytes, random_kv
-from tests.peer import SIG, kv_digest
+from tests.peer import SIG, Peer, kv_digest
 
-PEER = Path(__file__).with_name("peer.py")
 OTHER = ModelSignature("other-model", n_layers=2, n_kv_heads=2, head_dim=32, dtype="float32", vocab_size=100)
 
 
-class Peer:
-    """A receiving agent in another OS process."""
-
-    def __init__(self, url: str, name: str, *extra: str) -> None:
-        self.name = name
-        self.proc = subprocess.Popen(
-            [sys.executable, str(PEER), url, name, *extra], stdout=subprocess.PIPE, cwd=PEER.parent.parent
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if b"ready" not in line:
-            self.stop()
-            raise RuntimeError(f"peer {name} did not start: {line!r}")
-
-    async def next_delivery(self, timeout: float = 60.0) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), timeout)
-        return json.loads(line)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-
-
 @pytest.fixture(scope="module")
-def peer(nats_url: str) -> Iterator[Peer]:
-    p = Peer(nats_url, "peer-rx")
+async def peer(nats_url: str) -> AsyncIterator[Peer]:
+    p = await Peer.agent(nats_url, "peer-rx")
     try:
         yield p
     finally:
-        p.stop()
+        await p.stop()
 
 
 @pytest.fixture
@@ -94,7 +64,7 @@ async def test_round_trip_across_processes_is_bit_exact(bus: Bus, peer: Peer, nb
     tx = await bus.agent(f"tx-{nbytes}", signature=SIG)
     kv = kv_of_bytes(SIG, nbytes, seed=nbytes % 97)
     report = await tx.send(peer.name, kv, medium="full")
-    got = await peer.next_delivery()
+    got = await peer.line()
     assert got["transfer_id"] == report.transfer_id
     assert got["sender"] == tx.name
     assert got["digest"] == kv_digest(kv)
@@ -361,7 +331,7 @@ async def test_a_scheduler_that_comes_up_after_the_first_request_still_grants_it
 
 
 async def test_receiver_killed_mid_transfer_fails_the_send(bus: Bus, nats_url: str) -> None:
-    dying = Peer(nats_url, "peer-dying", "--die-at-chunk", "3")
+    dying = await Peer.agent(nats_url, "peer-dying", "--die-at-chunk", "3")
     try:
         tx = await bus.agent("tx-to-dying", signature=SIG)
         # It fails as ReceiverGone (the status request finds no one), not TransferTimeout; in doubt
@@ -370,9 +340,9 @@ async def test_receiver_killed_mid_transfer_fails_the_send(bus: Bus, nats_url: s
             await tx.send("peer-dying", kv_of_bytes(SIG, 32 << 20), medium="full")
         error = info.value.cause if isinstance(info.value, TransferInDoubt) else info.value
         assert isinstance(error, ReceiverGone), info.value
-        assert dying.proc.wait(5) == 17
+        assert await dying.exit_code(5) == 17
     finally:
-        dying.stop()
+        await dying.stop()
 
 
 @pytest.mark.usefixtures("nats_only")  # the fault drops NATS chunk messages (direct paths: test_bus_paths)

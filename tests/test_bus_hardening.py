@@ -10,14 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
-import queue
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -45,9 +39,8 @@ from kvbus.protocol import (
 )
 from tests.conftest import FAST
 from tests.kvutil import kv_of_bytes, random_kv
-from tests.peer import SIG, kv_digest
+from tests.peer import SIG, Peer, kv_digest
 
-PEER = Path(__file__).with_name("peer.py")
 MB = 1 << 20
 
 
@@ -167,50 +160,6 @@ async def test_chunks_injected_by_another_client_never_reach_the_delivery(
 # -- 3: exactly once across a kill -9 and a restart of the receiver ---------------------------------------
 
 
-class Proc:
-    """A receiving agent in its own process (tests/peer.py); its output lines are read by a thread."""
-
-    def __init__(self, url: str, name: str, *flags: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, str(PEER), url, name, *flags],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            cwd=PEER.parent.parent,
-        )
-        self.lines: queue.Queue[bytes] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for raw in self.proc.stdout:
-            self.lines.put(raw)
-
-    async def line(self, timeout: float = 60.0) -> bytes:
-        """The next output line.
-
-        Raises:
-            TimeoutError: none within ``timeout`` seconds.
-        """
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                return self.lines.get_nowait()
-            except queue.Empty:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no line from the peer within {timeout} s") from None
-                await asyncio.sleep(0.02)
-
-    def go(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(b"go\n")
-        self.proc.stdin.flush()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-
-
 async def test_receiver_killed_between_delivery_and_final_ack_and_restarted_never_delivers_twice(
     nats_url: str, scheduler: GroupScheduler
 ) -> None:
@@ -220,22 +169,22 @@ async def test_receiver_killed_between_delivery_and_final_ack_and_restarted_neve
     sender gets an error (in doubt: the first one delivered it), and the transfer is delivered once,
     by the first incarnation only."""
     name = f"restart-rx-{time.monotonic_ns()}"
-    first = Proc(nats_url, name, "--hang-after-delivery")
-    second = Proc(nats_url, name, "--wait")  # warm: it only has to connect when told
+    first = await Peer.agent(nats_url, name, "--hang-after-delivery")
+    second = await Peer.agent(nats_url, name, "--wait")  # warm: it only has to connect when told
     cfg = BusConfig(ack_timeout=3.0, peer_timeout=10.0, request_timeout=2.0, grant_timeout=10.0)
     tx_bus = await Bus.connect(nats_url, config=cfg)
     try:
-        assert b"ready" in await first.line()
-        assert b"waiting" in await second.line()
+        assert first.hello == {"line": "ready"}
+        assert second.hello == {"line": "waiting"}
         tx = await tx_bus.agent(f"restart-tx-{time.monotonic_ns()}", signature=SIG)
         kv = kv_of_bytes(SIG, 8 * MB, seed=13)  # streamed: 8 chunks
         send = asyncio.create_task(tx.send(name, kv, medium="full"))
-        delivered = json.loads(await first.line())
+        delivered = await first.line()
         assert delivered["digest"] == kv_digest(kv)
-        first.proc.kill()  # SIGKILL, between the delivery and its final ack
-        assert first.proc.wait(10) == -9
-        second.go()
-        assert b"ready" in await second.line()
+        first.kill9()  # between the delivery and its final ack
+        assert await first.exit_code(10) == -9
+        await second.send(go=True)
+        assert await second.line() == {"line": "ready"}
         # In doubt (issue 31 finding 4): the first incarnation may have delivered it, and did.
         with pytest.raises(TransferInDoubt) as info:
             await send
@@ -248,11 +197,11 @@ async def test_receiver_killed_between_delivery_and_final_ack_and_restarted_neve
         # It works for new transfers (new ids) at once.
         again = kv_of_bytes(SIG, 4 * MB, seed=14)
         report = await tx.send(name, again, medium="full")
-        line = json.loads(await second.line())
+        line = await second.line()
         assert line["transfer_id"] == report.transfer_id and line["digest"] == kv_digest(again)
     finally:
-        first.stop()
-        second.stop()
+        await first.stop()
+        await second.stop()
         await tx_bus.close()
 
 
@@ -594,7 +543,9 @@ async def test_editing_a_delivery_in_place_does_not_change_the_next_delta(
 # -- 13: an agent that closes says so --------------------------------------------------------------------------
 
 
-async def test_a_closing_agent_says_it_leaves_within_a_bounded_time(bus: Bus, nats_url: str) -> None:
+async def test_a_closing_agent_says_it_leaves_within_a_bounded_time(
+    bus: Bus, nats_url: str, fresh_nats: NatsServer
+) -> None:
     """Finding 13 (agent side): `close` publishes `AgentLeave` on the agent's own leave subject; and
     closes within a bounded time when the server is gone."""
     name = f"leaver-{time.monotonic_ns()}"
@@ -614,7 +565,7 @@ async def test_a_closing_agent_says_it_leaves_within_a_bounded_time(bus: Bus, na
     finally:
         await sub.unsubscribe()
         await other.close()
-    server = NatsServer().start()
+    server = fresh_nats  # stopped under the agent
     try:
         lonely = await Bus.connect(server.url, config=FAST, max_reconnect_attempts=-1)
         await lonely.agent("lonely", signature=SIG)

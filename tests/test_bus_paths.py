@@ -12,13 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import os
 import secrets
-import signal
 import socket
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -36,37 +32,9 @@ from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
 from kvbus.protocol import Open, OpenReply, ack_subject, data_subject, inbox_subject
 from tests.conftest import FAST
 from tests.kvutil import kv_of_bytes
-from tests.peer import SIG, kv_digest
+from tests.peer import SIG, Peer, kv_digest
 
-PEER = Path(__file__).with_name("peer.py")
 MB = 1 << 20
-
-
-class Peer:
-    """A receiving agent in another OS process (`tests/peer.py`)."""
-
-    def __init__(self, url: str, name: str, *extra: str) -> None:
-        self.name = name
-        self.proc = subprocess.Popen(
-            [sys.executable, str(PEER), url, name, *extra], stdout=subprocess.PIPE, cwd=PEER.parent.parent
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if b"ready" not in line:
-            self.stop()
-            raise RuntimeError(f"peer {name} did not start: {line!r}")
-
-    async def line(self, timeout: float = 60.0) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        raw = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), timeout)
-        if not raw:
-            raise EOFError(f"peer {self.name} exited")
-        return dict(json.loads(raw))
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
 
 
 def memfd_count() -> int:
@@ -99,7 +67,7 @@ async def test_each_path_delivers_bit_exact_across_processes(
     nats_url: str, sender_bus: Bus, want: str, scheduler: GroupScheduler
 ) -> None:
     name = f"paths-rx-{want}-{uuid.uuid4().hex[:6]}"
-    peer = Peer(nats_url, name)
+    peer = await Peer.agent(nats_url, name)
     try:
         tx = await sender_bus.agent(f"paths-tx-{uuid.uuid4().hex[:6]}", signature=SIG)
         for seed in (1, 2):  # the second reuses the connection (and, on shm, a pooled segment)
@@ -131,13 +99,13 @@ async def test_each_path_delivers_bit_exact_across_processes(
         else:
             assert accepted["tcp"] == 0 and accepted["shm"] == 1
     finally:
-        peer.stop()
+        await peer.stop()
 
 
 @pytest.mark.parametrize("sender_bus", ["tcp,nats"], indirect=True)
 async def test_a_receiver_restricted_to_nats_gets_every_byte_on_nats(nats_url: str, sender_bus: Bus) -> None:
     name = f"paths-natsrx-{uuid.uuid4().hex[:6]}"
-    peer = Peer(nats_url, name, "--paths", "nats")
+    peer = await Peer.agent(nats_url, name, "--paths", "nats")
     try:
         tx = await sender_bus.agent(f"paths-tx-{uuid.uuid4().hex[:6]}", signature=SIG)
         kv = kv_of_bytes(SIG, 6 * MB, seed=3)
@@ -148,7 +116,7 @@ async def test_a_receiver_restricted_to_nats_gets_every_byte_on_nats(nats_url: s
         assert sender_bus.plane is not None and sender_bus.plane.tcp is not None
         assert sender_bus.plane.tcp.connections == 0
     finally:
-        peer.stop()
+        await peer.stop()
 
 
 # -- fall back ------------------------------------------------------------------------------------------
@@ -161,7 +129,7 @@ async def test_a_direct_path_cut_mid_transfer_falls_back_to_nats_and_delivers_on
     nats_url: str, sender_bus: Bus, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     name = f"paths-cut-{path}-{uuid.uuid4().hex[:6]}"
-    peer = Peer(nats_url, name)
+    peer = await Peer.agent(nats_url, name)
     cut: list[int] = []
     original = SocketChannel.send
 
@@ -189,7 +157,7 @@ async def test_a_direct_path_cut_mid_transfer_falls_back_to_nats_and_delivers_on
         assert got2["transfer_id"] == second.transfer_id and got2["digest"] == kv_digest(marker)
         assert second.path == path  # a new connection for the next transfer
     finally:
-        peer.stop()
+        await peer.stop()
 
 
 async def test_a_receiver_killed_mid_transfer_on_shm_leaves_no_segment_and_fails_the_send(
@@ -197,7 +165,7 @@ async def test_a_receiver_killed_mid_transfer_on_shm_leaves_no_segment_and_fails
 ) -> None:
     name = f"paths-kill-{uuid.uuid4().hex[:6]}"
     before_shm = dev_shm()
-    peer = Peer(nats_url, name, "--stall-at-chunk", "6")
+    peer = await Peer.agent(nats_url, name, "--stall-at-chunk", "6")
     try:
         tx = await sender_bus.agent(f"paths-tx-{uuid.uuid4().hex[:6]}", signature=SIG)
         baseline = memfd_count()
@@ -206,14 +174,14 @@ async def test_a_receiver_killed_mid_transfer_on_shm_leaves_no_segment_and_fails
         stalled = await peer.line()
         assert stalled["via"] == ["shm"]
         assert memfd_count() > baseline  # the segment is shared right now
-        os.kill(peer.proc.pid, signal.SIGKILL)
+        peer.kill9()
         with pytest.raises(TransferError):
             await asyncio.wait_for(send, 60)
         await asyncio.sleep(0.2)  # the session's close runs in the background
         assert memfd_count() == baseline  # the sender let go of the segment: the kernel frees it
         assert dev_shm() == before_shm  # and nothing was ever put in /dev/shm
     finally:
-        peer.stop()
+        await peer.stop()
 
 
 # -- tokens ---------------------------------------------------------------------------------------------
@@ -517,21 +485,16 @@ async def test_a_sender_killed_mid_transfer_leaves_nothing_and_delivers_nothing(
     rx = await bus.agent(f"paths-victim-{uuid.uuid4().hex[:6]}", signature=SIG)
     baseline = memfd_count()
     name = f"paths-doomed-{uuid.uuid4().hex[:6]}"
-    proc = subprocess.Popen(
-        [sys.executable, str(PEER.with_name("sender_peer.py")), nats_url, name, rx.name, "40", "3", allowed],
-        stdout=subprocess.PIPE,
-        cwd=PEER.parent.parent,
-    )
+    sender = await Peer.start("sender_peer.py", nats_url, name, rx.name, "40", "3", allowed, name=name)
     try:
-        assert proc.stdout is not None
-        assert b"ready" in await asyncio.to_thread(proc.stdout.readline)
-        stalled = json.loads(await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60))
+        assert sender.hello == {"line": "ready"}
+        stalled = await sender.line()
         assert stalled["path"] == allowed.split(",")[0]
         assert rx.partial_transfers == 1
         if stalled["path"] == "shm":
             assert memfd_count() > baseline  # the receiver maps the sender's segment right now
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+        sender.kill9()
+        await sender.exit_code()
         # The receiver drops the partial once it makes no progress (FAST: 2 s), and the memory with it.
         for _ in range(1000):
             if not rx.partial_transfers:
@@ -547,9 +510,7 @@ async def test_a_sender_killed_mid_transfer_leaves_nothing_and_delivers_nothing(
         if plane.tcp is not None and plane.tcp.listener is not None:
             assert not plane.tcp.listener.connections  # its connection is gone too
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        await sender.stop()
 
 
 async def test_the_tcp_path_speaks_tls_with_the_deployments_certificates(

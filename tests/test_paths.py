@@ -11,11 +11,8 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
-import json
 import os
-import signal
 import socket
-import sys
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -24,78 +21,17 @@ from typing import Any
 import pytest
 
 from kvbus.bus.paths.frames import FrameType, bind_payload, pack
+from tests.peer import Peer
 
-PEER = Path(__file__).with_name("paths_peer.py")
 MB = 1 << 20
-BOUND = 60.0
-
-
-class Peer:
-    """A `paths_peer.py` process: JSON commands in, JSON events out."""
-
-    def __init__(self, proc: asyncio.subprocess.Process, hello: dict[str, Any]) -> None:
-        self.proc = proc
-        self.pid: int = hello["pid"]
-        self.host: str = hello["host"]
-        self.tcp: list[Any] | None = hello["tcp"]
-        self.events: list[dict[str, Any]] = []
-
-    @classmethod
-    async def start(cls, role: str, *args: str) -> Peer:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            str(PEER),
-            role,
-            *args,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            cwd=PEER.parent.parent,
-            limit=1 << 20,
-        )
-        assert proc.stdout is not None
-        line = await asyncio.wait_for(proc.stdout.readline(), BOUND)
-        if not line:
-            raise RuntimeError(f"{role} peer did not start")
-        return cls(proc, json.loads(line))
-
-    async def send(self, **cmd: Any) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd).encode() + b"\n")
-        await self.proc.stdin.drain()
-
-    async def wait(self, key: str, value: Any = None, timeout: float = BOUND) -> dict[str, Any]:
-        """The next event with ``key`` (equal to ``value`` if given); earlier ones are kept in `events`."""
-        assert self.proc.stdout is not None
-        loop = asyncio.get_running_loop()
-        end = loop.time() + timeout
-        while True:
-            line = await asyncio.wait_for(self.proc.stdout.readline(), max(0.01, end - loop.time()))
-            if not line:
-                raise EOFError(f"peer {self.pid} exited; events: {self.events[-5:]}")
-            event = json.loads(line)
-            self.events.append(event)
-            if key in event and (value is None or event[key] == value):
-                return event
-
-    async def status(self) -> dict[str, Any]:
-        await self.send(cmd="status")
-        return (await self.wait("status"))["status"]
-
-    def kill9(self) -> None:
-        os.kill(self.pid, signal.SIGKILL)
-
-    async def stop(self) -> None:
-        if self.proc.returncode is None:
-            self.proc.kill()
-        await self.proc.wait()
 
 
 @pytest.fixture
 async def peers(request: pytest.FixtureRequest) -> AsyncIterator[tuple[Peer, Peer]]:
     """A receiver and a sender process with the paths (and extra arguments) the test names."""
     args = getattr(request, "param", ("--paths", "shm,tcp"))
-    rx = await Peer.start("rx", *args)
-    tx = await Peer.start("tx", *args)
+    rx = await Peer.paths("rx", *args)
+    tx = await Peer.paths("tx", *args)
     try:
         yield rx, tx
     finally:
@@ -192,8 +128,8 @@ async def test_the_fastest_path_both_allow_is_taken(peers: tuple[Peer, Peer]) ->
 
 async def test_the_nats_path_delivers_64mb_bit_exact_across_processes(nats_url: str) -> None:
     args = ("--paths", "nats", "--nats", nats_url)
-    rx = await Peer.start("rx", *args)
-    tx = await Peer.start("tx", *args)
+    rx = await Peer.paths("rx", *args)
+    tx = await Peer.paths("tx", *args)
     try:
         subject = f"kvbus.agent.rx.data.{uuid.uuid4().hex}"
         reply, sent, done = await transfer(rx, tx, ["nats"], chunk=4 * MB, subject=subject)
@@ -400,10 +336,10 @@ def agent_pki(folder: Path) -> tuple[Path, Path, Path, Path]:
 async def test_tls_on_the_tcp_path_delivers_and_refuses_what_it_should(tmp_path: Path) -> None:
     ca, agent, key, other = agent_pki(tmp_path)
     tls = ("--tls-ca", str(ca), "--tls-cert", str(agent), "--tls-key", str(key))
-    rx = await Peer.start("rx", "--paths", "tcp", *tls)
-    tx = await Peer.start("tx", "--paths", "tcp", *tls)
-    plain = await Peer.start("tx", "--paths", "tcp")
-    foreign = await Peer.start(
+    rx = await Peer.paths("rx", "--paths", "tcp", *tls)
+    tx = await Peer.paths("tx", "--paths", "tcp", *tls)
+    plain = await Peer.paths("tx", "--paths", "tcp")
+    foreign = await Peer.paths(
         "tx", "--paths", "tcp", "--tls-ca", str(other), "--tls-cert", str(agent), "--tls-key", str(key)
     )
     try:
