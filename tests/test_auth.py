@@ -750,7 +750,8 @@ def test_refused_login_is_retried_for_kvbus_nats_connect_wait() -> None:
             assert sched.poll() is None, "gave up before the wait was over"
             conf = server.workdir / "nats.conf"
             conf.write_text(conf.read_text().replace("old-token", "new-token"))
-            server._proc.send_signal(signal.SIGHUP)  # what the chart's reloader does: nats-server --signal reload
+            assert server.pid is not None
+            os.kill(server.pid, signal.SIGHUP)  # what the chart's reloader does: nats-server --signal reload
             assert sched.stdout is not None
             line = sched.stdout.readline()
             assert b"group scheduler for 'late'" in line, line

@@ -654,40 +654,37 @@ class _CuttableLink:
         await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
 
 
-async def test_publish_views_while_the_server_is_down_goes_out_after_the_reconnect() -> None:
+async def test_publish_views_while_the_server_is_down_goes_out_after_the_reconnect(fresh_nats: NatsServer) -> None:
     # The sender alone loses its server (a relay between them is cut); the subscriber stays
     # connected, so what the sender buffered while disconnected must arrive once it reconnects.
     # (Killing the server instead raced: the sender could flush its buffer before the
     # subscriber had subscribed again, and core NATS drops a message nobody is subscribed to.)
-    server = NatsServer().start()
+    server = fresh_nats
     link = _CuttableLink(server.port)
-    try:
-        await link.start()
-        rx = await NatsTransport.connect(server.url)
-        tx = await NatsTransport.connect(f"nats://127.0.0.1:{link.port}")
-        got: list[Any] = []
-        await rx.subscribe("kvbus.test.reconnect", _appender(got))
-        await rx.flush()
-        payload = os.urandom(4 * MB)
-        await link.cut()
-        for _ in range(250):
-            if not tx.nc.is_connected:
-                break
-            await asyncio.sleep(0.02)
-        assert not tx.nc.is_connected  # what follows waits in nats-py's pending buffer
-        await tx.publish_views(
-            "kvbus.test.reconnect", [memoryview(payload)[:MB], memoryview(payload)[MB:]], headers={"Kvbus-Chunk": "0"}
-        )
-        await link.start()
-        for _ in range(500):
-            if got:
-                break
-            await asyncio.sleep(0.02)
-        assert len(got) == 1 and got[0].data == payload
-        await tx.close()
-        await rx.close()
-    finally:
-        server.stop()
+    await link.start()
+    rx = await NatsTransport.connect(server.url)
+    tx = await NatsTransport.connect(f"nats://127.0.0.1:{link.port}")
+    got: list[Any] = []
+    await rx.subscribe("kvbus.test.reconnect", _appender(got))
+    await rx.flush()
+    payload = os.urandom(4 * MB)
+    await link.cut()
+    for _ in range(250):
+        if not tx.nc.is_connected:
+            break
+        await asyncio.sleep(0.02)
+    assert not tx.nc.is_connected  # what follows waits in nats-py's pending buffer
+    await tx.publish_views(
+        "kvbus.test.reconnect", [memoryview(payload)[:MB], memoryview(payload)[MB:]], headers={"Kvbus-Chunk": "0"}
+    )
+    await link.start()
+    for _ in range(500):
+        if got:
+            break
+        await asyncio.sleep(0.02)
+    assert len(got) == 1 and got[0].data == payload
+    await tx.close()
+    await rx.close()
 
 
 @settings(max_examples=60, deadline=None)

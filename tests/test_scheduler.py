@@ -299,15 +299,15 @@ async def test_directory_watch_keeps_the_schedulers_cache_current(nats_url: str)
     without a lookup: a remote agent's new link is known before any request names it."""
     async with group(nats_url, "dirwatch-a") as sched, buses(nats_url, 1) as (bus,):
         deadline = time.monotonic() + 10
-        while not sched._dir_live and time.monotonic() < deadline:
+        while not sched.directory.live and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        assert sched._dir_live
+        assert sched.directory.live
         far = await bus.agent("dirwatch-far", group="dirwatch-b", signature=SIG)
 
         async def cached_link(want: float) -> bool:
             end = time.monotonic() + 5
             while time.monotonic() < end:
-                hit = sched._dir_cache.get("dirwatch-far")
+                hit = sched.directory.cache.get("dirwatch-far")
                 if hit is not None and hit[1] is not None and hit[1].link_bps == pytest.approx(want):
                     return True
                 await asyncio.sleep(0.02)

@@ -152,7 +152,7 @@ async def test_agent_cannot_speak_for_another_agent_to_the_scheduler(stack: dict
     await _wait_for(errors["mallory"], "kvbus.sched.default.register.bob")
     with pytest.raises(Exception):  # noqa: B017 - the scheduler does not answer a refused record
         await mallory.request(sched_subject("default", "register", "mallory"), forged.encode(), timeout=1.0)
-    sched._dir_cache.clear()
+    sched.directory.cache.clear()
     after = await sched.lookup("bob")
     assert after is not None and before is not None and after.signature == before.signature
     assert after.priority == before.priority

@@ -23,6 +23,7 @@ import pytest
 from opentelemetry.trace import SpanKind
 
 from kvbus import telemetry
+from kvbus.app.local import NatsServer
 from kvbus.config import redact_url
 from tests.otlp import OtlpReceiver
 
@@ -190,12 +191,10 @@ def test_one_trace_across_sender_scheduler_and_receiver(transfer: dict[str, Any]
         assert a["kvbus.predicted_s"] == pytest.approx(report["decision"]["predicted_s"])
 
 
-def test_inter_group_trace_includes_the_coordinators_lease() -> None:
+def test_inter_group_trace_includes_the_coordinators_lease(fresh_nats: NatsServer) -> None:
     """A transfer to an agent of another group waits for its group's bandwidth lease: the
     coordinator (its own process) answers inside the sender's trace, next to the scheduler."""
-    from kvbus.app.local import NatsServer
-
-    server = NatsServer().start()
+    server = fresh_nats
     procs: list[subprocess.Popen[str]] = []
     try:
         with OtlpReceiver() as otlp:
@@ -249,7 +248,6 @@ def test_inter_group_trace_includes_the_coordinators_lease() -> None:
             assert trace["kvbus.schedule"].service == "test-scheduler-otel-a"
     finally:
         _stop(procs)
-        server.stop()
 
 
 def test_prometheus_endpoints_serve_kvbus_metrics(transfer: dict[str, Any]) -> None:
