@@ -36,9 +36,10 @@ until the victim has rejoined, every client it had is connected to a survivor an
 can be written again (a put in an R3 bucket of its own, whose stream may have to elect a new
 leader, as kvbus's own buckets do). Faults are injected one at a time: a failover waits for the
 receiver or scheduler restart under way, and no other fault comes until `SETTLE_S` and a moment
-more after it; the feed of transfers waits at each kill's share until that kill can be made. So
-every failover is measured on its own, under load, however fast the transfers go, and what the
-transfers during it pay is the kill's cost (the other faults' windows lie outside it). Extra figures:
+more after it; the feed of transfers waits, a concurrency's worth past each kill's share, until
+that kill has been made (so no run ends before its kills). So every failover is measured on its
+own, under load, however fast the transfers go, and what the transfers during it pay is the
+kill's cost (the other faults' windows lie outside it). Extra figures:
 ``cluster_servers``, ``server_kills`` (kills made), ``failovers`` (per kill: the server, how long
 it was down, the resume times, the transfers that met it and how many of them failed; a transfer
 that met two failovers counts in both), ``transfers_during_failover``,
@@ -118,6 +119,8 @@ TRANSFERS_PER_KILL = 250
 SETTLE_S = CONFIG.request_timeout
 #: Seconds a kill waits for the load it is meant to meet (then it is made anyway).
 LOAD_WAIT_S = 30.0
+#: Seconds the run waits, after its last transfer, for the failover under way to be over.
+FAILOVER_LIMIT_S = 120.0
 #: Seconds a send may take before the bench gives up on it and counts it as ``hung`` (every send
 #: must end with a report or an error well before: the grant timeout is 15 s, the peer timeout 3 s).
 SEND_LIMIT_S = 90.0
@@ -304,7 +307,7 @@ async def _chaos(transfers: int, seed: int, concurrency: int = 16, nats_cluster:
     resumes: list[tuple[float, float]] = []  # per kill: seconds to reconnect its clients, to write control state
     kills = max(MIN_SERVER_KILLS, transfers // TRANSFERS_PER_KILL) if cluster is not None else 0
     thresholds = [(i + 1) * transfers // (kills + 1) for i in range(kills)]
-    # The feed of transfers waits at kill i's share until the killer is ready to make it.
+    # The feed of transfers waits a concurrency's worth past kill i's share until it was made.
     gates = [asyncio.Event() for _ in thresholds]
     try:
         url = cluster.url if cluster is not None else server.url  # type: ignore[union-attr]
@@ -345,7 +348,7 @@ async def _chaos(transfers: int, seed: int, concurrency: int = 16, nats_cluster:
             rx = receivers[rng.randrange(len(receivers))]
             j = rng.randrange(len(pool))
             for gate, at in zip(gates, thresholds, strict=True):
-                if k >= at:
+                if k >= at + concurrency:
                     await gate.wait()
             async with sem:
                 started += 1
@@ -410,10 +413,9 @@ async def _chaos(transfers: int, seed: int, concurrency: int = 16, nats_cluster:
             try:
                 probe_kv = await key_value(buses[0].transport.nc.jetstream(), PROBE_BUCKET)  # type: ignore[attr-defined]
                 for gate, at in zip(gates, thresholds, strict=True):
-                    gate.set()
                     await _until(functools.partial(loaded, at), LOAD_WAIT_S)
                     async with alone:  # no other fault during a failover, or within its widened window
-                        failovers.append(await _failover(cluster, buses, probe_kv, rng, inflight, resumes))
+                        failovers.append(await _failover(cluster, buses, probe_kv, rng, inflight, resumes, gate.set))
                         injected_faults.append(
                             Fault(Cause.SERVER_KILL, failovers[-1].pop("killed"), failovers[-1].pop("over"))
                         )
@@ -428,6 +430,9 @@ async def _chaos(transfers: int, seed: int, concurrency: int = 16, nats_cluster:
         if cluster is not None:
             injectors.append(asyncio.create_task(kill_servers()))
         await asyncio.gather(*(one(k) for k in range(transfers)))
+        if cluster is not None:
+            # The last failover is measured to its end (the last transfers may end before it).
+            await asyncio.wait([injectors[-1]], timeout=FAILOVER_LIMIT_S)
         for injector in injectors:
             if injector.done() and not injector.cancelled() and injector.exception() is not None:
                 logger.error("chaos: a fault injector failed", exc_info=injector.exception())
@@ -501,11 +506,12 @@ async def _failover(
     rng: random.Random,
     inflight: int,
     resumes: list[tuple[float, float]],
+    on_kill: Callable[[], None],
 ) -> dict[str, Any]:
-    """Kill the server that holds most of ``buses``' connections, start it again 0.5-2 s later, and
-    wait until the failover is over (it rejoined, its clients are on survivors, control state can
-    be written: `_resume_after_kill`). Returns what `failovers` records, with ``killed`` and
-    ``over`` (perf_counter) for the fault's window."""
+    """Kill the server that holds most of ``buses``' connections (then call ``on_kill``), start it
+    again 0.5-2 s later, and wait until the failover is over (it rejoined, its clients are on
+    survivors, control state can be written: `_resume_after_kill`). Returns what `failovers`
+    records, with ``killed`` and ``over`` (perf_counter) for the fault's window."""
     ports = [s.port for s in cluster.servers]
     held = [sum(1 for b in buses if _server_port(b) == port) for port in ports]
     most = max(held)
@@ -514,6 +520,7 @@ async def _failover(
     on_victim = [b for b in buses if _server_port(b) == port]
     killed = time.perf_counter()
     cluster.kill(victim)
+    on_kill()
     probe = asyncio.create_task(_resume_after_kill(killed, port, on_victim, probe_kv, resumes))
     down_s = rng.uniform(0.5, 2.0)
     await asyncio.sleep(down_s)
