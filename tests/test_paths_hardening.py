@@ -216,8 +216,8 @@ async def _books(rx: Peer, attempts: int) -> dict[str, Any]:
 
 
 async def test_eleven_hundred_strangers_cost_the_receiver_little_and_a_sender_still_gets_through() -> None:
-    rx = await Peer.start("rx", "--paths", "tcp", "--bind-deadline", "60")
-    tx = await Peer.start("tx", "--paths", "tcp")
+    rx = await Peer.paths("rx", "--paths", "tcp", "--bind-deadline", "60")
+    tx = await Peer.paths("tx", "--paths", "tcp")
     socks: list[socket.socket] = []
     try:
         assert rx.tcp is not None
@@ -253,7 +253,7 @@ async def test_eleven_hundred_strangers_cost_the_receiver_little_and_a_sender_st
 
 
 async def test_a_connection_that_does_not_bind_in_time_is_closed() -> None:
-    rx = await Peer.start("rx", "--paths", "tcp", "--bind-deadline", "1")
+    rx = await Peer.paths("rx", "--paths", "tcp", "--bind-deadline", "1")
     try:
         assert rx.tcp is not None
         host, port = rx.tcp
@@ -288,8 +288,8 @@ async def test_tls_handshakes_in_progress_count_against_the_caps_and_a_sender_st
 ) -> None:
     ca, agent, key, _ = agent_pki(tmp_path)
     tls = ("--tls-ca", str(ca), "--tls-cert", str(agent), "--tls-key", str(key))
-    rx = await Peer.start("rx", "--paths", "tcp", "--bind-deadline", "60", *tls)
-    tx = await Peer.start("tx", "--paths", "tcp", *tls)
+    rx = await Peer.paths("rx", "--paths", "tcp", "--bind-deadline", "60", *tls)
+    tx = await Peer.paths("tx", "--paths", "tcp", *tls)
     socks: list[socket.socket] = []
     try:
         assert rx.tcp is not None
@@ -327,8 +327,8 @@ def memfd_descriptors(pid: int) -> int:
 
 
 async def test_held_shm_deliveries_hold_mappings_and_no_descriptors() -> None:
-    rx = await Peer.start("rx", "--paths", "shm")
-    tx = await Peer.start("tx", "--paths", "shm")
+    rx = await Peer.paths("rx", "--paths", "shm")
+    tx = await Peer.paths("tx", "--paths", "shm")
     try:
         held = 6
         fds_before = len(os.listdir(f"/proc/{rx.pid}/fd"))

@@ -31,8 +31,7 @@ from kvbus.bus.route import DIRECT_REPAIR_LIMIT
 from kvbus.protocol import Ack, OpenReply, ack_subject, inbox_subject
 from tests.conftest import FAST, ready_up
 from tests.kvutil import kv_of_bytes
-from tests.peer import SIG, kv_digest
-from tests.test_bus_paths import Peer
+from tests.peer import SIG, Peer, kv_digest
 from tests.test_helm import CHART, HELM, NAMESPACE, RELEASE, helm
 
 MB = 1 << 20
@@ -50,7 +49,7 @@ async def test_a_reply_to_the_open_for_another_transfer_is_ignored_and_the_open_
     reported a delivery that never happened; now it ignores it, asks again, and the receiver
     gets the transfer."""
     name = f"foreign-rx-{uuid.uuid4().hex[:6]}"
-    peer = Peer(nats_url, name)
+    peer = await Peer.agent(nats_url, name)
     answered: list[str] = []
 
     async def rogue(msg: Any) -> None:
@@ -77,7 +76,7 @@ async def test_a_reply_to_the_open_for_another_transfer_is_ignored_and_the_open_
         got = await peer.line(timeout=30)
         assert got["transfer_id"] == report.transfer_id and got["digest"] == kv_digest(kv)
     finally:
-        peer.stop()
+        await peer.stop()
 
 
 @pytest.mark.parametrize(
@@ -91,7 +90,7 @@ async def test_a_verdict_on_nats_does_not_count_while_the_bytes_go_on_a_direct_p
     `send()` reported success while the addressee got nothing; now only the bound path's verdict
     counts and the send fails."""
     name = f"nats-verdict-rx-{path}-{uuid.uuid4().hex[:6]}"
-    peer = Peer(nats_url, name, "--stall-at-chunk", "9")
+    peer = await Peer.agent(nats_url, name, "--stall-at-chunk", "9")
     try:
         tx = await sender_bus.agent(f"nats-verdict-tx-{uuid.uuid4().hex[:6]}", signature=SIG)
         # Nine chunks (one per buffer): the receiver freezes on the last, every byte read (a
@@ -107,7 +106,7 @@ async def test_a_verdict_on_nats_does_not_count_while_the_bytes_go_on_a_direct_p
             await asyncio.wait_for(send, 60)
         assert info.value.transfer_id == tid
     finally:
-        peer.stop()
+        await peer.stop()
 
 
 #: What `kvbus up`'s banner and the chart's NOTES say outside secure mode.
@@ -171,7 +170,7 @@ async def test_a_tcp_path_that_damages_every_chunk_is_left_for_nats_and_delivers
     failed the transfer; now it leaves the path after `DIRECT_REPAIR_LIMIT` repairs and the
     transfer completes on NATS, verified, once."""
     name = f"damaged-rx-{uuid.uuid4().hex[:6]}"
-    peer = Peer(nats_url, name)
+    peer = await Peer.agent(nats_url, name)
     damaged: list[int] = []
     original = TcpSendSession.send_chunk
 
@@ -201,7 +200,7 @@ async def test_a_tcp_path_that_damages_every_chunk_is_left_for_nats_and_delivers
         assert got2["transfer_id"] == second.transfer_id and got2["digest"] == kv_digest(marker)
         assert second.paths == ("tcp",)
     finally:
-        peer.stop()
+        await peer.stop()
 
 
 # -- 4: "failed" while delivered ---------------------------------------------------------------------------------
@@ -217,7 +216,7 @@ async def test_a_receiver_killed_between_its_verdict_and_the_senders_read_of_it_
     The sender said the transfer failed (`ReceiverGone`) and an application that retried on that
     delivered it twice; now it says `TransferInDoubt`, with the failure it saw as ``cause``."""
     name = f"doubt-rx-{path}-{uuid.uuid4().hex[:6]}"
-    peer = Peer(nats_url, name, "--hang-after-delivery")
+    peer = await Peer.agent(nats_url, name, "--hang-after-delivery")
     try:
         tx = await sender_bus.agent(f"doubt-tx-{uuid.uuid4().hex[:6]}", signature=SIG)
         kv = kv_of_bytes(SIG, 12 * MB, seed=41)
@@ -230,7 +229,7 @@ async def test_a_receiver_killed_between_its_verdict_and_the_senders_read_of_it_
         assert info.value.transfer_id == delivered["transfer_id"]
         assert isinstance(info.value.cause, TransferError) and not isinstance(info.value.cause, TransferInDoubt)
     finally:
-        peer.stop()
+        await peer.stop()
 
 
 @pytest.mark.usefixtures("nats_only")
@@ -238,7 +237,7 @@ async def test_a_transfer_that_fails_before_every_chunk_went_out_is_a_plain_fail
     """Finding 4, the other side: the receiver freezes at its second chunk, so the sender (its
     window full) never sends the rest: nothing can have been delivered, the failure is plain."""
     name = f"plain-rx-{uuid.uuid4().hex[:6]}"
-    peer = Peer(nats_url, name, "--stall-at-chunk", "2", "--paths", "nats")
+    peer = await Peer.agent(nats_url, name, "--stall-at-chunk", "2", "--paths", "nats")
     try:
         tx = await bus.agent(f"plain-tx-{uuid.uuid4().hex[:6]}", signature=SIG)
         n_chunks = (24 * MB) // bus.chunk_size
@@ -247,7 +246,7 @@ async def test_a_transfer_that_fails_before_every_chunk_went_out_is_a_plain_fail
             await tx.send(name, kv_of_bytes(SIG, 24 * MB, seed=42), medium="full")
         assert not isinstance(info.value, TransferInDoubt)
     finally:
-        peer.stop()
+        await peer.stop()
 
 
 async def test_a_retry_with_the_same_idempotency_key_is_answered_with_the_first_verdict(
