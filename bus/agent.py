@@ -14,6 +14,7 @@ from kvbus.bus.probes import Probes
 from kvbus.bus.receiver import Receiver
 from kvbus.bus.scheduling import SchedulerLink
 from kvbus.bus.sender import Sender
+from kvbus.bus.stages import SendSettings
 from kvbus.bus.types import Delivery, TransferReport
 from kvbus.codecs import ModelRunner
 from kvbus.kvcache import KVCache
@@ -55,6 +56,7 @@ class Agent(Endpoint):
         runner: ModelRunner | None,
         cache: Any = None,
         link: EmulatedLink | None = None,
+        settings: SendSettings,
     ) -> None:
         super().__init__(
             bus,
@@ -68,7 +70,7 @@ class Agent(Endpoint):
             link=link,
         )
         self._scheduler = SchedulerLink(self)
-        self._sender = Sender(self, self._scheduler)
+        self._sender = Sender(self, self._scheduler, settings)
         self._inbox = Inbox()
         self._receiver = Receiver(self, self._inbox, bus.completed_ids(name))
         self._probes = Probes(self, lambda: self._scheduler.queue_size)

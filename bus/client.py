@@ -12,10 +12,11 @@ from typing import Any
 
 from kvbus import telemetry
 from kvbus.bus.agent import Agent
-from kvbus.bus.config import HEADER_ROOM, BusConfig
+from kvbus.bus.config import BusConfig
 from kvbus.bus.errors import BusClosed
 from kvbus.bus.pacing import EmulatedLink
 from kvbus.bus.paths import DataPlane, DataTls, PathsConfig
+from kvbus.bus.stages import SendSettings, chunk_cap
 from kvbus.codecs import ModelRunner
 from kvbus.errors import ConfigError, CoordinatorUnavailable
 from kvbus.net.auth import NatsAuth
@@ -167,7 +168,7 @@ class Bus:
     @property
     def chunk_size(self) -> int:
         """The configured chunk size, capped so that payload + headers fit the server's max_payload."""
-        return max(1024, min(self.config.chunk_size, self.transport.max_payload - HEADER_ROOM))
+        return chunk_cap(self.config, self.transport.max_payload)
 
     async def directory(self) -> Any:
         """The JetStream KV bucket of agent records (created on first use)."""
@@ -228,6 +229,9 @@ class Bus:
             runner=runner,
             cache=cache,
             link=link,
+            settings=SendSettings(
+                secure=self.secure, direct_chunk_size=self.paths_config.direct_chunk_size, plane=self.plane
+            ),
         )
         await agent._start()
         self._agents[name] = agent

@@ -31,8 +31,10 @@ from kvbus.bus.chunking import fit_chunk_size
 from kvbus.bus.config import DEFAULT_CHUNK_SIZE, HEADER_ROOM, OFFLOAD_BYTES
 from kvbus.bus.endpoint import Endpoint
 from kvbus.bus.errors import BusClosed, PayloadTooLarge, TransferRejected
+from kvbus.bus.handshake import ReceiverOutcome
 from kvbus.bus.outgoing import OutgoingTransfer, StreamStats
 from kvbus.bus.scheduling import SchedulerLink
+from kvbus.bus.stages import SendRequest, SendSettings, TransferPlan, chunk_cap
 from kvbus.bus.types import TransferReport
 from kvbus.codecs import Codec, Encoded, NonFiniteValues, get_codec
 from kvbus.errors import WireFormatError
@@ -83,9 +85,10 @@ def _is_delta(codec: Codec) -> bool:
 class Sender:
     """Sends contexts from one agent and remembers what each receiver last got from it."""
 
-    def __init__(self, endpoint: Endpoint, scheduler: SchedulerLink) -> None:
+    def __init__(self, endpoint: Endpoint, scheduler: SchedulerLink, settings: SendSettings) -> None:
         self._ep = endpoint
         self._scheduler = scheduler
+        self._settings = settings
         self.outgoing = scheduler.controls.outgoing
         """Running outgoing transfers by id (registering one applies the controls that came early)."""
         self.bases: dict[str, SentBase] = {}
@@ -137,8 +140,51 @@ class Sender:
         critical: bool,
         key: str = "",
     ) -> TransferReport:
-        ep = self._ep
-        if ep.closed:
+        """One send, stage by stage: admit, grant, encode, route, stream, report."""
+        request = self._admit(receivers, kv, medium=medium, deadline=deadline, critical=critical, key=key)
+        tracing = telemetry.tracing()  # span attributes are built only then
+        with telemetry.span(
+            "kvbus.send",
+            kind=SpanKind.PRODUCER,
+            attributes=_send_attributes(request.transfer_id, self._ep.name, receivers, kv) if tracing else None,
+        ) as send_span:
+            grant = await self._grant(request)
+            t_grant = time.perf_counter()
+            if tracing:
+                send_span.set_attribute("kvbus.medium", grant.medium)
+            sent_medium = grant.medium
+            try:
+                plan = await self._encode_stage(request, grant, t_grant, tracing=tracing)
+                sent_medium = plan.encoded.codec
+                out = self._route(plan)
+                outcomes = await self._stream(out, plan, tracing=tracing)
+                t_done = time.perf_counter()
+            except BaseException as exc:
+                telemetry.instruments().transfers.add(1, {"medium": sent_medium, "outcome": type(exc).__name__})
+                await self._scheduler.report_done(request.transfer_id, sent_medium, receivers, 0, 0.0, exc)
+                raise
+            return await self._report(plan, out, outcomes, t_done, send_span)
+
+    # -- stages ------------------------------------------------------------------------------------
+
+    def _admit(
+        self,
+        receivers: list[str],
+        kv: KVCache,
+        *,
+        medium: str | None,
+        deadline: float | None,
+        critical: bool,
+        key: str,
+    ) -> SendRequest:
+        """Check the send and choose what a delta builds on.
+
+        Raises:
+            BusClosed: the agent is closed.
+            ValueError: a receiver's name is not a valid agent name.
+            KeyError: ``medium`` names no codec.
+        """
+        if self._ep.closed:
             raise BusClosed("agent")
         for rx in receivers:
             check_name("agent", rx)
@@ -153,132 +199,165 @@ class Sender:
             inner = asked.inner.name  # type: ignore[union-attr]
             logger.info("transfer %s: no lossless base at %s for %s; sending %s", transfer_id, receivers, medium, inner)
             medium = inner
-        tracing = telemetry.tracing()  # span attributes are built only then
+        return SendRequest(
+            transfer_id=transfer_id,
+            receivers=receivers,
+            kv=kv,
+            medium=medium,
+            deadline=deadline,
+            critical=critical,
+            key=key,
+            base_tokens=base_tokens,
+            t0=t0,
+        )
+
+    async def _grant(self, request: SendRequest) -> Grant:
+        """The group scheduler's grant: the medium, rate, window and chunk size of the transfer."""
+        return await self._scheduler.request_grant(
+            request.transfer_id,
+            request.receivers,
+            request.kv,
+            request.medium,
+            request.deadline,
+            request.critical,
+            base_tokens=request.base_tokens,
+            path=self.expected_path(request.receivers, request.kv),
+        )
+
+    async def _encode_stage(self, request: SendRequest, grant: Grant, t_grant: float, *, tracing: bool) -> TransferPlan:
+        """Encode with the granted medium; a KV holding NaN or inf that the scheduler (not the
+        caller) gave a lossy medium is encoded with ``full`` instead.
+
+        Raises:
+            NonFiniteValues: the caller asked for a lossy medium and the KV holds NaN or inf.
+            PayloadTooLarge: the codec's metadata exceeds `MAX_META_BYTES`.
+        """
+        receivers, kv = request.receivers, request.kv
+        codec = get_codec(grant.medium)
+        # What the receivers already hold from this agent: only a delta medium encodes
+        # against it (another would only lose its view-only encode on the event loop).
+        base = self.delta_base(receivers, kv) if request.base_tokens and _is_delta(codec) else None
         with telemetry.span(
-            "kvbus.send",
-            kind=SpanKind.PRODUCER,
-            attributes=_send_attributes(transfer_id, ep.name, receivers, kv) if tracing else None,
-        ) as send_span:
-            grant = await self._scheduler.request_grant(
-                transfer_id,
-                receivers,
-                kv,
-                medium,
-                deadline,
-                critical,
-                base_tokens=base_tokens,
-                path=self.expected_path(receivers, kv),
-            )
-            t_grant = time.perf_counter()
-            if tracing:
-                send_span.set_attribute("kvbus.medium", grant.medium)
-            sent_medium = grant.medium
+            "kvbus.encode",
+            attributes={"kvbus.medium": grant.medium} if tracing else None,
+            current=False,
+            lazy=True,
+        ):
             try:
-                codec = get_codec(grant.medium)
-                # What the receivers already hold from this agent: only a delta medium encodes
-                # against it (another would only lose its view-only encode on the event loop).
-                base = self.delta_base(receivers, kv) if base_tokens and _is_delta(codec) else None
-                with telemetry.span(
-                    "kvbus.encode",
-                    attributes={"kvbus.medium": grant.medium} if tracing else None,
-                    current=False,
-                    lazy=True,
-                ):
-                    try:
-                        encoded = await self._encode(codec, kv, base)
-                    except NonFiniteValues:
-                        if medium is not None:
-                            raise  # the caller asked for this lossy medium: say why it cannot be
-                        logger.info("transfer %s: the KV holds NaN or inf; sending it with full", transfer_id)
-                        codec, base = get_codec("full"), None
-                        encoded = await self._encode(codec, kv, base)
-                sent_medium = encoded.codec
-                t_enc = time.perf_counter()
-                out = self._outgoing(transfer_id, receivers, grant, encoded, key=key)
-                self.outgoing[transfer_id] = out
-                try:
-                    # (Its counts are on kvbus.send; pause, resume and retransmit are its events.)
-                    with telemetry.span(
-                        "kvbus.stream",
-                        attributes={"kvbus.rate_bps": grant.rate_bps} if tracing else None,
-                        current=False,
-                        lazy=True,
-                    ) as stream_span:
-                        out.span = stream_span
-                        outcomes = await out.run()
-                finally:
-                    self.outgoing.pop(transfer_id, None)
-                    self._learn(out)
-                t_done = time.perf_counter()
-            except BaseException as exc:
-                telemetry.instruments().transfers.add(1, {"medium": sent_medium, "outcome": type(exc).__name__})
-                await self._scheduler.report_done(transfer_id, sent_medium, receivers, 0, 0.0, exc)
-                raise
-            path = out.path
-            send_span.set_attribute("kvbus.path", path)
-            if out.route is not None and out.route.used:
-                self.paths[receivers[0]] = out.route.used[0]
-                self.paths.move_to_end(receivers[0])
-                while len(self.paths) > INCARNATION_MEMORY:
-                    self.paths.popitem(last=False)
-            failed = {rx: o.error for rx, o in outcomes.items() if o.error is not None}
-            error = next(iter(failed.values())) if failed else None
-            slowest_decode = max((o.decode_s for o in outcomes.values()), default=0.0)
-            await self._scheduler.report_done(
-                transfer_id,
-                sent_medium,
-                receivers,
-                out.stats.bytes_sent or encoded.nbytes,
-                t_done - t_grant,
-                error,
-                wire_s=max(0.0, t_done - t_enc - slowest_decode),
-                path=out.route.summary if out.route is not None else "nats",
-                encode_s=t_enc - t_grant,
-                decode_s=slowest_decode,
-            )
-            fidelity, lossless = self._delivered(receivers, kv, codec, encoded)
-            for rx, o in outcomes.items():
-                if o.ok:
-                    self.bases[rx] = SentBase(kv.tokens, lossless, fidelity)
-                elif isinstance(o.error, TransferRejected) and o.error.code is Reason.RECEIVER_RESTARTED:
-                    self.bases.pop(rx, None)
-            # Metrics and the span's results once the report is returned (off the transfer's path).
-            telemetry.later(
-                _record_send, send_span, ep.name, grant, out.stats, encoded.nbytes, t0, t_grant, t_done, error
-            )
-            if error is not None:
-                error.failed = failed
-                raise error
-            return TransferReport(
-                transfer_id=transfer_id,
-                src=ep.name,
-                dst=tuple(receivers),
-                medium=sent_medium,
-                nbytes=encoded.nbytes,
-                context_bytes=kv.nbytes,
-                chunks=out.stats.chunks_sent,
-                retransmits=out.stats.retransmits,
-                queued_s=t_grant - t0,
-                encode_s=t_enc - t_grant,
-                transfer_s=t_done - t_enc,
-                decode_s={rx: o.decode_s for rx, o in outcomes.items()},
-                total_s=t_done - t0,
-                rate_bps=grant.rate_bps,
-                decision={
-                    **grant.decision,
-                    "reason": grant.reason,
-                    "observed_s": round(t_done - t_grant, 6),
-                    "measured": {
-                        "encode_s": round(t_enc - t_grant, 6),
-                        "wire_s": round(max(0.0, t_done - t_enc - slowest_decode), 6),
-                        "decode_s": round(slowest_decode, 6),
-                        "total_s": round(t_done - t_grant, 6),
-                    },
+                encoded = await self._encode(codec, kv, base)
+            except NonFiniteValues:
+                if request.medium is not None:
+                    raise  # the caller asked for this lossy medium: say why it cannot be
+                logger.info("transfer %s: the KV holds NaN or inf; sending it with full", request.transfer_id)
+                codec, base = get_codec("full"), None
+                encoded = await self._encode(codec, kv, base)
+        return TransferPlan(
+            request=request, grant=grant, t_grant=t_grant, codec=codec, encoded=encoded, t_enc=time.perf_counter()
+        )
+
+    async def _stream(self, out: OutgoingTransfer, plan: TransferPlan, *, tracing: bool) -> dict[str, ReceiverOutcome]:
+        """Run the transfer's stream to its verdicts (it takes the scheduler's controls meanwhile)."""
+        transfer_id = plan.request.transfer_id
+        self.outgoing[transfer_id] = out
+        try:
+            # (Its counts are on kvbus.send; pause, resume and retransmit are its events.)
+            with telemetry.span(
+                "kvbus.stream",
+                attributes={"kvbus.rate_bps": plan.grant.rate_bps} if tracing else None,
+                current=False,
+                lazy=True,
+            ) as stream_span:
+                out.span = stream_span
+                return await out.run()
+        finally:
+            self.outgoing.pop(transfer_id, None)
+            self._learn(out)
+
+    async def _report(
+        self,
+        plan: TransferPlan,
+        out: OutgoingTransfer,
+        outcomes: dict[str, ReceiverOutcome],
+        t_done: float,
+        send_span: Any,
+    ) -> TransferReport:
+        """Tell the scheduler how the transfer went, remember its path and the receivers' new
+        bases, and return its report.
+
+        Raises:
+            TransferError: a receiver failed (the first one's error, with ``failed`` set to all).
+        """
+        request, grant, encoded = plan.request, plan.grant, plan.encoded
+        receivers, kv, t_grant, t_enc = request.receivers, request.kv, plan.t_grant, plan.t_enc
+        path = out.path
+        send_span.set_attribute("kvbus.path", path)
+        self._remember_path(receivers, out)
+        failed = {rx: o.error for rx, o in outcomes.items() if o.error is not None}
+        error = next(iter(failed.values())) if failed else None
+        slowest_decode = max((o.decode_s for o in outcomes.values()), default=0.0)
+        await self._scheduler.report_done(
+            request.transfer_id,
+            encoded.codec,
+            receivers,
+            out.stats.bytes_sent or encoded.nbytes,
+            t_done - t_grant,
+            error,
+            wire_s=max(0.0, t_done - t_enc - slowest_decode),
+            path=out.route.summary if out.route is not None else "nats",
+            encode_s=t_enc - t_grant,
+            decode_s=slowest_decode,
+        )
+        fidelity, lossless = self._delivered(receivers, kv, plan.codec, encoded)
+        for rx, o in outcomes.items():
+            if o.ok:
+                self.bases[rx] = SentBase(kv.tokens, lossless, fidelity)
+            elif isinstance(o.error, TransferRejected) and o.error.code is Reason.RECEIVER_RESTARTED:
+                self.bases.pop(rx, None)
+        # Metrics and the span's results once the report is returned (off the transfer's path).
+        telemetry.later(
+            _record_send, send_span, self._ep.name, grant, out.stats, encoded.nbytes, request.t0, t_grant, t_done, error
+        )
+        if error is not None:
+            error.failed = failed
+            raise error
+        return TransferReport(
+            transfer_id=request.transfer_id,
+            src=self._ep.name,
+            dst=tuple(receivers),
+            medium=encoded.codec,
+            nbytes=encoded.nbytes,
+            context_bytes=kv.nbytes,
+            chunks=out.stats.chunks_sent,
+            retransmits=out.stats.retransmits,
+            queued_s=t_grant - request.t0,
+            encode_s=t_enc - t_grant,
+            transfer_s=t_done - t_enc,
+            decode_s={rx: o.decode_s for rx, o in outcomes.items()},
+            total_s=t_done - request.t0,
+            rate_bps=grant.rate_bps,
+            decision={
+                **grant.decision,
+                "reason": grant.reason,
+                "observed_s": round(t_done - t_grant, 6),
+                "measured": {
+                    "encode_s": round(t_enc - t_grant, 6),
+                    "wire_s": round(max(0.0, t_done - t_enc - slowest_decode), 6),
+                    "decode_s": round(slowest_decode, 6),
+                    "total_s": round(t_done - t_grant, 6),
                 },
-                fidelity=fidelity,
-                path=path,
-                paths=tuple(out.paths_used),
-            )
+            },
+            fidelity=fidelity,
+            path=path,
+            paths=tuple(out.paths_used),
+        )
+
+    def _remember_path(self, receivers: list[str], out: OutgoingTransfer) -> None:
+        """Path memory: the next transfer to this receiver likely takes the path this one took."""
+        if out.route is not None and out.route.used:
+            self.paths[receivers[0]] = out.route.used[0]
+            self.paths.move_to_end(receivers[0])
+            while len(self.paths) > INCARNATION_MEMORY:
+                self.paths.popitem(last=False)
 
     async def _encode(self, codec: Codec, kv: KVCache, base: KVCache | None) -> Encoded:
         ep = self._ep
@@ -292,19 +371,20 @@ class Sender:
             raise PayloadTooLarge("codec metadata", len(meta), MAX_META_BYTES)
         return encoded
 
-    def _outgoing(
-        self, transfer_id: str, receivers: list[str], grant: Grant, encoded: Encoded, *, key: str = ""
-    ) -> OutgoingTransfer:
-        """The transfer's stream, its chunk size fitted to the protocol's chunk count.
+    def _route(self, plan: TransferPlan) -> OutgoingTransfer:
+        """The transfer's stream, its chunk size fitted to the protocol's chunk count and to the
+        path it will likely take.
 
         Raises:
             PayloadTooLarge: it needs more than `MAX_CHUNKS` chunks, or its `Open` would not fit
                 the server's max_payload.
         """
-        ep = self._ep
-        largest = ep.bus.chunk_size
+        ep, settings = self._ep, self._settings
+        request, grant, encoded = plan.request, plan.grant, plan.encoded
+        receivers, transfer_id = request.receivers, request.transfer_id
+        largest = chunk_cap(ep.config, ep.transport.max_payload)
         chunk_size = max(MIN_CHUNK_SIZE, min(grant.chunk_size or largest, largest))
-        direct = ep.bus.paths_config.direct_chunk_size
+        direct = settings.direct_chunk_size
         if (
             direct
             and not grant.chunk_size
@@ -332,11 +412,11 @@ class Sender:
             bucket=self._scheduler.bucket(transfer_id),
             stage_shm=len(receivers) == 1 and self.paths.get(receivers[0]) == "shm",
             traceparent=telemetry.traceparent(),
-            per_receiver_streams=ep.bus.secure,
+            per_receiver_streams=settings.secure,
             incarnations=self.incarnations,
-            plane=ep.bus.plane,
+            plane=settings.plane,
             trace_link=grant.traceparent,  # the scheduler's root span, for a sender that does not trace
-            idempotency_key=key,
+            idempotency_key=request.key,
         )
         if out.plan.n_chunks > MAX_CHUNKS:
             raise PayloadTooLarge(f"payload in chunks of {chunk_size} bytes", out.plan.n_chunks, MAX_CHUNKS)
@@ -349,7 +429,7 @@ class Sender:
         """The data path a transfer of ``kv`` to ``receivers`` will likely take, for the cost model:
         the one the last transfer to the receiver took, else the fastest this process allows.
         Broadcasts and payloads small enough to ride in the `Open` go through NATS."""
-        plane = self._ep.bus.plane
+        plane = self._settings.plane
         if plane is None or len(receivers) != 1 or kv.nbytes <= self._ep.config.inline_limit:
             return "nats"
         known = self.paths.get(receivers[0])
