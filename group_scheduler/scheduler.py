@@ -164,14 +164,6 @@ class GroupScheduler(SchedulerHandlers, ReplicatedService):
         """Per reservation: seconds from each instance's request to its done report."""
         return self.loop.reservation_stats
 
-    @property
-    def _dir_cache(self) -> dict[str, tuple[float, AgentRecord | None]]:
-        return self.directory.cache
-
-    @property
-    def _dir_live(self) -> bool:
-        return self.directory.live
-
     async def lookup(self, agent: str) -> AgentRecord | None:
         """An agent's record from the JetStream directory (`Directory.lookup`)."""
         return await self.directory.lookup(agent)
