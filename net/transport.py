@@ -17,6 +17,7 @@ from nats.aio.client import NO_RESPONDERS_STATUS, Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from kvbus.errors import KVBusError
 from kvbus.net.servers import reconnect_options, server_urls
 
 logger = logging.getLogger(__name__)
@@ -40,8 +41,21 @@ PENDING_MSGS_LIMIT = 1 << 16
 PENDING_BYTES_LIMIT = 1 << 30
 
 
-class NoResponders(Exception):
-    """A request found no subscriber on its subject."""
+class NoResponders(KVBusError):
+    """A request found no subscriber on its subject.
+
+    Under the root, not under a bus or transfer error: it says only that nobody listens on
+    ``subject`` now, and each caller turns it into what it means there (`ReceiverGone`,
+    `SchedulerUnavailable`, a retry). No builtin base: ``except ConnectionError`` / ``OSError``
+    handlers (a broken path) must not start catching it.
+
+    Attributes:
+        subject: the subject nobody is subscribed to.
+    """
+
+    def __init__(self, subject: str) -> None:
+        self.subject = subject
+        super().__init__(f"no responder on {subject}")
 
 
 class Transport(Protocol):
