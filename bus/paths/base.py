@@ -17,6 +17,7 @@ logic sees it. Credit, repair, resume and exactly-once stay with the transfer lo
 from __future__ import annotations
 
 import enum
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -198,24 +199,46 @@ class ReceiveSession(Protocol):
         ...
 
 
-@runtime_checkable
-class DataPath(Protocol):
+@dataclass(frozen=True, slots=True)
+class OpenRequest:
+    """What the sender gives a path to open a session for one transfer (`DataPath.open`).
+
+    Attributes:
+        spec: the transfer.
+        offer: the receiver's direct-path offer from its `OpenReply` (None: it made none).
+        on_control: called with each control message the receiver sends back on the path.
+        on_lost: called once when the session's path fails under it.
+        segment: where the payload already is (``shm``: a `kvbus.bus.paths.shm.Segment`, so
+            nothing is copied); the other paths ignore it.
+    """
+
+    spec: TransferSpec
+    offer: PathOffer | None
+    on_control: ControlHandler | None = None
+    on_lost: LostHandler | None = None
+    segment: object | None = None
+
+
+class DataPath(ABC):
     """One way to move chunk bytes, as the sender sees it (receivers register transfers with
-    the `kvbus.bus.paths.plane.DataPlane`, which hands them to the path that gets a connection)."""
+    the `kvbus.bus.paths.plane.DataPlane`, which hands them to the path that gets a connection).
+
+    A path implements `start`, `close`, `reachable` and `open_session`; `open` is the same for all.
+    """
 
     kind: PathKind
 
+    @abstractmethod
     async def start(self) -> None:
-        """Start listening (direct paths that receive)."""
-        ...
+        """Start listening (direct paths that receive); called once, on the event loop, by `DataPlane.start`."""
 
+    @abstractmethod
     async def close(self) -> None:
         """Close listeners and connections; sessions still open fail with `PathBroken`."""
-        ...
 
+    @abstractmethod
     def reachable(self, offer: PathOffer | None, local_host: str) -> bool:
         """Whether it is worth trying this path for a receiver that made ``offer``."""
-        ...
 
     async def open(
         self,
@@ -226,9 +249,17 @@ class DataPath(Protocol):
         on_lost: LostHandler | None = None,
         segment: object | None = None,
     ) -> SendSession:
-        """A session for ``spec`` to the receiver that made ``offer``.
+        """A session for ``spec`` to the receiver that made ``offer`` (the fields of `OpenRequest`).
 
         Raises:
             PathUnavailable: the path cannot be used for it (nothing was sent).
         """
-        ...
+        return await self.open_session(OpenRequest(spec, offer, on_control, on_lost, segment))
+
+    @abstractmethod
+    async def open_session(self, request: OpenRequest) -> SendSession:
+        """The path's part of `open`: called on the event loop by `open` (`DataPlane.connect`).
+
+        Raises:
+            PathUnavailable: the path cannot be used for it (nothing was sent).
+        """

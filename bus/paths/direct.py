@@ -1,6 +1,7 @@
 """What the sending side of the direct paths (``tcp``, ``shm``) shares: a channel that writes
 frames scatter-gather, a long-lived connection per peer that multiplexes transfers as
-streams, and the send session of one transfer."""
+streams, the send session of one transfer, and `DirectPath`, the pool of those connections
+(one per receiving endpoint) that each direct path is built on."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import asyncio
 import logging
 import socket
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import Generic, TypeVar
 
-from kvbus.bus.paths.base import ControlHandler, LostHandler, PathKind, TransferSpec, digest_int
+from kvbus.bus.paths.base import ControlHandler, DataPath, LostHandler, PathKind, TransferSpec, digest_int
 from kvbus.bus.paths.errors import PathBroken, PathError, PathProtocolError, PathUnavailable, TokenRefused
 from kvbus.bus.paths.frames import HEADER_SIZE, MAX_CTRL, SENDER, Frame, FrameType, bind_payload, pack, unpack
 
@@ -20,6 +22,8 @@ logger = logging.getLogger(__name__)
 #: Most buffers one ``sendmsg`` takes (Linux IOV_MAX).
 IOV_MAX = 1024
 Buffer = bytes | bytearray | memoryview
+K = TypeVar("K", bound=Hashable)
+"""How a direct path names a receiving endpoint (``shm``: the socket's name; ``tcp``: (host, port))."""
 
 
 def byte_view(data: Buffer) -> memoryview:
@@ -380,3 +384,73 @@ class TxConnection:
     def close(self) -> None:
         """Close the connection (sessions on it fail with `PathBroken`)."""
         self.fail(PathBroken(self.path, "the connection was closed", peer=self.peer))
+
+
+class DirectPath(DataPath, Generic[K]):
+    """A direct path's sending side (`DataPath`): one long-lived `TxConnection` per receiving
+    endpoint ``K``, made on first use and shared by every transfer to it.
+
+    A path says how to reach an endpoint (`dial`), opens its sessions on `connection`, and
+    closes what else it holds (its listener) in `close_listener`.
+    """
+
+    def __init__(self) -> None:
+        self._conns: dict[K, TxConnection] = {}
+        self._connecting: dict[K, asyncio.Task[TxConnection]] = {}
+
+    @abstractmethod
+    async def dial(self, endpoint: K) -> tuple[Channel, str]:
+        """A new channel to ``endpoint`` and the peer's name for errors; called on the event loop
+        by `connection` when there is no connection to it (at most one dial per endpoint at a time).
+
+        Raises:
+            PathUnavailable: it cannot be reached.
+        """
+
+    @abstractmethod
+    async def close_listener(self) -> None:
+        """Close what the path holds besides its connections (its listener); called by `close`."""
+
+    async def connection(self, endpoint: K) -> TxConnection:
+        """The connection to ``endpoint``: the open one, else a new one (concurrent callers share one dial).
+
+        Raises:
+            PathUnavailable: it cannot be reached.
+        """
+        conn = self._conns.get(endpoint)
+        if conn is not None and conn.broken is None:
+            return conn
+        task = self._connecting.get(endpoint)
+        if task is None:
+            task = asyncio.create_task(self._connect(endpoint), name=f"kvbus-{self.kind.value}-connect")
+            self._connecting[endpoint] = task
+        try:
+            return await asyncio.shield(task)
+        finally:
+            if task.done():
+                self._connecting.pop(endpoint, None)
+
+    async def _connect(self, endpoint: K) -> TxConnection:
+        channel, peer = await self.dial(endpoint)
+        conn = TxConnection(self.kind.value, channel, peer, self._forget)
+        self._conns[endpoint] = conn
+        return conn
+
+    def _forget(self, conn: TxConnection) -> None:
+        for key, c in list(self._conns.items()):
+            if c is conn:
+                del self._conns[key]
+
+    @property
+    def connections(self) -> int:
+        """Open connections to peers (for tests and `kvbus top`)."""
+        return len(self._conns)
+
+    async def close(self) -> None:
+        """Close every connection (sessions on them fail with `PathBroken`), then the listener."""
+        for task in self._connecting.values():
+            task.cancel()
+        for conn in list(self._conns.values()):
+            conn.close()
+        self._conns.clear()
+        await self.close_listener()

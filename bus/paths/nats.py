@@ -12,7 +12,7 @@ import nats.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from kvbus.bus.paths.base import ChunkSink, ControlHandler, LostHandler, PathKind, TransferSpec, chunk_digest
+from kvbus.bus.paths.base import ChunkSink, DataPath, OpenRequest, PathKind, TransferSpec, chunk_digest
 from kvbus.bus.paths.errors import PathBroken, PathUnavailable
 from kvbus.net.transport import Transport, publish_views
 from kvbus.protocol import CHUNK_INDEX_HEADER, CHUNK_SUM_HEADER, ROOT_SUM_HEADER, PathOffer
@@ -130,7 +130,7 @@ async def _unsubscribe(sub: Subscription) -> None:
         logger.debug("unsubscribe failed", exc_info=True)
 
 
-class NatsPath:
+class NatsPath(DataPath):
     """The ``nats`` path (`DataPath`)."""
 
     kind = PathKind.NATS
@@ -148,20 +148,13 @@ class NatsPath:
         """NATS reaches every receiver."""
         return True
 
-    async def open(
-        self,
-        spec: TransferSpec,
-        offer: PathOffer | None,
-        *,
-        on_control: ControlHandler | None = None,
-        on_lost: LostHandler | None = None,
-        segment: object | None = None,
-    ) -> NatsSendSession:
-        """A session publishing on ``spec.data_subject``.
+    async def open_session(self, request: OpenRequest) -> NatsSendSession:
+        """A session publishing on the spec's data subject.
 
         Raises:
             PathUnavailable: the spec names no data subject.
         """
+        spec = request.spec
         if not spec.data_subject:
             raise PathUnavailable("nats", "the transfer has no data subject", peer=spec.receiver)
         return NatsSendSession(self.transport, spec)

@@ -27,9 +27,9 @@ import socket
 import numpy as np
 import torch
 
-from kvbus.bus.paths.base import ControlHandler, LostHandler, PathKind, TransferSpec
+from kvbus.bus.paths.base import ControlHandler, LostHandler, OpenRequest, PathKind, TransferSpec
 from kvbus.bus.paths.config import PathsConfig
-from kvbus.bus.paths.direct import DirectSendSession, PacketChannel, TxConnection
+from kvbus.bus.paths.direct import DirectPath, DirectSendSession, PacketChannel, TxConnection
 from kvbus.bus.paths.errors import PathUnavailable, TokenRefused
 from kvbus.bus.paths.frames import FrameType, pack
 from kvbus.bus.paths.host import host_identity
@@ -219,12 +219,13 @@ class ShmSendSession(DirectSendSession):
         self._recycle()
 
 
-class ShmPath:
-    """The ``shm`` path of one process: its listener (when it receives) and its connections (`DataPath`)."""
+class ShmPath(DirectPath[str]):
+    """The ``shm`` path of one process: its listener (when it receives) and its connections (`DirectPath`)."""
 
     kind = PathKind.SHM
 
     def __init__(self, registry: Expectations | None, *, config: PathsConfig) -> None:
+        super().__init__()
         self.config = config
         self.pool = SegmentPool(config.shm_pool_bytes)
         self.name = f"kvbus-shm-{os.getpid()}-{secrets.token_hex(8)}"
@@ -240,7 +241,6 @@ class ShmPath:
             if registry is not None
             else None
         )
-        self._conns: dict[str, TxConnection] = {}
 
     async def start(self) -> None:
         """Start the listener, if this process receives on ``shm``."""
@@ -256,27 +256,20 @@ class ShmPath:
         """Whether ``offer`` names a shm listener on this host."""
         return bool(offer is not None and offer.shm and offer.host == local_host)
 
-    async def open(
-        self,
-        spec: TransferSpec,
-        offer: PathOffer | None,
-        *,
-        on_control: ControlHandler | None = None,
-        on_lost: LostHandler | None = None,
-        segment: object | None = None,
-    ) -> ShmSendSession:
-        """Pass ``segment`` (or a new one) to ``offer``'s listener and bind a stream for ``spec``.
+    async def open_session(self, request: OpenRequest) -> ShmSendSession:
+        """Pass the request's segment (or a new one) to the offer's listener and bind a stream for the spec.
 
         Raises:
             PathUnavailable: not offered, another host, unreachable, empty payload, token refused.
         """
+        spec, offer, segment = request.spec, request.offer, request.segment
         if offer is None or not self.reachable(offer, host_identity()):
             raise PathUnavailable("shm", "not offered", peer=spec.receiver)
         if spec.total == 0:
             raise PathUnavailable("shm", "nothing to share in an empty payload", peer=spec.receiver)
         if segment is not None and (not isinstance(segment, Segment) or segment.nbytes < spec.total or segment.fd < 0):
             raise ValueError("segment must be an open Segment of at least the payload's size")
-        conn = await self._connection(offer.shm)
+        conn = await self.connection(offer.shm)
         # A segment from this path's pool (`segment`) goes back to it once the receiver let go.
         own = segment is None or (isinstance(segment, Segment) and segment.pooled)
         try:
@@ -284,7 +277,13 @@ class ShmPath:
         except OSError as exc:
             raise PathUnavailable("shm", f"cannot make a segment of {spec.total} bytes ({exc})") from None
         session = ShmSendSession(
-            spec, conn, seg, pool=self.pool if own else None, peer=offer.shm, on_control=on_control, on_lost=on_lost
+            spec,
+            conn,
+            seg,
+            pool=self.pool if own else None,
+            peer=offer.shm,
+            on_control=request.on_control,
+            on_lost=request.on_lost,
         )
         try:
             await conn.bind(session, offer.token, timeout=self.config.connect_timeout_s, fds=[seg.fd])
@@ -309,42 +308,21 @@ class ShmPath:
         seg.holds += 1
         return seg
 
-    async def _connection(self, name: str) -> TxConnection:
-        conn = self._conns.get(name)
-        if conn is not None and conn.broken is None:
-            return conn
+    async def dial(self, endpoint: str) -> tuple[PacketChannel, str]:
+        """A channel to the listener on the abstract socket ``endpoint`` (see `DirectPath.dial`)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         sock.setblocking(False)
         try:
             await asyncio.wait_for(
-                asyncio.get_running_loop().sock_connect(sock, "\0" + name), self.config.connect_timeout_s
+                asyncio.get_running_loop().sock_connect(sock, "\0" + endpoint), self.config.connect_timeout_s
             )
         except (OSError, TimeoutError) as exc:
             sock.close()
-            raise PathUnavailable("shm", f"cannot connect ({type(exc).__name__}: {exc})", peer=name) from None
-        conn = self._conns.get(name)  # another transfer may have connected meanwhile
-        if conn is not None and conn.broken is None:
-            sock.close()
-            return conn
-        conn = TxConnection("shm", PacketChannel(sock), name, self._forget)
-        self._conns[name] = conn
-        return conn
+            raise PathUnavailable("shm", f"cannot connect ({type(exc).__name__}: {exc})", peer=endpoint) from None
+        return PacketChannel(sock), endpoint
 
-    def _forget(self, conn: TxConnection) -> None:
-        for key, c in list(self._conns.items()):
-            if c is conn:
-                del self._conns[key]
-
-    @property
-    def connections(self) -> int:
-        """Open connections to peers."""
-        return len(self._conns)
-
-    async def close(self) -> None:
-        """Close the listener and every connection."""
-        for conn in list(self._conns.values()):
-            conn.close()
-        self._conns.clear()
+    async def close_listener(self) -> None:
+        """Close the segment pool and the listener (`DirectPath.close` closed the connections)."""
         self.pool.close()
         if self.listener is not None:
             self.listener.close()

@@ -15,9 +15,9 @@ import logging
 import socket
 import time
 
-from kvbus.bus.paths.base import ControlHandler, LostHandler, PathKind, TransferSpec
+from kvbus.bus.paths.base import OpenRequest, PathKind
 from kvbus.bus.paths.config import DataTls, PathsConfig
-from kvbus.bus.paths.direct import Channel, DirectSendSession, SocketChannel, StreamChannel, TxConnection
+from kvbus.bus.paths.direct import Channel, DirectPath, DirectSendSession, SocketChannel, StreamChannel
 from kvbus.bus.paths.errors import PathUnavailable
 from kvbus.bus.paths.frames import FrameType, pack
 from kvbus.bus.paths.registry import Expectations
@@ -61,12 +61,13 @@ def bind_host(config: PathsConfig) -> str:
     return config.tcp_host or advertised_host(config)
 
 
-class TcpPath:
-    """The ``tcp`` path of one process: its listener (when it receives) and its connections to peers (`DataPath`)."""
+class TcpPath(DirectPath[tuple[str, int]]):
+    """The ``tcp`` path of one process: its listener (when it receives) and its connections to peers (`DirectPath`)."""
 
     kind = PathKind.TCP
 
     def __init__(self, registry: Expectations | None, *, config: PathsConfig, tls: DataTls | None = None) -> None:
+        super().__init__()
         self.config = config
         self.tls = tls
         self.listener: TcpListener | None = None
@@ -82,8 +83,6 @@ class TcpPath:
                 max_unbound_per_source=config.tcp_max_unbound_per_source,
             )
         self._client_ssl = tls.client_context() if tls else None
-        self._conns: dict[tuple[str, int], TxConnection] = {}
-        self._connecting: dict[tuple[str, int], asyncio.Task[TxConnection]] = {}
         self._failed: dict[tuple[str, int], float] = {}
         """Endpoints a connection to failed, and when (not tried again for `FAILED_ENDPOINT_S`)."""
         self.advertise = ""
@@ -131,43 +130,24 @@ class TcpPath:
         failed = self._failed.get((offer.tcp_host, offer.tcp_port))
         return failed is None or time.monotonic() - failed > FAILED_ENDPOINT_S
 
-    async def open(
-        self,
-        spec: TransferSpec,
-        offer: PathOffer | None,
-        *,
-        on_control: ControlHandler | None = None,
-        on_lost: LostHandler | None = None,
-        segment: object | None = None,
-    ) -> TcpSendSession:
-        """Bind a stream for ``spec`` on the connection to ``offer``'s endpoint (connecting if needed).
+    async def open_session(self, request: OpenRequest) -> TcpSendSession:
+        """Bind a stream for the spec on the connection to the offer's endpoint (connecting if needed).
 
         Raises:
             PathUnavailable: not offered, TLS mismatch, connection refused, token refused.
         """
+        spec, offer = request.spec, request.offer
         if offer is None or not self.reachable(offer, ""):
             raise PathUnavailable("tcp", "not offered, TLS on one side only, or unreachable lately", peer=spec.receiver)
-        conn = await self._connection(offer.tcp_host, offer.tcp_port)
-        session = TcpSendSession(spec, conn, peer=conn.peer, on_control=on_control, on_lost=on_lost)
+        conn = await self.connection((offer.tcp_host, offer.tcp_port))
+        session = TcpSendSession(spec, conn, peer=conn.peer, on_control=request.on_control, on_lost=request.on_lost)
         await conn.bind(session, offer.token, timeout=self.config.connect_timeout_s)
         return session
 
-    async def _connection(self, host: str, port: int) -> TxConnection:
-        key = (host, port)
-        conn = self._conns.get(key)
-        if conn is not None and conn.broken is None:
-            return conn
-        task = self._connecting.get(key)
-        if task is None:
-            task = asyncio.create_task(self._connect(host, port), name=f"kvbus-tcp-connect-{host}:{port}")
-            self._connecting[key] = task
-        try:
-            return await asyncio.shield(task)
-        finally:
-            if task.done():
-                self._connecting.pop(key, None)
-
-    async def _connect(self, host: str, port: int) -> TxConnection:
+    async def dial(self, endpoint: tuple[str, int]) -> tuple[Channel, str]:
+        """A plain or TLS channel to ``endpoint`` (see `DirectPath.dial`); one that fails is not
+        tried again for `FAILED_ENDPOINT_S`."""
+        host, port = endpoint
         peer = f"{host}:{port}"
         timeout = self.config.connect_timeout_s
         try:
@@ -196,30 +176,13 @@ class TcpPath:
                     raise
                 channel = SocketChannel(sock)
         except (OSError, TimeoutError, ConfigError) as exc:
-            self._failed[(host, port)] = time.monotonic()
+            self._failed[endpoint] = time.monotonic()
             raise PathUnavailable("tcp", f"cannot connect ({type(exc).__name__}: {exc})", peer=peer) from None
-        self._failed.pop((host, port), None)
-        conn = TxConnection("tcp", channel, peer, self._forget)
-        self._conns[(host, port)] = conn
-        return conn
+        self._failed.pop(endpoint, None)
+        return channel, peer
 
-    def _forget(self, conn: TxConnection) -> None:
-        for key, c in list(self._conns.items()):
-            if c is conn:
-                del self._conns[key]
-
-    @property
-    def connections(self) -> int:
-        """Open connections to peers (for tests and `kvbus top`)."""
-        return len(self._conns)
-
-    async def close(self) -> None:
-        """Close the listener and every connection."""
-        for task in self._connecting.values():
-            task.cancel()
-        for conn in list(self._conns.values()):
-            conn.close()
-        self._conns.clear()
+    async def close_listener(self) -> None:
+        """Close the listener (`DirectPath.close` closed the connections)."""
         if self.listener is not None:
             await self.listener.close()
 
