@@ -7,6 +7,9 @@ import logging
 from collections.abc import AsyncIterator, Iterable
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from kvbus.bus.cache import CacheTier
 from kvbus.bus.endpoint import Endpoint
 from kvbus.bus.inbox import Inbox
 from kvbus.bus.pacing import EmulatedLink
@@ -54,7 +57,7 @@ class Agent(Endpoint):
         priority: float,
         signature: ModelSignature | None,
         runner: ModelRunner | None,
-        cache: Any = None,
+        cache: CacheTier | None = None,
         link: EmulatedLink | None = None,
         settings: SendSettings,
     ) -> None:
@@ -267,11 +270,11 @@ class Agent(Endpoint):
     def cache_bytes(self, value: int) -> None:
         self._probes.cache_bytes = value
 
-    def prefetch(self, context: Any) -> Any:
+    def prefetch(self, context: KVCache | torch.Tensor) -> asyncio.Task[int] | None:
         """Workflow hint: ``context`` (token ids or a `KVCache`) will be needed soon.
 
         With a cache tier, its remote blocks start loading in the background; returns the tier's
-        handle (an awaitable task) or None without a tier.
+        handle (an awaitable task; its result is the number of blocks loaded) or None without a tier.
         """
         if self.cache is None:
             return None

@@ -12,6 +12,7 @@ from typing import Any
 
 from kvbus import telemetry
 from kvbus.bus.agent import Agent
+from kvbus.bus.cache import CacheTier
 from kvbus.bus.config import BusConfig
 from kvbus.bus.errors import BusClosed
 from kvbus.bus.pacing import EmulatedLink
@@ -188,7 +189,7 @@ class Bus:
         priority: float = 1.0,
         signature: ModelSignature | None = None,
         runner: ModelRunner | None = None,
-        cache: Any = None,
+        cache: CacheTier | None = None,
         link: EmulatedLink | None = None,
     ) -> Agent:
         """Register an agent on this bus and start its inbox.

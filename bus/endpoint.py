@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from kvbus.bus.cache import CacheTier
 from kvbus.bus.config import BusConfig
 from kvbus.bus.pacing import EmulatedLink
 from kvbus.codecs import ModelRunner
@@ -32,7 +33,7 @@ class Endpoint:
         priority: float,
         signature: ModelSignature | None,
         runner: ModelRunner | None,
-        cache: Any = None,
+        cache: CacheTier | None = None,
         link: EmulatedLink | None = None,
     ) -> None:
         self.bus = bus

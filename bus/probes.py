@@ -35,7 +35,7 @@ class Probes:
     def cache_bytes(self) -> int:
         """KV bytes the agent holds: its cache tier's resident bytes, or what the owner set."""
         if self._ep.cache is not None:
-            return int(getattr(self._ep.cache, "memory_bytes", 0))
+            return self._ep.cache.memory_bytes
         return self._cache_bytes
 
     @cache_bytes.setter
@@ -55,8 +55,8 @@ class Probes:
         """The agent's state now (this also counts the cache tier's hits since the last probe)."""
         ep = self._ep
         link = ep.link or EmulatedLink()
-        if self._cache_metrics is not None:
-            self._cache_metrics.observe(getattr(ep.cache, "stats", None))
+        if self._cache_metrics is not None and ep.cache is not None:
+            self._cache_metrics.observe(ep.cache.stats)
         return Probe(
             agent=ep.name,
             group=ep.group,
@@ -90,7 +90,7 @@ def _count_cache_events(endpoint: Endpoint) -> telemetry.CacheMetrics | None:
     """Hook metrics into the agent's cache tier: its listener is wrapped by a `CacheMetrics` that
     counts every event and passes it on. None without a tier, or when its events are counted already."""
     cache = endpoint.cache
-    if cache is None or not hasattr(cache, "listener") or isinstance(cache.listener, telemetry.CacheMetrics):
+    if cache is None or isinstance(cache.listener, telemetry.CacheMetrics):
         return None
     metrics = telemetry.CacheMetrics(endpoint.name, inner=cache.listener)
     cache.listener = metrics

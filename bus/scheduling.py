@@ -376,14 +376,14 @@ class SchedulerLink:
     def _shed(self, cmd: Control) -> None:
         """Memory hint from the scheduler: the cache passed its watermark. Without a cache tier, ignored."""
         name = self._ep.name
-        shed = getattr(self._ep.cache, "shed", None)
-        if shed is None:
+        cache = self._ep.cache
+        if cache is None:
             return
         logger.info("agent %s: shedding cache (%s)", name, cmd.reason)
 
         async def run() -> None:
             try:
-                await shed(cmd.nbytes or None)
+                await cache.shed(cmd.nbytes or None)
             except asyncio.CancelledError:
                 raise
             except Exception:

@@ -21,7 +21,7 @@ from kvbus.cachetier.policy import Action, BlockInfo, ShedPolicy, Usage, Utility
 from kvbus.cachetier.record import Stub, parse_record
 from kvbus.cachetier.remote import RemoteStore
 from kvbus.cachetier.tier import CacheTier
-from kvbus.cachetier.types import ShedReport, Status, TierListener, TierStats
+from kvbus.cachetier.types import ShedReport, Status, TierEvents, TierListener, TierStats
 
 __all__ = [
     "Action",
@@ -40,6 +40,7 @@ __all__ = [
     "Status",
     "Stub",
     "TierClosed",
+    "TierEvents",
     "TierListener",
     "TierStats",
     "UnsuitableCodec",

@@ -48,7 +48,7 @@ from kvbus.cachetier.policy import BlockInfo, ShedPolicy, UtilityPolicy
 from kvbus.cachetier.record import Stub, storage_codec
 from kvbus.cachetier.remote import RemoteStore
 from kvbus.cachetier.residency import Residency
-from kvbus.cachetier.types import ShedReport, Status, TierListener, TierStats
+from kvbus.cachetier.types import ShedReport, Status, TierEvents, TierListener, TierStats
 from kvbus.codecs import Codec, ModelRunner
 from kvbus.errors import KVBusError
 from kvbus.kvcache import KVCache
@@ -80,7 +80,7 @@ class CacheTier:
         remote: RemoteStore | None = None,
         config: CacheTierConfig | None = None,
         policy: ShedPolicy | None = None,
-        listener: TierListener | None = None,
+        listener: TierEvents | None = None,
         clock: Callable[[], float] = time.monotonic,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -112,7 +112,7 @@ class CacheTier:
         self._codecs: dict[str, Codec] = {}
         # Fail now, not at the first offload, on a codec that cannot store blocks.
         self._codec_for(BlockInfo("0" * 32, 0, self.config.block_tokens, 0, 1.0))
-        self.listener: TierListener = listener or TierListener()
+        self.listener: TierEvents = listener or TierListener()
         """The hook the tier calls on offloads, fetches, misses, drops and recomputes (replaceable)."""
         self.clock = clock
         self.stats = TierStats()
@@ -142,7 +142,7 @@ class CacheTier:
         runner: ModelRunner | None = None,
         config: CacheTierConfig | None = None,
         policy: ShedPolicy | None = None,
-        listener: TierListener | None = None,
+        listener: TierEvents | None = None,
         clock: Callable[[], float] = time.monotonic,
         dtype: torch.dtype | None = None,
     ) -> CacheTier:

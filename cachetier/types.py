@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
 
 class Status(Enum):
@@ -76,6 +76,26 @@ class ShedReport:
     """Payload bytes written."""
     memory_bytes: int = 0
     """Resident bytes afterwards."""
+
+
+class TierEvents(Protocol):
+    """What a tier's ``listener`` is: any object with these five hooks (`TierListener` is the base
+    with no-op defaults; the bus puts its metrics wrapper there, `kvbus.telemetry.CacheMetrics`)."""
+
+    def offloaded(self, keys: list[str]) -> None:
+        """Blocks were written and confirmed."""
+
+    def fetched(self, keys: list[str]) -> None:
+        """Blocks were read back."""
+
+    def missed(self, keys: list[str]) -> None:
+        """Remote reads found nothing usable."""
+
+    def dropped(self, keys: list[str]) -> None:
+        """Blocks were freed with no remote copy."""
+
+    def recomputed(self, keys: list[str]) -> None:
+        """Blocks were rebuilt from their tokens."""
 
 
 class TierListener:

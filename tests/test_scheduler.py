@@ -225,11 +225,14 @@ async def test_an_idle_scheduler_does_no_work(nats_url: str) -> None:
 
 
 class FakeTier:
-    """Stands in for a cache tier: reports its bytes, records shed calls."""
+    """Stands in for a cache tier (`kvbus.bus.cache.CacheTier`): reports its bytes, records shed
+    calls; it has no listener to wrap and no counters."""
 
     def __init__(self, memory_bytes: int) -> None:
         self.memory_bytes = memory_bytes
         self.sheds: list[int | None] = []
+        self.listener: Any = None
+        self.stats: Any = None
 
     async def shed(self, target_bytes: int | None = None) -> None:
         self.sheds.append(target_bytes)
