@@ -2,6 +2,12 @@
 
 Used by coordinator replicas and by group scheduler replicas: the holder renews the lease every
 ``ttl / 3``; a standby takes it over when it has not been renewed for ``ttl``.
+
+A holder that cannot reach the bucket (its NATS server died and the client is moving to another,
+or JetStream is electing a new meta leader) keeps the lease until ``ttl`` has passed since its
+last renewal began: no standby can take it over sooner, so stepping down at the first error only
+leaves the group without a leader through the failover. Every bucket call is bounded by
+``ttl / 3``, so a call that hangs on a dead server cannot outlive the lease.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ class LeaderLease:
         self.on_lost = on_lost
         self.is_leader = False
         self._revision: int | None = None
+        self._renewed_at = 0.0
+        """`time.monotonic()` when the last successful write of the lease began."""
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
 
@@ -46,28 +54,48 @@ class LeaderLease:
         return json.dumps({"holder": self.holder, "ts": time.time()}).encode()
 
     async def try_acquire(self) -> bool:
-        """One attempt: create the key, renew it if ours, or take it over if stale."""
+        """One attempt: create the key, renew it if ours, or take it over if stale.
+
+        Returns whether this holder has the lease now. A holder that could not reach the bucket
+        still has it while less than ``ttl`` has passed since its last renewal began.
+        """
+        started = time.monotonic()
         try:
-            if self.is_leader and self._revision is not None:
+            won = await asyncio.wait_for(self._attempt(), self.ttl / 3)
+        except KeyWrongLastSequenceError:
+            return False  # someone else wrote the key: it is theirs
+        except Exception:
+            keeps = self.is_leader and time.monotonic() - self._renewed_at < self.ttl
+            logger.warning(
+                "lease %s: could not reach the bucket%s",
+                self.key,
+                " (keeping the lease until it expires)" if keeps else "",
+                exc_info=True,
+            )
+            return keeps
+        if won:
+            self._renewed_at = started
+        return won
+
+    async def _attempt(self) -> bool:
+        if self.is_leader and self._revision is not None:
+            try:
                 self._revision = await self.bucket.update(self.key, self._value(), last=self._revision)
                 return True
-            try:
-                entry = await self.bucket.get(self.key)
-            except KeyNotFoundError:
-                entry = None
-            if entry is None or entry.value is None:
-                self._revision = await self.bucket.create(self.key, self._value())
-                return True
-            current = json.loads(entry.value)
-            if current.get("holder") == self.holder or time.time() - float(current.get("ts", 0)) > self.ttl:
-                self._revision = await self.bucket.update(self.key, self._value(), last=entry.revision)
-                return True
-            return False
-        except KeyWrongLastSequenceError:
-            return False
-        except Exception:
-            logger.warning("lease %s: could not reach the bucket", self.key, exc_info=True)
-            return False
+            except KeyWrongLastSequenceError:
+                pass  # a renewal that timed out may have landed after all: read who holds it
+        try:
+            entry = await self.bucket.get(self.key)
+        except KeyNotFoundError:
+            entry = None
+        if entry is None or entry.value is None:
+            self._revision = await self.bucket.create(self.key, self._value())
+            return True
+        current = json.loads(entry.value)
+        if current.get("holder") == self.holder or time.time() - float(current.get("ts", 0)) > self.ttl:
+            self._revision = await self.bucket.update(self.key, self._value(), last=entry.revision)
+            return True
+        return False
 
     async def run(self) -> None:
         """Campaign and renew until cancelled or released.
