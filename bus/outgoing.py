@@ -24,6 +24,7 @@ over NATS.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -71,6 +72,8 @@ class StreamStats:
     pauses: int = 0
     declined_pauses: int = 0
     """Pause requests refused because too much had been sent already."""
+    expired_pauses: int = 0
+    """Pauses that outlasted `OutgoingTransfer.max_pause_s` without a resume (the transfer went on)."""
     rate_changes: int = 0
     fallbacks: int = 0
     """Times a direct path failed and the transfer went on over NATS."""
@@ -174,6 +177,8 @@ class OutgoingTransfer:
         self._running = asyncio.Event()
         self._running.set()
         self._paused_at = 0.0
+        self.max_pause_s = min(config.grant_timeout, config.partial_timeout / 2)
+        """The longest a pause holds the transfer without a resume (`_wait_while_paused`)."""
         self._started = False
         # The connection's own zero-copy publish (a wrapper that only defines ``publish``, such
         # as a fault injector, gets every chunk through it).
@@ -232,6 +237,7 @@ class OutgoingTransfer:
             self.span.add_event("resume", {"kvbus.fraction_sent": self.fraction_sent})
         self._last_progress = time.monotonic()
         self._running.set()
+        self._progress.set()  # wake `_wait_while_paused`
 
     def set_rate(self, rate_bps: float) -> None:
         """Pace the rest of the transfer at ``rate_bps`` bytes/s (0 = unpaced)."""
@@ -323,7 +329,7 @@ class OutgoingTransfer:
         inline = self.open.inline
         payload: list[memoryview] = list(self.plan.buffers) if inline else []  # sent as they are
         # Paused before it started (preempted while encoding): start when resumed.
-        await self._running.wait()
+        await self._wait_while_paused()
         if not self._active():
             return self.outcomes
         self._started = True
@@ -532,7 +538,7 @@ class OutgoingTransfer:
             if not active:
                 return
             if not self._running.is_set():
-                await self._running.wait()
+                await self._wait_while_paused()
                 continue
             if self._resend:
                 index = min(self._resend)
@@ -552,6 +558,25 @@ class OutgoingTransfer:
                 await asyncio.wait_for(self._progress.wait(), self.config.ack_timeout)
             except TimeoutError:
                 await self._stalled()
+
+    async def _wait_while_paused(self) -> None:
+        """Wait for `resume`, or until no receiver is pending (a verdict or a cancel came), but
+        not for ever: a scheduler that forgot the pause (it restarted, or its leader failed over)
+        never sends the resume. Past `max_pause_s` the transfer goes on by itself, while its
+        receiver still keeps the partial (`partial_timeout`)."""
+        while not self._running.is_set() and self._active():
+            left = self._paused_at + self.max_pause_s - time.monotonic()
+            if left <= 0:
+                logger.warning(
+                    "transfer %s: paused for %.1f s without a resume; going on", self.transfer_id, self.max_pause_s
+                )
+                self.span.add_event("pause.expired", {"kvbus.fraction_sent": self.fraction_sent})
+                self.stats.expired_pauses += 1
+                self.resume()
+                return
+            self._progress.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._progress.wait(), left)
 
     async def _stalled(self) -> None:
         """No ack for a while: ask each lagging receiver where it stands (this also tells if it is alive)."""

@@ -15,6 +15,7 @@ import pytest
 from kvbus.bus import Bus, BusConfig, EmulatedLink, ReceiveTimeout, ReservationRefused, TransferRejected
 from kvbus.bus.outgoing import OutgoingTransfer
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
+from kvbus.reasons import Reason
 from tests.conftest import FAST
 from tests.kvutil import kv_of_bytes
 from tests.peer import SIG
@@ -156,6 +157,50 @@ async def test_no_preemption_past_the_threshold(nats_url: str) -> None:
     assert out.stats.pauses == 0 and out.stats.declined_pauses == 1  # the sender said no
     assert sched.state.declined_pauses == 1
     assert out.stats.retransmits == 0 and out.stats.chunks_sent == out.plan.n_chunks
+
+
+async def test_a_pause_that_is_never_resumed_ends_and_the_transfer_goes_on(nats_url: str) -> None:
+    """A scheduler that forgot a pause (it restarted, or failed over) never sends the resume: the
+    transfer goes on by itself after `max_pause_s`, whole (it used to wait for ever)."""
+    async with group(nats_url, "g-lostpause"), buses(nats_url, 2) as (tx_bus, rx_bus):
+        rx = await rx_bus.agent("lostpause-rx", group="g-lostpause", signature=SIG, link=EmulatedLink(16 * MB))
+        tx = await tx_bus.agent("lostpause-tx", group="g-lostpause", signature=SIG)
+        kv = kv_of_bytes(SIG, 8 * MB, seed=3)
+        send = asyncio.create_task(tx.send(rx.name, kv, medium="full"))
+        out = await outgoing(tx)
+        out.max_pause_s = 0.5
+        assert out.pause()  # what a `pause` control does; no `resume` follows
+        report = await asyncio.wait_for(send, 20)
+        got = await rx.receive(timeout=10)
+        assert got.transfer_id == report.transfer_id and got.kv.equal(kv)
+        assert out.stats.pauses == 1 and out.stats.expired_pauses == 1
+
+
+@pytest.mark.parametrize("paths", ["nats", "default"])
+async def test_a_receivers_verdict_ends_a_paused_transfer(
+    nats_url: str, paths: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The receiver drops the paused transfer's partial (no chunk for its ``partial_timeout``)
+    and says so: the send fails at once with that reason, paused or not (it used to wait for a
+    resume that never came). On NATS and on the direct path this host gets."""
+    if paths == "nats":
+        monkeypatch.setenv("KVBUS_PATHS_ALLOWED", "nats")
+    async with (
+        group(nats_url, "g-pausedrop"),
+        buses(nats_url, 1, grant_timeout=60.0) as (tx_bus,),
+        buses(nats_url, 1, partial_timeout=1.0) as (rx_bus,),
+    ):
+        rx = await rx_bus.agent("pausedrop-rx", group="g-pausedrop", signature=SIG, link=EmulatedLink(16 * MB))
+        tx = await tx_bus.agent("pausedrop-tx", group="g-pausedrop", signature=SIG)
+        send = asyncio.create_task(tx.send(rx.name, kv_of_bytes(SIG, 8 * MB, seed=4), medium="full"))
+        out = await outgoing(tx)
+        await until(lambda: out.fraction_sent >= 0.05, what="the receiver holds a partial")
+        out.max_pause_s = 60.0
+        assert out.pause()
+        with pytest.raises(TransferRejected) as caught:
+            await asyncio.wait_for(send, 20)
+        assert caught.value.code is Reason.PARTIAL_DROPPED
+        assert out.stats.expired_pauses == 0
 
 
 # -- failures -------------------------------------------------------------------------------------------
