@@ -39,6 +39,7 @@ from nats.js.errors import (
 )
 
 from kvbus.errors import ConfigError, KVBusError
+from kvbus.net.transport import Transport
 from kvbus.protocol import AGENTS_BUCKET, COORD_BUCKET, GROUPS_BUCKET
 
 logger = logging.getLogger(__name__)
@@ -232,12 +233,12 @@ async def with_retry(op: Callable[[], Awaitable[T]], what: str, *, wait_s: float
             delay = min(1.0, 2 * delay)
 
 
-async def transport_bucket(transport: Any, name: str, *, history: int = 1) -> Any:
-    """The bucket ``name`` over ``transport``'s NATS connection, or None for a transport without one."""
-    nc = getattr(transport, "nc", None)
-    if nc is None:
+async def transport_bucket(transport: Transport, name: str, *, history: int = 1) -> Any:
+    """The bucket ``name`` in ``transport``'s JetStream, or None for a transport without one."""
+    js = transport.jetstream()
+    if js is None:
         return None
-    return await key_value(nc.jetstream(), name, history=history)
+    return await key_value(js, name, history=history)
 
 
 async def bucket_report(js: Any, names: list[str] | None = None) -> dict[str, dict[str, Any]]:

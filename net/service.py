@@ -150,9 +150,7 @@ class ReplicatedService:
         if self._leader is not None:
             await bounded(self._leader.release(), "release the leader lease")
         await self.closed_down()
-        close = getattr(self.transport, "close", None)
-        if close is not None:
-            await close()  # `NatsTransport.close` bounds its drain and close itself
+        await self.transport.close()  # `NatsTransport.close` bounds its drain and close itself
 
     async def __aenter__(self) -> Self:
         return self

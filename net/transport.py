@@ -16,6 +16,7 @@ import nats.js.api
 from nats.aio.client import NO_RESPONDERS_STATUS, Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
 
 from kvbus.errors import KVBusError
 from kvbus.net.servers import reconnect_options, server_urls
@@ -59,15 +60,45 @@ class NoResponders(KVBusError):
 
 
 class Transport(Protocol):
-    """Publish / subscribe / request over a message broker."""
+    """Publish / subscribe / request over a message broker.
+
+    `NatsTransport` is the one over NATS; `TransportWrapper` is the base of a wrapper that
+    changes some calls (fault injection, counting). All members are called on the event loop
+    of the connection.
+    """
 
     @property
     def max_payload(self) -> int:
         """The largest message payload the broker accepts, in bytes."""
         ...
 
+    @property
+    def uses_tls(self) -> bool:
+        """Whether the connection to the broker is encrypted (the bus then keeps its direct
+        ``tcp`` path encrypted too, or off)."""
+        ...
+
+    def settling(self) -> bool:
+        """Whether the connection is down or was just re-established: peers may still be
+        reconnecting, so a missing responder or a lost fire-and-forget message may be one of them
+        (a report is then said again)."""
+        ...
+
+    def jetstream(self) -> JetStreamContext | None:
+        """The broker's JetStream (for the KV buckets: agent directory, leases, state), or None
+        when this transport has none (the callers then do without a bucket)."""
+        ...
+
     async def publish(self, subject: str, payload: bytes | memoryview, headers: dict[str, str] | None = None) -> None:
         """Publish ``payload`` (with optional NATS headers) on ``subject``, fire and forget."""
+        ...
+
+    async def publish_views(
+        self, subject: str, views: Sequence[bytes | memoryview], headers: dict[str, str] | None = None
+    ) -> None:
+        """`publish` one message whose payload is ``views`` back to back (without joining them
+        where the transport can: `NatsTransport.publish_views`); the views must stay unchanged
+        until the message is flushed."""
         ...
 
     async def request(self, subject: str, payload: bytes, timeout: float) -> bytes:
@@ -76,6 +107,14 @@ class Transport(Protocol):
         Raises:
             NoResponders: nobody is subscribed.
             TimeoutError: nobody replied in time.
+        """
+        ...
+
+    async def request_views(self, subject: str, views: Sequence[bytes | memoryview], timeout: float) -> bytes:
+        """`request` with a payload of ``views`` back to back (not joined where the transport can).
+
+        Raises:
+            NoResponders, TimeoutError: as `request`.
         """
         ...
 
@@ -93,6 +132,10 @@ class Transport(Protocol):
         Raises:
             TimeoutError: the broker did not confirm within ``timeout`` seconds.
         """
+        ...
+
+    async def close(self) -> None:
+        """Deliver what is buffered (bounded in time), then close the connection; closing twice is harmless."""
         ...
 
 
@@ -169,6 +212,10 @@ class NatsTransport:
     def max_payload(self) -> int:
         """The server's max_payload, as announced when the connection was made."""
         return int(self.nc.max_payload)
+
+    def jetstream(self) -> JetStreamContext:
+        """The connection's JetStream context."""
+        return self.nc.jetstream()
 
     def max_chunk_size(self, header_room: int = DEFAULT_HEADER_ROOM) -> int:
         """The largest chunk one message can carry: the server's max_payload less ``header_room``, at most 8 MB."""
@@ -371,27 +418,83 @@ async def flush(nc: Client, timeout: float = 5.0) -> None:
 async def request_views(
     transport: Transport, subject: str, views: Sequence[bytes | memoryview], timeout: float
 ) -> bytes:
-    """A request whose payload is ``views`` back to back, zero-copy where the transport's class
-    can (`NatsTransport.request_views`), else joined (a wrapper that defines only ``request``,
-    such as a fault injector or a counter, sees every request)."""
-    method = getattr(type(transport), "request_views", None)
-    if callable(method):
-        data: bytes = await method(transport, subject, views, timeout)
-        return data
-    return await transport.request(subject, b"".join(views), timeout=timeout)
+    """``transport.request_views``: a request whose payload is ``views`` back to back."""
+    return await transport.request_views(subject, views, timeout)
 
 
 async def publish_views(
     transport: Transport, subject: str, views: Sequence[bytes | memoryview], headers: dict[str, str] | None = None
 ) -> None:
-    """Publish ``views`` as one message, zero-copy where the transport can (`NatsTransport.publish_views`)."""
-    method = getattr(transport, "publish_views", None)
-    if method is not None:
-        await method(subject, views, headers=headers)
-    elif len(views) == 1:
-        await transport.publish(subject, views[0], headers=headers)
-    else:
-        await transport.publish(subject, b"".join(views), headers=headers)
+    """``transport.publish_views``: publish ``views`` as one message."""
+    await transport.publish_views(subject, views, headers=headers)
+
+
+class TransportWrapper:
+    """A `Transport` over another one, the base of a wrapper that changes some of its calls (a
+    fault injector, a counter, a recorder in a test or a bench).
+
+    Every member goes to ``inner`` as it is, except the two views methods: they hand their
+    payload to this object's own `publish` / `request` (one view as it is, several joined), so a
+    subclass that overrides only ``publish`` or ``request`` sees every message the bus sends.
+
+    Args:
+        inner: the transport wrapped.
+    """
+
+    def __init__(self, inner: Transport) -> None:
+        self.inner = inner
+
+    @property
+    def max_payload(self) -> int:
+        """``inner``'s."""
+        return self.inner.max_payload
+
+    @property
+    def uses_tls(self) -> bool:
+        """``inner``'s."""
+        return self.inner.uses_tls
+
+    def settling(self) -> bool:
+        """``inner``'s."""
+        return self.inner.settling()
+
+    def jetstream(self) -> JetStreamContext | None:
+        """``inner``'s."""
+        return self.inner.jetstream()
+
+    async def publish(self, subject: str, payload: bytes | memoryview, headers: dict[str, str] | None = None) -> None:
+        """``inner``'s."""
+        await self.inner.publish(subject, payload, headers)
+
+    async def publish_views(
+        self, subject: str, views: Sequence[bytes | memoryview], headers: dict[str, str] | None = None
+    ) -> None:
+        """Through this object's `publish`: one view as it is, several joined."""
+        await self.publish(subject, views[0] if len(views) == 1 else b"".join(views), headers=headers)
+
+    async def request(self, subject: str, payload: bytes, timeout: float) -> bytes:
+        """``inner``'s."""
+        return await self.inner.request(subject, payload, timeout=timeout)
+
+    async def request_views(self, subject: str, views: Sequence[bytes | memoryview], timeout: float) -> bytes:
+        """Through this object's `request`, the views joined."""
+        return await self.request(subject, b"".join(views), timeout=timeout)
+
+    async def subscribe(self, subject: str, handler: Handler, *, queue: str = "") -> Subscription:
+        """``inner``'s."""
+        return await self.inner.subscribe(subject, handler, queue=queue)
+
+    async def reply(self, msg: Msg, payload: bytes) -> None:
+        """``inner``'s."""
+        await self.inner.reply(msg, payload)
+
+    async def flush(self, timeout: float = 5.0) -> None:
+        """``inner``'s."""
+        await self.inner.flush(timeout)
+
+    async def close(self) -> None:
+        """``inner``'s."""
+        await self.inner.close()
 
 
 def _zero_copy_ok(nc: Client) -> bool:

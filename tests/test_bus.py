@@ -25,6 +25,7 @@ from kvbus.bus import (
 from kvbus.bus.chunking import chunk_digest, tree_digest
 from kvbus.codecs import UnknownCodec, get_codec
 from kvbus.errors import SignatureMismatch
+from kvbus.net.transport import TransportWrapper
 from kvbus.protocol import CHUNK_INDEX_HEADER, CHUNK_SUM_HEADER, ROOT_SUM_HEADER, Open, OpenReply, inbox_subject
 from kvbus.signature import ModelSignature
 from kvbus.telemetry import CacheMetrics
@@ -109,7 +110,7 @@ async def test_incompatible_receiver_gets_tokens(bus: Bus, nats_url: str) -> Non
 # -- faults on the wire -----------------------------------------------------------------------------
 
 
-class FaultyTransport:
+class FaultyTransport(TransportWrapper):
     """Wraps the real transport and damages chosen chunk messages once each.
 
     A forged chunk has other bytes, a digest header that matches them and, on the last chunk, a
@@ -132,9 +133,6 @@ class FaultyTransport:
         """The digest of every chunk as it went out (forged ones: of the forgery)."""
         self.total = 0
         """The payload size of the last Open that went out."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
     async def request(self, subject: str, payload: bytes, timeout: float) -> bytes:
         if subject.startswith("kvbus.agent.") and ".inbox." in subject:

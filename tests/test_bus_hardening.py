@@ -23,6 +23,7 @@ from kvbus.bus.chunking import ChunkSource, digest_chunks, digests_root, tree_di
 from kvbus.codecs import NonFiniteValues, get_codec
 from kvbus.errors import SignatureMismatch
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig, StaticSelector, make_policy
+from kvbus.net.transport import TransportWrapper
 from kvbus.protocol import (
     CHUNK_INDEX_HEADER,
     MAX_BUFFERS,
@@ -130,14 +131,11 @@ async def test_chunks_injected_by_another_client_never_reach_the_delivery(
             await rogue.transport.publish(subject, junk, headers={CHUNK_INDEX_HEADER: str(i)})
             injected += 1
 
-    class Spy:
+    class Spy(TransportWrapper):
         """Forwards the sender's publishes, and has the rogue inject before each real chunk."""
 
         def __init__(self, inner: Any) -> None:
             self.inner = inner
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self.inner, name)
 
         async def publish(self, subject: str, payload: Any, headers: dict[str, str] | None = None) -> None:
             if headers and headers.get(CHUNK_INDEX_HEADER) == "0" and not injected:
@@ -359,12 +357,9 @@ async def test_an_evicted_transfer_fails_its_real_sender(nats_url: str, schedule
         rx = await rx_bus.agent(f"evict-rx-{time.monotonic_ns()}", signature=SIG)
         tx = await tx_bus.agent(f"evict-tx-{time.monotonic_ns()}", signature=SIG)
 
-        class Stall:
+        class Stall(TransportWrapper):
             def __init__(self, inner: Any) -> None:
                 self.inner = inner
-
-            def __getattr__(self, name: str) -> Any:
-                return getattr(self.inner, name)
 
             async def publish(self, subject: str, payload: Any, headers: dict[str, str] | None = None) -> None:
                 if headers and CHUNK_INDEX_HEADER in headers and headers[CHUNK_INDEX_HEADER] != "0":
@@ -581,12 +576,9 @@ async def test_a_forged_ack_naming_another_receiver_is_dropped(pair: tuple[Any, 
     tx, rx, _ = pair
     forged: list[str] = []
 
-    class Forger:
+    class Forger(TransportWrapper):
         def __init__(self, inner: Any) -> None:
             self.inner = inner
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self.inner, name)
 
         async def publish(self, subject: str, payload: Any, headers: dict[str, str] | None = None) -> None:
             if headers and CHUNK_INDEX_HEADER in headers:

@@ -12,6 +12,7 @@ import pytest
 
 from kvbus.bus import Bus, BusConfig, EmulatedLink, Reason, ReceiveTimeout, TransferRejected
 from kvbus.bus.chunking import digests_root
+from kvbus.net.transport import TransportWrapper
 from kvbus.protocol import Ack, Control, Open, OpenReply, ack_subject, agent_subject, inbox_subject
 from kvbus.signature import ModelSignature
 from tests.conftest import FAST
@@ -34,7 +35,7 @@ async def pair(bus: Bus, nats_url: str) -> AsyncIterator[tuple[Any, Any, Bus]]:
         await other.close()
 
 
-class RefuseFirstOpen:
+class RefuseFirstOpen(TransportWrapper):
     """Wraps the sender's transport: its first `Open` to ``rx`` never reaches ``rx`` and is
     answered with a refusal of the given code and text; later requests pass through."""
 
@@ -45,9 +46,6 @@ class RefuseFirstOpen:
         self.reason = reason
         self.refused: list[str] = []
         """Codecs of the Opens refused."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
     async def request(self, subject: str, payload: bytes, timeout: float) -> bytes:
         if subject == self.subject and not self.refused:

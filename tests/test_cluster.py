@@ -22,6 +22,7 @@ from kvbus.coordinator import Coordinator
 from kvbus.group_scheduler import GroupScheduler
 from kvbus.net.buckets import BucketReplicasError, bucket_report, cluster_size, key_value, with_retry
 from kvbus.net.servers import server_urls
+from kvbus.net.transport import TransportWrapper
 from kvbus.protocol import AGENTS_BUCKET, CHUNK_INDEX_HEADER, COORD_BUCKET
 from tests.kvutil import kv_of_bytes
 from tests.peer import SIG, kv_digest
@@ -133,15 +134,12 @@ async def test_single_replica_bucket_is_upgraded_or_refused(
         await nc.close()
 
 
-class KillAt:
+class KillAt(TransportWrapper):
     """Transport wrapper: calls ``action`` as chunk ``at`` of a transfer is published (once)."""
 
     def __init__(self, inner: Any, at: int, action: Any) -> None:
         self.inner, self.at, self.action = inner, at, action
         self.fired = asyncio.Event()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
     async def publish(self, subject: str, payload: Any, headers: dict[str, str] | None = None) -> None:
         if not self.fired.is_set() and headers and headers.get(CHUNK_INDEX_HEADER) == str(self.at):
@@ -269,15 +267,12 @@ async def cleanup_buses() -> AsyncIterator[list[Bus]]:
         await b.close()
 
 
-class RecordOpens:
+class RecordOpens(TransportWrapper):
     """Transport wrapper: remembers the Open requests the sender made (subject, frame)."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.opens: list[tuple[str, bytes]] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
     async def request(self, subject: str, payload: bytes, timeout: float) -> bytes:
         if ".inbox." in subject:

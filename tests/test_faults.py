@@ -22,7 +22,7 @@ import pytest
 from kvbus.app.local import NatsServer
 from kvbus.bus import Bus, BusConfig, TransferError
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
-from kvbus.net.transport import NatsTransport, NoResponders
+from kvbus.net.transport import NatsTransport, NoResponders, TransportWrapper
 from kvbus.protocol import CHUNK_INDEX_HEADER
 from tests.kvutil import kv_of_bytes
 from tests.peer import SIG, kv_digest
@@ -40,7 +40,7 @@ RESTART = BusConfig(
 )
 
 
-class KillServerAt:
+class KillServerAt(TransportWrapper):
     """Transport wrapper: kills nats-server as chunk ``at`` of a transfer is published, restarts it
     ``down_s`` later (in a thread: the agents' event loop goes on meanwhile, as it would in a
     process of its own)."""
@@ -50,9 +50,6 @@ class KillServerAt:
         self.fired = asyncio.Event()
         self.restarted = asyncio.Event()
         self._restart: asyncio.Task[None] | None = None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
     async def publish(self, subject: str, payload: Any, headers: dict[str, str] | None = None) -> None:
         if not self.fired.is_set() and headers and headers.get(CHUNK_INDEX_HEADER) == str(self.at):

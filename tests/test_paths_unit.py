@@ -528,7 +528,7 @@ async def test_publish_views_delivers_pieces_and_headers_and_checks_limits(nats_
 
 
 async def test_request_views_sends_pieces_uncopied_and_reads_the_reply_or_no_responders(nats_url: str) -> None:
-    from kvbus.net.transport import NoResponders, request_views
+    from kvbus.net.transport import NoResponders, TransportWrapper
 
     tx, rx = await NatsTransport.connect(nats_url), await NatsTransport.connect(nats_url)
     try:
@@ -552,8 +552,9 @@ async def test_request_views_sends_pieces_uncopied_and_reads_the_reply_or_no_res
         with pytest.raises(TimeoutError):
             await tx.request_views("kvbus.test.silent", [b"x"], 0.2)
 
-        class Counting:  # a wrapper defining only `request` sees the joined payload
+        class Counting(TransportWrapper):  # a wrapper defining only `request` sees the joined payload
             def __init__(self) -> None:
+                super().__init__(tx)
                 self.asked: list[bytes] = []
 
             async def request(self, subject: str, payload: bytes, timeout: float) -> bytes:
@@ -561,7 +562,7 @@ async def test_request_views_sends_pieces_uncopied_and_reads_the_reply_or_no_res
                 return await tx.request(subject, payload, timeout)
 
         wrapper = Counting()
-        reply = await request_views(wrapper, "kvbus.test.ask", [b"a", memoryview(b"bc")], 5)  # type: ignore[arg-type]
+        reply = await wrapper.request_views("kvbus.test.ask", [b"a", memoryview(b"bc")], 5)
         assert wrapper.asked == [b"abc"] and reply == xxhash.xxh3_64_digest(b"abc")
     finally:
         await tx.close()

@@ -14,6 +14,7 @@ import pytest
 from kvbus.app.local import NatsServer
 from kvbus.bus import Bus, TransferError
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
+from kvbus.net.transport import TransportWrapper
 from kvbus.protocol import CHUNK_INDEX_HEADER, Ack, ack_subject, agent_subject
 from kvbus.security import AgentGrant, Credentials, permissions_config
 from tests.conftest import FAST
@@ -104,15 +105,12 @@ async def test_a_forged_ack_never_completes_a_broadcast(stack: dict[str, Any]) -
     mallory = buses["mallory"].transport
     forged: list[str] = []
 
-    class DropChunks:
+    class DropChunks(TransportWrapper):
         """Alice's transport loses every chunk (no addressee can finish); mallory learns the
         transfer id (as an eavesdropper on the wire might) and forges acks for both addressees."""
 
         def __init__(self, inner: Any) -> None:
             self.inner = inner
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self.inner, name)
 
         async def publish(self, subject: str, payload: Any, headers: dict[str, str] | None = None) -> None:
             if headers and CHUNK_INDEX_HEADER in headers:

@@ -38,6 +38,7 @@ from kvbus.bus import Bus, BusConfig, TransferError, TransferInDoubt
 from kvbus.bus.chunking import ChunkPlan, chunk_digest, tree_digest
 from kvbus.errors import WireFormatError
 from kvbus.kvcache import KVCache
+from kvbus.net.transport import TransportWrapper
 from kvbus.protocol import CHUNK_INDEX_HEADER, CHUNK_SUM_HEADER, ROOT_SUM_HEADER, Open
 from kvbus.signature import ModelSignature
 
@@ -84,7 +85,7 @@ def build_pool() -> list[KVCache]:
     return [make_kv(n, seed) for n, seed in POOL_SPEC]
 
 
-class ChaosTransport:
+class ChaosTransport(TransportWrapper):
     """Wraps a sender's transport: drops, corrupts, forges (bytes changed, own checksum made to
     match) or duplicates chunk messages at random; ``on_fault`` hears of each."""
 
@@ -103,9 +104,6 @@ class ChaosTransport:
         self.p_drop, self.p_corrupt, self.p_forge, self.p_dup = p_drop, p_corrupt, p_forge, p_dup
         self.counts: collections.Counter[str] = collections.Counter()
         self.on_fault = on_fault
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
     def _count(self, kind: str) -> None:
         self.counts[kind] += 1

@@ -92,6 +92,7 @@ from kvbus.bus import Bus, BusConfig, TransferError, TransferInDoubt
 from kvbus.bus.paths import PathsConfig
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
 from kvbus.net.buckets import key_value
+from kvbus.net.transport import TransportWrapper
 from kvbus.protocol import CHUNK_INDEX_HEADER, CHUNK_SUM_HEADER
 
 logger = logging.getLogger(__name__)
@@ -212,16 +213,13 @@ def failed_by_cause(
     return {cause: dict(types) for cause, types in table.items()}
 
 
-class ChaosTransport:
+class ChaosTransport(TransportWrapper):
     """Wraps a transport: drops, corrupts or forges chunk messages at random."""
 
     def __init__(self, inner: Any, rng: random.Random, p_drop: float, p_corrupt: float, p_forge: float) -> None:
         self.inner, self.rng = inner, rng
         self.p_drop, self.p_corrupt, self.p_forge = p_drop, p_corrupt, p_forge
         self.counts: collections.Counter[str] = collections.Counter()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
     async def publish(self, subject: str, payload: Any, headers: dict[str, str] | None = None) -> None:
         """Publish through the inner transport; a chunk message may first be dropped, corrupted or forged.

@@ -17,13 +17,15 @@ from typing import Any
 
 import nats
 
+from kvbus.net.transport import TransportWrapper
+
 #: The subject the receiving process answers plain nats-py requests on.
 REQREP_SUBJECT = "kvbus.app.bench.reqrep"
 #: Sending buses: name suffix and allowed paths.
 PATH_BUSES = {"shm": "shm,tcp,nats", "tcp": "tcp,nats", "nats": "nats"}
 
 
-class CountingTransport:
+class CountingTransport(TransportWrapper):
     """Wraps an agent's transport and counts its requests (control round trips)."""
 
     def __init__(self, inner: Any) -> None:
@@ -35,9 +37,6 @@ class CountingTransport:
         self.requests += 1
         data: bytes = await self.inner.request(subject, payload, timeout=timeout)
         return data
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 async def count_round_trips(agent: Any, to: str, kv: Any) -> tuple[int, str]:
