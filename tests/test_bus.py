@@ -178,8 +178,8 @@ async def test_damaged_chunks_are_recovered(pair: tuple[Any, Any, Bus], fault: s
         "drop-last": {"drop": set(range(4, 40))},
         "drop-first-and-corrupt": {"drop": {0}, "corrupt": {3}},
     }[fault]
-    faulty = FaultyTransport(tx._transport, **faults)
-    tx._transport = faulty
+    faulty = FaultyTransport(tx.transport, **faults)
+    tx.transport = faulty
     report = await tx.send(rx.name, kv, medium="full")
     d = await rx.receive(timeout=10)
     assert faulty.hits, "the fault was never injected"
@@ -196,8 +196,8 @@ async def test_forged_chunk_with_forged_digests_is_repaired_from_the_sender(pair
     for again, and the sender's own bytes are delivered, once."""
     tx, rx, _ = pair
     kv = kv_of_bytes(SIG, 4 << 20, seed=6)
-    faulty = FaultyTransport(tx._transport, forge={2})
-    tx._transport = faulty
+    faulty = FaultyTransport(tx.transport, forge={2})
+    tx.transport = faulty
     report = await tx.send(rx.name, kv, medium="full")
     assert faulty.hits == [("forge", 2)]
     assert report.retransmits >= 1
@@ -346,7 +346,7 @@ async def test_receiver_killed_mid_transfer_fails_the_send(bus: Bus, nats_url: s
 @pytest.mark.usefixtures("nats_only")  # the fault drops NATS chunk messages (direct paths: test_bus_paths)
 async def test_sender_gone_mid_stream_frees_the_partial_buffer(pair: tuple[Any, Any, Bus]) -> None:
     tx, rx, _ = pair
-    tx._transport = FaultyTransport(tx._transport, drop=set(range(3, 10_000)))
+    tx.transport = FaultyTransport(tx.transport, drop=set(range(3, 10_000)))
     task = asyncio.create_task(tx.send(rx.name, kv_of_bytes(SIG, 16 << 20), medium="full"))
     for _ in range(100):
         if rx.partial_transfers:

@@ -143,7 +143,7 @@ async def test_chunks_injected_by_another_client_never_reach_the_delivery(
                 await rogue.transport.flush()
             await self.inner.publish(subject, payload, headers)
 
-    tx._transport = Spy(tx._transport)
+    tx.transport = Spy(tx.transport)
     try:
         report = await tx.send(rx.name, kv, medium="full")
         got = await rx.receive(timeout=10)
@@ -366,7 +366,7 @@ async def test_an_evicted_transfer_fails_its_real_sender(nats_url: str, schedule
                     return  # only the first chunk ever goes out
                 await self.inner.publish(subject, payload, headers)
 
-        tx._transport = Stall(tx._transport)
+        tx.transport = Stall(tx.transport)
         send = asyncio.create_task(tx.send(rx.name, kv_of_bytes(SIG, 4 * MB, seed=2), medium="full"))
         await _until(lambda: rx.partial_transfers == 1, "the partial transfer")
         rogue = Rogue(tx_bus, f"rogue-{time.monotonic_ns()}")
@@ -591,7 +591,7 @@ async def test_a_forged_ack_naming_another_receiver_is_dropped(pair: tuple[Any, 
                 return  # no chunk ever reaches the receiver
             await self.inner.publish(subject, payload, headers)
 
-    tx._transport = Forger(tx._transport)
+    tx.transport = Forger(tx.transport)
     with pytest.raises(TransferError):
         await tx.send(rx.name, kv_of_bytes(SIG, 4 * MB, seed=3), medium="full")
     assert forged

@@ -161,8 +161,8 @@ async def test_a_delta_base_mismatch_code_triggers_the_whole_resend(pair: tuple[
     await tx.send(rx.name, whole.slice(0, 300), medium="full")
     await rx.receive(timeout=5)
     # The refusal's text says nothing of a delta: only its code can trigger the resend.
-    forged = RefuseFirstOpen(tx._transport, inbox_subject(rx.name, tx.name), Reason.DELTA_BASE_MISMATCH, "no")
-    tx._transport = forged
+    forged = RefuseFirstOpen(tx.transport, inbox_subject(rx.name, tx.name), Reason.DELTA_BASE_MISMATCH, "no")
+    tx.transport = forged
     report = await tx.send(rx.name, whole, medium="delta+full")
     assert forged.refused == ["delta+full"]
     assert report.medium == "full"
@@ -177,7 +177,7 @@ async def test_a_refusal_that_only_mentions_a_delta_base_is_not_resent(pair: tup
     await tx.send(rx.name, whole.slice(0, 300), medium="full")
     await rx.receive(timeout=5)
     text = "cannot decode (DeltaBaseMismatch): delta base is gone"
-    tx._transport = RefuseFirstOpen(tx._transport, inbox_subject(rx.name, tx.name), Reason.DECODE_FAILED, text)
+    tx.transport = RefuseFirstOpen(tx.transport, inbox_subject(rx.name, tx.name), Reason.DECODE_FAILED, text)
     with pytest.raises(TransferRejected) as info:
         await tx.send(rx.name, whole, medium="delta+full")
     assert info.value.code is Reason.DECODE_FAILED

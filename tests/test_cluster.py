@@ -178,8 +178,8 @@ async def test_kill_of_the_bucket_leader_during_transfers_loses_no_state(cluster
         tx = await tx_bus.agent("kl-tx", group="kl", signature=SIG)
         rx = await rx_bus.agent("kl-rx", group="kl", signature=SIG)
         assert tx_bus.transport.nc.connected_url.port == leader.port  # type: ignore[attr-defined]
-        killer = KillAt(tx._transport, at=3, action=lambda: c.kill(victim))
-        tx._transport = killer
+        killer = KillAt(tx.transport, at=3, action=lambda: c.kill(victim))
+        tx.transport = killer
         kvs = [kv_of_bytes(SIG, (2 + i % 3) << 20, seed=i) for i in range(8)]
         results = await asyncio.gather(*(tx.send(rx.name, kv, medium="full") for kv in kvs), return_exceptions=True)
         assert killer.fired.is_set()
@@ -295,8 +295,8 @@ async def test_repeated_open_after_the_receiver_registers_again_is_not_delivered
     try:
         tx = await tx_bus.agent("again-tx", signature=SIG)
         rx = await rx_bus.agent("again-rx", signature=SIG)
-        recorder = RecordOpens(tx._transport)
-        tx._transport = recorder
+        recorder = RecordOpens(tx.transport)
+        tx.transport = recorder
         kv = kv_of_bytes(SIG, nbytes, seed=3)
         report = await tx.send(rx.name, kv, medium="full")
         assert (await rx.receive(timeout=10)).transfer_id == report.transfer_id

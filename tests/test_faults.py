@@ -74,8 +74,8 @@ async def test_nats_restart_mid_transfer_delivers_once_or_fails_loudly(fresh_nat
     try:
         tx = await tx_bus.agent("restart-tx", group="faults", signature=SIG)
         rx = await rx_bus.agent("restart-rx", group="faults", signature=SIG)
-        killer = KillServerAt(tx._transport, fresh_nats, at=5, down_s=down_s)
-        tx._transport = killer
+        killer = KillServerAt(tx.transport, fresh_nats, at=5, down_s=down_s)
+        tx.transport = killer
         kvs = [kv_of_bytes(SIG, 12 << 20, seed=i) for i in range(3)]
         results = await asyncio.gather(*(tx.send(rx.name, kv, medium="full") for kv in kvs), return_exceptions=True)
         assert killer.fired.is_set()

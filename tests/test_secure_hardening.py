@@ -126,7 +126,7 @@ async def test_a_forged_ack_never_completes_a_broadcast(stack: dict[str, Any]) -
                 return
             await self.inner.publish(subject, payload, headers)
 
-    alice._transport = DropChunks(alice._transport)
+    alice.transport = DropChunks(alice.transport)
     try:
         with pytest.raises(TransferError) as info:
             await alice.broadcast(["bob", "carol"], kv_of_bytes(SIG, 4 << 20, seed=7), medium="full")
@@ -134,7 +134,7 @@ async def test_a_forged_ack_never_completes_a_broadcast(stack: dict[str, Any]) -
         await _wait_for(errors["mallory"], 'publish to "kvbus.agent.alice.ack.bob"')
         await _wait_for(errors["mallory"], 'publish to "kvbus.agent.alice.ack"')
     finally:
-        alice._transport = alice._transport.inner
+        alice.transport = alice.transport.inner
     # Real acks still count.
     kv = kv_of_bytes(SIG, 3 << 20, seed=8)
     report = await alice.broadcast(["bob", "carol"], kv, medium="full")

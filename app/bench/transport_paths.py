@@ -41,12 +41,12 @@ class CountingTransport(TransportWrapper):
 
 async def count_round_trips(agent: Any, to: str, kv: Any) -> tuple[int, str]:
     """Control round trips (grant request, `Open`, status requests) one ``send`` of ``kv`` makes, and its path."""
-    counting = CountingTransport(agent._transport)
-    agent._transport = counting
+    counting = CountingTransport(agent.transport)
+    agent.transport = counting
     try:
         report = await agent.send(to, kv, medium="full")
     finally:
-        agent._transport = counting.inner
+        agent.transport = counting.inner
     return counting.requests, str(report.path)
 
 
