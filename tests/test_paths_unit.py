@@ -377,6 +377,30 @@ async def test_control_messages_flow_back_to_the_sender(planes: tuple[DataPlane,
     await session.close()
 
 
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+async def test_concurrent_transfers_to_one_receiver_share_one_connection(
+    planes: tuple[DataPlane, DataPlane], kind: str
+) -> None:
+    """The direct paths' pool (`DirectPath`): opens racing to one endpoint dial it once, and the
+    receiver sees one connection carrying every transfer as a stream; a closed path forgets it."""
+    rx, tx = planes
+    specs, sinks = [_spec() for _ in range(4)], [Sink() for _ in range(4)]
+    offers = [await rx.accept(s, k, peer_paths=[kind], peer_host=tx.host) for s, k in zip(specs, sinks, strict=True)]
+    sessions = await asyncio.gather(*(tx.connect(s, [kind], o) for s, o in zip(specs, offers, strict=True)))
+    path, listener = (tx.tcp, rx.tcp) if kind == "tcp" else (tx.shm, rx.shm)
+    assert path is not None and listener is not None and listener.listener is not None
+    assert path.connections == 1 and listener.listener.accepted == 1
+    assert len({s.stream for s in sessions}) == 4  # one stream each
+    for spec, session, sink in zip(specs, sessions, sinks, strict=True):
+        data = os.urandom(spec.chunk_len(0))
+        await session.send_chunk(0, [memoryview(data)], chunk_digest(data))
+        await sink.until(lambda sink=sink: 0 in sink.arrived)
+        assert bytes(sink.arrived[0]) == data and sink.opened[0].kind.value == kind
+        await session.close()
+    await path.close()
+    assert path.connections == 0
+
+
 async def test_shm_segments_are_reused_once_the_receiver_lets_go(planes: tuple[DataPlane, DataPlane]) -> None:
     rx, tx = planes
     assert tx.shm is not None

@@ -25,26 +25,15 @@ from collections.abc import Callable
 import numpy as np
 import xxhash
 
-from kvbus.bus.paths.base import PathKind, TransferSpec, digest_hex
-from kvbus.bus.paths.errors import PathBroken, PathProtocolError, TokenRefused
-from kvbus.bus.paths.frames import (
-    HEADER_SIZE,
-    MAX_BIND,
-    MAX_CTRL,
-    RECEIVER,
-    Frame,
-    FrameType,
-    pack,
-    parse_bind,
-    unpack,
-)
+from kvbus.bus.paths.base import PathKind, digest_hex
+from kvbus.bus.paths.direct_server import DirectRxConnection, DirectRxSession
+from kvbus.bus.paths.errors import PathProtocolError
+from kvbus.bus.paths.frames import HEADER_SIZE, MAX_BIND, MAX_CTRL, RECEIVER, Frame, FrameType, pack, unpack
 from kvbus.bus.paths.registry import Expectations, Expected
 
 logger = logging.getLogger(__name__)
 
 _MAX_FDS = 4
-#: Ended stream ids remembered per connection.
-MAX_ENDED = 4096
 _SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 #: A batch of DATA frames up to this many bytes is verified on the event loop (about 0.1 ms);
 #: a larger one in `CHECK_THREADS` worker threads.
@@ -92,7 +81,7 @@ def map_fd(fd: int, size: int, *, shared: bool, writable: bool, populate: bool =
     return placeholder
 
 
-class ShmRxSession:
+class ShmRxSession(DirectRxSession):
     """One transfer bound on one ``shm`` connection (`ReceiveSession`); ``view`` is its mapping."""
 
     kind = PathKind.SHM
@@ -106,11 +95,7 @@ class ShmRxSession:
         view: memoryview,
         check: memoryview | None = None,
     ) -> None:
-        self.conn = conn
-        self.stream = stream
-        self.expected = expected
-        self.generation = generation
-        self.spec: TransferSpec = expected.spec
+        super().__init__(conn, stream, expected, generation)
         self.view: memoryview | None = view
         self.twin: memoryview | None = None
         """A second copy-on-write mapping of the same bytes (None with a private copy): what the
@@ -118,42 +103,10 @@ class ShmRxSession:
         self.check = check
         """The same bytes through the listener's kept read-only mapping of the segment (page tables
         filled by earlier transfers): chunks are hashed there; None: hashed in `view`."""
-        self.closed = False
-
-    @property
-    def current(self) -> bool:
-        """Whether chunks named on this stream are still taken."""
-        return not self.closed and not self.expected.withdrawn and self.generation == self.expected.generation
-
-    @property
-    def can_control(self) -> bool:
-        """Control messages can go back on the socket."""
-        return True
-
-    async def send_control(self, data: bytes) -> None:
-        """Send ``data`` to the sender as a CTRL frame.
-
-        Raises:
-            PathBroken: the connection is gone or the stream closed.
-            ValueError: more than 64 KB.
-        """
-        if len(data) > MAX_CTRL:
-            raise ValueError(f"control message of {len(data)} bytes is over {MAX_CTRL}")
-        if self.closed or self.conn.closed:
-            raise PathBroken("shm", "the connection is closed", peer=self.spec.sender)
-        self.conn.queue(pack(FrameType.CTRL, self.stream, len(data)) + data)
-
-    def close(self) -> None:
-        """Stop taking chunks for this transfer here, drop the mapping (views handed on keep it), tell the sender."""
-        if self.closed:
-            return
-        self.conn.end_stream(self)
-        if not self.conn.closed:
-            self.conn.queue(pack(FrameType.END, self.stream))
 
     def drop(self) -> None:
-        """Mark closed and let go of the mapping."""
-        self.closed = True
+        """Mark closed and let go of the mapping (views handed on keep it)."""
+        super().drop()
         self.view = None
         self.twin = None
         self.check = None
@@ -163,17 +116,17 @@ _W = tuple[ShmRxSession, Frame, memoryview, int, int]
 """One DATA frame to verify: its session, the frame, the bytes to hash and their range."""
 
 
-class ShmRxConnection:
+class ShmRxConnection(DirectRxConnection[ShmRxSession]):
     """One accepted ``shm`` connection."""
 
+    kind = PathKind.SHM
+
     def __init__(self, listener: ShmListener, sock: socket.socket) -> None:
+        super().__init__(listener.registry, listener.bind_timeout)
         self.listener = listener
         self.sock = sock
         self.fd = sock.fileno()
         self.loop = asyncio.get_running_loop()
-        self.streams: dict[int, ShmRxSession] = {}
-        self.ended: set[int] = set()
-        """Streams that ended: late frames for them are dropped."""
         self.closed = False
         self._out: collections.deque[bytes] = collections.deque()
         self._writing = False
@@ -187,7 +140,7 @@ class ShmRxConnection:
         except OSError:
             self.peer = "a local process"
         self.loop.add_reader(self.fd, self._readable)
-        self._timer: asyncio.TimerHandle | None = self.loop.call_later(listener.bind_timeout, self._bind_deadline)
+        self.arm_bind_deadline(self.loop)
 
     def _readable(self) -> None:
         try:
@@ -236,11 +189,9 @@ class ShmRxConnection:
             raise PathProtocolError("shm", f"a {frame.type.name} frame carries no descriptors")
         if frame.type is FrameType.DATA and payload:
             raise PathProtocolError("shm", "a shm DATA frame carries no payload")
-        session = self.streams.get(frame.stream)
+        session = self.session_of(frame)
         if session is None:
-            if frame.stream in self.ended and frame.type in (FrameType.DATA, FrameType.CTRL, FrameType.END):
-                return
-            raise PathProtocolError("shm", f"{frame.type.name} frame on stream {frame.stream}, which is not bound")
+            return
         if frame.type is FrameType.DATA:
             self._data(session, frame)
         elif frame.type is FrameType.END:
@@ -249,19 +200,13 @@ class ShmRxConnection:
             else:
                 self.end_stream(session)
         elif frame.type is not FrameType.CTRL:
-            raise PathProtocolError("shm", f"a receiver does not take {frame.type.name} frames")
+            raise self.unexpected(frame)
 
     def _bind(self, frame: Frame, payload: bytes, fds: list[int]) -> None:
-        token, tid = parse_bind(payload, "shm")
-        if frame.stream in self.streams or frame.stream in self.ended:
-            raise PathProtocolError("shm", f"stream {frame.stream} is already bound")
-        try:
-            expected, generation = self.listener.registry.claim(tid, token, PathKind.SHM)
-        except TokenRefused as exc:
-            if not self.streams:
-                raise PathProtocolError("shm", f"transfer {tid[:64]}: {exc.code}") from None
-            self._refuse(frame.stream, exc.code)
+        claimed = self.claim(frame, payload)
+        if claimed is None:
             return
+        expected, generation = claimed
         fd = fds[0]
         total = expected.spec.total
         try:
@@ -270,7 +215,7 @@ class ShmRxConnection:
         except OSError:
             size, seals = -1, 0
         if size < total or seals & _SIZE_SEALS != _SIZE_SEALS:
-            self._refuse(frame.stream, f"segment of {size} bytes (sealed {seals:#x}) for a payload of {total}")
+            self.refuse(frame.stream, f"segment of {size} bytes (sealed {seals:#x}) for a payload of {total}")
             return
         try:
             # Copy-on-write: the receiver may write its tensors; the sender's bytes stay as they are.
@@ -280,7 +225,7 @@ class ShmRxConnection:
             mapped = map_fd(fd, total, shared=False, writable=True)
             twin = None if self.listener.private else map_fd(fd, total, shared=False, writable=True)
         except OSError as exc:
-            self._refuse(frame.stream, f"cannot map the segment ({exc})")
+            self.refuse(frame.stream, f"cannot map the segment ({exc})")
             return
         check = self.listener.maps.view(self, fd, size)
         os.close(fd)
@@ -290,28 +235,17 @@ class ShmRxConnection:
         weakref.finalize(mapped, lent.gone)
         if twin is not None:
             weakref.finalize(twin, lent.gone)
-        for old in list(expected.sessions):
-            if isinstance(old, ShmRxSession):
-                old.conn.end_stream(old)  # superseded: the sender gave up on it
         session = ShmRxSession(self, frame.stream, expected, generation, memoryview(mapped), check)
         session.twin = None if twin is None else memoryview(twin)
-        self.streams[frame.stream] = session
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self.bound(session)
+
+    def on_bound(self, session: ShmRxSession) -> None:
+        """With a private copy, the transfer's own buffer is made now."""
         if self.listener.private:
-            expected.receive_buffer()
-        self.queue(pack(FrameType.BOUND, frame.stream))
-        expected.notify_opened(session)
+            session.expected.receive_buffer()
 
     def _data(self, session: ShmRxSession, frame: Frame) -> None:
-        spec = session.spec
-        if not 0 <= frame.index < spec.n_chunks or frame.length != spec.chunk_len(frame.index):
-            raise PathProtocolError(
-                "shm",
-                f"DATA for chunk {frame.index} of {frame.length} bytes does not fit "
-                f"the transfer's {spec.n_chunks} chunks",
-            )
+        self.check_data(session, frame)
         if _mapping(session, frame.index) is not None:
             self._unchecked.append((session, frame))
 
@@ -369,25 +303,18 @@ class ShmRxConnection:
                 logger.warning("transfer %s: chunk %d failed its digest on shm", session.spec.transfer_id, frame.index)
                 expected.notify_corrupt(frame.index, PathKind.SHM)
 
-    def end_stream(self, session: ShmRxSession) -> None:
-        """Forget ``session`` (it ended) and let go of its mapping; later frames on its stream are dropped."""
-        session.drop()
-        session.expected.sessions.discard(session)
-        if self.streams.pop(session.stream, None) is not None:
-            self.ended.add(session.stream)
-            if len(self.ended) > MAX_ENDED:
-                self.ended.discard(min(self.ended))
-
     def _released(self, stream: int) -> None:
-        if not self.closed:
-            self.queue(pack(FrameType.RELEASE, stream))
+        self.write(pack(FrameType.RELEASE, stream))
 
-    def _refuse(self, stream: int, reason: str) -> None:
-        data = reason.encode()[:256]
-        self.queue(pack(FrameType.REFUSED, stream, len(data)) + data)
+    @property
+    def writable(self) -> bool:
+        """Whether frames can still go to the sender (the connection is open)."""
+        return not self.closed
 
-    def queue(self, data: bytes) -> None:
-        """Send ``data`` as one message, in order after what is queued."""
+    def write(self, data: bytes) -> None:
+        """Send ``data`` as one message, in order after what is queued (dropped once closed)."""
+        if self.closed:
+            return
         self._out.append(data)
         if not self._writing:
             self._flush()
@@ -409,32 +336,22 @@ class ShmRxConnection:
             self._writing = False
             self.loop.remove_writer(self.fd)
 
-    def _bind_deadline(self) -> None:
-        self._timer = None
-        if not self.streams and not self.closed:
-            logger.warning(
-                "shm data connection from %s closed: no valid BIND within %.1f s", self.peer, self.listener.bind_timeout
-            )
-            self.close("no valid BIND in time")
+    def shut(self, why: str) -> None:
+        """Close at once (see `close`)."""
+        self.close(why)
 
     def close(self, why: str) -> None:
         """Close the connection; sessions still bound are reported lost."""
         if self.closed:
             return
         self.closed = True
-        if self._timer is not None:
-            self._timer.cancel()
         self.loop.remove_reader(self.fd)
         if self._writing:
             self.loop.remove_writer(self.fd)
         self.sock.close()
         self.listener.connections.discard(self)
         self.listener.maps.forget(self)
-        for session in self.streams.values():
-            if not session.closed:
-                session.drop()
-                session.expected.notify_lost(session, PathBroken("shm", why, peer=session.spec.sender))
-        self.streams.clear()
+        self.lose_streams(why)
 
 
 def _mapping(session: ShmRxSession, index: int) -> memoryview | None:

@@ -24,20 +24,11 @@ import time
 
 import xxhash
 
-from kvbus.bus.paths.base import PathKind, TransferSpec, digest_hex
-from kvbus.bus.paths.errors import PathBroken, PathProtocolError, TokenRefused
-from kvbus.bus.paths.frames import (
-    HEADER_SIZE,
-    MAX_CTRL,
-    RECEIVER,
-    TOKEN_BYTES,
-    Frame,
-    FrameType,
-    pack,
-    parse_bind,
-    unpack,
-)
-from kvbus.bus.paths.registry import Expectations, Expected
+from kvbus.bus.paths.base import PathKind, digest_hex
+from kvbus.bus.paths.direct_server import DirectRxConnection, DirectRxSession
+from kvbus.bus.paths.errors import PathProtocolError
+from kvbus.bus.paths.frames import HEADER_SIZE, RECEIVER, TOKEN_BYTES, Frame, FrameType, unpack
+from kvbus.bus.paths.registry import Expectations
 
 logger = logging.getLogger(__name__)
 
@@ -48,61 +39,23 @@ _SCRATCH = 1 << 20
 _DROPPED = memoryview(bytearray(_SCRATCH))
 #: Seconds between two warnings about connections turned away.
 WARN_EVERY_S = 10.0
-#: Ended stream ids remembered per connection (late frames on them are dropped, not an error).
-MAX_ENDED = 4096
 
 
-class TcpRxSession:
-    """One transfer bound on one connection (`ReceiveSession`)."""
+class TcpRxSession(DirectRxSession):
+    """One transfer bound on one connection (`ReceiveSession`): its chunks are read into the transfer's buffer."""
 
     kind = PathKind.TCP
 
-    def __init__(self, conn: RxConnection, stream: int, expected: Expected, generation: int) -> None:
-        self.conn = conn
-        self.stream = stream
-        self.expected = expected
-        self.generation = generation
-        self.spec: TransferSpec = expected.spec
-        self.closed = False
 
-    @property
-    def current(self) -> bool:
-        """Whether this stream may still write into the transfer's buffer."""
-        return not self.closed and not self.expected.withdrawn and self.generation == self.expected.generation
-
-    @property
-    def can_control(self) -> bool:
-        """Control messages can go back on the connection."""
-        return True
-
-    async def send_control(self, data: bytes) -> None:
-        """Send ``data`` to the sender as a CTRL frame.
-
-        Raises:
-            PathBroken: the connection is gone or the stream closed.
-            ValueError: more than 64 KB.
-        """
-        if len(data) > MAX_CTRL:
-            raise ValueError(f"control message of {len(data)} bytes is over {MAX_CTRL}")
-        if self.closed or not self.conn.writable:
-            raise PathBroken("tcp", "the connection is closed", peer=self.spec.sender)
-        self.conn.write(pack(FrameType.CTRL, self.stream, len(data)) + data)
-
-    def close(self) -> None:
-        """Stop taking bytes for this transfer here and tell the sender (END)."""
-        if self.closed:
-            return
-        self.conn.end_stream(self)
-        self.conn.write(pack(FrameType.END, self.stream))
-
-
-class RxConnection(asyncio.BufferedProtocol):
+class RxConnection(DirectRxConnection[TcpRxSession], asyncio.BufferedProtocol):
     """One accepted connection: a state machine over frames, reading payloads in place."""
 
+    kind = PathKind.TCP
+
     def __init__(self, listener: TcpListener) -> None:
+        super().__init__(listener.registry, listener.bind_deadline)
         self.listener = listener
         self.transport: asyncio.Transport | None = None
-        self.peer = ""
         self.source = ""
         """The peer's address (without the port): pre-BIND connections are counted per source."""
         self.unbound = False
@@ -110,9 +63,6 @@ class RxConnection(asyncio.BufferedProtocol):
         self.gone = False
         self.aborted = False
         """Closed by this side (a bad frame, the deadline, an eviction)."""
-        self.streams: dict[int, TcpRxSession] = {}
-        self.ended: set[int] = set()
-        """Streams that ended: late frames for them are read and dropped."""
         self._hdr = bytearray(HEADER_SIZE)
         self._hview = memoryview(self._hdr)
         self._state = _HEADER
@@ -122,7 +72,6 @@ class RxConnection(asyncio.BufferedProtocol):
         self._target = memoryview(b"")
         self._session: TcpRxSession | None = None
         self._left = 0
-        self._timer: asyncio.TimerHandle | None = None
         self._held: list[bytes] | None = None
         """Writes held while the TLS handshake completes (frames read right after it may answer
         before `transport` is the TLS one)."""
@@ -165,7 +114,7 @@ class RxConnection(asyncio.BufferedProtocol):
             except OSError:
                 pass
         loop = asyncio.get_running_loop()
-        self._timer = loop.call_later(self.listener.bind_deadline, self._bind_deadline)
+        self.arm_bind_deadline(loop)
         if self.listener.ssl_context is not None:
             # Nothing is read until TLS wraps the connection (`loop.start_tls` takes over reading).
             transport.pause_reading()  # type: ignore[attr-defined]
@@ -237,15 +186,8 @@ class RxConnection(asyncio.BufferedProtocol):
         if self.gone:
             return
         self.gone = True
-        if self._timer is not None:
-            self._timer.cancel()
         self.listener.forget(self)
-        why = f"connection from {self.peer} lost" + (f" ({exc})" if exc else "")
-        for session in self.streams.values():
-            if not session.closed:
-                session.closed = True
-                session.expected.notify_lost(session, PathBroken("tcp", why, peer=session.spec.sender))
-        self.streams.clear()
+        self.lose_streams(f"connection from {self.peer} lost" + (f" ({exc})" if exc else ""))
 
     # -- frames -----------------------------------------------------------------------------
 
@@ -283,24 +225,16 @@ class RxConnection(asyncio.BufferedProtocol):
                 raise PathProtocolError("tcp", "BIND without a transfer id")
             self._state, self._small = _SMALL, memoryview(bytearray(frame.length))
             return
-        session = self.streams.get(frame.stream)
+        session = self.session_of(frame)
         if session is None:
-            if frame.stream in self.ended and kind in (FrameType.DATA, FrameType.CTRL, FrameType.END):
-                self._discard(frame.length)
-                return
-            raise PathProtocolError("tcp", f"{kind.name} frame on stream {frame.stream}, which is not bound")
+            self._discard(frame.length)
+            return
         if kind is FrameType.DATA:
-            spec = session.spec
-            if not 0 <= frame.index < spec.n_chunks or frame.length != spec.chunk_len(frame.index):
-                raise PathProtocolError(
-                    "tcp",
-                    f"DATA for chunk {frame.index} of {frame.length} bytes does not fit "
-                    f"the transfer's {spec.n_chunks} chunks",
-                )
+            self.check_data(session, frame)
             if not session.current or session.expected.have[frame.index]:
                 self._discard(frame.length)
                 return
-            lo, hi = spec.ranges[frame.index]
+            lo, hi = session.spec.ranges[frame.index]
             self._state, self._session = _DATA, session
             self._target = session.expected.receive_buffer()[lo:hi]
         elif kind is FrameType.END:
@@ -309,37 +243,20 @@ class RxConnection(asyncio.BufferedProtocol):
         elif kind is FrameType.CTRL:
             self._discard(frame.length)  # nothing flows this way yet; read and dropped
         else:
-            raise PathProtocolError("tcp", f"a receiver does not take {kind.name} frames")
+            raise self.unexpected(frame)
 
     def _small_done(self) -> None:
         frame = self._frame
         assert frame is not None  # set by _begin, which put us in this state
-        token, tid = parse_bind(self._small, "tcp")
         self._next_header()
-        if frame.stream in self.streams or frame.stream in self.ended:
-            raise PathProtocolError("tcp", f"stream {frame.stream} is already bound")
-        try:
-            expected, generation = self.listener.registry.claim(tid, token, PathKind.TCP)
-        except TokenRefused as exc:
-            if not self.streams:
-                logger.warning("tcp data connection from %s closed: transfer %s: %s", self.peer, tid[:64], exc.code)
-                self.abort()
-            else:
-                reason = exc.code.encode()
-                self.write(pack(FrameType.REFUSED, frame.stream, len(reason)) + reason)
-            return
-        for old in list(expected.sessions):
-            if isinstance(old, TcpRxSession):
-                old.conn.end_stream(old)  # superseded: the sender gave up on it
-        session = TcpRxSession(self, frame.stream, expected, generation)
-        self.streams[frame.stream] = session
-        expected.receive_buffer()
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        claimed = self.claim(frame, self._small)
+        if claimed is not None:
+            self.bound(TcpRxSession(self, frame.stream, *claimed))
+
+    def on_bound(self, session: TcpRxSession) -> None:
+        """The stream's buffer is made now; the connection no longer counts against the pre-BIND caps."""
+        session.expected.receive_buffer()
         self.listener.bound(self)
-        self.write(pack(FrameType.BOUND, frame.stream))
-        expected.notify_opened(session)
 
     def _data_done(self) -> None:
         frame, session, target = self._frame, self._session, self._target
@@ -352,24 +269,9 @@ class RxConnection(asyncio.BufferedProtocol):
             logger.warning("transfer %s: chunk %d failed its digest on tcp", session.spec.transfer_id, frame.index)
             session.expected.notify_corrupt(frame.index, PathKind.TCP)
 
-    def end_stream(self, session: TcpRxSession) -> None:
-        """Forget ``session`` (it ended); later frames on its stream are dropped."""
-        session.closed = True
-        session.expected.sessions.discard(session)
-        if self.streams.pop(session.stream, None) is not None:
-            self.ended.add(session.stream)
-            if len(self.ended) > MAX_ENDED:
-                self.ended.discard(min(self.ended))
-
-    def _bind_deadline(self) -> None:
-        self._timer = None
-        if not self.streams:
-            logger.warning(
-                "tcp data connection from %s closed: no valid BIND within %.1f s",
-                self.peer,
-                self.listener.bind_deadline,
-            )
-            self.abort()
+    def shut(self, why: str) -> None:
+        """Close at once (see `abort`)."""
+        self.abort()
 
     def abort(self) -> None:
         """Close the connection at once; nothing more it sends is looked at."""
