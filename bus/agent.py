@@ -3,23 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
-from collections.abc import AsyncIterator, Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any
 
 import torch
 
-from kvbus.bus.cache import CacheTier
-from kvbus.bus.endpoint import Endpoint
+from kvbus.bus.config import BusConfig
+from kvbus.bus.endpoint import AgentOptions, Endpoint
 from kvbus.bus.inbox import Inbox
 from kvbus.bus.pacing import EmulatedLink
 from kvbus.bus.probes import Probes
-from kvbus.bus.receiver import Receiver
+from kvbus.bus.receiver import Receiver, ReceiveSettings
 from kvbus.bus.scheduling import SchedulerLink
 from kvbus.bus.sender import Sender
 from kvbus.bus.stages import SendSettings
 from kvbus.bus.types import Delivery, TransferReport
-from kvbus.codecs import ModelRunner
 from kvbus.kvcache import KVCache
 from kvbus.net.transport import Transport
 from kvbus.protocol import (
@@ -31,10 +31,6 @@ from kvbus.protocol import (
     inbox_subject,
     sched_subject,
 )
-from kvbus.signature import ModelSignature
-
-if TYPE_CHECKING:
-    from kvbus.bus.client import Bus
 
 logger = logging.getLogger(__name__)
 
@@ -49,33 +45,33 @@ class Agent(Endpoint):
 
     def __init__(
         self,
-        bus: Bus,
-        name: str,
+        options: AgentOptions,
         *,
-        group: str,
-        role: str,
-        priority: float,
-        signature: ModelSignature | None,
-        runner: ModelRunner | None,
-        cache: CacheTier | None = None,
-        link: EmulatedLink | None = None,
+        transport: Transport,
+        config: BusConfig,
         settings: SendSettings,
+        directory: Callable[[], Awaitable[Any]],
+        completed: collections.OrderedDict[str, float],
+        forget: Callable[[str], None],
     ) -> None:
-        super().__init__(
-            bus,
-            name,
-            group=group,
-            role=role,
-            priority=priority,
-            signature=signature,
-            runner=runner,
-            cache=cache,
-            link=link,
-        )
-        self._scheduler = SchedulerLink(self)
+        """Made by `Bus.agent`, which hands it what its parts need from the bus.
+
+        Args:
+            options: who the agent is and what it brings.
+            transport: the bus's NATS connection.
+            config: the bus's settings.
+            settings: what the send stages need (secure mode, direct chunk size, data plane).
+            directory: opens the JetStream KV bucket of agent records (`Bus.directory`).
+            completed: the ids of transfers delivered to this agent's name on the bus.
+            forget: called with the agent's name when it closes (the bus lets go of it).
+        """
+        super().__init__(options, transport, config)
+        self._forget = forget
+        self._scheduler = SchedulerLink(self, secure=settings.secure, directory=directory)
         self._sender = Sender(self, self._scheduler, settings)
         self._inbox = Inbox()
-        self._receiver = Receiver(self, self._inbox, bus.completed_ids(name))
+        receiving = ReceiveSettings(secure=settings.secure, plane=settings.plane, server=transport)
+        self._receiver = Receiver(self, self._inbox, receiving, completed)
         self._probes = Probes(self, lambda: self._scheduler.queue_size)
         self._subs: list[Any] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -126,7 +122,7 @@ class Agent(Endpoint):
                 logger.debug("unsubscribe failed", exc_info=True)
         await self._receiver.stop()
         await self._scheduler.close()
-        self.bus._agents.pop(self.name, None)
+        self._forget(self.name)
 
     async def _say_leave(self) -> None:
         """Publish `AgentLeave` on this agent's own leave subject, and flush it within a bounded time.

@@ -14,6 +14,7 @@ from kvbus import telemetry
 from kvbus.bus.agent import Agent
 from kvbus.bus.cache import CacheTier
 from kvbus.bus.config import BusConfig
+from kvbus.bus.endpoint import AgentOptions
 from kvbus.bus.errors import BusClosed
 from kvbus.bus.pacing import EmulatedLink
 from kvbus.bus.paths import DataPlane, DataTls, PathsConfig
@@ -220,9 +221,8 @@ class Bus:
             raise ValueError(f"agent {name!r} is already registered on this bus")
         if signature is None and runner is not None:
             signature = runner.signature
-        agent = Agent(
-            self,
-            name,
+        options = AgentOptions(
+            name=name,
             group=group,
             role=role,
             priority=priority,
@@ -230,13 +230,25 @@ class Bus:
             runner=runner,
             cache=cache,
             link=link,
+        )
+        agent = Agent(
+            options,
+            transport=self.transport,
+            config=self.config,
             settings=SendSettings(
                 secure=self.secure, direct_chunk_size=self.paths_config.direct_chunk_size, plane=self.plane
             ),
+            directory=self.directory,
+            completed=self.completed_ids(name),
+            forget=self._forget,
         )
         await agent._start()
         self._agents[name] = agent
         return agent
+
+    def _forget(self, name: str) -> None:
+        """Let go of a closed agent (its name may register again)."""
+        self._agents.pop(name, None)
 
     async def _place(self, name: str) -> str:
         reply = await CoordinatorClient(self.transport).place(name)

@@ -1,9 +1,9 @@
-"""What an agent's parts share: its identity, its settings and its connection."""
+"""What an agent's parts share: its identity and options, its settings and its connection."""
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from kvbus.bus.cache import CacheTier
 from kvbus.bus.config import BusConfig
@@ -12,49 +12,54 @@ from kvbus.codecs import ModelRunner
 from kvbus.net.transport import Transport
 from kvbus.signature import ModelSignature
 
-if TYPE_CHECKING:
-    from kvbus.bus.client import Bus
+
+@dataclass(frozen=True, slots=True)
+class AgentOptions:
+    """Who an agent is and what it brings: the options of `Bus.agent`, checked and resolved there
+    (the group placed, the signature taken from the runner), in the one value the agent is made of."""
+
+    name: str
+    group: str
+    """The group whose scheduler grants this agent's transfers."""
+    role: str
+    priority: float
+    """The role priority used in scheduling weights."""
+    signature: ModelSignature | None
+    """The model signature KV sent to this agent must match (None: token media only)."""
+    runner: ModelRunner | None
+    """The agent's model, for media that carry no KV (recompute) or need generation."""
+    cache: CacheTier | None
+    """The agent's cache tier, or None."""
+    link: EmulatedLink | None
+    """The emulated link declared to the schedulers at first, or None on real links."""
 
 
 class Endpoint:
     """One agent as its sender, receiver, scheduler link and probes see it.
 
     `Agent` is an Endpoint and hands itself to its parts, so they read one live state: a new
-    link, or a transport swapped for a faulty one in a test, reaches all of them at once.
+    link, or a transport swapped for a faulty one in a test, reaches all of them at once. What
+    a part needs from the bus the agent is registered on, it is given when it is made.
     """
 
-    def __init__(
-        self,
-        bus: Bus,
-        name: str,
-        *,
-        group: str,
-        role: str,
-        priority: float,
-        signature: ModelSignature | None,
-        runner: ModelRunner | None,
-        cache: CacheTier | None = None,
-        link: EmulatedLink | None = None,
-    ) -> None:
-        self.bus = bus
-        """The connection this agent is registered on."""
-        self.link = link
-        """The emulated link declared to the schedulers, or None on real links."""
-        self.name = name
-        self.group = group
+    def __init__(self, options: AgentOptions, transport: Transport, config: BusConfig) -> None:
+        self.link = options.link
+        """The emulated link declared to the schedulers, or None on real links (`Agent.set_link`)."""
+        self.name = options.name
+        self.group = options.group
         """The group whose scheduler grants this agent's transfers."""
-        self.role = role
-        self.priority = priority
-        self.signature = signature
+        self.role = options.role
+        self.priority = options.priority
+        self.signature = options.signature
         """The model signature KV sent to this agent must match (None: token media only)."""
-        self.runner = runner
+        self.runner = options.runner
         """The agent's model, for media that carry no KV (recompute) or need generation."""
-        self.cache = cache
+        self.cache = options.cache
         """The agent's cache tier, or None."""
         self.closed = False
-        self.transport: Transport = bus.transport
-        """The NATS connection the parts send and reply on (the bus's)."""
-        self.config: BusConfig = bus.config
+        self.transport = transport
+        """The NATS connection the parts send and reply on (the bus's; a test may swap in a wrapper)."""
+        self.config = config
         self.prefill = PrefillSpeed()
         """The prefill speed this agent measured on its own recomputes (reported in its probes)."""
 

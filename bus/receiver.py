@@ -26,6 +26,7 @@ import logging
 import secrets
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -40,12 +41,13 @@ from kvbus.bus.errors import PayloadTooLarge
 from kvbus.bus.inbox import Inbox
 from kvbus.bus.incoming import IncomingTransfer
 from kvbus.bus.partials import PartialTransfers
-from kvbus.bus.paths import TransferSpec
+from kvbus.bus.paths import DataPlane, TransferSpec
 from kvbus.bus.types import Delivery
 from kvbus.codecs import Encoded, get_codec
 from kvbus.codecs.errors import CodecError, DecodeError, DeltaBaseMismatch, RecomputeUnavailable
 from kvbus.errors import KVBusError, SignatureMismatch, WireFormatError
 from kvbus.kvcache import KVCache
+from kvbus.net.transport import Transport
 from kvbus.protocol import (
     Open,
     OpenOverLimit,
@@ -92,13 +94,31 @@ def decode_failure(exc: KVBusError) -> tuple[Reason, str]:
     return code, f"cannot decode ({type(exc).__name__}): {exc}"
 
 
+@dataclass(frozen=True, slots=True)
+class ReceiveSettings:
+    """What the receiving side needs from the bus the agent is registered on (made by `Agent`)."""
+
+    secure: bool
+    """Per-agent permissions: no broadcast's shared data subject, each receiver has its own stream."""
+    plane: DataPlane | None
+    """The process's data plane (started before the first agent registers), or None: NATS only."""
+    server: Transport
+    """The bus's own NATS connection: its max_payload bounds an `Open`'s chunk size (whatever
+    wrapper a test swaps in for the agent's transport)."""
+
+
 class Receiver:
     """Receives contexts for one agent and puts them in its inbox."""
 
     def __init__(
-        self, endpoint: Endpoint, inbox: Inbox, completed: collections.OrderedDict[str, float] | None = None
+        self,
+        endpoint: Endpoint,
+        inbox: Inbox,
+        settings: ReceiveSettings,
+        completed: collections.OrderedDict[str, float] | None = None,
     ) -> None:
         self._ep = endpoint
+        self._settings = settings
         self.inbox = inbox
         self.incoming = PartialTransfers(endpoint.config)
         """Streamed transfers being reassembled, by id, within the partial caps."""
@@ -186,7 +206,7 @@ class Receiver:
         if not open_msg.inline and self.incoming.too_large(open_msg.total):
             limit = ep.config.max_partial_bytes
             return _refuse(tid, Reason.TOO_LARGE, str(PayloadTooLarge("partial transfer", open_msg.total, limit)))
-        max_payload = ep.bus.transport.max_payload
+        max_payload = self._settings.server.max_payload
         if open_msg.chunk_size > max_payload:
             return _refuse(
                 tid,
@@ -211,14 +231,14 @@ class Receiver:
         try:
             check_name("agent", open_msg.src)
             check_name("transfer", tid)
-            check_data_subject(open_msg.data_subject, open_msg.src, ep.name, tid, broadcast=not ep.bus.secure)
+            check_data_subject(open_msg.data_subject, open_msg.src, ep.name, tid, broadcast=not self._settings.secure)
             want = ack_subject(open_msg.src, ep.name)
             if open_msg.ack_subject != want:
                 raise WireFormatError("open message", f"ack subject must be {want!r}")
         except (ValueError, WireFormatError) as exc:
             return _refuse(tid, Reason.MALFORMED, str(exc))
         incoming = IncomingTransfer(ep.transport, open_msg, ep.name, ep.config, self.finish, plan)
-        if ep.bus.plane is not None and any(p != "nats" for p in open_msg.paths):
+        if self._settings.plane is not None and any(p != "nats" for p in open_msg.paths):
             # A direct offer keeps the chunk layout once more (the path's `TransferSpec`).
             incoming.overhead += DIRECT_OVERHEAD_PER_CHUNK * open_msg.n_chunks
         await self.incoming.make_room(incoming)
@@ -237,7 +257,7 @@ class Receiver:
         and for the direct ones a one-time token (NATS only for a broadcast's shared subject)."""
         open_msg = incoming.open
         tid = open_msg.transfer_id
-        plane = self._ep.bus.plane
+        plane = self._settings.plane
         if plane is None or open_msg.data_subject != data_subject(self._ep.name, open_msg.src, tid):
             return OpenReply(transfer_id=tid, ok=True, paths=["nats"])
         paths = plane.accepted_paths(open_msg.paths, open_msg.host)

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -58,8 +58,12 @@ DONE_REPEATS_S = (0.5, 1.5)
 class SchedulerLink:
     """Talks to the agent's group scheduler on behalf of its sender and its registration."""
 
-    def __init__(self, endpoint: Endpoint) -> None:
+    def __init__(self, endpoint: Endpoint, *, secure: bool, directory: Callable[[], Awaitable[Any]]) -> None:
         self._ep = endpoint
+        self._secure = secure
+        """Per-agent permissions (no JetStream access): the group scheduler writes the agent's record."""
+        self._directory = directory
+        """Opens the JetStream KV bucket of agent records (`Bus.directory`; None when there is none)."""
         self._grants: dict[str, asyncio.Future[Grant]] = {}
         self.controls = TransferControls()
         """Applies the scheduler's controls to the agent's outgoing transfers (`controls.outgoing`)."""
@@ -94,7 +98,7 @@ class SchedulerLink:
             latency_s=link.latency_s,
             recompute=ep.runner is not None,
         )
-        if ep.bus.secure:
+        if self._secure:
             # No JetStream rights: the group scheduler writes the record to the directory.
             try:
                 await ep.transport.request(
@@ -103,7 +107,7 @@ class SchedulerLink:
             except (NoResponders, TimeoutError):
                 logger.warning("agent %s: no scheduler of group %s confirmed its registration", ep.name, ep.group)
             return
-        directory = await ep.bus.directory()
+        directory = await self._directory()
         if directory is not None:
             # The same put again is harmless: it is asked again while the bucket's stream elects
             # a leader (a NATS server of the cluster died).
@@ -120,7 +124,7 @@ class SchedulerLink:
             except Exception:
                 logger.debug("could not end a rate budget", exc_info=True)
         try:
-            directory = await self._ep.bus.directory()
+            directory = await self._directory()
             if directory is not None:
                 await directory.delete(self._ep.name)
         except Exception:

@@ -328,10 +328,31 @@ def chaos_cluster(d: Json) -> str:
         f"| `cluster_servers` | {r.get('cluster_servers')} | {servers}, {_goal(r.get('cluster_servers'), servers)} |",
         f"| transfers: delivered / failed with an error | {r['delivered']} / {r['failed_with_error']} "
         f"(of {r['transfers']}, {_f(r.get('seconds'), '{:.0f}')} s) | |",
-        f"| server kills (SIGKILL, restarted on their ports) | {r.get('server_kills')} | |",
+        f"| server kills (SIGKILL, restarted on their ports) | {r.get('server_kills')} | >= 3, "
+        f"{'met' if (r.get('server_kills') or 0) >= 3 else 'missed'} |",
         f"| transfer p99, all / in flight while a server was down (ms) | {_f(r.get('transfer_p99_ms'), '{:.0f}')} / "
         f"{_f(r.get('transfer_p99_during_failover_ms'), '{:.0f}')} ({r.get('transfers_during_failover')} "
         "transfers) | |",
+    ]
+    by_cause, during = r.get("failed_by_cause"), r.get("transfers_during_failover")
+    if isinstance(by_cause, dict) and during:
+        share = by_cause.get("server_kill", 0) / during
+        ratio = r.get("p99_during_over_without_failover")
+        rows += [
+            f"| `failed_by_cause` | {json.dumps(by_cause)} | server_kill <= 1 % of the transfers during a "
+            f"failover ({share:.2%}), {'met' if share <= 0.01 else 'missed'}; unknown 0, "
+            f"{_goal(by_cause.get('unknown', 0), 0)} |",
+            f"| `delivered_after_sender_error` / `in_doubt` | {r.get('delivered_after_sender_error')} / "
+            f"{r.get('in_doubt')} | 0, {_goal(r.get('delivered_after_sender_error'), 0)} |",
+            f"| p99 during a failover / p99 without (`p99_during_over_without_failover`) | {_f(ratio)} "
+            f"({_f(r.get('transfer_p99_during_failover_ms'), '{:.0f}')} / "
+            f"{_f(r.get('transfer_p99_without_failover_ms'), '{:.0f}')} ms) | <= 2, "
+            f"{'met' if ratio is not None and ratio <= 2 else 'missed'} |",
+            f"| grant wait p99 during / without a failover (ms) | "
+            f"{_f(r.get('grant_wait_p99_during_failover_ms'), '{:.0f}')} / "
+            f"{_f(r.get('grant_wait_p99_without_failover_ms'), '{:.0f}')} | |",
+        ]
+    rows += [
         f"| resume after a kill, clients on a survivor: median / max (s) | {_f(rec.get('median'))} / "
         f"{_f(rec.get('max'))} | |",
         f"| resume after a kill, control state writable (R3 bucket): median / max (s) | {_f(ctl.get('median'))} / "
