@@ -5,6 +5,7 @@ a direct TCP connection, or NATS), each behind the same seam (`DataPath`, `SendS
 from kvbus.bus.paths.base import (
     ChunkSink,
     DataPath,
+    OpenRequest,
     PathKind,
     ReceiveSession,
     SendSession,
@@ -27,6 +28,7 @@ __all__ = [
     "DataPlane",
     "DataTls",
     "NatsPath",
+    "OpenRequest",
     "PathBroken",
     "PathError",
     "PathKind",

@@ -20,7 +20,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Sequence
 
-from kvbus.bus.paths.base import ChunkSink, ControlHandler, DataPath, LostHandler, PathKind, SendSession, TransferSpec
+from kvbus.bus.paths.base import (
+    ChunkSink,
+    ControlHandler,
+    DataPath,
+    LostHandler,
+    OpenRequest,
+    PathKind,
+    SendSession,
+    TransferSpec,
+)
 from kvbus.bus.paths.config import DataTls, PathsConfig
 from kvbus.bus.paths.errors import PathUnavailable
 from kvbus.bus.paths.host import host_identity
@@ -226,6 +235,7 @@ class DataPlane:
             PathUnavailable: no path could be opened (the last reason).
         """
         accepted = set(peer_paths or ["nats"])
+        request = OpenRequest(spec, offer, on_control, on_lost, segment)  # only shm reads the segment
         why: list[str] = []
         for path in self.paths:
             name = path.kind.value
@@ -238,13 +248,7 @@ class DataPlane:
                 )
                 continue
             try:
-                return await path.open(
-                    spec,
-                    offer,
-                    on_control=on_control,
-                    on_lost=on_lost,
-                    segment=segment if path.kind is PathKind.SHM else None,
-                )
+                return await path.open_session(request)
             except PathUnavailable as exc:
                 logger.info("transfer %s: %s, trying the next path", spec.transfer_id, exc)
                 why.append(str(exc))
