@@ -39,6 +39,7 @@ from nats.js.errors import (
 )
 
 from kvbus.errors import ConfigError, KVBusError
+from kvbus.net import natspy
 from kvbus.net.transport import Transport
 from kvbus.protocol import AGENTS_BUCKET, COORD_BUCKET, GROUPS_BUCKET
 
@@ -110,7 +111,7 @@ SPECS: dict[str, BucketSpec] = {
 
 def cluster_size(nc: Any) -> int:
     """Servers of the NATS cluster ``nc`` is connected to, as its server advertises them (1 without a cluster)."""
-    info = getattr(nc, "_server_info", None) or {}
+    info = natspy.server_info(nc)
     if not info.get("cluster"):
         return 1
     urls = set(info.get("connect_urls") or [])
@@ -166,7 +167,7 @@ async def key_value(
 
 
 async def _key_value(js: Any, name: str, *, history: int, replicas: int | None) -> Any:
-    want = replicas or bucket_replicas(getattr(js, "_nc", None))
+    want = replicas or bucket_replicas(natspy.connection_of(js))
     spec = SPECS.get(name, BucketSpec())
     try:
         kv = await js.key_value(name)

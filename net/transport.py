@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import secrets
-import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
@@ -19,6 +17,7 @@ from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 
 from kvbus.errors import KVBusError
+from kvbus.net import natspy
 from kvbus.net.servers import reconnect_options, server_urls
 
 logger = logging.getLogger(__name__)
@@ -28,8 +27,6 @@ logger = logging.getLogger(__name__)
 MAX_NATS_CHUNK = 8 * 1024 * 1024
 #: Bytes of headers and protocol line kept free below max_payload by `NatsTransport.max_chunk_size`.
 DEFAULT_HEADER_ROOM = 4096
-#: Most buffers one ``sendmsg`` takes (Linux IOV_MAX).
-_IOV_MAX = 1024
 _CRLF = b"\r\n"
 _HEADER_KEY_RE = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _HEADER_VALUE_NEWLINES = str.maketrans({"\r": " ", "\n": " "})
@@ -205,7 +202,7 @@ class NatsTransport:
     def uses_tls(self) -> bool:
         """Whether this connection runs over TLS (the server requires it, or the handshake comes
         first): nats-py upgrades in exactly these cases."""
-        info = getattr(self.nc, "_server_info", None) or {}
+        info = natspy.server_info(self.nc)
         return bool(info.get("tls_required")) or bool(self.nc.options.get("tls_handshake_first"))
 
     @property
@@ -239,7 +236,8 @@ class NatsTransport:
 
         nats-py's ``publish`` builds the whole protocol frame as one ``bytes`` (a copy of the
         payload) and its flusher joins the pending frames again (a second copy, on Python 3.11).
-        Here the frame's head and the views go into the connection's pending list as they are,
+        Here the frame's head and the views go into the connection's pending list as they are
+        (`kvbus.net.natspy.write_views`: every use of nats-py's internals is there),
         and the connection writes them with one ``sendmsg`` (only what the socket does not take
         at once is copied into asyncio's buffer). Everything else is nats-py's own: the pending
         limit while reconnecting (the views then wait in the pending list and go out after the
@@ -254,7 +252,7 @@ class NatsTransport:
         nc = self.nc
         flat = [memoryview(v).cast("B") if memoryview(v).format != "B" else memoryview(v) for v in views]
         size = sum(v.nbytes for v in flat)
-        if not _zero_copy_ok(nc):
+        if not natspy.can_write_views(nc):
             await nc.publish(subject, b"".join(flat), reply=reply, headers=headers)
             return
         if not subject or any(c in subject for c in " \t\r\n") or any(c in reply for c in " \t\r\n"):
@@ -263,23 +261,9 @@ class NatsTransport:
             raise nats.errors.ConnectionClosedError
         if nc.is_draining_pubs:
             raise nats.errors.ConnectionDrainingError
-        if not nc.is_connected and (nc._max_pending_size <= 0 or size + nc._pending_data_size > nc._max_pending_size):
-            raise nats.errors.OutboundBufferLimitError
-        if size > nc._max_payload:
-            raise nats.errors.MaxPayloadError
+        natspy.check_room(nc, size)
         head = _publish_head(subject, headers, size, reply)
-        _install_gather_writes(nc._transport)
-        # One synchronous step, so no other publish can put a frame between our pieces.
-        nc._pending.append(head)
-        nc._pending.extend(v for v in flat if v.nbytes)  # type: ignore[misc]  # it writes any buffer
-        nc._pending.append(_CRLF)
-        nc._pending_data_size += len(head) + size + len(_CRLF)
-        nc.stats["out_msgs"] += 1
-        nc.stats["out_bytes"] += size
-        if nc._max_pending_size > 0 and nc._pending_data_size > nc._max_pending_size:
-            await nc._flush_pending(force_flush=True)
-        elif nc._flush_queue is not None and nc._flush_queue.empty():
-            await nc._flush_pending()
+        await natspy.write_views(nc, head, flat, size)
 
     async def request(self, subject: str, payload: bytes, timeout: float) -> bytes:
         """Send a request and return the reply's payload; "no responders" while the connection is
@@ -301,7 +285,7 @@ class NatsTransport:
             NoResponders, TimeoutError: as `request`.
         """
         nc = self.nc
-        if not (_zero_copy_ok(nc) and isinstance(getattr(nc, "_resp_map", None), dict)):
+        if not natspy.can_request_views(nc):
             return await self.request(subject, b"".join(views), timeout)
         return await self._request(subject, lambda left: self._ask_views(subject, views, left), timeout)
 
@@ -310,19 +294,9 @@ class NatsTransport:
         nc = self.nc
         if nc.is_draining_pubs:
             raise nats.errors.ConnectionDrainingError
-        if not nc._resp_sub_prefix:
-            await nc._init_request_sub()
-        assert nc._resp_sub_prefix
-        token = nc._nuid.next()
-        token.extend(secrets.token_hex(2).encode())
-        inbox = nc._resp_sub_prefix[:]
-        inbox.extend(token)
-        key = token.decode()
-        future: asyncio.Future[Msg] = asyncio.get_running_loop().create_future()
-        future.add_done_callback(lambda _: nc._resp_map.pop(key, None))
-        nc._resp_map[key] = future
+        inbox, future = await natspy.new_request(nc)
         try:
-            await self.publish_views(subject, views, reply=inbox.decode())
+            await self.publish_views(subject, views, reply=inbox)
             msg = await asyncio.wait_for(future, timeout)
         except TimeoutError:
             raise nats.errors.TimeoutError from None
@@ -392,24 +366,15 @@ async def flush(nc: Client, timeout: float = 5.0) -> None:
     nats-py 2.16 writes the flush's PING straight to the socket, ahead of the commands still
     queued for its flusher task: a SUB just made, or publishes behind a backlog, reach the
     server after the PONG has come back, so "subscribed, flushed, now ask from another
-    connection" finds no responder. The queue is written out first (as the flusher does it),
-    then the PING goes.
+    connection" finds no responder. The queue is written out first (as the flusher does it:
+    `kvbus.net.natspy.write_pending`), then the PING goes.
 
     Raises:
         TimeoutError: the queue was not written, or no PONG came, within ``timeout`` seconds.
     """
-    if nc.is_connected and _zero_copy_ok(nc) and nc._pending_data_size > 0:
+    if nc.is_connected and natspy.pending_bytes(nc) > 0:
         give_up = time.monotonic() + timeout
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        flusher, queue = getattr(nc, "_flusher_task", None), nc._flush_queue
-        if flusher is None or flusher.done() or queue is None:
-            await nc._flush_pending()
-        else:
-            await queue.put(done)  # the flusher writes what is queued, then resolves it
-            try:
-                await asyncio.wait_for(asyncio.shield(done), timeout)
-            except TimeoutError:
-                raise TimeoutError(f"nats-py's flusher did not write within {timeout} s") from None
+        await natspy.write_pending(nc, timeout)
         timeout = max(give_up - time.monotonic(), 0.001)
     # nats-py annotates timeout as int, but only hands it to asyncio.wait_for (seconds, float).
     await nc.flush(timeout)  # type: ignore[arg-type]  # FlushTimeoutError is a TimeoutError
@@ -497,18 +462,6 @@ class TransportWrapper:
         await self.inner.close()
 
 
-def _zero_copy_ok(nc: Client) -> bool:
-    """Whether this nats-py client has the internals `NatsTransport.publish_views` relies on."""
-    from nats.aio.transport import TcpTransport
-
-    return (
-        isinstance(getattr(nc, "_pending", None), list)
-        and hasattr(nc, "_pending_data_size")
-        and hasattr(nc, "_flush_pending")
-        and isinstance(getattr(nc, "_transport", None), TcpTransport)
-    )
-
-
 def _publish_head(subject: str, headers: dict[str, str] | None, size: int, reply: str = "") -> bytes:
     """The PUB / HPUB line (and the header block) of a message of ``size`` payload bytes, as nats-py builds it."""
     if not headers:
@@ -523,45 +476,3 @@ def _publish_head(subject: str, headers: dict[str, str] | None, size: int, reply
         hdr += key.encode() + b": " + v.strip().translate(_HEADER_VALUE_NEWLINES).encode() + _CRLF
     hdr += _CRLF
     return f"HPUB {subject} {reply} {len(hdr)} {len(hdr) + size}\r\n".encode() + bytes(hdr)
-
-
-def _install_gather_writes(tcp: Any) -> None:
-    """Make nats-py's transport write its pending list scatter-gather instead of joining it (Python < 3.12)."""
-    if sys.version_info >= (3, 12) or getattr(tcp, "_kvbus_gather", False):
-        return  # 3.12+: asyncio's own writelines already uses sendmsg without joining
-    original = tcp.writelines
-
-    def writelines(items: Sequence[bytes | memoryview]) -> None:
-        writer = tcp._io_writer
-        transport = getattr(writer, "transport", None)
-        sock = getattr(transport, "_sock", None)
-        if transport is None or sock is None or not hasattr(sock, "sendmsg") or not hasattr(transport, "_buffer"):
-            original(items)  # TLS (encrypts each item, no join) or an asyncio we do not know
-            return
-        _gather_write(transport, sock, items)
-
-    tcp.writelines = writelines
-    tcp._kvbus_gather = True
-
-
-def _gather_write(transport: Any, sock: Any, items: Sequence[bytes | memoryview]) -> None:
-    views = [memoryview(i) for i in items if len(i)]
-    n = 0
-    if not (
-        transport._buffer
-        or transport.is_closing()
-        or getattr(transport, "_conn_lost", 0)
-        or getattr(transport, "_empty_waiter", None) is not None
-    ):
-        try:
-            n = sock.sendmsg(views[:_IOV_MAX])
-        except (BlockingIOError, InterruptedError):
-            n = 0
-        except OSError:
-            n = 0  # transport.write below meets the same error and reports it its own way
-    for v in views:
-        if n >= v.nbytes:
-            n -= v.nbytes
-            continue
-        transport.write(v[n:] if n else v)  # asyncio keeps (copies) only what the socket did not take
-        n = 0
