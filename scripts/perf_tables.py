@@ -308,6 +308,13 @@ def chaos(d: Json) -> str:
         f"{r['transfers']} transfers: {r['delivered']} delivered, {r['failed_with_error']} failed with an error, "
         f"**{r['lost']} lost, {r['duplicated']} duplicated, {r['corrupted']} corrupted, {r['crashed']} crashed**; "
         f"faults {json.dumps(r['faults'])}."
+        + (
+            f" Failed while delivered (`delivered_after_sender_error`): {r['delivered_after_sender_error']} "
+            f"(goal 0, {_goal(r['delivered_after_sender_error'], 0)}); in doubt (`in_doubt`, the sender told it "
+            f"may have arrived): {r['in_doubt']}, {r.get('in_doubt_delivered', 0)} of them delivered."
+            if "in_doubt" in r
+            else ""
+        )
         + (f" Data paths of the delivered sends: {json.dumps(r['paths'])}." if r.get("paths") else "")
     )
 
