@@ -180,9 +180,6 @@ class OutgoingTransfer:
         self.max_pause_s = min(config.grant_timeout, config.partial_timeout / 2)
         """The longest a pause holds the transfer without a resume (`_wait_while_paused`)."""
         self._started = False
-        # The connection's own zero-copy publish (a wrapper that only defines ``publish``, such
-        # as a fault injector, gets every chunk through it).
-        self._zero_copy = callable(getattr(type(transport), "publish_views", None))
         self.route: Route | None = None
         """The data path of a transfer to one receiver (None: NATS for every receiver)."""
         self.span: Span = INVALID_SPAN
@@ -523,10 +520,8 @@ class OutgoingTransfer:
         headers = {CHUNK_INDEX_HEADER: str(index)}
         for subject in self._subjects(receivers):
             await self.bucket.take(len(data))
-            if self._zero_copy:
-                await self.transport.publish_views(subject, [data], headers=headers)  # type: ignore[attr-defined]
-            else:
-                await self.transport.publish(subject, data, headers=headers)
+            # Zero-copy on the connection; a `TransportWrapper` (a fault injector) sees it as a publish.
+            await self.transport.publish_views(subject, [data], headers=headers)
             self.stats.chunks_sent += 1
             self.stats.bytes_sent += len(data)
 
