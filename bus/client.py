@@ -76,7 +76,7 @@ class Bus:
         deployment's certificate files (``KVBUS_NATS_TLS_*``, as `NatsAuth.from_env` reads them).
         Without them, this bus leaves the ``tcp`` path out: a deployment that encrypts its control
         plane never sends its KV-caches in the clear on the data plane."""
-        if not getattr(transport, "uses_tls", False):
+        if not transport.uses_tls:
             return None
         tls = DataTls.from_auth(NatsAuth.from_env())
         if tls is None and "tcp" in self.paths_config.allowed_paths:
@@ -175,10 +175,10 @@ class Bus:
     async def directory(self) -> Any:
         """The JetStream KV bucket of agent records (created on first use)."""
         if self._directory is None:
-            nc = getattr(self.transport, "nc", None)
-            if nc is None or self.secure:
+            js = self.transport.jetstream()
+            if js is None or self.secure:
                 return None
-            self._directory = await key_value(nc.jetstream(), AGENTS_BUCKET)
+            self._directory = await key_value(js, AGENTS_BUCKET)
         return self._directory
 
     async def agent(
@@ -266,9 +266,7 @@ class Bus:
         plane, self.plane = self.plane, None
         if plane is not None:
             await plane.close()
-        close = getattr(self.transport, "close", None)
-        if close is not None:
-            await close()
+        await self.transport.close()
 
     async def __aenter__(self) -> Bus:
         return self

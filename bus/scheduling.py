@@ -324,8 +324,7 @@ class SchedulerLink:
             await ep.transport.publish(subject, data)
         except Exception:
             logger.warning("could not report transfer %s done", transfer_id, exc_info=True)
-        settling = getattr(ep.transport, "settling", None)
-        if callable(settling) and settling():
+        if ep.transport.settling():
             # Just reconnected: the scheduler may not be subscribed again yet, and a lost report
             # holds the pair's slot until its transfer_timeout. Saying it again costs nothing.
             task = asyncio.create_task(self._report_again(subject, data), name=f"kvbus-done-{transfer_id}")
