@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import dataclasses
 import hashlib
 import json
 import os
@@ -44,7 +45,9 @@ from kvbus.signature import ModelSignature
 
 SIG = ModelSignature("chaos-model", n_layers=4, n_kv_heads=4, head_dim=64, dtype="bfloat16", vocab_size=32000)
 GROUP = "chaos"
-CONFIG = BusConfig(
+#: The bus settings of both chaos suites (this one and `kvbus.app.bench.chaos_cluster`): short
+#: timeouts, so that a fault is repaired or reported well within a run.
+BASE_CONFIG = BusConfig(
     chunk_size=256 * 1024,
     ack_timeout=0.3,
     peer_timeout=3.0,
@@ -53,8 +56,9 @@ CONFIG = BusConfig(
     partial_timeout=3.0,
     regrant_interval=0.3,
     inline_limit=64 * 1024,
-    window=4,  # credit for 4 chunks: a 3 MB stream waits for acks, which gives the forger its chance
 )
+#: This suite's: credit for 4 chunks, so a 3 MB stream waits for acks, which gives the forger its chance.
+CONFIG = dataclasses.replace(BASE_CONFIG, window=4)
 #: Exit code of a receiver that died (on purpose) between a delivery and its final ack.
 DIED_AFTER_DELIVERY = 86
 #: Contexts every process builds alike: (bytes, seed).

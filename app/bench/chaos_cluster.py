@@ -85,10 +85,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvbus.app.bench.chaos_agents import GROUP, SIG, kv_digest, make_kv
+from kvbus.app.bench.chaos_agents import BASE_CONFIG, GROUP, SIG, kv_digest, make_kv
 from kvbus.app.cluster import NatsCluster
 from kvbus.app.local import NatsServer
-from kvbus.bus import Bus, BusConfig, TransferError, TransferInDoubt
+from kvbus.bus import Bus, TransferError, TransferInDoubt
 from kvbus.bus.paths import PathsConfig
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
 from kvbus.net.buckets import key_value
@@ -99,16 +99,8 @@ logger = logging.getLogger(__name__)
 
 #: The bucket the cluster run writes to after each server kill (to time the control plane's return).
 PROBE_BUCKET = "kvbus_chaos_probe"
-CONFIG = BusConfig(
-    chunk_size=256 * 1024,
-    ack_timeout=0.3,
-    peer_timeout=3.0,
-    request_timeout=1.0,
-    grant_timeout=15.0,
-    partial_timeout=3.0,
-    regrant_interval=0.3,
-    inline_limit=64 * 1024,
-)
+#: The chaos suites' bus settings, with the default credit window (there is no forger to give a chance).
+CONFIG = BASE_CONFIG
 #: Every byte over NATS: in this one process the direct paths (``shm``, ``tcp`` on loopback) would
 #: carry the streams past the servers, and a server kill would meet only Opens, grants and acks.
 PATHS = PathsConfig(allowed="nats")
