@@ -31,10 +31,10 @@ from opentelemetry.trace import INVALID_SPAN, Span
 
 from kvbus.bus.chunking import ChunkPlan, ChunkVerifier, Reassembly
 from kvbus.bus.config import BusConfig
-from kvbus.bus.paths import DataPlane, PathError, PathKind, ReceiveSession
+from kvbus.bus.paths import DataPlane, PathError, ReceiveSession
 from kvbus.bus.paths.shm import address
 from kvbus.net.transport import Transport
-from kvbus.protocol import CHUNK_INDEX_HEADER, DIGEST_BYTES, Ack, Open, Reason, packb, unpackb
+from kvbus.protocol import CHUNK_INDEX_HEADER, DIGEST_BYTES, Ack, Open, PathName, Reason, packb, unpackb
 
 logger = logging.getLogger(__name__)
 
@@ -255,7 +255,7 @@ class IncomingTransfer:
                 "transfer %s: chunk %d on a direct path is not the announced one", self.open.transfer_id, index
             )
             self._unmark(index)
-            self.chunk_corrupt(index, PathKind.TCP)
+            self.chunk_corrupt(index, PathName.TCP)
             return
         action = self._place(index, data, direct=True)
         if action in (_ACK, _GAP):
@@ -268,7 +268,7 @@ class IncomingTransfer:
         if expected is not None:
             expected.have[index] = 0
 
-    def chunk_corrupt(self, index: int, path: PathKind) -> None:
+    def chunk_corrupt(self, index: int, path: PathName) -> None:
         """Chunk ``index`` failed its digest on a direct path: ask for it again."""
         if self.completed:
             return

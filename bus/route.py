@@ -27,18 +27,17 @@ from kvbus.bus.paths import (
     DataPlane,
     PathBroken,
     PathError,
-    PathKind,
     PathUnavailable,
     Segment,
     SendSession,
     TransferSpec,
 )
 from kvbus.errors import WireFormatError
-from kvbus.protocol import DIGEST_BYTES, Ack, OpenReply
+from kvbus.protocol import DIGEST_BYTES, Ack, OpenReply, PathName
 
 logger = logging.getLogger(__name__)
 
-NATS = "nats"
+NATS: str = PathName.NATS.value
 
 #: Chunks a receiver may ask for again on a direct path, its position (the first chunk it lacks)
 #: not advancing in between, before the transfer leaves that path for NATS. One damaged chunk
@@ -117,7 +116,7 @@ class Route:
                     on_control=self._control,
                     on_lost=self._lost,
                     segment=self.segment,
-                    exclude=(PathKind.NATS,),
+                    exclude=(PathName.NATS,),
                 )
                 self.path = self.session.kind.value
             except PathUnavailable as exc:
@@ -145,7 +144,7 @@ class Route:
     def windowless(self) -> bool:
         """The chunks lie in a segment the receiver maps whole (``shm``): a credit window bounds
         no memory there, it would only make the sender wait for acks between batches of headers."""
-        return self.session is not None and self.session.kind is PathKind.SHM
+        return self.session is not None and self.session.kind is PathName.SHM
 
     def _nats_allowed(self) -> bool:
         return self.nats_ok and NATS in self._accepted

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from kvbus.bus.paths import DataPlane, DataTls, PathError, PathKind, PathsConfig, TransferSpec, chunk_digest
-from kvbus.protocol import OpenReply, PathOffer
+from kvbus.bus.paths import DataPlane, DataTls, PathError, PathsConfig, TransferSpec, chunk_digest
+from kvbus.protocol import OpenReply, PathName, PathOffer
 
 
 def emit(**obj: Any) -> None:
@@ -106,7 +106,7 @@ class Sink:
                 h.update(self.chunks[i])
             emit(done=self.tid, digest=h.hexdigest(), corrupt=self.corrupt, via=sorted(self.via))
 
-    def chunk_corrupt(self, index: int, path: PathKind) -> None:
+    def chunk_corrupt(self, index: int, path: PathName) -> None:
         self.corrupt += 1
 
     def path_opened(self, session: Any) -> None:

@@ -26,7 +26,6 @@ from kvbus.bus.paths import (
     Claim,
     DataPlane,
     PathBroken,
-    PathKind,
     PathProtocolError,
     PathsConfig,
     PathUnavailable,
@@ -49,7 +48,7 @@ from kvbus.bus.paths.frames import (
 )
 from kvbus.errors import ConfigError, WireFormatError
 from kvbus.net.transport import MAX_NATS_CHUNK, NatsTransport
-from kvbus.protocol import Open, OpenReply, PathOffer
+from kvbus.protocol import Open, OpenReply, PathName, PathOffer
 
 CI = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MB = 1 << 20
@@ -232,7 +231,7 @@ class Sink:
         self.arrived.setdefault(index, data)
         self.event.set()
 
-    def chunk_corrupt(self, index: int, path: PathKind) -> None:
+    def chunk_corrupt(self, index: int, path: PathName) -> None:
         self.corrupt.append(index)
         self.event.set()
 
@@ -502,8 +501,8 @@ async def test_connect_falls_back_when_a_direct_path_is_refused(planes: tuple[Da
         await tx.connect(spec, ["shm", "tcp"], offer)
     spec2, sink2 = _spec(), Sink()
     offer2 = await rx.accept(spec2, sink2, peer_paths=["shm", "tcp"], peer_host=tx.host)
-    session = await tx.connect(spec2, ["shm", "tcp"], offer2, exclude=[PathKind.SHM])
-    assert session.kind is PathKind.TCP
+    session = await tx.connect(spec2, ["shm", "tcp"], offer2, exclude=[PathName.SHM])
+    assert session.kind is PathName.TCP
     await session.close()
 
 

@@ -16,7 +16,6 @@ logic sees it. Credit, repair, resume and exactly-once stay with the transfer lo
 
 from __future__ import annotations
 
-import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,19 +24,7 @@ from typing import Protocol, runtime_checkable
 import xxhash
 
 from kvbus.bus.paths.errors import PathError
-from kvbus.protocol import PathOffer
-
-
-class PathKind(enum.StrEnum):
-    """The paths a transfer's bytes can take."""
-
-    SHM = "shm"
-    """Shared memory: same host, an anonymous segment passed over a Unix socket."""
-    TCP = "tcp"
-    """A direct TCP (or TLS) connection between the two processes."""
-    NATS = "nats"
-    """Through the NATS server, as chunk messages on the transfer's data subject."""
-
+from kvbus.protocol import PathName, PathOffer
 
 ControlHandler = Callable[[bytes], None]
 """Called with each control message (e.g. an encoded `Ack`) the receiver sent on the path."""
@@ -127,7 +114,7 @@ class ChunkSink(Protocol):
         (32 hex characters) when the sender attached it (on the last chunk), else empty."""
         ...
 
-    def chunk_corrupt(self, index: int, path: PathKind) -> None:
+    def chunk_corrupt(self, index: int, path: PathName) -> None:
         """Chunk ``index`` arrived on ``path`` but failed its digest (nothing was kept)."""
         ...
 
@@ -144,7 +131,7 @@ class ChunkSink(Protocol):
 class SendSession(Protocol):
     """The sender's side of one transfer on one path."""
 
-    kind: PathKind
+    kind: PathName
     spec: TransferSpec
 
     @property
@@ -178,7 +165,7 @@ class SendSession(Protocol):
 class ReceiveSession(Protocol):
     """The receiver's side of one transfer on one path."""
 
-    kind: PathKind
+    kind: PathName
     spec: TransferSpec
 
     @property
@@ -226,7 +213,7 @@ class DataPath(ABC):
     A path implements `start`, `close`, `reachable` and `open_session`; `open` is the same for all.
     """
 
-    kind: PathKind
+    kind: PathName
 
     @abstractmethod
     async def start(self) -> None:

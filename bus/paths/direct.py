@@ -13,9 +13,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Sequence
 from typing import Generic, TypeVar
 
-from kvbus.bus.paths.base import ControlHandler, DataPath, LostHandler, PathKind, TransferSpec, digest_int
+from kvbus.bus.paths.base import ControlHandler, DataPath, LostHandler, TransferSpec, digest_int
 from kvbus.bus.paths.errors import PathBroken, PathError, PathProtocolError, PathUnavailable, TokenRefused
 from kvbus.bus.paths.frames import HEADER_SIZE, MAX_CTRL, SENDER, Frame, FrameType, bind_payload, pack, unpack
+from kvbus.protocol import PathName
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +176,7 @@ class StreamChannel(Channel):
 class DirectSendSession:
     """The sender's side of one transfer on a direct path (`SendSession`); subclasses frame the chunks."""
 
-    kind: PathKind = PathKind.TCP
+    kind: PathName = PathName.TCP
 
     def __init__(
         self,

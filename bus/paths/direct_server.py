@@ -16,10 +16,11 @@ import logging
 from abc import ABC, abstractmethod
 from typing import Any, Generic, TypeVar
 
-from kvbus.bus.paths.base import PathKind, TransferSpec
+from kvbus.bus.paths.base import TransferSpec
 from kvbus.bus.paths.errors import PathBroken, PathProtocolError, TokenRefused
 from kvbus.bus.paths.frames import MAX_CTRL, Frame, FrameType, pack, parse_bind
 from kvbus.bus.paths.registry import Expectations, Expected
+from kvbus.protocol import PathName
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ _LATE = (FrameType.DATA, FrameType.CTRL, FrameType.END)
 class DirectRxSession:
     """One transfer bound on one stream of a direct connection (`ReceiveSession`)."""
 
-    kind: PathKind = PathKind.TCP
+    kind: PathName = PathName.TCP
 
     def __init__(self, conn: DirectRxConnection[Any], stream: int, expected: Expected, generation: int) -> None:
         self.conn = conn
@@ -90,7 +91,7 @@ class DirectRxConnection(ABC, Generic[S]):
         bind_timeout: seconds the connection has to bind its first stream (`arm_bind_deadline`).
     """
 
-    kind: PathKind
+    kind: PathName
 
     def __init__(self, registry: Expectations, bind_timeout: float) -> None:
         self.registry = registry

@@ -12,10 +12,10 @@ import nats.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from kvbus.bus.paths.base import ChunkSink, DataPath, OpenRequest, PathKind, TransferSpec, chunk_digest
+from kvbus.bus.paths.base import ChunkSink, DataPath, OpenRequest, TransferSpec, chunk_digest
 from kvbus.bus.paths.errors import PathBroken, PathUnavailable
 from kvbus.net.transport import Transport, publish_views
-from kvbus.protocol import CHUNK_INDEX_HEADER, CHUNK_SUM_HEADER, ROOT_SUM_HEADER, PathOffer
+from kvbus.protocol import CHUNK_INDEX_HEADER, CHUNK_SUM_HEADER, ROOT_SUM_HEADER, PathName, PathOffer
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 class NatsSendSession:
     """One transfer's chunks published on its data subject (`SendSession`)."""
 
-    kind = PathKind.NATS
+    kind = PathName.NATS
 
     def __init__(self, transport: Transport, spec: TransferSpec) -> None:
         self.transport = transport
@@ -66,7 +66,7 @@ class NatsSendSession:
 class NatsReceiveSession:
     """The receiver's subscription to one transfer's data subject (`ReceiveSession`)."""
 
-    kind = PathKind.NATS
+    kind = PathName.NATS
 
     def __init__(self, transport: Transport, spec: TransferSpec, sink: ChunkSink) -> None:
         self.transport = transport
@@ -111,7 +111,7 @@ class NatsReceiveSession:
         data = msg.data
         digest = headers.get(CHUNK_SUM_HEADER, "")
         if len(data) != self.spec.chunk_len(index) or chunk_digest(data) != digest:
-            self.sink.chunk_corrupt(index, PathKind.NATS)
+            self.sink.chunk_corrupt(index, PathName.NATS)
             return
         self.sink.chunk_arrived(index, memoryview(data), digest, headers.get(ROOT_SUM_HEADER, ""))
 
@@ -133,7 +133,7 @@ async def _unsubscribe(sub: Subscription) -> None:
 class NatsPath(DataPath):
     """The ``nats`` path (`DataPath`)."""
 
-    kind = PathKind.NATS
+    kind = PathName.NATS
 
     def __init__(self, transport: Transport) -> None:
         self.transport = transport

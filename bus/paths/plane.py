@@ -26,7 +26,6 @@ from kvbus.bus.paths.base import (
     DataPath,
     LostHandler,
     OpenRequest,
-    PathKind,
     SendSession,
     TransferSpec,
 )
@@ -38,7 +37,7 @@ from kvbus.bus.paths.registry import Expectations
 from kvbus.bus.paths.shm import Segment, ShmPath
 from kvbus.bus.paths.tcp import TcpPath
 from kvbus.net.transport import Transport
-from kvbus.protocol import PathOffer
+from kvbus.protocol import PathName, PathOffer
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +65,9 @@ class DataPlane:
         allowed = self.config.allowed_paths
         self.host = host_identity()
         self.registry = Expectations(pool_bytes=self.config.recv_pool_bytes) if receive else None
-        self.shm = ShmPath(self.registry, config=self.config) if "shm" in allowed else None
-        self.tcp = TcpPath(self.registry, config=self.config, tls=tls) if "tcp" in allowed else None
-        self.nats = NatsPath(transport) if "nats" in allowed and transport is not None else None
+        self.shm = ShmPath(self.registry, config=self.config) if PathName.SHM in allowed else None
+        self.tcp = TcpPath(self.registry, config=self.config, tls=tls) if PathName.TCP in allowed else None
+        self.nats = NatsPath(transport) if PathName.NATS in allowed and transport is not None else None
         self._nats_rx: dict[str, NatsReceiveSession] = {}
 
     @property
@@ -106,14 +105,14 @@ class DataPlane:
 
     def accepted_paths(self, peer_paths: Sequence[str], peer_host: str) -> list[str]:
         """The paths this receiver takes a transfer on from a sender that offered ``peer_paths`` (``[]``: nats only)."""
-        wanted = set(peer_paths or ["nats"])
+        wanted = set(peer_paths or [PathName.NATS.value])
         out = []
-        if self.shm is not None and self.shm.endpoint and "shm" in wanted and peer_host == self.host:
-            out.append("shm")
-        if self.tcp is not None and self.tcp.endpoint and "tcp" in wanted:
-            out.append("tcp")
-        if self.nats is not None and "nats" in wanted:
-            out.append("nats")
+        if self.shm is not None and self.shm.endpoint and PathName.SHM in wanted and peer_host == self.host:
+            out.append(PathName.SHM.value)
+        if self.tcp is not None and self.tcp.endpoint and PathName.TCP in wanted:
+            out.append(PathName.TCP.value)
+        if self.nats is not None and PathName.NATS in wanted:
+            out.append(PathName.NATS.value)
         return out
 
     async def accept(
@@ -142,10 +141,10 @@ class DataPlane:
                 f"receiver: {[p.kind.value for p in self.paths]})",
                 peer=spec.sender,
             )
-        if "nats" in paths and spec.transfer_id not in self._nats_rx:
+        if PathName.NATS in paths and spec.transfer_id not in self._nats_rx:
             assert self.nats is not None
             self._nats_rx[spec.transfer_id] = await self.nats.receive(spec, sink)
-        direct = frozenset(PathKind(p) for p in paths if p != "nats")
+        direct = frozenset(PathName(p) for p in paths if p != PathName.NATS)
         if not direct or self.registry is None:
             return None
         token = self.registry.expect(spec, sink, paths=direct, ttl=self.config.token_ttl_s, buffer=buffer)
@@ -158,7 +157,7 @@ class DataPlane:
         Raises:
             ValueError: the spec's ranges do not fit it.
         """
-        direct = frozenset(PathKind(p) for p in paths if p != "nats")
+        direct = frozenset(PathName(p) for p in paths if p != PathName.NATS)
         if not direct or self.registry is None:
             return None
         token = self.registry.expect(spec, sink, paths=direct, ttl=self.config.token_ttl_s)
@@ -174,9 +173,9 @@ class DataPlane:
             return None
         return self._offer(expected.paths, token)
 
-    def _offer(self, kinds: frozenset[PathKind], token: str) -> PathOffer:
-        tcp = self.tcp.endpoint if self.tcp is not None and PathKind.TCP in kinds else None
-        shm = self.shm.endpoint if self.shm is not None and PathKind.SHM in kinds else ""
+    def _offer(self, kinds: frozenset[PathName], token: str) -> PathOffer:
+        tcp = self.tcp.endpoint if self.tcp is not None and PathName.TCP in kinds else None
+        shm = self.shm.endpoint if self.shm is not None and PathName.SHM in kinds else ""
         return PathOffer(
             host=self.host,
             token=token,
@@ -221,7 +220,7 @@ class DataPlane:
         on_control: ControlHandler | None = None,
         on_lost: LostHandler | None = None,
         segment: Segment | None = None,
-        exclude: Collection[PathKind] = (),
+        exclude: Collection[PathName] = (),
     ) -> SendSession:
         """A session on the fastest path both sides allow that opens, trying the next when one is unavailable.
 
@@ -234,7 +233,7 @@ class DataPlane:
         Raises:
             PathUnavailable: no path could be opened (the last reason).
         """
-        accepted = set(peer_paths or ["nats"])
+        accepted = set(peer_paths or [PathName.NATS.value])
         request = OpenRequest(spec, offer, on_control, on_lost, segment)  # only shm reads the segment
         why: list[str] = []
         for path in self.paths:
@@ -244,7 +243,7 @@ class DataPlane:
             if not path.reachable(offer, self.host):
                 why.append(
                     f"{name}: not usable with the receiver's offer"
-                    + (" (TLS on one side only)" if name == "tcp" and offer is not None and offer.tcp_host else "")
+                    + (" (TLS on one side only)" if path.kind is PathName.TCP and offer and offer.tcp_host else "")
                 )
                 continue
             try:

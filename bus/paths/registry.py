@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvbus.bus.paths.base import ChunkSink, PathKind, ReceiveSession, TransferSpec
+from kvbus.bus.paths.base import ChunkSink, ReceiveSession, TransferSpec
 from kvbus.bus.paths.errors import PathError, TokenRefused
 from kvbus.bus.paths.tokens import Claim, TokenTable
+from kvbus.protocol import PathName
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ class Expected:
 
     spec: TransferSpec
     sink: ChunkSink
-    paths: frozenset[PathKind]
+    paths: frozenset[PathName]
     buffer: memoryview | None = None
     have: bytearray = field(default_factory=bytearray)
     generation: int = 0
@@ -131,7 +132,7 @@ class Expected:
         except Exception:
             logger.exception("transfer %s: the sink failed on chunk %d", self.spec.transfer_id, index)
 
-    def notify_corrupt(self, index: int, kind: PathKind) -> None:
+    def notify_corrupt(self, index: int, kind: PathName) -> None:
         """Tell the sink chunk ``index`` failed its digest on ``kind``."""
         try:
             self.sink.chunk_corrupt(index, kind)
@@ -163,7 +164,7 @@ class _Detached:
     def chunk_arrived(self, index: int, data: memoryview, digest: str, root: str) -> None:
         """Dropped."""
 
-    def chunk_corrupt(self, index: int, path: PathKind) -> None:
+    def chunk_corrupt(self, index: int, path: PathName) -> None:
         """Dropped."""
 
     def path_opened(self, session: ReceiveSession) -> None:
@@ -189,7 +190,7 @@ class Expectations:
         spec: TransferSpec,
         sink: ChunkSink,
         *,
-        paths: frozenset[PathKind],
+        paths: frozenset[PathName],
         ttl: float,
         buffer: memoryview | None = None,
     ) -> str:
@@ -211,7 +212,7 @@ class Expectations:
             return None
         return self.tokens.issue(transfer_id, ttl)
 
-    def claim(self, transfer_id: str, token: bytes, kind: PathKind) -> tuple[Expected, int]:
+    def claim(self, transfer_id: str, token: bytes, kind: PathName) -> tuple[Expected, int]:
         """Bind a stream to ``transfer_id`` with ``token`` on ``kind``: the transfer and the stream's generation.
 
         Raises:

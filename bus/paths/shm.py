@@ -27,7 +27,7 @@ import socket
 import numpy as np
 import torch
 
-from kvbus.bus.paths.base import ControlHandler, LostHandler, OpenRequest, PathKind, TransferSpec
+from kvbus.bus.paths.base import ControlHandler, LostHandler, OpenRequest, TransferSpec
 from kvbus.bus.paths.config import PathsConfig
 from kvbus.bus.paths.direct import DirectPath, DirectSendSession, PacketChannel, TxConnection
 from kvbus.bus.paths.errors import PathUnavailable, TokenRefused
@@ -35,7 +35,7 @@ from kvbus.bus.paths.frames import FrameType, pack
 from kvbus.bus.paths.host import host_identity
 from kvbus.bus.paths.registry import Expectations
 from kvbus.bus.paths.shm_server import ShmListener, map_fd
-from kvbus.protocol import PathOffer
+from kvbus.protocol import PathName, PathOffer
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ class SegmentPool:
 class ShmSendSession(DirectSendSession):
     """One transfer's stream on a ``shm`` connection; its bytes are in `segment`."""
 
-    kind = PathKind.SHM
+    kind = PathName.SHM
 
     def __init__(
         self,
@@ -222,7 +222,7 @@ class ShmSendSession(DirectSendSession):
 class ShmPath(DirectPath[str]):
     """The ``shm`` path of one process: its listener (when it receives) and its connections (`DirectPath`)."""
 
-    kind = PathKind.SHM
+    kind = PathName.SHM
 
     def __init__(self, registry: Expectations | None, *, config: PathsConfig) -> None:
         super().__init__()

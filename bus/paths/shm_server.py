@@ -25,11 +25,12 @@ from collections.abc import Callable
 import numpy as np
 import xxhash
 
-from kvbus.bus.paths.base import PathKind, digest_hex
+from kvbus.bus.paths.base import digest_hex
 from kvbus.bus.paths.direct_server import DirectRxConnection, DirectRxSession
 from kvbus.bus.paths.errors import PathProtocolError
 from kvbus.bus.paths.frames import HEADER_SIZE, MAX_BIND, MAX_CTRL, RECEIVER, Frame, FrameType, pack, unpack
 from kvbus.bus.paths.registry import Expectations, Expected
+from kvbus.protocol import PathName
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ def map_fd(fd: int, size: int, *, shared: bool, writable: bool, populate: bool =
 class ShmRxSession(DirectRxSession):
     """One transfer bound on one ``shm`` connection (`ReceiveSession`); ``view`` is its mapping."""
 
-    kind = PathKind.SHM
+    kind = PathName.SHM
 
     def __init__(
         self,
@@ -119,7 +120,7 @@ _W = tuple[ShmRxSession, Frame, memoryview, int, int]
 class ShmRxConnection(DirectRxConnection[ShmRxSession]):
     """One accepted ``shm`` connection."""
 
-    kind = PathKind.SHM
+    kind = PathName.SHM
 
     def __init__(self, listener: ShmListener, sock: socket.socket) -> None:
         super().__init__(listener.registry, listener.bind_timeout)
@@ -301,7 +302,7 @@ class ShmRxConnection(DirectRxConnection[ShmRxSession]):
                 expected.notify_arrived(frame.index, data, digest_hex(value), frame.root_hex)
             else:
                 logger.warning("transfer %s: chunk %d failed its digest on shm", session.spec.transfer_id, frame.index)
-                expected.notify_corrupt(frame.index, PathKind.SHM)
+                expected.notify_corrupt(frame.index, PathName.SHM)
 
     def _released(self, stream: int) -> None:
         self.write(pack(FrameType.RELEASE, stream))

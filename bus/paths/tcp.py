@@ -15,7 +15,7 @@ import logging
 import socket
 import time
 
-from kvbus.bus.paths.base import OpenRequest, PathKind
+from kvbus.bus.paths.base import OpenRequest
 from kvbus.bus.paths.config import DataTls, PathsConfig
 from kvbus.bus.paths.direct import Channel, DirectPath, DirectSendSession, SocketChannel, StreamChannel
 from kvbus.bus.paths.errors import PathUnavailable
@@ -23,7 +23,7 @@ from kvbus.bus.paths.frames import FrameType, pack
 from kvbus.bus.paths.registry import Expectations
 from kvbus.bus.paths.tcp_server import TcpListener
 from kvbus.errors import ConfigError
-from kvbus.protocol import PathOffer
+from kvbus.protocol import PathName, PathOffer
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ FAILED_ENDPOINT_S = 30.0
 class TcpSendSession(DirectSendSession):
     """One transfer's stream on a ``tcp`` connection."""
 
-    kind = PathKind.TCP
+    kind = PathName.TCP
 
     async def _send(self, index: int, pieces: list[memoryview], digest: int, root: str) -> None:
         header = pack(FrameType.DATA, self.stream, self.spec.chunk_len(index), index=index, digest=digest, root=root)
@@ -64,7 +64,7 @@ def bind_host(config: PathsConfig) -> str:
 class TcpPath(DirectPath[tuple[str, int]]):
     """The ``tcp`` path of one process: its listener (when it receives) and its connections to peers (`DirectPath`)."""
 
-    kind = PathKind.TCP
+    kind = PathName.TCP
 
     def __init__(self, registry: Expectations | None, *, config: PathsConfig, tls: DataTls | None = None) -> None:
         super().__init__()

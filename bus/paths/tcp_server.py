@@ -24,11 +24,12 @@ import time
 
 import xxhash
 
-from kvbus.bus.paths.base import PathKind, digest_hex
+from kvbus.bus.paths.base import digest_hex
 from kvbus.bus.paths.direct_server import DirectRxConnection, DirectRxSession
 from kvbus.bus.paths.errors import PathProtocolError
 from kvbus.bus.paths.frames import HEADER_SIZE, RECEIVER, TOKEN_BYTES, Frame, FrameType, unpack
 from kvbus.bus.paths.registry import Expectations
+from kvbus.protocol import PathName
 
 logger = logging.getLogger(__name__)
 
@@ -44,13 +45,13 @@ WARN_EVERY_S = 10.0
 class TcpRxSession(DirectRxSession):
     """One transfer bound on one connection (`ReceiveSession`): its chunks are read into the transfer's buffer."""
 
-    kind = PathKind.TCP
+    kind = PathName.TCP
 
 
 class RxConnection(DirectRxConnection[TcpRxSession], asyncio.BufferedProtocol):
     """One accepted connection: a state machine over frames, reading payloads in place."""
 
-    kind = PathKind.TCP
+    kind = PathName.TCP
 
     def __init__(self, listener: TcpListener) -> None:
         super().__init__(listener.registry, listener.bind_deadline)
@@ -267,7 +268,7 @@ class RxConnection(DirectRxConnection[TcpRxSession], asyncio.BufferedProtocol):
             session.expected.notify_arrived(frame.index, target, digest_hex(value), frame.root_hex)
         else:
             logger.warning("transfer %s: chunk %d failed its digest on tcp", session.spec.transfer_id, frame.index)
-            session.expected.notify_corrupt(frame.index, PathKind.TCP)
+            session.expected.notify_corrupt(frame.index, PathName.TCP)
 
     def shut(self, why: str) -> None:
         """Close at once (see `abort`)."""

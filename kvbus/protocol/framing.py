@@ -52,13 +52,16 @@ ROOT_SUM_HEADER = "Kvbus-Root"
 class PathName(enum.StrEnum):
     """The data paths a transfer's bytes can take, fastest first; on the wire, their values.
 
-    (`kvbus.bus.paths.PathKind` names the same paths with the same values, for the bus's own
-    path objects; the parts above the bus, which may not import it, use this one.)
+    The one name for a path everywhere: the bus's path objects (`kvbus.bus.paths`) and the
+    parts above the bus (the scheduler's link estimates) both use it.
     """
 
     SHM = "shm"
+    """Shared memory: same host, an anonymous segment passed over a Unix socket."""
     TCP = "tcp"
+    """A direct TCP (or TLS) connection between the two processes."""
     NATS = "nats"
+    """Through the NATS server, as chunk messages on the transfer's data subject."""
 
 
 #: The data paths' wire names, fastest first (`PathOffer`, `Open.paths`).
