@@ -28,7 +28,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from opentelemetry.trace import INVALID_SPAN, Span
@@ -40,6 +40,7 @@ from kvbus.bus.handshake import Handshake, ReceiverOutcome
 from kvbus.bus.pacing import TokenBucket
 from kvbus.bus.paths import DataPlane, PathError, Segment, TransferSpec
 from kvbus.bus.route import Route
+from kvbus.codecs import Encoded
 from kvbus.net.transport import NoResponders, Transport
 from kvbus.protocol import (
     CHUNK_INDEX_HEADER,
@@ -54,7 +55,7 @@ from kvbus.protocol import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OutgoingTransfer", "ReceiverOutcome", "StreamStats"]
+__all__ = ["OutgoingTransfer", "ReceiverOutcome", "StreamPacing", "StreamPayload", "StreamPaths", "StreamStats"]
 
 #: Seconds to wait, per reply for another transfer received so far, before asking a receiver
 #: again (a client answering every `Open` with other ids does not make its sender spin).
@@ -85,37 +86,76 @@ class StreamStats:
     finished: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class StreamPayload:
+    """What one outgoing transfer carries, from whom and to whom."""
+
+    transfer_id: str
+    src: str
+    """The sending agent."""
+    receivers: list[str]
+    encoded: Encoded
+    """The payload in its granted medium: its codec spec and meta go into the `Open`, its
+    buffers are the chunks' bytes."""
+    idempotency_key: str = ""
+    """The send's idempotency key ("" for none)."""
+    traceparent: str | None = None
+    """The sender's span context for the `Open` (None: the sender does not trace)."""
+    trace_link: str | None = None
+    """The scheduler's root span, sent in the `Open` when ``traceparent`` is None."""
+    incarnations: Mapping[str, str] = field(default_factory=dict)
+    """Per receiver, the incarnation it had when last heard from (one that restarted since lost our bases)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StreamPacing:
+    """How fast one outgoing transfer may go: its chunking, credit window and rate."""
+
+    chunk_size: int
+    window: int
+    """Chunks a sender keeps beyond the slowest receiver's acknowledged position."""
+    rate_bps: float = 0.0
+    """The granted rate (0: unpaced), when the transfer paces itself."""
+    bucket: TokenBucket | None = None
+    """The pacing it shares with the other transfers of its rate budget (None: its own, at ``rate_bps``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StreamPaths:
+    """Where one outgoing transfer's bytes may go."""
+
+    plane: DataPlane | None = None
+    """The process's data plane, for a direct path to a single receiver (None: NATS only)."""
+    per_receiver_streams: bool = False
+    """A broadcast gives every receiver its own stream (secure mode) instead of one shared subject."""
+    stage_shm: bool = False
+    """Its one receiver was reached on ``shm`` last time: stage a large payload in a segment."""
+
+
 class OutgoingTransfer:
     """The sender's side of one transfer to one or more receivers."""
 
     def __init__(
         self,
         transport: Transport,
-        *,
-        transfer_id: str,
-        src: str,
-        codec: str,
-        meta: dict,
-        buffers: list[memoryview],
-        receivers: list[str],
         config: BusConfig,
-        chunk_size: int,
-        window: int,
-        rate_bps: float = 0.0,
-        bucket: TokenBucket | None = None,
-        stage_shm: bool = False,
-        inline_limit: int = 0,
-        traceparent: str | None = None,
-        per_receiver_streams: bool = False,
-        incarnations: dict[str, str] | None = None,
-        plane: DataPlane | None = None,
-        trace_link: str | None = None,
-        idempotency_key: str = "",
+        payload: StreamPayload,
+        pacing: StreamPacing,
+        paths: StreamPaths,
     ) -> None:
+        """A transfer of ``payload``, paced by ``pacing``, its bytes on ``paths``.
+
+        Args:
+            transport: the NATS connection the `Open`, the chunks and the acks go through.
+            config: the bus's settings (timeouts, the inline limit, repair limits).
+        """
+        transfer_id, src = payload.transfer_id, payload.src
+        chunk_size, window, rate_bps = pacing.chunk_size, pacing.window, pacing.rate_bps
+        buffers, plane = payload.encoded.buffers, paths.plane
         self.transport = transport
         self.transfer_id = transfer_id
         self.src = src
-        self.receivers = list(receivers)
+        self.receivers = list(payload.receivers)
         self.config = config
         self.window = window
         self.plan = ChunkSource(buffers, chunk_size)
@@ -125,16 +165,16 @@ class OutgoingTransfer:
         self._chunks: list[memoryview | bytes] = []
         # One shared subject (a broadcast outside secure mode), else a stream per receiver.
         self.shared_subject = (
-            bcast_subject(src, transfer_id) if len(self.receivers) > 1 and not per_receiver_streams else None
+            bcast_subject(src, transfer_id) if len(self.receivers) > 1 and not paths.per_receiver_streams else None
         )
         # Direct paths carry transfers to one receiver; a broadcast's bytes go through NATS.
         self.plane = plane if plane is not None and len(self.receivers) == 1 else None
-        paths = [p.kind.value for p in self.plane.paths] if self.plane is not None else ["nats"]
+        offered = [p.kind.value for p in self.plane.paths] if self.plane is not None else ["nats"]
         self.open = Open(
             transfer_id=transfer_id,
             src=src,
-            codec=codec,
-            meta=meta,
+            codec=payload.encoded.codec,
+            meta=payload.encoded.meta,
             sizes=self.sizes,
             total=self.plan.total,
             chunk_size=chunk_size,
@@ -144,25 +184,25 @@ class OutgoingTransfer:
             data_subject=self.shared_subject or data_subject(self.receivers[0], src, transfer_id),
             ack_subject=ack_subject(src, self.receivers[0]),
             inline=False,
-            traceparent=traceparent,
-            paths=paths,
+            traceparent=payload.traceparent,
+            paths=offered,
             host=self.plane.host if self.plane is not None else "",
-            trace_link=None if traceparent else trace_link,
-            idempotency_key=idempotency_key,
+            trace_link=None if payload.traceparent else payload.trace_link,
+            idempotency_key=payload.idempotency_key,
         )
         """The `Open` of the first receiver (before its digests are known); each gets its own."""
         # Inline when small enough and the framed Open (header + payload) fits the server's max_payload.
         room = transport.max_payload - len(self.open.encode()) - 1024
-        if self.plan.total <= min(inline_limit, room):
+        if self.plan.total <= min(config.inline_limit, room):
             self.open = dataclasses.replace(self.open, inline=True)
-        known = incarnations if incarnations is not None else {}
+        known = payload.incarnations
         self.links: dict[str, Handshake] = {rx: Handshake(transport, rx, self.open) for rx in self.receivers}
         for rx, link in self.links.items():
             link.expected = known.get(rx, "")
         self.outcomes: dict[str, ReceiverOutcome] = {rx: link.outcome for rx, link in self.links.items()}
         # Its own pacing at the granted rate, or the pacing it shares with the other transfers
         # of the rate budget it runs under.
-        self.bucket = bucket or TokenBucket(rate_bps, burst=max(chunk_size, rate_bps * 0.02))
+        self.bucket = pacing.bucket or TokenBucket(rate_bps, burst=max(chunk_size, rate_bps * 0.02))
         self.stats = StreamStats()
         self._acked: dict[str, int] = {}
         self._held: dict[str, Ack] = {}
@@ -185,7 +225,7 @@ class OutgoingTransfer:
         self.span: Span = INVALID_SPAN
         """The sender's ``kvbus.stream`` span: pause, resume and retransmit become its events."""
         self._last_progress = time.monotonic()
-        self._stage_shm = stage_shm
+        self._stage_shm = paths.stage_shm
         """Its one receiver was reached on ``shm`` last time: stage a large payload in a segment."""
         self._segment: Segment | None = None
         """The shared segment the payload was staged in (`_staging`), held until the transfer ends."""

@@ -32,7 +32,7 @@ from kvbus.bus.config import DEFAULT_CHUNK_SIZE, HEADER_ROOM, OFFLOAD_BYTES
 from kvbus.bus.endpoint import Endpoint
 from kvbus.bus.errors import BusClosed, PayloadTooLarge, TransferRejected
 from kvbus.bus.handshake import ReceiverOutcome
-from kvbus.bus.outgoing import OutgoingTransfer, StreamStats
+from kvbus.bus.outgoing import OutgoingTransfer, StreamPacing, StreamPaths, StreamPayload, StreamStats
 from kvbus.bus.scheduling import SchedulerLink
 from kvbus.bus.stages import SendRequest, SendSettings, TransferPlan, chunk_cap
 from kvbus.bus.types import TransferReport
@@ -398,25 +398,28 @@ class Sender:
         chunk_size = fit_chunk_size(encoded.sizes, chunk_size, max(largest, MIN_CHUNK_SIZE))
         out = OutgoingTransfer(
             ep.transport,
-            transfer_id=transfer_id,
-            src=ep.name,
-            codec=encoded.codec,
-            meta=encoded.meta,
-            buffers=encoded.buffers,
-            receivers=receivers,
-            config=ep.config,
-            chunk_size=chunk_size,
-            inline_limit=ep.config.inline_limit,
-            window=grant.window or ep.config.window,
-            rate_bps=grant.rate_bps,
-            bucket=self._scheduler.bucket(transfer_id),
-            stage_shm=len(receivers) == 1 and self.paths.get(receivers[0]) == "shm",
-            traceparent=telemetry.traceparent(),
-            per_receiver_streams=settings.secure,
-            incarnations=self.incarnations,
-            plane=settings.plane,
-            trace_link=grant.traceparent,  # the scheduler's root span, for a sender that does not trace
-            idempotency_key=request.key,
+            ep.config,
+            StreamPayload(
+                transfer_id,
+                ep.name,
+                receivers,
+                encoded,
+                idempotency_key=request.key,
+                traceparent=telemetry.traceparent(),
+                trace_link=grant.traceparent,  # the scheduler's root span, for a sender that does not trace
+                incarnations=self.incarnations,
+            ),
+            StreamPacing(
+                chunk_size,
+                window=grant.window or ep.config.window,
+                rate_bps=grant.rate_bps,
+                bucket=self._scheduler.bucket(transfer_id),
+            ),
+            StreamPaths(
+                settings.plane,
+                per_receiver_streams=settings.secure,
+                stage_shm=len(receivers) == 1 and self.paths.get(receivers[0]) == "shm",
+            ),
         )
         if out.plan.n_chunks > MAX_CHUNKS:
             raise PayloadTooLarge(f"payload in chunks of {chunk_size} bytes", out.plan.n_chunks, MAX_CHUNKS)
