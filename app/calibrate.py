@@ -48,6 +48,7 @@ from kvbus.codecs.calibration import (
     save_profile,
     user_profile_path,
 )
+from kvbus.codecs.spec import medium_spec
 from kvbus.kvcache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -191,7 +192,7 @@ def measure(
         full_bytes = full.encode(kv).nbytes
         for spec in specs:
             codec = get_codec(spec)
-            slow = spec.startswith(("summary", "lowrank", "tokens"))
+            slow = medium_spec(spec).outer in ("summary", "lowrank", "tokens")
             reps = (1 if quick else 2) if slow else repeats
             t_enc, encoded = _best(partial(codec.encode, kv, runner=runner), reps)
             wire = _wire(encoded)

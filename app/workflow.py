@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from kvbus.bus import Bus, BusConfig, EmulatedLink
+from kvbus.codecs.spec import medium_spec
 from kvbus.kvcache import KVCache
 
 
@@ -266,7 +267,7 @@ class SentLog:
 
     def medium(self, medium: str | None, receivers: list[str], kv: KVCache) -> str | None:
         """``medium``, or its inner medium for a delta medium some receiver has no base for."""
-        if medium is None or not medium.startswith("delta+"):
+        if medium is None or not (spec := medium_spec(medium)).delta:
             return medium
         for rx in receivers:
             prev = self.sent.get(rx)
@@ -276,7 +277,7 @@ class SentLog:
                 or min(prev.shape[-1], kv.tokens.shape[-1]) == 0
                 or not bool(torch.equal(prev[..., :1], kv.tokens[..., :1]))
             ):
-                return medium.split("+", 1)[1]
+                return spec.inner
         return medium
 
     def delivered(self, receivers: list[str], kv: KVCache) -> None:
@@ -292,7 +293,7 @@ def policy_tag(policy: str) -> str:
 
 def recompute_of(medium: str, decode_s: dict[str, float]) -> float:
     """Seconds the receivers spent rebuilding KV (media that carry tokens or a summary)."""
-    return sum(decode_s.values()) if medium in ("tokens", "summary") or medium.startswith("summary") else 0.0
+    return sum(decode_s.values()) if medium_spec(medium).outer in ("tokens", "summary") else 0.0
 
 
 class Workflow:

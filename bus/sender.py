@@ -37,6 +37,7 @@ from kvbus.bus.scheduling import SchedulerLink
 from kvbus.bus.stages import SendRequest, SendSettings, TransferPlan, chunk_cap
 from kvbus.bus.types import TransferReport
 from kvbus.codecs import Codec, Encoded, NonFiniteValues, get_codec
+from kvbus.codecs.spec import medium_spec
 from kvbus.errors import WireFormatError
 from kvbus.kvcache import KVCache
 from kvbus.protocol import (
@@ -125,7 +126,7 @@ class Sender:
             for rx in receivers:
                 self.bases.pop(rx, None)
             logger.info("transfer %s: a receiver lost its delta base; sending the whole context", exc.transfer_id)
-            retry = medium.split("+", 1)[1] if medium and medium.startswith("delta+") else medium
+            retry = medium_spec(medium).inner if medium is not None and medium_spec(medium).delta else medium
             return await self._transfer(
                 receivers, kv, medium=retry, deadline=deadline, critical=critical, key=idempotency_key
             )

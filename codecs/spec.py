@@ -24,6 +24,7 @@ omits parameters at their default, prints the first parameter positionally and t
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -211,3 +212,68 @@ def render_stage(medium: str, params: tuple[Param, ...], values: dict[str, Any])
         text = p.render(value)
         parts.append(text if i == 0 else f"{p.name}={text}")
     return f"{medium}({','.join(parts)})" if parts else medium
+
+
+@dataclass(frozen=True, slots=True)
+class MediumSpec:
+    """What a medium spec is made of, for the code that asks whether a medium is a delta, what
+    it wraps or which codec it ends in, instead of cutting the spec's text. Built by `medium_spec`.
+
+    ``name`` is the spec's text as parsed (whitespace removed, lower case), not its canonical
+    form: ``get_codec(spec).name`` gives that.
+    """
+
+    stages: tuple[Stage, ...]
+    """The parsed stages, outermost first."""
+    pieces: tuple[str, ...]
+    """Each stage's text, with its arguments."""
+
+    @property
+    def name(self) -> str:
+        """The spec's text (``"delta+int4(64)"``)."""
+        return "+".join(self.pieces)
+
+    @property
+    def delta(self) -> bool:
+        """Whether the medium sends what the receiver lacks on top of a base it holds."""
+        return self.stages[0].name == "delta"
+
+    @property
+    def inner(self) -> str:
+        """The spec a delta wraps (``delta+int8`` -> ``int8``; a bare ``delta`` wraps ``full``);
+        the spec itself when it is no delta."""
+        if not self.delta:
+            return self.name
+        return "+".join(self.pieces[1:]) or "full"
+
+    @property
+    def outer(self) -> str:
+        """The outermost stage's name, without arguments (``topk(0.25)+int8`` -> ``topk``)."""
+        return self.stages[0].name
+
+    @property
+    def kind(self) -> str:
+        """The innermost stage's name, without arguments (``delta+int4(64)`` -> ``int4``)."""
+        return self.stages[-1].name
+
+    def with_delta(self) -> MediumSpec:
+        """This medium wrapped in a delta (itself when it is one already)."""
+        if self.delta:
+            return self
+        return MediumSpec((Stage("delta", (), ()), *self.stages), ("delta", *self.pieces))
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@functools.lru_cache(maxsize=1024)
+def medium_spec(spec: str) -> MediumSpec:
+    """The structure of the medium spec ``spec`` (syntax only, as `parse_spec`; cached, since the
+    scheduler asks for the same few media on every decision).
+
+    Raises:
+        SpecError: not a string, too long, empty, or malformed.
+    """
+    stages = tuple(parse_spec(spec))
+    pieces = tuple(_split_top("".join(spec.split()).lower(), "+", spec))
+    return MediumSpec(stages, pieces)

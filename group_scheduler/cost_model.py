@@ -31,6 +31,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvbus.codecs.spec import medium_spec
 from kvbus.group_scheduler.learning import LearnedCosts
 from kvbus.protocol import PathName
 from kvbus.signature import ModelSignature
@@ -219,11 +220,6 @@ class Choice:
         }
 
 
-def base_medium(spec: str) -> str:
-    """The last stage of a composed spec (``delta+int8`` -> ``int8``), without parameters."""
-    return spec.split("+")[-1].split("(")[0]
-
-
 class CostModel:
     """Predicts the latency of each medium and chooses one, with hysteresis and precision refresh."""
 
@@ -263,7 +259,9 @@ class CostModel:
                 fidelity=min(1.0, max(0.0, float(f.fidelity))),
                 needs_kv=bool(codec.needs_kv),
                 lossless=bool(codec.lossless),
-                summary_tokens=int(getattr(f, "summary_tokens", 0) or (64 if base_medium(spec) == "summary" else 0)),
+                summary_tokens=int(
+                    getattr(f, "summary_tokens", 0) or (64 if medium_spec(spec).kind == "summary" else 0)
+                ),
             )
         for name, fb in FALLBACK_FIGURES.items():
             figures.setdefault(name, fb)
@@ -271,7 +269,7 @@ class CostModel:
         for inner in ("full", "int8", "int4"):
             if inner in figures:
                 try:
-                    spec = get_codec(f"delta+{inner}").name
+                    spec = get_codec(medium_spec(inner).with_delta().name).name
                 except Exception:  # noqa: BLE001 - no delta in this build
                     continue
                 figures.setdefault(spec, figures[inner])
@@ -305,12 +303,13 @@ class CostModel:
             or not sender.signature.compatible_with(receiver.signature)
         ):
             return Estimate(medium, 0, 0, 0, 0, fig.fidelity, usable=False, why_not="receiver cannot use this KV")
-        delta = medium.startswith("delta+")
+        spec = medium_spec(medium)
+        delta = spec.delta
         if delta and base_tokens <= 0:
             return Estimate(medium, 0, 0, 0, 0, fig.fidelity, usable=False, why_not="receiver holds no base")
         new_tokens = max(0, n_tokens - base_tokens) if delta else n_tokens
         per_token_bytes = kv_bytes / n_tokens if n_tokens else 0.0
-        kind = base_medium(medium)
+        kind = spec.kind
         if not fig.needs_kv:
             nbytes = 8 * max(1, fig.summary_tokens) if kind == "summary" else 8 * new_tokens
             raw = 0.0

@@ -33,6 +33,7 @@ from typing import Any
 
 from nats.js.errors import KeyNotFoundError
 
+from kvbus.codecs.spec import medium_spec
 from kvbus.net.buckets import transport_bucket
 from kvbus.net.transport import Transport
 from kvbus.protocol import PathName, packb, unpackb
@@ -196,7 +197,7 @@ class LearnedCosts:
         candidate = next((c for c in decision.get("candidates", ()) if c.get("medium") == medium), None)
         prior = candidate.get("prior") if candidate else None
         if teach_codec and isinstance(prior, Mapping):
-            kind = medium.split("+")[-1].split("(")[0]
+            kind = medium_spec(medium).kind
             self.observe_codec(medium, kv_bytes, "encode", done.encode_s, prior.get("enc_s", 0.0), now)
             if kind == "tokens":
                 if len(done.dst) == 1:

@@ -22,6 +22,8 @@ from nats.aio.msg import Msg
 from opentelemetry.trace import Span
 
 from kvbus import telemetry
+from kvbus.codecs.errors import SpecError
+from kvbus.codecs.spec import medium_spec
 from kvbus.errors import WireFormatError
 from kvbus.group_scheduler.admission import down_refusal
 from kvbus.group_scheduler.config import SchedulerConfig
@@ -417,7 +419,7 @@ class GrantLoop:
                 done,
                 pending.decision,
                 kv_bytes=req.nbytes,
-                new_tokens=max(0, req.n_tokens - req.base_tokens) if done.medium.startswith("delta+") else req.n_tokens,
+                new_tokens=max(0, req.n_tokens - req.base_tokens) if _is_delta(done.medium) else req.n_tokens,
                 bandwidth_bps=bw,
                 teach_codec=not budgeted,
             )
@@ -438,6 +440,15 @@ class GrantLoop:
             r = table.get(pending.reservation) if table is not None else None
             if r is not None and took > r.deadline_s:
                 telemetry.instruments().reservation_misses.add(1, {"group": self.group})
+
+
+def _is_delta(medium: str) -> bool:
+    """Whether a `TransferDone`'s medium (wire text) is a delta; a report of a transfer that
+    never got a medium, or names a malformed one, is not."""
+    try:
+        return medium_spec(medium).delta
+    except SpecError:
+        return False
 
 
 def _record_decision(pending: Pending, decision: Decision, rate: float, wall: float, now: float) -> str | None:

@@ -27,6 +27,7 @@ from kvbus.codecs import (
     prefix_version,
 )
 from kvbus.codecs._select import coverage, kv_positions
+from kvbus.codecs.spec import medium_spec
 from kvbus.codecs.topk import choose_entries
 from kvbus.errors import KVBusError
 from kvbus.kvcache import KVCache
@@ -228,6 +229,38 @@ def test_composition_flags() -> None:
     assert all(0 < f < 1 for f in fids.values())
     assert fids["summary"] == min(fids.values()), "summary must be the most lossy medium"
     assert get_codec("full").fidelity == get_codec("delta+full").fidelity == get_codec("tokens").fidelity == 1.0
+
+
+@pytest.mark.parametrize(
+    ("spec", "delta", "inner", "outer", "kind"),
+    [
+        ("delta+int8", True, "int8", "delta", "int8"),
+        ("delta", True, "full", "delta", "delta"),
+        ("Delta + TopK(0.25) + int8", True, "topk(0.25)+int8", "delta", "int8"),
+        ("int4(64)", False, "int4(64)", "int4", "int4"),
+        ("summary", False, "summary", "summary", "summary"),
+        ("delta+tokens", True, "tokens", "delta", "tokens"),
+    ],
+)
+def test_medium_spec_says_what_a_spec_is_made_of(spec: str, delta: bool, inner: str, outer: str, kind: str) -> None:
+    parsed = medium_spec(spec)
+    assert (parsed.delta, parsed.inner, parsed.outer, parsed.kind) == (delta, inner, outer, kind)
+    assert get_codec(parsed.name).name == get_codec(spec).name
+    if delta:
+        assert get_codec(parsed.inner).name == get_codec(spec).inner.name  # type: ignore[union-attr]
+    assert parsed.with_delta().delta and medium_spec(parsed.with_delta().name) == parsed.with_delta()
+
+
+@given(st.text(max_size=40))
+@settings(max_examples=200, deadline=None)
+def test_medium_spec_agrees_with_the_codec_it_names(text: str) -> None:
+    try:
+        codec = get_codec(text)
+    except ValueError:
+        return
+    parsed = medium_spec(text)
+    assert parsed.delta == (codec.stage == "delta")
+    assert get_codec(parsed.name).name == codec.name
 
 
 # -- round trips ----------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ import torch
 
 from kvbus.codecs import Encoded, _kernels, get_codec
 from kvbus.codecs._select import kv_positions
+from kvbus.codecs.spec import medium_spec
 from kvbus.kvcache import KVCache
 from kvbus.signature import ModelSignature
 
@@ -128,8 +129,9 @@ def bench_cache(kv: KVCache, specs: tuple[str, ...], runs: int) -> dict[str, dic
     out: dict[str, dict[str, Any]] = {}
     for spec in specs:
         codec = get_codec(spec)
-        enc_args: dict[str, Any] = {"base": base} if spec.startswith("delta") else {}
-        dec_base = kv.slice(0, kv.n_tokens * 7 // 8) if spec.startswith("delta") else None
+        delta = medium_spec(spec).delta
+        enc_args: dict[str, Any] = {"base": base} if delta else {}
+        dec_base = kv.slice(0, kv.n_tokens * 7 // 8) if delta else None
         encoded = codec.encode(kv, **enc_args)  # warm-up (and the first-call costs of a kernel)
         wire = _wire(encoded)
         decoded = codec.decode(wire, base=dec_base)

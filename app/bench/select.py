@@ -50,6 +50,7 @@ from kvbus.app.local import NatsServer
 from kvbus.app.testbed.benchnet import NetnsNet, choose_network
 from kvbus.bus import Bus, BusConfig, EmulatedLink
 from kvbus.codecs import get_codec
+from kvbus.codecs.spec import medium_spec
 from kvbus.group_scheduler import GroupScheduler
 from kvbus.group_scheduler.cost_model import CostModel, Endpoint, Link
 from kvbus.group_scheduler.selection import AdaptiveSelector
@@ -294,7 +295,7 @@ async def _run(quick: bool, smoke: bool, nats_url: str | None, cap_s: float, net
             raise RuntimeError("the select bench needs the adaptive selector")
         model = selector.model
         quality.loss_weight = model.config.loss_weight
-        media = [m for m in selector.candidates if not m.startswith("delta+") and not m.startswith("summary")]
+        media = [m for m in selector.candidates if not medium_spec(m).delta and medium_spec(m).outer != "summary"]
         if smoke:
             media = [m for m in media if m in ("full", "int8", "tokens")]
         bus_config: dict[str, Any] = {"peer_timeout": 120.0, "grant_timeout": 600.0, "request_timeout": 30.0}

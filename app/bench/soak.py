@@ -30,6 +30,7 @@ import psutil
 from kvbus.app.bench.chaos_agents import SIG, make_kv
 from kvbus.app.local import NatsServer
 from kvbus.bus import Bus, BusConfig, TransferError
+from kvbus.codecs.spec import medium_spec
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
 
 GROUP = "soak"
@@ -135,7 +136,7 @@ async def _soak(seconds: float, agents: int) -> dict[str, Any]:
             "missing": len(sent_ids - set(received)),
             "unexpected": len(set(received) - sent_ids),
             "exactly_once": counts["received"] == counts["sent"] and set(received) == sent_ids,
-            "delta_transfers": sum(n for m, n in media.items() if m.startswith("delta")),
+            "delta_transfers": sum(n for m, n in media.items() if medium_spec(m).delta),
             "media": dict(media),
             "throughput_MBps": round(counts["bytes"] / elapsed / 1e6, 1),
             "rss_start_MB": round(samples[0][1] / 2**20, 1),
