@@ -47,6 +47,7 @@ from kvbus.protocol import (
     Ack,
     Open,
     OpenReply,
+    PathName,
     Reason,
     ack_subject,
     bcast_subject,
@@ -169,7 +170,7 @@ class OutgoingTransfer:
         )
         # Direct paths carry transfers to one receiver; a broadcast's bytes go through NATS.
         self.plane = plane if plane is not None and len(self.receivers) == 1 else None
-        offered = [p.kind.value for p in self.plane.paths] if self.plane is not None else ["nats"]
+        offered = [p.kind.value for p in self.plane.paths] if self.plane is not None else [PathName.NATS.value]
         self.open = Open(
             transfer_id=transfer_id,
             src=src,
@@ -412,12 +413,12 @@ class OutgoingTransfer:
     @property
     def path(self) -> str:
         """The data path the bytes took last (``nats`` for an inline payload or a broadcast)."""
-        return self.route.path if self.route is not None and self.route.used else "nats"
+        return self.route.path if self.route is not None and self.route.used else PathName.NATS.value
 
     @property
     def paths_used(self) -> list[str]:
         """Every path the bytes took, in order (a direct path that failed, then ``nats``)."""
-        return list(self.route.used) if self.route is not None and self.route.used else ["nats"]
+        return list(self.route.used) if self.route is not None and self.route.used else [PathName.NATS.value]
 
     async def _prepare(self) -> None:
         """Hash every chunk and give each receiver its `Open` (with its own data and ack subjects)."""

@@ -47,6 +47,7 @@ from kvbus.protocol import (
     MIN_CHUNK_SIZE,
     Ack,
     Grant,
+    PathName,
     Reason,
     check_name,
     packb,
@@ -304,7 +305,7 @@ class Sender:
             t_done - t_grant,
             error,
             wire_s=max(0.0, t_done - t_enc - slowest_decode),
-            path=out.route.summary if out.route is not None else "nats",
+            path=out.route.summary if out.route is not None else PathName.NATS.value,
             encode_s=t_enc - t_grant,
             decode_s=slowest_decode,
         )
@@ -390,7 +391,7 @@ class Sender:
             direct
             and not grant.chunk_size
             and ep.config.chunk_size == DEFAULT_CHUNK_SIZE
-            and self.expected_path(receivers, KVCacheSize(encoded.nbytes)) in ("shm", "tcp")
+            and self.expected_path(receivers, KVCacheSize(encoded.nbytes)) in (PathName.SHM, PathName.TCP)
         ):
             # Fewer, larger chunks on a direct path (each costs a wake-up on both sides), still
             # small enough for NATS to carry should the transfer fall back.
@@ -419,7 +420,7 @@ class Sender:
             StreamPaths(
                 settings.plane,
                 per_receiver_streams=settings.secure,
-                stage_shm=len(receivers) == 1 and self.paths.get(receivers[0]) == "shm",
+                stage_shm=len(receivers) == 1 and self.paths.get(receivers[0]) == PathName.SHM,
             ),
         )
         if out.plan.n_chunks > MAX_CHUNKS:
@@ -435,11 +436,11 @@ class Sender:
         Broadcasts and payloads small enough to ride in the `Open` go through NATS."""
         plane = self._settings.plane
         if plane is None or len(receivers) != 1 or kv.nbytes <= self._ep.config.inline_limit:
-            return "nats"
+            return PathName.NATS.value
         known = self.paths.get(receivers[0])
         if known:
             return known
-        return plane.paths[0].kind.value if plane.paths else "nats"
+        return plane.paths[0].kind.value if plane.paths else PathName.NATS.value
 
     def _learn(self, out: OutgoingTransfer) -> None:
         """Remember the receivers' incarnations; one that restarted lost the bases we sent it."""
