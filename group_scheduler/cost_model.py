@@ -6,7 +6,8 @@
 - ``C_comp = encode(m) on A + decode(m) on B + recompute on B`` (for ``tokens``: B's prefill of
   the N tokens; for ``summary``: A writes the summary, B prefills it), scaled by the compute
   load each side reports in its probes.
-- ``C_loss = loss_weight * extra_tokens(m) * B's per-token decode time``, with
+- ``C_loss = loss_weight * extra_tokens(m) * B's per-token decode time`` (calibrated, scaled by
+  B's measured prefill speed against the calibrated one, or else by its reported load), with
   ``extra_tokens(m) = output_tokens * (1 - fidelity(m))``: a hop that keeps a fraction f of the
   model's greedy choices (calibrated top-1 agreement) is charged as if the receiver had to
   generate the other (1 - f) of its expected answer again. Lossless media cost nothing here.
@@ -343,7 +344,9 @@ class CostModel:
         enc, dec, recompute = enc * bias, dec * bias, recompute * bias
         comp = enc + dec + recompute
         fidelity = fig.fidelity
+        # The receiver's decode time per token, under its load as its prefill is (`_prefill_free`).
         loss = cfg.loss_weight * cfg.output_tokens * (1.0 - fidelity) * receiver.model.decode_token_s
+        loss /= _prefill_free(receiver)
         # What B must hold: the payload while it arrives, then the decoded KV.
         resident = per_token_bytes * fig.summary_tokens if kind == "summary" else kv_bytes * fig.resident_fraction
         comp += cfg.memory_penalty_s_per_gb * receiver.memory_pressure * (nbytes + resident) / 1e9

@@ -140,7 +140,11 @@ class AdaptiveSelector(MediumSelector):
         if measured <= 0:  # the agent measures none: what its tokens deliveries took, if any
             measured = self.model.learned.prefill(name) or 0.0
         if measured > 0:
-            costs = replace(costs, prefill_tokens_per_s=measured)
+            # Its decode per token runs the same model on the same machine under the same load as
+            # its prefill: it is slower (or faster) than calibrated by the same factor. The loss
+            # term charges that decode time, so a loaded receiver's fidelity loss costs more.
+            slowdown = costs.prefill_tokens_per_s / measured if costs.prefill_tokens_per_s > 0 else 1.0
+            costs = replace(costs, prefill_tokens_per_s=measured, decode_token_s=costs.decode_token_s * slowdown)
         return Endpoint(signature, load, pressure, costs, recompute=recompute, prefill_measured=measured > 0)
 
     def choose(self, state: GroupState, pending: Pending) -> tuple[str, str]:

@@ -134,6 +134,26 @@ def test_prefill_speed_is_learned_per_receiver_from_tokens_transfers() -> None:
     assert selector.endpoint(state, "b", SMOL).model.prefill_tokens_per_s == pytest.approx(N / 0.5)
 
 
+def test_a_receiver_slower_than_calibrated_pays_more_for_lost_fidelity() -> None:
+    """The loss term charges the receiver's decode time per token. A receiver whose prefill was
+    measured 8x slower than calibrated (a loaded machine) decodes 8x slower too: a lossy medium's
+    loss costs 8x as much there, and on a link where int4 won, the lossless choice wins instead
+    (the loss used the calibrated decode time whatever the receiver's measured speed was)."""
+    m = cost_model()
+    m.figures["int4"] = MediumFigures(3.6, 1e3, 1e3, 0.96, True, False)  # a fast codec, 4 % flips
+    selector = AdaptiveSelector(m, candidates=("full", "int4"))
+    state = GroupState("g")
+    fast = selector.endpoint(state, "b", SMOL)
+    m.learned.observe_prefill("b", N, 8 * N / COSTS.prefill_tokens_per_s)
+    slow = selector.endpoint(state, "b", SMOL)
+    assert slow.model.decode_token_s == pytest.approx(8 * COSTS.decode_token_s)
+    kw = {"n_tokens": N, "kv_bytes": KV_BYTES, "link": Link(1e8), "sender": Endpoint(SMOL, model=COSTS)}
+    loss = {rx: m.estimate("int4", receiver=end, **kw).loss_s for rx, end in (("fast", fast), ("slow", slow))}  # type: ignore[arg-type]
+    assert loss["slow"] == pytest.approx(8 * loss["fast"])
+    assert m.choose(["full", "int4"], receiver=fast, **kw).medium == "int4"  # type: ignore[arg-type]
+    assert m.choose(["full", "int4"], receiver=slow, **kw).medium == "full"  # type: ignore[arg-type]
+
+
 def _pending(critical: bool = False, deadline: float | None = None) -> Pending:
     req = TransferRequest(
         transfer_id=f"t{time.monotonic_ns()}",
