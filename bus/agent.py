@@ -77,15 +77,6 @@ class Agent(Endpoint):
         self._tasks: list[asyncio.Task[None]] = []
         """The probe loop, then the janitor of partial transfers."""
 
-    @property
-    def _transport(self) -> Transport:
-        """The transport the agent's parts use (fault tests swap in a wrapper)."""
-        return self.transport
-
-    @_transport.setter
-    def _transport(self, transport: Transport) -> None:
-        self.transport = transport
-
     # -- lifecycle --------------------------------------------------------------------------
 
     async def _start(self) -> None:

@@ -93,9 +93,8 @@ class Coordinator(ReplicatedService):
         With ``wait_leader`` the first campaign happens before this returns (a lone coordinator
         serves when it does); otherwise the renewal loop makes it.
         """
-        nc = getattr(self.transport, "nc", None)
-        if nc is not None:
-            js = nc.jetstream()
+        js = self.transport.jetstream()
+        if js is not None:
             self._bucket = await key_value(js, COORD_BUCKET)
             self._agents = await key_value(js, AGENTS_BUCKET)
         await self.campaign(self._bucket, "leader", ttl=self.config.leader_ttl_s, try_now=wait_leader)

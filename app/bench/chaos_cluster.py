@@ -92,7 +92,7 @@ from kvbus.bus import Bus, TransferError, TransferInDoubt
 from kvbus.bus.paths import PathsConfig
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
 from kvbus.net.buckets import key_value
-from kvbus.net.transport import TransportWrapper
+from kvbus.net.transport import NatsTransport, TransportWrapper
 from kvbus.protocol import CHUNK_INDEX_HEADER, CHUNK_SUM_HEADER
 
 logger = logging.getLogger(__name__)
@@ -555,7 +555,8 @@ async def _watchdog(progress: Any, quiet_s: float = 120.0) -> None:
 
 
 def _server_port(bus: Bus) -> int | None:
-    url = getattr(getattr(bus.transport, "nc", None), "connected_url", None)
+    transport = bus.transport
+    url = transport.nc.connected_url if isinstance(transport, NatsTransport) else None
     return url.port if url is not None else None
 
 

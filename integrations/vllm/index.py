@@ -19,10 +19,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvbus.errors import WireFormatError
 from kvbus.protocol import check_name, packb, unpackb
+
+if TYPE_CHECKING:
+    from kvbus.net.transport import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -63,19 +66,18 @@ class PrefixIndex:
         self.bucket = bucket
 
     @classmethod
-    async def connect(cls, transport: Any, name: str, *, ttl_s: float) -> PrefixIndex | None:
+    async def connect(cls, transport: Transport, name: str, *, ttl_s: float) -> PrefixIndex | None:
         """The index in bucket ``name`` over ``transport``'s NATS connection (created with ``ttl_s``).
 
         Returns None when the transport has no JetStream (the connector then only loads pushed
         contexts and the cache tier's blocks).
         """
-        nc = getattr(transport, "nc", None)
-        if nc is None:
+        js = transport.jetstream()
+        if js is None:
             return None
         from nats.js.api import KeyValueConfig
         from nats.js.errors import BucketNotFoundError
 
-        js = nc.jetstream()
         try:
             bucket = await js.key_value(name)
         except BucketNotFoundError:
