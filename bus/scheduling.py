@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from nats.aio.msg import Msg
+from opentelemetry.trace import Span
 
 from kvbus import telemetry
 from kvbus.bus.budgets import Budget, BudgetKey, Budgets
@@ -161,38 +162,16 @@ class SchedulerLink:
         """
         ep = self._ep
         key: BudgetKey = (tuple(receivers), medium, critical, base_tokens > 0)
-        under = self.budgets.take(key, transfer_id, kv.nbytes, deadline)
+        under = await self._under_budget(key, transfer_id, kv.nbytes, deadline)
         if under is not None:
-            self.controls.granted(transfer_id)
             return under
-        for budget in self.budgets.end_for(key[0]):
-            # This one cannot run under it: free the pair's slot first, or it queues behind the
-            # budget (with the granted transfer's own report when that one still runs).
-            if budget.transfer_id in self.controls.outgoing or budget.transfer_id in self._grants:
-                self._end_on_done.add(budget.transfer_id)
-            else:
-                await self._end_budget(budget, receivers)
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Grant] = loop.create_future()
+        fut: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
         self._grants[transfer_id] = fut
         wait_span = telemetry.start("kvbus.grant.wait")
         try:
-            request = TransferRequest(
-                transfer_id=transfer_id,
-                src=ep.name,
-                dst=receivers,
-                group=ep.group,
-                n_tokens=kv.n_tokens,
-                nbytes=kv.nbytes,
-                signature=kv.signature.to_dict(),
-                medium=medium,
-                deadline=time.time() + deadline if deadline is not None else None,
-                critical=critical,
-                fidelity=float(kv.fidelity),
-                base_tokens=base_tokens,
-                path=path,
-                traceparent=telemetry.traceparent(wait_span),
-                budget=ep.config.rate_budgets and deadline is None,
+            traceparent = telemetry.traceparent(wait_span)
+            request = self._request(
+                transfer_id, receivers, kv, medium, deadline, critical, base_tokens, path, traceparent
             )
             wait = deadline if deadline is not None else ep.config.grant_timeout
             with telemetry.using(wait_span, end=False):
@@ -203,24 +182,79 @@ class SchedulerLink:
         finally:
             self._grants.pop(transfer_id, None)
         try:
-            if not grant.medium:
-                raise _refused(transfer_id, ep.group, receivers, grant.reason, grant.code)
-            self.controls.granted(transfer_id)
-            if ep.config.rate_budgets:
-                self.budgets.add(key, grant)
-            delay = grant.start_at - time.time()
-            if grant.latency_s > 0:
-                # Link emulation: the transfer's round trips (request, open, verdict) on a path with
-                # this one-way latency; real links need no such sleep.
-                delay = max(delay, 0.0) + 6 * grant.latency_s
-            if delay > 0:
-                with telemetry.using(wait_span, end=False):
-                    await asyncio.sleep(min(delay, ep.config.grant_timeout))
+            await self._accept(grant, key, transfer_id, receivers, wait_span)
         finally:
             if wait_span.is_recording():
                 wait_span.set_attributes({"kvbus.medium": grant.medium, "kvbus.reason": grant.reason})
             wait_span.end()
         return grant
+
+    async def _under_budget(
+        self, key: BudgetKey, transfer_id: str, nbytes: int, deadline: float | None
+    ) -> Grant | None:
+        """A grant under a rate budget the agent holds for ``key``, if one has room; else end the
+        budgets of the same receivers that cannot take it (or mark them to end when their
+        running transfer reports), so the request does not queue behind them."""
+        under = self.budgets.take(key, transfer_id, nbytes, deadline)
+        if under is not None:
+            self.controls.granted(transfer_id)
+            return under
+        for budget in self.budgets.end_for(key[0]):
+            if budget.transfer_id in self.controls.outgoing or budget.transfer_id in self._grants:
+                self._end_on_done.add(budget.transfer_id)
+            else:
+                await self._end_budget(budget, list(key[0]))
+        return None
+
+    def _request(
+        self,
+        transfer_id: str,
+        receivers: list[str],
+        kv: KVCache,
+        medium: str | None,
+        deadline: float | None,
+        critical: bool,
+        base_tokens: int,
+        path: str,
+        traceparent: str | None,
+    ) -> TransferRequest:
+        """The `TransferRequest` the scheduler decides on."""
+        ep = self._ep
+        return TransferRequest(
+            transfer_id=transfer_id,
+            src=ep.name,
+            dst=receivers,
+            group=ep.group,
+            n_tokens=kv.n_tokens,
+            nbytes=kv.nbytes,
+            signature=kv.signature.to_dict(),
+            medium=medium,
+            deadline=time.time() + deadline if deadline is not None else None,
+            critical=critical,
+            fidelity=float(kv.fidelity),
+            base_tokens=base_tokens,
+            path=path,
+            traceparent=traceparent,
+            budget=ep.config.rate_budgets and deadline is None,
+        )
+
+    async def _accept(self, grant: Grant, key: BudgetKey, transfer_id: str, receivers: list[str], span: Span) -> None:
+        """Take ``grant``: raise its refusal, remember it for early controls (and as a budget),
+        then wait until its start time (and the emulated link's round trips)."""
+        ep = self._ep
+        if not grant.medium:
+            raise _refused(transfer_id, ep.group, receivers, grant.reason, grant.code)
+        self.controls.granted(transfer_id)
+        if ep.config.rate_budgets:
+            self.budgets.add(key, grant)
+        delay = grant.start_at - time.time()
+        if grant.latency_s > 0:
+            # Link emulation: the transfer's round trips (request, open, verdict) on a path with
+            # this one-way latency; real links need no such sleep.
+            delay = max(delay, 0.0) + 6 * grant.latency_s
+        if delay > 0:
+            with telemetry.using(span, end=False):
+                await asyncio.sleep(min(delay, ep.config.grant_timeout))
 
     async def _ask_scheduler(
         self, transfer_id: str, payload: bytes, fut: asyncio.Future[Grant], wait: float, receivers: list[str]
