@@ -56,7 +56,7 @@ from kvbus.protocol import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OutgoingTransfer", "ReceiverOutcome", "StreamPacing", "StreamPayload", "StreamPaths", "StreamStats"]
+__all__ = ["OutgoingTransfer", "StreamPacing", "StreamPayload", "StreamPaths", "StreamStats"]
 
 #: Seconds to wait, per reply for another transfer received so far, before asking a receiver
 #: again (a client answering every `Open` with other ids does not make its sender spin).
