@@ -248,6 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "top":
             asyncio.run(_top(args.nats_url or stack_nats_url(), args))
         elif args.command == "demo":
+            quiet_progress_bars()
             from kvbus.app.demo import run_demo
 
             # A server of your own (--nats-url) is reached with the KVBUS_NATS_* identity and TLS;
@@ -314,6 +315,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "kvbus.telemetry" in sys.modules:
             sys.modules["kvbus.telemetry"].shutdown()
     return 0
+
+
+def quiet_progress_bars() -> None:
+    """Silence transformers' and the GGUF loader's tqdm bars for the demo, here and in the agent
+    processes it starts (they inherit the environment); kvbus's own progress bar stays.
+
+    Call it before the demo's modules are imported: tqdm reads ``TQDM_*`` once, when it is first
+    imported, and importing ``kvbus.app.demo`` imports it (through transformers).
+    """
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -242,3 +242,30 @@ def test_kvbus_up_stopped_with_sigterm_stops_its_servers_cleanly_and_exits(tmp_p
         assert "SIGTERM: stopping" in out
     finally:
         up.kill()
+
+
+# -- the demo's terminal: no progress bars but its own -----------------------------------------------
+
+
+def test_the_demo_command_silences_tqdm_before_the_demo_imports_it() -> None:
+    """`kvbus demo` printed the GGUF loader's bar in its own process: importing kvbus.app.demo
+    imports tqdm (through transformers), which reads TQDM_DISABLE only then, and the demo set it
+    after. The CLI now sets it before that import."""
+    script = (
+        "from kvbus.app.cli import quiet_progress_bars\n"
+        "quiet_progress_bars()\n"
+        "import kvbus.app.demo\n"
+        "from tqdm.auto import tqdm\n"
+        "list(tqdm(range(3), desc='a-bar-of-the-loader'))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TQDM_")}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "a-bar-of-the-loader" not in out.stderr + out.stdout
+    # and the CLI's demo verb calls it before importing the demo
+    import inspect
+
+    from kvbus.app import cli
+
+    source = inspect.getsource(cli.main)
+    assert source.index("quiet_progress_bars()") < source.index("from kvbus.app.demo import run_demo")
