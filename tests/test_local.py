@@ -77,11 +77,14 @@ def test_cli_help(argv: list[str]) -> None:
 
 
 def test_kvbus_up_starts_the_stack_and_ctrl_c_stops_it() -> None:
+    # -v: its INFO log says how far the shutdown got; PYTHONFAULTHANDLER: a SIGABRT prints every
+    # thread's stack, if it still runs after the timeout.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvbus.app.cli", "up", "--groups", "2"],
+        [sys.executable, "-m", "kvbus.app.cli", "-v", "up", "--groups", "2"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"},
     )
     try:
         assert proc.stdout is not None
@@ -97,7 +100,12 @@ def test_kvbus_up_starts_the_stack_and_ctrl_c_stops_it() -> None:
         proc.send_signal(signal.SIGINT)
         # Read what it writes while it stops: a pipe left unread blocks a child that logs more
         # than the pipe holds, and it would never exit.
-        rest, _ = proc.communicate(timeout=20)
+        try:
+            rest, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            rest, _ = proc.communicate(timeout=10)
+            pytest.fail(f"kvbus up still ran 20 s after Ctrl-C; its output then its stacks:\n{rest[-12000:]}")
         assert proc.returncode == 0, rest[-4000:]
     finally:
         if proc.poll() is None:
