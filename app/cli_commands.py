@@ -320,10 +320,10 @@ async def _run_stack(args: argparse.Namespace, me: dict[str, Any]) -> None:
         try:
             await asyncio.Event().wait()
         finally:
-            for s in scheds:
-                await s.close()
-            for c in coords:
-                await c.close()
+            # Side by side: each close bounds its own steps, and one waiting out a lease release
+            # or a drain must not add its wait to the others' (exit time is the slowest, not the sum).
+            await asyncio.gather(*(s.close() for s in scheds))
+            await asyncio.gather(*(c.close() for c in coords))
 
 
 async def _group_scheduler(args: argparse.Namespace) -> None:
