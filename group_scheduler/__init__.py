@@ -11,6 +11,7 @@ from kvbus.group_scheduler.policy import (
     SchedulingPolicy,
     Selection,
     StaticSelector,
+    StrictPriorityPolicy,
 )
 from kvbus.group_scheduler.preemption import NoPreemption, PreemptionStrategy, ThresholdPreemption
 from kvbus.group_scheduler.reservations import (
@@ -53,6 +54,7 @@ __all__ = [
     "Selection",
     "SmoothWRR",
     "StaticSelector",
+    "StrictPriorityPolicy",
     "ThresholdPreemption",
     "UrgencyModel",
     "WeightedPolicy",

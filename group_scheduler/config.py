@@ -30,7 +30,8 @@ class SchedulerConfig:
     """Override any field with ``KVBUS_SCHEDULER_<FIELD>``."""
 
     policy: str = "wrr"
-    """Scheduling policy: ``wrr`` (weighted round robin, max-min rates, preemption, reservations) or ``fifo``."""
+    """Scheduling policy: ``wrr`` (weighted round robin, max-min rates, preemption, reservations), ``fifo``
+    or ``strict`` (critical before bulk, no weights)."""
     bandwidth_bps: float = 0.0
     """The group's bandwidth budget in bytes/s (0 = unlimited)."""
     max_active: int = 8

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvbus.group_scheduler.config import SchedulerConfig
-from kvbus.group_scheduler.policy import FifoPolicy, MediumSelector, SchedulingPolicy
+from kvbus.group_scheduler.policy import FifoPolicy, MediumSelector, SchedulingPolicy, StrictPriorityPolicy
 from kvbus.group_scheduler.weighted import WeightedPolicy
 
 PolicyFactory = Callable[[SchedulerConfig, MediumSelector], SchedulingPolicy]
@@ -31,6 +31,11 @@ def _weighted(config: SchedulerConfig, selector: MediumSelector) -> SchedulingPo
 @register_policy("fifo")
 def _fifo(config: SchedulerConfig, selector: MediumSelector) -> SchedulingPolicy:
     return FifoPolicy(selector, max_active=config.max_active, tick_s=config.tick_s)
+
+
+@register_policy("strict")
+def _strict(config: SchedulerConfig, selector: MediumSelector) -> SchedulingPolicy:
+    return StrictPriorityPolicy(selector, max_active=config.max_active, tick_s=config.tick_s)
 
 
 def make_policy(config: SchedulerConfig, selector: MediumSelector) -> SchedulingPolicy:

@@ -229,3 +229,86 @@ class FifoPolicy(SchedulingPolicy):
                 busy.add(pending.request.src)
                 slots -= 1
         return decisions
+
+
+class StrictPriorityPolicy(FifoPolicy):
+    """Strict priority, no weights: critical transfers before bulk, first come first served within each.
+
+    A queued critical transfer is granted before any queued bulk one, past ``max_active`` (but
+    one per sender, like FIFO). Rates: the running critical transfers share the group's budget
+    evenly; the bulk ones share what is left (at least ``floor`` of the budget between them), and
+    are told so at once (a ``rate`` control in the same pass) when a critical transfer starts or
+    ends, without waiting for a time slice.
+    """
+
+    floor: float = 0.01
+    """The share of the budget bulk keeps while critical transfers run."""
+
+    def __init__(self, selector: MediumSelector | None = None, *, max_active: int = 8, tick_s: float = 0.010) -> None:
+        super().__init__(selector, max_active=max_active, tick_s=tick_s)
+        self._dirty = False
+
+    def changed(self) -> None:
+        """A transfer left the running set: the rates are recomputed by the next `adjust`."""
+        self._dirty = True
+
+    def started(self, state: GroupState, pending: Pending) -> None:
+        """A grant of this policy is running: the rates are recomputed by the next `adjust`."""
+        self._dirty = True
+
+    @staticmethod
+    def _running(state: GroupState) -> tuple[list[Pending], list[Pending]]:
+        crit: list[Pending] = []
+        bulk: list[Pending] = []
+        for p in state.active.values():
+            if not p.done:
+                (crit if p.request.critical else bulk).append(p)
+        return crit, bulk
+
+    def _rates(self, state: GroupState, n_crit: int, n_bulk: int) -> tuple[float, float]:
+        """(rate of each critical transfer, rate of each bulk one); 0 = unpaced (no budget)."""
+        budget = state.bandwidth_bps
+        if budget <= 0:
+            return 0.0, 0.0
+        crit = budget / n_crit if n_crit else 0.0
+        left = budget - crit * n_crit if n_crit else budget
+        bulk = max(left, self.floor * budget) / n_bulk if n_bulk else 0.0
+        return crit, bulk
+
+    def decide(self, state: GroupState, now: float) -> list[Decision]:
+        """Queued critical transfers first (past ``max_active``), then the oldest bulk ones into free slots."""
+        decisions: list[Decision] = []
+        crit_run, bulk_run = self._running(state)
+        busy = {p.request.src for p in state.active.values()}
+        slots = self.max_active - len(state.active)
+        queue = [p for p in state.queue if p.request.critical] + [p for p in state.queue if not p.request.critical]
+        for pending in queue:
+            critical = pending.request.critical
+            if (slots <= 0 and not critical) or pending.request.src in busy:
+                continue
+            medium, reason, code = selection = self.selector.select(state, pending)
+            n_crit = len(crit_run) + (1 if critical else 0)
+            n_bulk = len(bulk_run) + (0 if critical else 1)
+            crit_rate, bulk_rate = self._rates(state, n_crit, n_bulk)
+            rate = crit_rate if critical else bulk_rate
+            why = f"strict priority ({'critical' if critical else 'bulk'}); {reason}"
+            decisions.append(Decision(pending, medium, rate, why, code=code))
+            if not selection.refused:
+                busy.add(pending.request.src)
+                slots -= 1
+                (crit_run if critical else bulk_run).append(pending)
+        return decisions
+
+    def adjust(self, state: GroupState, now: float) -> list[Adjustment]:
+        """After a critical transfer started or ended: every running transfer's new rate, at once."""
+        if not self._dirty:
+            return []
+        self._dirty = False
+        crit, bulk = self._running(state)
+        crit_rate, bulk_rate = self._rates(state, len(crit), len(bulk))
+        out = []
+        for p, rate in [(p, crit_rate) for p in crit] + [(p, bulk_rate) for p in bulk]:
+            if rate > 0 and p.rate_bps != rate:
+                p.rate_bps = rate
+                out.append(Adjustment(p, ControlAction.RATE, rate_bps=rate, reason="strict priority"))
+        return out

@@ -427,7 +427,7 @@ def test_urgency_grows_with_waiting_deadline_and_criticality() -> None:
 def test_policies_by_name_and_config_checks() -> None:
     assert isinstance(make_policy(SchedulerConfig(), FixedSelector()), WeightedPolicy)
     assert isinstance(make_policy(SchedulerConfig(policy="fifo"), FixedSelector()), FifoPolicy)
-    with pytest.raises(ValueError, match="known policies: fifo, wrr"):
+    with pytest.raises(ValueError, match="known policies: fifo, strict, wrr"):
         make_policy(SchedulerConfig(policy="lottery"), FixedSelector())
     with pytest.raises(ConfigError, match="5..20 ms"):
         SchedulerConfig(tick_s=0.05)

@@ -7,7 +7,7 @@ receiver's link is the bottleneck: on the testbed an htb-shaped veth (``network:
 without it a paced TCP relay that all of the receiver's traffic shares (``network: emulated``).
 Either way every byte really crosses one shared bottleneck, whatever the scheduler decides.
 
-Arms, in interleaved rounds (wrr, fifo, unscheduled, wrr, fifo, ...), each described in
+Arms, in interleaved rounds (wrr, fifo, fifo1, strict, unscheduled, wrr, ...), each described in
 ``config.arms``:
 
 - ``wrr``: kvbus's weighted policy, the group's budget at ``BUDGET_SHARE`` of the link's rate (the
@@ -15,16 +15,21 @@ Arms, in interleaved rounds (wrr, fifo, unscheduled, wrr, fifo, ...), each descr
   (``max_active`` 8, ``per_pair`` 1, preemption on).
 - ``fifo``: first come first served with the same budget and the same concurrency (``max_active``
   8, one per sender) and the same declaration.
+- ``fifo1``: the usual FIFO, one transfer at a time on the receiver's link (``max_active`` 1; the
+  bench has one receiver): ``fifo``'s concurrency lets a critical transfer pass the bulk
+  (``fifo_concurrency_lets_critical_pass_bulk``), this one's does not.
+- ``strict``: strict priority without weights (`StrictPriorityPolicy`): critical before bulk.
 - ``unscheduled``: no scheduling at all: a pass-through scheduler grants every transfer at once,
   unpaced (no budget, ``max_active`` and ``per_pair`` 10^6, no preemption, the receiver declares
   nothing), so all flows share the link itself (its queue, TCP, nats-server's buffers).
 
 Figures (each per round, reported as median with min and max, see `kvbus.app.bench.rounds`):
 
-- ``critical_p99_ratio_fifo_vs_wrr`` / ``critical_p99_ratio_unscheduled_vs_wrr``: four bulk senders
+- ``critical_p99_ratio_<arm>_vs_wrr`` (fifo, fifo1, strict, unscheduled): four bulk senders
   keep 8 MB transfers going to the receiver (40 MB/s link) while two critical senders each send
   a 64 KB critical message every 200 ms (open loop); p99 of the critical messages' latency
-  (`send` to verified delivery) under the arm over the same under ``wrr``, same round.
+  (`send` to verified delivery) under the arm over the same under ``wrr``, same round;
+  ``bulk_throughput_ratio_wrr_vs_unscheduled``: the bulk's MB/s under ``wrr`` over unscheduled.
 - ``critical_p99_ms`` per arm, and ``critical_phases`` (the ``wrr`` arm; every arm's in
   ``critical.<arm>.phases``): where a critical transfer's time goes (`phases`), per phase the
   median over rounds of its p50 and p99 and its mean over the slowest 5 % (``tail``).
@@ -53,12 +58,19 @@ from kvbus.group_scheduler.selection import default_selector
 from kvbus.group_scheduler.simulate import FixedSelector
 
 OPS = "kvbus.app.bench.sched_ops"
-ARMS = ("wrr", "fifo", "unscheduled")
+ARMS = ("wrr", "fifo", "fifo1", "strict", "unscheduled")
+#: The arms compared with ``wrr`` (a ``critical_p99_ratio_<arm>_vs_wrr`` each).
+BASELINES = ARMS[1:]
 #: The scheduler's budget as a share of the link's rate: TCP/IP headers take about 4 % of a
 #: 1500-byte frame, and the budget leaves 2 % more so paced senders do not build a queue.
 BUDGET_SHARE = 0.94
 CRIT_LINK, FAIR_LINK, SWEEP_LINK = 40 * MB, 30 * MB, 40 * MB
 UNLIMITED = 10**6
+#: Senders of the critical experiment (`sched_ops.critical`): bulk, critical.
+N_BULK, N_CRIT = 4, 2
+#: Whether the ``fifo`` arm's concurrency (``max_active``, one per sender) lets a critical transfer
+#: pass the bulk: it does when every sender can hold a slot at once.
+FIFO_PASSES = SchedulerConfig().max_active >= N_BULK + N_CRIT
 
 
 def topology() -> Topology:
@@ -77,7 +89,10 @@ def arm_config(arm: str, link_bps: float, **extra: Any) -> tuple[dict[str, Any],
             "preempt": False,
             **extra,
         }, 0.0
-    return {"policy": arm, "bandwidth_bps": BUDGET_SHARE * link_bps, **extra}, BUDGET_SHARE * link_bps
+    budget = BUDGET_SHARE * link_bps
+    if arm == "fifo1":  # the usual FIFO: one transfer at a time on the receiver's link (one receiver here)
+        return {"policy": "fifo", "bandwidth_bps": budget, "max_active": 1, **extra}, budget
+    return {"policy": arm, "bandwidth_bps": budget, **extra}, budget
 
 
 class Schedulers:
@@ -213,7 +228,7 @@ async def _critical(
     try:
         for r in range(rounds):
             for arm in ARMS:
-                group, name = f"crit-{arm}", f"cr{r}-{arm[:3]}"
+                group, name = f"crit-{arm}", f"cr{r}-{arm}"
                 job = tx.call(
                     f"{OPS}:critical",
                     url=net.url("tx"),
@@ -224,6 +239,8 @@ async def _critical(
                     bulk_bytes=8 * MB,
                     crit_bytes=64 * 1024,
                     every=0.2,
+                    n_bulk=N_BULK,
+                    n_crit=N_CRIT,
                 )
                 arrivals: dict[str, Any] = {}
                 declared = arm_config(arm, CRIT_LINK)[1]
@@ -256,7 +273,10 @@ async def _critical(
             ),
             "phases": phase_summary([x["phases"] for x in per[a]]),
         }
-    ratios = {a: [ratio(p99[a][i], p99["wrr"][i]) for i in range(rounds)] for a in ("fifo", "unscheduled")}
+    ratios = {a: [ratio(p99[a][i], p99["wrr"][i]) for i in range(rounds)] for a in BASELINES}
+    ratios["bulk_wrr_vs_unscheduled"] = [
+        ratio(per["wrr"][i]["bulk_mb_s"], per["unscheduled"][i]["bulk_mb_s"]) for i in range(rounds)
+    ]
     return {"arms": out, "ratios": ratios}
 
 
@@ -272,7 +292,7 @@ async def _fairness(
     try:
         for r in range(rounds):
             for arm in ARMS:
-                group, name = f"fair-{arm}", f"fr{r}-{arm[:3]}"
+                group, name = f"fair-{arm}", f"fr{r}-{arm}"
                 job = tx.call(
                     f"{OPS}:fairness",
                     url=net.url("tx"),
@@ -387,9 +407,12 @@ async def _run(*, quick: bool, smoke: bool, network: str | None, nats_url: str |
         )
         print(f"network: {net.mode}; {rounds} interleaved round(s) of {', '.join(ARMS)}", flush=True)
         crit = await _critical(net, phase, tx, rx, rounds, crit_s)
-        for a in ("fifo", "unscheduled"):
+        for a in BASELINES:
             results[f"critical_p99_ratio_{a}_vs_wrr"] = median(crit["ratios"][a])
             results[f"critical_p99_ratio_{a}_vs_wrr_rounds"] = spread(crit["ratios"][a])
+        results["bulk_throughput_ratio_wrr_vs_unscheduled"] = median(crit["ratios"]["bulk_wrr_vs_unscheduled"])
+        results["bulk_throughput_ratio_wrr_vs_unscheduled_rounds"] = spread(crit["ratios"]["bulk_wrr_vs_unscheduled"])
+        results["fifo_concurrency_lets_critical_pass_bulk"] = FIFO_PASSES
         results["critical"] = crit["arms"]
         results["critical_p99_ms"] = {a: crit["arms"][a]["critical_p99_ms"] for a in ARMS}
         results["critical_phases"] = crit["arms"]["wrr"]["phases"]
@@ -430,7 +453,15 @@ def run(
             "wrr": f"weighted round robin, budget {BUDGET_SHARE} x link rate, receiver declares the same, max_active "
             "8, per_pair 1, preemption on (kvbus defaults)",
             "fifo": f"first come first served, the same budget ({BUDGET_SHARE} x link rate) and concurrency "
-            "(max_active 8, one per sender), receiver declares the same",
+            "(max_active 8, one per sender), receiver declares the same. Its concurrency lets critical transfers "
+            "pass bulk: 4 bulk + 2 critical senders fit in max_active 8, so a critical request is granted at once "
+            "and shares the link with the running bulk",
+            "fifo1": "the usual FIFO: first come first served, one transfer at a time on the receiver's link "
+            "(max_active 1: the bench has one receiver), the same budget and declaration; a critical request "
+            "waits for the bulk transfer ahead of it",
+            "strict": "strict priority, no weights: queued critical transfers before bulk (past max_active 8, one "
+            "per sender), running critical ones share the budget and bulk gets what is left (1 % floor), rate "
+            "controls at once when a critical transfer starts or ends; the same budget and declaration",
             "unscheduled": "no scheduling: every transfer granted at once and unpaced (no budget, max_active and "
             "per_pair 1e6, no preemption, no declared link); the flows share the link itself",
         },
@@ -448,16 +479,14 @@ def run(
 def _print(r: dict[str, Any]) -> None:
     c = r["critical"]
     print(
-        f"critical p99: WRR {c['wrr']['critical_p99_ms']:.1f} ms, FIFO {c['fifo']['critical_p99_ms']:.1f} ms, "
-        f"unscheduled {c['unscheduled']['critical_p99_ms']:.1f} ms -> FIFO/WRR "
-        f"{r['critical_p99_ratio_fifo_vs_wrr_rounds']}, unscheduled/WRR "
-        f"{r['critical_p99_ratio_unscheduled_vs_wrr_rounds']}"
+        "critical p99: "
+        + ", ".join(f"{a} {c[a]['critical_p99_ms']:.1f} ms" for a in ARMS)
+        + " -> over WRR: "
+        + ", ".join(f"{a} {r[f'critical_p99_ratio_{a}_vs_wrr_rounds']}" for a in BASELINES)
     )
+    print(f"bulk throughput WRR / unscheduled: {r['bulk_throughput_ratio_wrr_vs_unscheduled_rounds']}")
     f = r["fairness"]
-    print(
-        f"jain fairness: WRR {f['wrr']['jain']:.3f}, FIFO {f['fifo']['jain']:.3f}, "
-        f"unscheduled {f['unscheduled']['jain']:.3f}"
-    )
+    print("jain fairness: " + ", ".join(f"{a} {f[a]['jain']:.3f}" for a in ARMS))
     for s in r["preempt_threshold_sweep"]:
         print(
             f"  threshold {s['threshold']:.0%}: {s['throughput_mb_s']:.1f} MB/s, urgent p50 {s['urgent_p50_ms']:.0f} "
