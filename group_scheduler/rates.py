@@ -36,6 +36,7 @@ class WeightedRates(WeightedBook):
     reallocations: int
     _immediate: list[Adjustment]
     _dirty: bool
+    _at_once: bool
     _last_adjust: float
     _held: frozenset[str]
     _deadline_flows: bool
@@ -115,16 +116,17 @@ class WeightedRates(WeightedBook):
         return rates
 
     def adjust(self, state: GroupState, now: float) -> list[Adjustment]:
-        """The pauses and resumes of the last pass, and once per slice the reallocated rates."""
+        """The pauses and resumes of the last pass, and once per slice the reallocated rates (at
+        once when an urgent transfer started or ended: `WeightedPolicy._at_once`)."""
         out, self._immediate = self._immediate, []
         if not self._dirty and len(self.reservations):
             self._dirty = self._held_now(state, now)[1] != self._held
         if not self._dirty and self._deadline_flows:
             self._dirty = True  # their urgency (and weight) grows as the deadline nears
-        if not self._dirty or now - self._last_adjust < self.tick_s:
+        if not self._dirty or (now - self._last_adjust < self.tick_s and not self._at_once):
             return out
         self._catch_up(state)
-        self._dirty = False
+        self._dirty = self._at_once = False
         self._last_adjust = now
         self.reallocations += 1
         rates = self.allocate(state, now)

@@ -98,6 +98,8 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
         """Waiting time after which an ordinary transfer outranks ordinary running ones."""
         self._immediate: list[Adjustment] = []
         self._dirty = False
+        self._at_once = False
+        """Reallocate in this pass, not at the next slice: an urgent transfer started or ended."""
         self._last_adjust = -math.inf
         self._held: frozenset[str] = frozenset()
         self._deadline_flows = False
@@ -137,6 +139,23 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
         """Something outside `decide` changed the running set: reallocate at the next slice."""
         self._dirty = True
 
+    def _urgent_run(self, pending: Pending) -> bool:
+        """Whether ``pending`` runs with an urgency that passes the preemption rule (critical, a near deadline)."""
+        run = self._runs.get(pending.transfer_id)
+        return run is not None and run.urgency >= self.preemption.ratio * self._u0
+
+    def released(self, pending: Pending) -> None:
+        """A running transfer ended; an urgent one gives its share back in this pass, not at the next slice."""
+        if self._urgent_run(pending):
+            self._at_once = True
+        super().released(pending)
+
+    def budget_only(self, pending: Pending) -> None:
+        """An urgent transfer that is done gives its share back in this pass (its budget holds no share)."""
+        if self._urgent_run(pending):
+            self._at_once = True
+        super().budget_only(pending)
+
     # -- decide --------------------------------------------------------------------------------
 
     def decide(self, state: GroupState, now: float) -> list[Decision]:
@@ -157,11 +176,13 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
         cands = list(self._special.values()) if self._special else []
         cutoff = now - self.aging_delay_s
         aged: list[tuple[float, Pair]] = []
+        seen: set[Pair] = set()
         pairs = self._pairs
         while self._aging and self._aging[0][0] <= cutoff:
             since, _, pair = heapq.heappop(self._aging)
-            if pairs.waiting_since(pair) != since:
-                continue  # stale: it ran since, or left the queue
+            if pairs.waiting_since(pair) != since or pair in seen:
+                continue  # stale (it ran since, or left the queue), or a second entry of the same wait
+            seen.add(pair)
             aged.append((since, pair))
             head = pairs.head(pairs.slots[pair])
             if head.transfer_id not in self._special:
@@ -210,8 +231,12 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
                 rate = r.rate_bps if r is not None else MIN_RATE_BPS
             else:
                 run = self._runs[p.transfer_id]
-                if p.request.nbytes >= self.preempt_min_bytes and u >= self.preemption.ratio * self._u0:
-                    self._preempt(state, p, u, run.urgency, now)
+                if u >= self.preemption.ratio * self._u0:
+                    # Decided on arrival, and the transfers it competes with make room in this
+                    # pass (`adjust` reallocates at once), not at the next slice.
+                    self._at_once = True
+                    if p.request.nbytes >= self.preempt_min_bytes:
+                        self._preempt(state, p, u, run.urgency, now)
                 rate = self._share(state, run, held)
             decisions.append(Decision(p, medium, rate, f"{reason}; {_mbit(rate)}", start_at=now))
         self._dirty = True
@@ -332,7 +357,7 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
         if self._aging:
             times.append(max(self._aging[0][0] + self.aging_delay_s, now + self.tick_s))
         if self._dirty:
-            times.append(max(now, self._last_adjust + self.tick_s))
+            times.append(now if self._at_once else max(now, self._last_adjust + self.tick_s))
         paused = [self._runs[t].pending.paused_at + self.max_pause_s for t in self._paused if t in self._runs]
         if paused:
             times.append(min(paused))
