@@ -424,6 +424,9 @@ async def _run(quick: bool, nats_url: str | None, smoke: bool = False) -> dict[s
         await r.aclose()
         telemetry.set_enabled(True)
         await asyncio.to_thread(telemetry.shutdown)  # flush this process's spans to the sink
+        # The peers flush their spans as they stop: stop them before the sink, so that their
+        # last exports are counted, and do not fail and retry against a closed port.
+        await asyncio.to_thread(_stop, procs)
         sink.close()
         top = results["64MB"]
         return {
@@ -469,18 +472,25 @@ async def _run(quick: bool, nats_url: str | None, smoke: bool = False) -> dict[s
             },
         }
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        _stop(procs)
         telemetry.set_enabled(True)
         sink.close()
         redis_srv.stop()
         if nats_srv:
             nats_srv.stop()
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Terminate the bench's processes and wait for each (5 s, then kill); again is a no-op."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def _prepare(nbytes: int, chunk_size: int) -> tuple[KVCache, memoryview, list[memoryview], torch.Tensor, torch.Tensor]:
