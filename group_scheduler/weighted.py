@@ -100,6 +100,14 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
         self._dirty = False
         self._at_once = False
         """Reallocate in this pass, not at the next slice: an urgent transfer started or ended."""
+        self._victims: dict[str, set[str]] = {}
+        """Per running preemptor, the transfers it holds paused (so its end looks at those alone)."""
+        self._to_check: set[str] = set()
+        """Paused transfers to look at in the next `_resume`: a preemptor of theirs ended."""
+        self._rescan = False
+        """Look at every paused transfer in the next `_resume` (a pause was declined outside a pass)."""
+        self._pause_ends: list[tuple[float, str]] = []
+        """Heap of (paused_at + max_pause_s, transfer id); stale entries are skipped."""
         self._last_adjust = -math.inf
         self._held: frozenset[str] = frozenset()
         self._deadline_flows = False
@@ -136,8 +144,22 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
         return self.urgency.starvation_bound_s(self.preemption.ratio, self.tick_s)
 
     def changed(self) -> None:
-        """Something outside `decide` changed the running set: reallocate at the next slice."""
+        """Something outside `decide` changed the running set (a done, a declined pause):
+        reallocate at the next slice, and look at every paused transfer in the next pass."""
         self._dirty = True
+        self._rescan = True
+
+    def _ended(self, pending: Pending) -> None:
+        """``pending`` no longer preempts anything (done, or only its budget runs): its victims are looked at."""
+        victims = self._victims.pop(pending.transfer_id, None)
+        if victims:
+            tid = pending.transfer_id
+            runs = self._runs
+            for v in victims:
+                run = runs.get(v)
+                if run is not None:
+                    run.pending.paused_by.discard(tid)
+            self._to_check |= victims
 
     def _urgent_run(self, pending: Pending) -> bool:
         """Whether ``pending`` runs with an urgency that passes the preemption rule (critical, a near deadline)."""
@@ -148,12 +170,14 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
         """A running transfer ended; an urgent one gives its share back in this pass, not at the next slice."""
         if self._urgent_run(pending):
             self._at_once = True
+        self._ended(pending)
         super().released(pending)
 
     def budget_only(self, pending: Pending) -> None:
         """An urgent transfer that is done gives its share back in this pass (its budget holds no share)."""
         if self._urgent_run(pending):
             self._at_once = True
+        self._ended(pending)
         super().budget_only(pending)
 
     # -- decide --------------------------------------------------------------------------------
@@ -165,6 +189,9 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
             self._mark_idle(now)
         if self._paused:
             self._resume(state, now)
+        elif self._to_check or self._rescan:
+            self._to_check.clear()
+            self._rescan = False
         if not self._queued:
             return []
         urgency = self.urgency.urgency
@@ -301,12 +328,15 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
             for f, uf in group:
                 if f.paused and self.preemption.outranks(level, uf):
                     f.paused_by.add(p.transfer_id)  # stays paused until this one is done too
+                    self._victims.setdefault(p.transfer_id, set()).add(f.transfer_id)
             for f in self.preemption.victims(level, group, now):
                 run = self._runs[f.transfer_id]
                 f.paused = True
                 f.paused_at = now
                 f.paused_by.add(p.transfer_id)
+                self._victims.setdefault(p.transfer_id, set()).add(f.transfer_id)
                 self._paused.add(f.transfer_id)
+                heapq.heappush(self._pause_ends, (now + self.max_pause_s, f.transfer_id))
                 if run.loaded:
                     self._add_load(run, -run.weight)
                 self.preemptions += 1
@@ -320,8 +350,23 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
                 )
 
     def _resume(self, state: GroupState, now: float) -> None:
+        """Resume the paused transfers whose preemptors are done or whose pause ran out, and take
+        back the ones whose sender declined. Looks only at those that may have changed: the
+        victims of preemptors that ended, the pauses that ran out (a heap), or all of them after
+        a pause was declined outside a pass (`changed`)."""
         active = state.active
-        for tid in list(self._paused):
+        ends = self._pause_ends
+        if self._rescan:
+            self._rescan = False
+            self._to_check.clear()
+            cands = set(self._paused)
+        else:
+            cands, self._to_check = self._to_check, set()
+        while ends and ends[0][0] <= now:
+            cands.add(heapq.heappop(ends)[1])
+        for tid in cands:
+            if tid not in self._paused:
+                continue
             run = self._runs.get(tid)
             if run is None:
                 self._paused.discard(tid)
@@ -332,7 +377,9 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
                 if not run.loaded and not f.done:
                     self._add_load(run, run.weight)
                 continue
-            f.paused_by.intersection_update(t for t in active if not active[t].done)  # a budget preempts nothing
+            by = f.paused_by
+            if by:  # only its preemptors still running count (a budget preempts nothing)
+                by.difference_update([t for t in by if t not in active or active[t].done])
             if f.paused_by and now - f.paused_at < self.max_pause_s:
                 continue
             why = "its preemptors are done" if not f.paused_by else f"paused for {now - f.paused_at:.1f} s"
@@ -343,6 +390,10 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
                 self._add_load(run, run.weight)
             self._immediate.append(Adjustment(f, ControlAction.RESUME, reason=why))
             self._dirty = True
+
+    def _pause_end(self, tid: str) -> float:
+        run = self._runs.get(tid)
+        return run.pending.paused_at + self.max_pause_s if run is not None else -math.inf
 
     def next_wakeup(self, state: GroupState, now: float) -> float | None:
         """The earliest of: pending controls, a special transfer's next look, aging, the slice's
@@ -358,9 +409,13 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
             times.append(max(self._aging[0][0] + self.aging_delay_s, now + self.tick_s))
         if self._dirty:
             times.append(now if self._at_once else max(now, self._last_adjust + self.tick_s))
-        paused = [self._runs[t].pending.paused_at + self.max_pause_s for t in self._paused if t in self._runs]
-        if paused:
-            times.append(min(paused))
+        if self._paused and (self._to_check or self._rescan):
+            times.append(now)
+        ends = self._pause_ends
+        while ends and (ends[0][1] not in self._paused or self._pause_end(ends[0][1]) != ends[0][0]):
+            heapq.heappop(ends)  # resumed, or paused again since (its entry is later in the heap)
+        if ends:
+            times.append(ends[0][0])
         if len(self.reservations):
             t = self.reservations.next_event(now)
             if t is not None:

@@ -38,7 +38,8 @@ Figures (each per round, reported as median with min and max, see `kvbus.app.ben
   every arm under the same budget (``fairness.<arm>``).
 - ``preempt_threshold_sweep``: three bulk senders (8 MB) and an urgent one (critical 4 MB, 0.2-0.6 s
   apart, critical boost 7), 40 MB/s, per threshold: throughput, urgent p50/p99, bulk p99, pauses.
-- ``decision_us_*``, ``adjust_us_*``: `kvbus.app.bench.sched_cost`, in process.
+- ``decision_us_*``, ``adjust_us_*``: `kvbus.app.bench.sched_cost`, in process, at 16 / 64 / 256 /
+  1024 agents; ``*_growth_16_to_1024``: the p99 at 1024 over the p99 at 16, per round.
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ BASELINES = ARMS[1:]
 BUDGET_SHARE = 0.94
 CRIT_LINK, FAIR_LINK, SWEEP_LINK = 40 * MB, 30 * MB, 40 * MB
 UNLIMITED = 10**6
+#: Group sizes (agents) of the decision-cost figures.
+DECISION_SIZES = (16, 64, 256, 1024)
 #: Senders of the critical experiment (`sched_ops.critical`): bulk, critical.
 N_BULK, N_CRIT = 4, 2
 #: Whether the ``fifo`` arm's concurrency (``max_active``, one per sender) lets a critical transfer
@@ -374,7 +377,7 @@ async def _sweep(
 
 def _decision(rounds: int, steps: int) -> dict[str, Any]:
     adaptive = default_selector(SchedulerConfig())
-    sizes = (16, 64, 256)
+    sizes = DECISION_SIZES
     plain: dict[int, list[dict[str, float]]] = {n: [] for n in sizes}
     selected: dict[int, list[dict[str, float]]] = {n: [] for n in sizes}
     for r in range(rounds):
@@ -391,6 +394,12 @@ def _decision(rounds: int, steps: int) -> dict[str, Any]:
     ):
         out[key] = {str(n): median(c[field] for c in src[n]) for n in sizes}
         out[key + "_rounds"] = {str(n): spread((c[field] for c in src[n]), digits=2) for n in sizes}
+    # How the cost grows with the group: per round, the p99 at the largest size over the smallest.
+    lo, hi = sizes[0], sizes[-1]
+    for key, src, field in (("decision_us_p99", plain, "p99"), ("adjust_us_p99", plain, "adjust_p99")):
+        growth = [ratio(src[hi][r][field], src[lo][r][field]) for r in range(rounds)]
+        out[f"{key}_growth_{lo}_to_{hi}"] = median(growth)
+        out[f"{key}_growth_{lo}_to_{hi}_rounds"] = spread(growth)
     return out
 
 
@@ -495,5 +504,6 @@ def _print(r: dict[str, Any]) -> None:
         )
     print(
         f"decision us p99 per grant: {r['decision_us_p99']} (with the cost model: "
-        f"{r['decision_us_p99_with_selection']}); adjust us p99: {r['adjust_us_p99']}"
+        f"{r['decision_us_p99_with_selection']}); adjust us p99: {r['adjust_us_p99']}; growth 16 -> 1024: "
+        f"decide {r['decision_us_p99_growth_16_to_1024_rounds']}, adjust {r['adjust_us_p99_growth_16_to_1024_rounds']}"
     )

@@ -1,5 +1,5 @@
 """The group scheduler's own cost per grant (`kvbus bench sched`'s ``decision_us_*``): the policy's
-thread CPU time of ``decide`` per grant in a group of 16 / 64 / 256 agents with half of them
+thread CPU time of ``decide`` per grant in a group of 16 / 64 / 256 / 1024 agents with half of them
 sending and half waiting (each step one transfer finishes, one arrives, ``decide`` grants one),
 and of ``adjust`` (the per-slice max-min reallocation of every running transfer)."""
 
