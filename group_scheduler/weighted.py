@@ -354,7 +354,6 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
         back the ones whose sender declined. Looks only at those that may have changed: the
         victims of preemptors that ended, the pauses that ran out (a heap), or all of them after
         a pause was declined outside a pass (`changed`)."""
-        active = state.active
         ends = self._pause_ends
         if self._rescan:
             self._rescan = False
@@ -377,9 +376,7 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
                 if not run.loaded and not f.done:
                     self._add_load(run, run.weight)
                 continue
-            by = f.paused_by
-            if by:  # only its preemptors still running count (a budget preempts nothing)
-                by.difference_update([t for t in by if t not in active or active[t].done])
+            # Its preemptors that ended (done, or only their budget runs) left f.paused_by in `_ended`.
             if f.paused_by and now - f.paused_at < self.max_pause_s:
                 continue
             why = "its preemptors are done" if not f.paused_by else f"paused for {now - f.paused_at:.1f} s"
