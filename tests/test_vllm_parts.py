@@ -152,6 +152,7 @@ def test_config_takes_every_nats_url_nats_py_takes() -> None:
 _KEYS = [
     "agent", "nats_url", "group", "role", "priority", "model_name", "medium", "pull", "push_to", "redis_url",
     "store_bytes", "lookup_timeout_s", "load_timeout_s", "connect_timeout_s", "index_bucket", "index_ttl_s",
+    "pull_gate", "pull_overhead_s",
 ]  # fmt: skip
 _SCALARS = st.one_of(
     st.none(),

@@ -42,6 +42,7 @@ from kvbus.integrations.vllm.protocol import (
     events_subject,
     subject,
 )
+from kvbus.integrations.vllm.worth import PullGate
 from kvbus.kvcache import KVCache
 from kvbus.signature import ModelSignature
 
@@ -77,6 +78,8 @@ class KVBusClient:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._saves: set[asyncio.Task[Any]] = set()
         self._pulls: dict[str, _Pull] = {}
+        self.gate = PullGate(prior_s=config.pull_overhead_s)
+        """This engine's measured prefill speed and pull cost (the worker side records them)."""
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -245,6 +248,26 @@ class KVBusClient:
                 if confirmed > local:
                     remote, holder = confirmed, name
         tier = await self._tier_tokens(keys, max(local, remote) // self.block_size)
+        best = max(remote, tier)
+        if best > local and self.config.pull_gate:
+            decision = self.gate.decide(best - local)
+            if not decision.pull:
+                logger.info(
+                    "kvbus connector %s: not loading tokens %d-%d from %s: %s",
+                    self.name,
+                    local,
+                    best,
+                    holder or "the cache tier",
+                    decision.reason,
+                )
+                await self.emit(
+                    "decline",
+                    tokens=best - local,
+                    peer=holder or "tier",
+                    seconds=decision.load_s,
+                    reason=decision.reason,
+                )
+                return LookupReply(local=local, declined=best)
         return LookupReply(local=local, remote=remote, holder=holder, tier=tier)
 
     async def _ask_have(self, agent: str, ids: torch.Tensor) -> int:

@@ -20,6 +20,7 @@ DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_GROUP = "default"
 DEFAULT_STORE_BYTES = 1 << 30
 DEFAULT_LOOKUP_TIMEOUT_S = 1.0
+DEFAULT_PULL_OVERHEAD_S = 0.3
 DEFAULT_LOAD_TIMEOUT_S = 30.0
 DEFAULT_CONNECT_TIMEOUT_S = 15.0
 DEFAULT_INDEX_TTL_S = 3600.0
@@ -78,6 +79,12 @@ class ConnectorConfig:
     their ``+cluster`` forms). None keeps the store in memory only."""
     store_bytes: int = DEFAULT_STORE_BYTES
     """Memory budget of the engine's block store (KV saved for sharing), in bytes."""
+    pull_gate: bool = True
+    """Never slower than prefilling: pull (or load from the cache tier) only when the load is
+    predicted to cost less than the prefill it saves, both measured on this engine
+    (`kvbus.integrations.vllm.worth`); false takes every hit."""
+    pull_overhead_s: float = DEFAULT_PULL_OVERHEAD_S
+    """What a pull is assumed to cost before this engine measured one (seconds, 0..3600)."""
     lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S
     """How long the scheduler waits for a prefix lookup before it prefills instead (at most 60 s:
     vLLM's scheduler step waits for it)."""
@@ -116,8 +123,9 @@ class ConnectorConfig:
                 get_codec(self.medium)
             except (TypeError, ValueError) as exc:
                 raise ConfigError(f"{_where('medium')}: {exc}") from None
-        if not isinstance(self.pull, bool):
-            raise ConfigError(f"{_where('pull')} must be true or false, got {_shown(self.pull)}")
+        for flag in ("pull", "pull_gate"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"{_where(flag)} must be true or false, got {_shown(getattr(self, flag))}")
         for name, kind in _NUMBERS.items():
             _check_number(name, getattr(self, name), kind)
         check_nats_url(self.nats_url, _where("nats_url"))
@@ -164,6 +172,7 @@ _NUMBERS: dict[str, Num] = {
     "priority": PRIORITY,
     "store_bytes": int_in(1, MAX_BYTES),
     "lookup_timeout_s": float_in(0.001, MAX_LOOKUP_TIMEOUT_S),
+    "pull_overhead_s": float_in(0.0, MAX_TIMEOUT_S),
     "load_timeout_s": float_in(0.001, MAX_TIMEOUT_S),
     "connect_timeout_s": float_in(0.001, MAX_TIMEOUT_S),
     "index_ttl_s": float_in(MIN_INDEX_TTL_S, MAX_SECONDS),
@@ -178,6 +187,7 @@ _KINDS: dict[str, Any] = {
     "model_name": "str?",
     "medium": "str?",
     "pull": bool,
+    "pull_gate": bool,
     "push_to": "names",
     "redis_url": "str?",
     "index_bucket": str,

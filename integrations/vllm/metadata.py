@@ -57,3 +57,5 @@ class KVBusConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     pushes: list[PushSpec] = field(default_factory=list)
+    step_tokens: int = 0
+    """Tokens the step's forward computes (all requests): with its duration, the engine's prefill speed."""

@@ -87,16 +87,19 @@ class LookupRequest(Message):
         return msg
 
 
-@message("vllm.lookup.reply", {"local": int, "remote": int, "holder": str, "tier": int})
+@message("vllm.lookup.reply", {"local": int, "remote": int, "holder": str, "tier": int, "declined": int})
 @dataclass(frozen=True, slots=True)
 class LookupReply(Message):
     """Tokens held by this engine's own store (``local``), by another agent (``remote``, held by
-    ``holder``) and by the shared cache tier only (``tier``); each a whole number of blocks."""
+    ``holder``) and by the shared cache tier only (``tier``); each a whole number of blocks.
+    ``declined``: tokens another agent or the tier holds but whose load would cost more than
+    prefilling them (`kvbus.integrations.vllm.worth`; then ``remote`` and ``tier`` are 0)."""
 
     local: int = 0
     remote: int = 0
     holder: str = ""
     tier: int = 0
+    declined: int = 0
 
     @classmethod
     def from_map(cls, body: object) -> LookupReply:
@@ -106,7 +109,7 @@ class LookupReply(Message):
             WireFormatError: a field check failed.
         """
         msg = _decode_fields(cls, body)
-        for name in ("local", "remote", "tier"):
+        for name in ("local", "remote", "tier", "declined"):
             if not 0 <= getattr(msg, name) <= MAX_TOKENS:
                 raise WireFormatError("vllm.lookup.reply message", f"{name} is out of range")
         if msg.remote and not msg.holder:
@@ -269,7 +272,8 @@ class PushReply(Message):
 @dataclass(frozen=True, slots=True)
 class Event(Message):
     """One thing the connector did: ``kind`` is ``load`` (into vLLM's cache), ``save`` (into the
-    store), ``receive`` (a delivery arrived), ``push`` or ``serve`` (a pull this agent answered)."""
+    store), ``receive`` (a delivery arrived), ``push``, ``serve`` (a pull this agent answered) or
+    ``decline`` (a load not made: predicted slower than prefilling; ``seconds`` is its predicted cost)."""
 
     agent: str
     kind: str

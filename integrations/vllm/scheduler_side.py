@@ -13,6 +13,7 @@ holder cannot make vLLM retry for ever.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +58,8 @@ class _Req:
     source: str = ""
     holder: str = ""
     medium: str | None = None
+    lookup_s: float = 0.0
+    declined: int = 0
 
 
 class SchedulerSide:
@@ -167,8 +170,13 @@ class SchedulerSide:
             return 0, False
         hit = self._hits.get(rid)
         if hit is None or hit.start != num_computed_tokens:
+            t0 = time.perf_counter()
             hit = _Hit(num_computed_tokens, self._lookup(prompt, limit))
             self._hits[rid] = hit
+            state = self._reqs.get(rid)
+            if state is not None:
+                state.lookup_s += time.perf_counter() - t0
+                state.declined = hit.reply.declined
         reply = hit.reply
         best = max(reply.local, reply.remote, reply.tier)
         if best <= num_computed_tokens:
@@ -229,7 +237,8 @@ class SchedulerSide:
         prompt is computed. Follows new, running and resumed requests' block ids and forgets the
         finished requests.
         """
-        meta = KVBusConnectorMetadata(loads=list(self._loads.values()))
+        step_tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
+        meta = KVBusConnectorMetadata(loads=list(self._loads.values()), step_tokens=step_tokens)
         self._loads.clear()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -302,8 +311,10 @@ class SchedulerSide:
 
         False: kvbus holds none of the request's blocks past it (saves were copied in the step).
         The params (None for a request this side never saw) say under ``"kvbus"`` what kvbus did:
-        the agent, the tokens loaded (0 if the load failed), their source, whether the load failed
-        and the agents the prompt was pushed to.
+        the agent, the tokens loaded (0 if the load failed), their source, whether the load failed,
+        the agents the prompt was pushed to, the seconds its lookups took (``lookup_s``) and the
+        tokens a load was declined for because prefilling them was predicted faster
+        (``declined_tokens``).
         """
         rid = request.request_id
         state = self._reqs.get(rid)
@@ -316,6 +327,8 @@ class SchedulerSide:
                     "source": state.holder or state.source,
                     "load_failed": rid in self._failed,
                     "pushed_to": state.push_to if state.pushed else [],
+                    "lookup_s": round(state.lookup_s, 6),
+                    "declined_tokens": state.declined,
                 }
             }
         self._forget(rid)

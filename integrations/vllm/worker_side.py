@@ -64,6 +64,7 @@ class WorkerSide:
         self._errors: set[int] = set()
         self._fidelity: dict[str, float] = {}
         self.stats = {"loads": 0, "load_failures": 0, "blocks_loaded": 0, "saves": 0}
+        self._forward_start: float | None = None
 
     # -- setup ------------------------------------------------------------------------------------
 
@@ -167,6 +168,9 @@ class WorkerSide:
             else:
                 coro = self.client.load_tier(ids, spec.stop)
             self._pending[spec.request_id] = _Pending(spec, self.loop.submit(coro), time.perf_counter())
+        # The forward starts now; `wait_for_save` ends it (a step with a local load is not a prefill sample).
+        local = any(spec.source == SOURCE_LOCAL for spec in meta.loads)
+        self._forward_start = None if local or not meta.step_tokens else time.perf_counter()
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str]:
         """Requests whose asynchronous loads ended this step (loaded, or failed and reported)."""
@@ -189,7 +193,10 @@ class WorkerSide:
             except Exception as exc:  # noqa: BLE001 - any failure means recompute, never a wrong block
                 self._fail(pending.spec, str(exc))
                 continue
-            self._loaded(pending.spec, kv, time.perf_counter() - pending.started)
+            seconds = time.perf_counter() - pending.started
+            self._loaded(pending.spec, kv, seconds)
+            if self.client is not None:
+                self.client.gate.record_load(pending.spec.stop - pending.spec.start, seconds)
         for rid in finished_req_ids:
             self._fidelity.pop(rid, None)
         return done
@@ -279,6 +286,9 @@ class WorkerSide:
         it runs in the background on the loop. Each push is submitted after the saves and logged
         when it ends. Nothing happens while kvbus is off.
         """
+        if self._forward_start is not None and self.client is not None:
+            self.client.gate.record_step(meta.step_tokens, time.perf_counter() - self._forward_start)
+        self._forward_start = None
         if not self.active or (not meta.saves and not meta.pushes):
             return
         assert self.client is not None and self.loop is not None and self.layout is not None
