@@ -142,31 +142,62 @@ def transport(d: Json) -> str:
 def sched(d: Json) -> str:
     r = d["results"]
     c, f = r["critical"], r["fairness"]
+    # Older stored runs have three arms; newer ones add strict priority and the concurrency-1 FIFO.
+    labels = {
+        "wrr": "wrr (kvbus)",
+        "fifo": "fifo, same budget and concurrency",
+        "fifo1": "fifo, one transfer at a time",
+        "strict": "strict priority",
+        "unscheduled": "unscheduled (flows share the link)",
+    }
+    arms = [a for a in labels if a in c]
+    sizes = sorted(r["decision_us_p99_rounds"], key=int)
     rows = [
-        "| figure | wrr (kvbus) | fifo, same budget and concurrency | unscheduled (flows share the link) |",
-        "|---|---|---|---|",
+        "| figure | " + " | ".join(labels[a] for a in arms) + " |",
+        "|---" * (len(arms) + 1) + "|",
         "| critical p99 (ms), 64 KB every 200 ms under 4 x 8 MB bulk, 40 MB/s | "
-        + " | ".join(_sp(c[a].get("critical_p99_ms_rounds"), "{:.1f}") for a in ("wrr", "fifo", "unscheduled"))
+        + " | ".join(_sp(c[a].get("critical_p99_ms_rounds"), "{:.1f}") for a in arms)
         + " |",
-        "| bulk throughput (MB/s) | "
-        + " | ".join(_f(c[a].get("bulk_mb_s"), "{:.1f}") for a in ("wrr", "fifo", "unscheduled"))
-        + " |",
+        "| bulk throughput (MB/s) | " + " | ".join(_f(c[a].get("bulk_mb_s"), "{:.1f}") for a in arms) + " |",
         "| Jain's fairness, W 2/3/4/6, 30 MB/s | "
-        + " | ".join(_sp(f[a].get("jain_rounds"), "{:.3f}") for a in ("wrr", "fifo", "unscheduled"))
+        + " | ".join(_sp(f[a].get("jain_rounds"), "{:.3f}") if a in f else "" for a in arms)
         + " |",
         "",
         "| ratio | measured |",
         "|---|---|",
-        f"| `critical_p99_ratio_fifo_vs_wrr` | {_sp(r.get('critical_p99_ratio_fifo_vs_wrr_rounds'))} |",
-        f"| `critical_p99_ratio_unscheduled_vs_wrr` | {_sp(r.get('critical_p99_ratio_unscheduled_vs_wrr_rounds'))} |",
+        *(
+            f"| `{key}` | {_sp(r.get(key + '_rounds'))} |"
+            for key in (
+                "critical_p99_ratio_fifo_vs_wrr",
+                "critical_p99_ratio_fifo1_vs_wrr",
+                "critical_p99_ratio_strict_vs_wrr",
+                "critical_p99_ratio_unscheduled_vs_wrr",
+                "bulk_throughput_ratio_wrr_vs_unscheduled",
+            )
+            if key in r
+        ),
         f"| `jain_fairness` (wrr) | {_sp(r.get('jain_fairness_rounds'), '{:.3f}')} |",
         f"| `jitter_p99_over_p50` (wrr critical) | {_f(r.get('jitter_p99_over_p50'))} |",
-        "| `decision_us_p99` 16 / 64 / 256 agents | "
-        + " / ".join(_sp(r["decision_us_p99_rounds"].get(n), "{:.0f}") for n in ("16", "64", "256"))
+        f"| `decision_us_p99` {' / '.join(sizes)} agents | "
+        + " / ".join(_sp(r["decision_us_p99_rounds"].get(n), "{:.0f}") for n in sizes)
         + " |",
         "| the same with the cost model choosing | "
-        + " / ".join(_f(r["decision_us_p99_with_selection"].get(n), "{:.0f}") for n in ("16", "64", "256"))
+        + " / ".join(_f(r["decision_us_p99_with_selection"].get(n), "{:.0f}") for n in sizes)
         + " |",
+        *(
+            [
+                f"| `adjust_us_p99` {' / '.join(sizes)} agents | "
+                + " / ".join(_sp(r["adjust_us_p99_rounds"].get(n), "{:.0f}") for n in sizes)
+                + " |"
+            ]
+            if "adjust_us_p99_rounds" in r
+            else []
+        ),
+        *(
+            f"| `{key}` | {_sp(r.get(key + '_rounds'))} |"
+            for key in ("decision_us_p99_growth_16_to_1024", "adjust_us_p99_growth_16_to_1024")
+            if key in r
+        ),
         "",
         "| preempt threshold | MB/s | urgent p50 / p99 (ms) | bulk p99 (s) | pauses (declined) |",
         "|---|---|---|---|---|",
