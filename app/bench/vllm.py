@@ -12,7 +12,10 @@ text) so that B's store never already holds it:
 
 Figures (ratios from the same run, medians over the repetitions):
 ``results.ttft_connector_vs_recompute[L]`` = TTFT of ``pull`` / TTFT of ``recompute`` at length L
-(goal <= 0.3 at 1024); ``ttft_push_vs_recompute[L]``; ``blocks_loaded[L]``; the media the cost
+(goal <= 0.3 at 1024); ``ttft_short_vs_recompute``, that ratio at the shortest length (256: the
+connector's pull gate declines a pull predicted slower than the prefill, goal <= 1.05), with
+``declined_tokens[L]`` per repetition; ``int8_agreement`` (= ``output_agreement.int8``);
+``ttft_push_vs_recompute[L]``; ``blocks_loaded[L]``; the media the cost
 model chose; ``output_agreement`` of B's greedy tokens with A's (goal 1.0 for full, >= 0.95 for
 int8). TTFT is vLLM's own ``first_token_latency`` (arrival to first token) of each request.
 """
@@ -124,6 +127,8 @@ def _measure(a: Any, b: Any, ctl: Any, length: int, rep: int, new_tokens: int) -
             except TimeoutError:
                 row[f"{mode}_medium"] = "none"
         row[f"{mode}_ttft_s"] = out["ttft"]
+        kvbus_params = (out.get("kv_transfer_params") or {}).get("kvbus") or {}
+        row[f"{mode}_declined_tokens"] = int(kvbus_params.get("declined_tokens") or 0)
         row[f"{mode}_cached_tokens"] = out["num_cached_tokens"]
         row[f"{mode}_agreement"] = _agreement(ref["token_ids"], out["token_ids"])
         row[f"{mode}_a_held"] = held
@@ -255,6 +260,14 @@ def run(*, quick: bool = False, smoke: bool = False, nats_url: str | None = None
     results["output_agreement"]["full"] = (
         round(statistics.mean(r["pull_agreement"] for r in full_rows), 4) if full_rows else None
     )
+    # Never slower than not using kvbus (issue 35): at the shortest prompt the pull gate should
+    # decline a pull that costs more than its prefill; the ratio is pull over recompute there.
+    short = str(lengths[0])
+    results["ttft_short_vs_recompute"] = results["ttft_connector_vs_recompute"].get(short)
+    results["declined_tokens"] = {
+        str(length): [r.get("pull_declined_tokens", 0) for r in rows if r["length"] == length] for length in lengths
+    }
+    results["int8_agreement"] = results["output_agreement"]["int8"]
     results["index_lookup_ms_64_blocks"] = index_ms
     results["rows"] = rows
     return {

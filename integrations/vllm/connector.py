@@ -117,6 +117,12 @@ class KVBusConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """vLLM's step begins: the worker side notes when its forward starts (see `WorkerSide.forward_starts`)."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KVBusConnectorMetadata):
+            self._worker.forward_starts(connector_metadata)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Write local hits now; start pulls and cache-tier loads."""
         meta = self._get_connector_metadata()

@@ -137,6 +137,16 @@ class WorkerSide:
 
     # -- loads ------------------------------------------------------------------------------------
 
+    def forward_starts(self, meta: KVBusConnectorMetadata) -> None:
+        """The step's forward starts now (vLLM binds the metadata just before it); `wait_for_save`,
+        right after the forward, ends it: the engine's prefill speed (`PullGate.record_step`).
+
+        Not `start_load_kv`: vLLM calls it *after* the forward when every load is asynchronous,
+        right before `wait_for_save`. A step with a local load is no prefill sample.
+        """
+        local = any(spec.source == SOURCE_LOCAL for spec in meta.loads)
+        self._forward_start = None if local or not meta.step_tokens else time.perf_counter()
+
     def start_load_kv(self, meta: KVBusConnectorMetadata) -> None:
         """vLLM's before-the-forward hook: carry out the step's loads.
 
@@ -168,9 +178,6 @@ class WorkerSide:
             else:
                 coro = self.client.load_tier(ids, spec.stop)
             self._pending[spec.request_id] = _Pending(spec, self.loop.submit(coro), time.perf_counter())
-        # The forward starts now; `wait_for_save` ends it (a step with a local load is not a prefill sample).
-        local = any(spec.source == SOURCE_LOCAL for spec in meta.loads)
-        self._forward_start = None if local or not meta.step_tokens else time.perf_counter()
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str]:
         """Requests whose asynchronous loads ended this step (loaded, or failed and reported)."""
