@@ -164,6 +164,7 @@ async def _cell(h: Harness, shape: str, n: int, mbit: float, rounds: int) -> dic
     obj: dict[str, list[float]] = {m: [] for m in ["adaptive", *statics]}
     used: list[str] = []
     explored: list[bool] = []
+    decisions: list[dict[str, Any]] = []
     predicted: list[tuple[float, float]] = []
     nbytes: dict[str, int] = {}
     for _ in range(rounds):
@@ -178,11 +179,13 @@ async def _cell(h: Harness, shape: str, n: int, mbit: float, rounds: int) -> dic
             if arm == "adaptive":
                 used.append(medium)
                 explored.append(bool(pair.last_decision.get("explored")))
+                decisions.append(_decision_summary(pair.last_decision, t))
     row["adaptive"] = {
         "latency_s": round(statistics.median(lat["adaptive"]), 4),
         "media": used,
         "bytes": nbytes["adaptive"],
         "objective_s": round(statistics.median(obj["adaptive"]), 4),
+        "decisions": decisions,
     }
     for m in statics:
         row["static"][m] = {
@@ -212,6 +215,20 @@ async def _cell(h: Harness, shape: str, n: int, mbit: float, rounds: int) -> dic
     row["prediction_skipped"] = skip
     await pair.close()
     return row
+
+
+def _decision_summary(decision: dict[str, Any], latency_s: float) -> dict[str, Any]:
+    """What one adaptive transfer's decision record said: the medium and why, each candidate's
+    predicted total and fidelity penalty (seconds), and what the transfer took."""
+    cands = [c for c in decision.get("candidates", ()) if c.get("total_s") is not None]
+    return {
+        "medium": decision.get("medium"),
+        "reason": decision.get("reason"),
+        "explored": bool(decision.get("explored")),
+        "latency_s": round(latency_s, 4),
+        "predicted_s": {c["medium"]: c["total_s"] for c in cands},
+        "loss_s": {c["medium"]: c.get("loss_s") for c in cands},
+    }
 
 
 #: Transfers of a cell whose prediction error is not counted (the model learns from them); at

@@ -36,6 +36,7 @@ async def fluctuating(h: Harness, shape: str, n: int, quick: bool) -> dict[str, 
         trace = [(max(2, k // 2), mbit) for k, mbit in trace]
     totals: dict[str, float] = {}
     chosen: list[str] = []
+    steps: list[dict[str, Any]] = []
     for medium in [None, *h.media]:
         label = medium or "adaptive"
         if medium is not None and max(h.predict(shape, n, mbit, medium) for _, mbit in trace) > 4 * h.cap_s:
@@ -50,6 +51,7 @@ async def fluctuating(h: Harness, shape: str, n: int, quick: bool) -> dict[str, 
                 total += lat + h.loss_s(used, n)
                 if medium is None:
                     chosen.append(used)
+                    steps.append(_step(mbit, lat, pair.last_decision))
         totals[label] = round(total, 3)
         await pair.close()
     best_static = min((v, k) for k, v in totals.items() if k != "adaptive")
@@ -60,7 +62,27 @@ async def fluctuating(h: Harness, shape: str, n: int, quick: bool) -> dict[str, 
         "totals_s": totals,
         "best_static": best_static[1],
         "adaptive_media": chosen,
+        "adaptive_decisions": steps,
         "fluctuating_adaptive_vs_best_static": round(totals["adaptive"] / best_static[0], 3),
+    }
+
+
+def _step(mbit: float, latency_s: float, decision: dict[str, Any]) -> dict[str, Any]:
+    """One adaptive transfer of the trace as its decision record saw it: the link, the medium and
+    why, and each candidate's predicted total beside what the transfer took."""
+    return {
+        "mbit": mbit,
+        "medium": decision.get("medium"),
+        "reason": decision.get("reason"),
+        "explored": bool(decision.get("explored")),
+        "latency_s": round(latency_s, 4),
+        "predicted_s": decision.get("predicted_s"),
+        "candidates_s": {
+            c["medium"]: c.get("total_s") for c in decision.get("candidates", ()) if c.get("total_s") is not None
+        },
+        "terms": next(
+            (c.get("terms") for c in decision.get("candidates", ()) if c.get("medium") == decision.get("medium")), None
+        ),
     }
 
 
