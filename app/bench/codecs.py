@@ -19,14 +19,19 @@ The quantising kernels run eager unless ``KVBUS_COMPILE=1``; the suite also meas
 in the other mode (``results.other_kernels``: compiled when the default is eager), the first
 calls' time (compilation) excluded and reported. The int4 kernels always run eager.
 ``results.<codec>`` (top level) are the figures on the Llama-shaped 512-token cache in the
-process's default mode; ``results.by_cache`` has every cache.
+process's default mode; ``results.by_cache`` has every cache. ``results.first_call_s``: per medium of
+`FIRST_CALL_SPECS`, the first ``encode`` + ``decode`` of the Llama-shaped 512-token cache in a
+fresh subprocess (in the process's default kernel mode), imports and cache construction excluded.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import math
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -179,6 +184,33 @@ class _SkipOther(Exception):
     """Internal: a smoke run leaves out the other kernel mode."""
 
 
+#: Media whose first call ``results.first_call_s`` times (the kernels a transfer may meet cold).
+FIRST_CALL_SPECS = ("int8", "int4", "topk", "lowrank")
+
+_FIRST_CALL = """
+import json, sys, time
+from kvbus.app.bench.codecs import LLAMA3_8B, _wire, make_kv
+from kvbus.codecs import get_codec
+kv = make_kv(LLAMA3_8B, int(sys.argv[2]))
+t0 = time.perf_counter()
+codec = get_codec(sys.argv[1])
+codec.decode(_wire(codec.encode(kv)))
+print(json.dumps(time.perf_counter() - t0))
+"""
+
+
+def first_call_s(spec: str, n_tokens: int) -> float:
+    """Seconds of the first ``encode`` + ``decode`` of ``spec`` in a fresh interpreter.
+
+    The Llama-shaped cache of ``n_tokens``; the interpreter's start, the imports and the cache's
+    construction are outside the timing, so it is what a cold agent pays on its first transfer.
+    """
+    out = subprocess.run(
+        [sys.executable, "-c", _FIRST_CALL, spec, str(n_tokens)], check=True, capture_output=True, text=True
+    )
+    return float(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
 def run(*, quick: bool = False, smoke: bool = False, **options: Any) -> dict[str, Any]:
     """Run the suite; returns ``{"suite": "codecs", "config": {...}, "results": {...}}``.
 
@@ -217,6 +249,8 @@ def run(*, quick: bool = False, smoke: bool = False, **options: Any) -> dict[str
     finally:
         _kernels.set_compile(None)
     top = by_cache["llama3-8b-512"]
+    first_call = {spec: round(first_call_s(spec, n512), 3) for spec in FIRST_CALL_SPECS}
+    print(f"first calls in a fresh process (s): {first_call}", flush=True)
     return {
         "suite": "codecs",
         "config": {
@@ -237,5 +271,5 @@ def run(*, quick: bool = False, smoke: bool = False, **options: Any) -> dict[str
             "timing": "median of alternating runs; *_vs_copy = copy_ time / medium time, same run",
             "specs": list(SPECS),
         },
-        "results": {**top, "by_cache": by_cache, "other_kernels": compiled},
+        "results": {**top, "by_cache": by_cache, "other_kernels": compiled, "first_call_s": first_call},
     }
