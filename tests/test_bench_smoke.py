@@ -40,6 +40,9 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "output_agreement": dict,
         "media_chosen": list,
         "index_lookup_ms_64_blocks": dict,
+        "ttft_short_vs_recompute": OPT_NUM,
+        "declined_tokens": {"256": list},
+        "int8_agreement": OPT_NUM,
     },
     "transport": {
         "ratio_vs_nats_py": NUM,
@@ -95,6 +98,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "int4": dict,
         "by_cache": dict,
         "other_kernels": dict,
+        "first_call_s": {"int8": NUM, "int4": NUM, "topk": NUM, "lowrank": NUM},
     },
     "select": {
         "adaptive_vs_best_static_max": NUM,
