@@ -5,26 +5,12 @@ for one. Deterministic: the weighted policy on a hand-driven state, no wall-cloc
 from __future__ import annotations
 
 from kvbus.group_scheduler import GroupState, Pending, WeightedPolicy
-from kvbus.group_scheduler.simulate import SIM_SIGNATURE, FixedSelector
+from kvbus.group_scheduler.simulate import FixedSelector
 from kvbus.group_scheduler.state import AgentState
-from kvbus.protocol import ControlAction, TransferRequest
+from kvbus.protocol import ControlAction
+from tests.test_sched_baselines import MB, _pending
 
-MB = 1_000_000
 HOUR = 3600.0
-
-
-def _pending(tid: str, src: str, *, critical: bool = False, nbytes: int = 8 * MB) -> Pending:
-    req = TransferRequest(
-        transfer_id=tid,
-        src=src,
-        dst=["rx"],
-        group="g",
-        n_tokens=1,
-        nbytes=nbytes,
-        signature=SIM_SIGNATURE.to_dict(),
-        critical=critical,
-    )
-    return Pending(req, {"rx": SIM_SIGNATURE}, arrived=0.0)
 
 
 class Driver:
