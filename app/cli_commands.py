@@ -322,8 +322,10 @@ async def _run_stack(args: argparse.Namespace, me: dict[str, Any]) -> None:
         finally:
             # Side by side: each close bounds its own steps, and one waiting out a lease release
             # or a drain must not add its wait to the others' (exit time is the slowest, not the sum).
+            logger.info("stopping: closing %d scheduler(s), then %d coordinator(s)", len(scheds), len(coords))
             await asyncio.gather(*(s.close() for s in scheds))
             await asyncio.gather(*(c.close() for c in coords))
+            logger.info("stopping: services closed; stopping the servers")
 
 
 async def _group_scheduler(args: argparse.Namespace) -> None:
