@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -113,6 +114,16 @@ async def sender_bus(nats_url: str, scheduler: GroupScheduler, request: pytest.F
         await bus.close()
 
 
+def sigint_as_default() -> None:
+    """A ``preexec_fn``: the child takes Ctrl-C's default action.
+
+    A test run started in the background (``nohup ... &``, a CI runner's job) inherits SIGINT
+    ignored, and an ignored signal stays ignored across exec. Python then installs no
+    KeyboardInterrupt handler, and a `kvbus up` sent SIGINT never stops.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def ready_up(tmp_path: Path) -> tuple[subprocess.Popen[str], str]:
     """`kvbus up` (one group, one replica each, its stack file in ``tmp_path``) once it says it is
     up, and what it printed until then."""
@@ -123,6 +134,7 @@ def ready_up(tmp_path: Path) -> tuple[subprocess.Popen[str], str]:
         stderr=subprocess.STDOUT,
         text=True,
         env=env,
+        preexec_fn=sigint_as_default,  # noqa: PLW1509 - only resets a signal, before exec
     )
     assert proc.stdout is not None
     deadline = time.monotonic() + 60

@@ -19,7 +19,7 @@ import redis
 from kvbus.app.local import NATS_MAX_PAYLOAD, NatsServer, RedisServer
 from kvbus.app.processes import spawn, sweep_stale_folders
 from kvbus.errors import MissingBinaryError
-from tests.conftest import ready_up
+from tests.conftest import ready_up, sigint_as_default
 
 
 async def test_nats_server_has_jetstream_and_a_raised_max_payload(nats_server: NatsServer) -> None:
@@ -76,7 +76,7 @@ def test_cli_help(argv: list[str]) -> None:
     assert "usage: kvbus" in out.stdout
 
 
-def test_kvbus_up_starts_the_stack_and_ctrl_c_stops_it() -> None:
+def test_kvbus_up_starts_the_stack_and_ctrl_c_stops_it(tmp_path: Path) -> None:
     # -v: its INFO log says how far the shutdown got; PYTHONFAULTHANDLER: a SIGABRT prints every
     # thread's stack, if it still runs after the timeout.
     proc = subprocess.Popen(
@@ -84,7 +84,10 @@ def test_kvbus_up_starts_the_stack_and_ctrl_c_stops_it() -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+        env={**os.environ, "PYTHONFAULTHANDLER": "1", "KVBUS_STACK_FILE": str(tmp_path / "stack.json")},
+        # Ctrl-C's default action even when this test run inherited SIGINT ignored (started in
+        # the background): that is why it failed in background CI runs, idle 20 s after SIGINT.
+        preexec_fn=sigint_as_default,  # noqa: PLW1509 - only resets a signal, before exec
     )
     try:
         assert proc.stdout is not None
