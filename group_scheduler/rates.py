@@ -80,6 +80,11 @@ class WeightedRates(WeightedBook):
         caps: dict[Hashable, float] = {}
         rates: dict[str, float] = {}
         deadline_flows = False
+        # The load sums are rebuilt exactly in the same pass (deadline weights moved, float
+        # error accumulated), in the order `_add_load` would have added them.
+        load: dict[Hashable, float] = {}
+        get = load.get
+        capacity = self._capacity
         for run in self._runs.values():
             f = run.pending
             if f.deadline_at is not None:
@@ -88,13 +93,19 @@ class WeightedRates(WeightedBook):
                 run.weight += u - run.urgency
                 run.urgency = u
             if f.paused or f.done:  # done: only its rate budget holds it (`budget_only`)
+                run.loaded = False
                 continue
-            flows.append(Flow(f.transfer_id, run.weight, run.resources))
-            for key in run.resources:
+            w = run.weight
+            res = run.resources
+            flows.append(Flow(f.transfer_id, w, res))
+            for key in res:
+                load[key] = get(key, 0.0) + w
                 if key not in caps:
-                    cap = self._capacity(state, key)
+                    cap = capacity(state, key)
                     if cap > 0:  # 0: uncapped for now (the inter-group lease when none is in force)
                         caps[key] = cap
+            run.loaded = w > 0
+        self._load = load
         for p in state.active.values():
             if p.reservation:
                 r = self.reservations.get(p.reservation)
@@ -105,13 +116,6 @@ class WeightedRates(WeightedBook):
             caps[key] = max(full - held.get(key, 0.0), 0.01 * full, MIN_RATE_BPS)
         for key, rate in weighted_max_min(flows, caps).items():
             rates[key] = rate if rate <= 0 else max(rate, MIN_RATE_BPS)
-        # Rebuild the load sums exactly (deadline weights moved, float error accumulated).
-        fresh: dict[Hashable, float] = {}
-        self._load = fresh
-        for run in self._runs.values():
-            run.loaded = False
-            if not run.pending.paused and not run.pending.done:
-                self._add_load(run, run.weight)
         self._deadline_flows = deadline_flows
         return rates
 
