@@ -236,6 +236,7 @@ class SchedulerLink:
             path=path,
             traceparent=traceparent,
             budget=ep.config.rate_budgets and deadline is None,
+            inline_limit=ep.config.inline_limit,
         )
 
     async def _accept(self, grant: Grant, key: BudgetKey, transfer_id: str, receivers: list[str], span: Span) -> None:

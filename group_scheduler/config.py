@@ -84,6 +84,10 @@ class SchedulerConfig:
     """A medium measured fewer times than this at a context size is explored there."""
     explore_stale_s: float = 600.0
     """A medium not measured for this long at a context size is explored again."""
+    explore_link_every: int = 2
+    """A pair whose link estimate dropped, and whose transfers since carry too few bytes to measure
+    it again (``tokens``), is probed with a KV medium after this many such decisions, then after
+    twice as many each time the link is still slow (0 = never probed)."""
     learned_save_s: float = 5.0
     """Seconds between writes of what the scheduler learned to JetStream KV (0 = never persisted)."""
     # -- weights: W_ij = role_priority_i + role_priority_j + urgency ----------------------------
@@ -157,6 +161,8 @@ class SchedulerConfig:
                 f"explore_fraction {self.explore_fraction} must be within 0..1, explore_margin "
                 f"{self.explore_margin} a finite number >= 0"
             )
+        if self.explore_link_every < 0:
+            raise ConfigError(f"explore_link_every {self.explore_link_every} must be >= 0 (0: never probe)")
         if self.explore_min_samples < 0 or not 0 < self.explore_stale_s < float("inf"):
             raise ConfigError("explore_min_samples must be >= 0 and explore_stale_s a positive number of seconds")
         if not 0 <= self.learned_save_s < float("inf"):

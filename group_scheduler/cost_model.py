@@ -114,6 +114,16 @@ class Link:
     """``estimate`` (observed transfers), ``configured`` (declared capacity) or ``default``."""
     path: str = PathName.NATS
     """The data path the bytes are expected to take (its learned fixed cost applies)."""
+    inline: Link | None = None
+    """The path a payload of at most ``inline_bytes`` takes instead (it rides in the `Open`, over
+    NATS, whatever ``path`` says): a ``tokens`` transfer of a context that would go direct."""
+    inline_bytes: int = 0
+
+    def for_payload(self, nbytes: int) -> Link:
+        """The link a payload of ``nbytes`` takes."""
+        if self.inline is not None and nbytes <= self.inline_bytes:
+            return self.inline
+        return self
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +217,8 @@ class Choice:
     kept_by_hysteresis: bool = False
     explored: bool = False
     """Chosen to measure it (bounded exploration), not because it was predicted fastest."""
+    explored_link: bool = False
+    """Explored to measure the pair's link again (a probe after a drop), not the medium."""
 
     def record(self) -> dict[str, Any]:
         """The decision record that travels in the grant and ends up in the TransferReport."""
@@ -217,6 +229,7 @@ class Choice:
             "forced_lossless": self.forced_lossless,
             "kept_by_hysteresis": self.kept_by_hysteresis,
             "explored": self.explored,
+            "explored_link": self.explored_link,
             "candidates": [c.as_dict() for c in self.candidates],
         }
 
@@ -317,6 +330,7 @@ class CostModel:
         else:
             raw = per_token_bytes * new_tokens
             nbytes = int(raw / fig.ratio) + 8 * n_tokens
+        link = link.for_payload(nbytes)
         bw = max(link.bandwidth_bps, 1.0)
         rtt = link.rtt_s or cfg.rtt_s
         chunks = max(1, math.ceil(nbytes / cfg.chunk_bytes))

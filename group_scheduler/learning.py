@@ -47,8 +47,14 @@ LEARN_WEIGHT = 0.3
 #: A learned factor stays within this range of the prior (1/x .. x): a broken clock or one absurd
 #: sample cannot make a medium look free or impossible.
 MAX_FACTOR = 50.0
-#: A sample of the fixed cost is taken only when the bytes' predicted share of the wire time is below this.
-FIXED_SAMPLE_SHARE = 0.5
+#: Payloads below this many bytes teach the fixed cost of their path, larger ones its link estimate
+#: (`kvbus.group_scheduler.state.LinkEstimate`). The two unknowns of a wire time (a cost per transfer,
+#: a cost per byte) are told apart by size: a small payload's time is nearly all round trips, a
+#: large one's nearly all bytes. Judging by the bytes' *predicted* share instead read a link that
+#: had just slowed down as a fixed cost (one int8 transfer on a link that fell from 1 Gbit/s to
+#: 25 Mbit/s taught 1.0 s per transfer), and a fixed cost a second too high kept every later
+#: ``tokens`` transfer predicted 4x too slow.
+SMALL_PAYLOAD_BYTES = 64 * 1024
 #: The fixed cost taken off a wire time before it feeds the link estimate is at most this share of it.
 FIXED_MAX_SHARE = 0.5
 #: Recent prediction errors kept for `prediction_error`.
@@ -188,8 +194,8 @@ class LearnedCosts:
         Args:
             kv_bytes: the context's uncompressed bytes (its size class).
             new_tokens: the tokens the receiver had to rebuild (``tokens``: its prefill's length).
-            bandwidth_bps: the pair's bandwidth on the path the bytes took, when known (to tell
-                the bytes' time from the fixed cost); None: no fixed-cost sample.
+            bandwidth_bps: the pair's bandwidth on the path the bytes took, when known (the bytes'
+                own time is taken off a small payload's fixed-cost sample).
             teach_codec: False for a transfer under another's rate budget (its record is the other's).
         """
         now = time.time()
@@ -207,10 +213,9 @@ class LearnedCosts:
             if done.encode_s > 0 or done.decode_s > 0:
                 self.observe_error(medium, candidate["comm_s"] + candidate["comp_s"], done.seconds)  # type: ignore[index]
         path = done.path or PathName.NATS
-        if bandwidth_bps and done.wire_s > 0:
-            bytes_s = done.nbytes / bandwidth_bps
-            if bytes_s <= FIXED_SAMPLE_SHARE * done.wire_s:
-                self.observe_fixed(path, done.wire_s - bytes_s, now)
+        if 0 < done.nbytes < SMALL_PAYLOAD_BYTES and done.wire_s > 0:
+            bytes_s = done.nbytes / bandwidth_bps if bandwidth_bps else 0.0
+            self.observe_fixed(path, max(0.0, done.wire_s - bytes_s), now)
         fixed = self.fixed(path)
         return min(fixed, FIXED_MAX_SHARE * done.wire_s) if fixed else 0.0
 

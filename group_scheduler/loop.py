@@ -27,6 +27,7 @@ from kvbus.codecs.spec import medium_spec
 from kvbus.errors import WireFormatError
 from kvbus.group_scheduler.admission import down_refusal
 from kvbus.group_scheduler.config import SchedulerConfig
+from kvbus.group_scheduler.learning import SMALL_PAYLOAD_BYTES
 from kvbus.group_scheduler.policy import Adjustment, Decision, SchedulingPolicy
 from kvbus.group_scheduler.reservations import ReservationTable
 from kvbus.group_scheduler.state import GroupState, Pending
@@ -46,8 +47,9 @@ from kvbus.protocol import (
 
 logger = logging.getLogger(__name__)
 
-#: Transfers smaller than this say more about round trips than bandwidth: not used for estimates.
-MIN_ESTIMATE_BYTES = 64 * 1024
+#: Transfers smaller than this say more about round trips than bandwidth: not used for estimates
+#: (they teach the path's fixed cost instead).
+MIN_ESTIMATE_BYTES = SMALL_PAYLOAD_BYTES
 #: How long a pause request waits for the sender's answer.
 PAUSE_TIMEOUT_S = 2.0
 
@@ -425,8 +427,9 @@ class GrantLoop:
             )
         if done.nbytes >= MIN_ESTIMATE_BYTES and done.wire_s > 0 and path in PATH_NAMES:
             wire_s = done.wire_s - fixed  # the bytes' own time: a transfer's round trips are not the link
+            probe = bool(pending.decision.get("explored_link"))
             for rx in done.dst:
-                state.link(done.src, rx, path).observe(done.nbytes, wire_s)
+                state.link(done.src, rx, path).observe(done.nbytes, wire_s, probe=probe)
                 telemetry.instruments().link_bandwidth.record(
                     done.nbytes / wire_s, {"group": self.group, "link": f"{done.src}->{rx}", "path": path}
                 )

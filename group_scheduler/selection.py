@@ -10,9 +10,10 @@ from dataclasses import dataclass, replace
 from kvbus.codecs import get_codec
 from kvbus.group_scheduler.config import SchedulerConfig
 from kvbus.group_scheduler.cost_model import Choice, CostConfig, CostModel, Endpoint, Estimate, Link, ModelCosts
+from kvbus.group_scheduler.learning import SMALL_PAYLOAD_BYTES
 from kvbus.group_scheduler.policy import MediumSelector, Selection, StaticSelector
 from kvbus.group_scheduler.signatures import signature_of
-from kvbus.group_scheduler.state import GroupState, Pending
+from kvbus.group_scheduler.state import RISE_FACTOR, GroupState, Pending
 from kvbus.protocol import PathName, Reason
 from kvbus.signature import ModelSignature
 
@@ -68,6 +69,25 @@ class Exploration:
     """A medium measured fewer times than this at a context size is unmeasured there."""
     stale_s: float = 600.0
     """A medium not measured for this long at a context size is measured again."""
+    link_every: int = 2
+    """A pair whose link dropped and that has since sent only payloads too small to measure it is
+    probed after this many decisions, then twice as many each time (0 = never)."""
+
+
+#: The longest wait, in decisions, between two probes of a link that stays slow.
+MAX_PROBE_EVERY = 64
+
+
+@dataclass(slots=True)
+class _ProbeState:
+    """One pair's link probing (`AdaptiveSelector._probe`)."""
+
+    every: int
+    """Decisions that did not measure the link after which it is probed."""
+    unmeasured: int = 0
+    """Decisions since the link was last probed (or its estimate last changed)."""
+    changes: int = 0
+    """The estimate's `LinkEstimate.changes` this back-off started from."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,11 +134,20 @@ class AdaptiveSelector(MediumSelector):
         )
         self.default_bandwidth_bps = default_bandwidth_bps
         self.last: dict[tuple[str, str], str] = {}
+        self._probes: dict[tuple[str, str, str], _ProbeState] = {}
+        """Per (sender, receiver, path): the link probing's back-off (see `_probe`)."""
         self.switches = 0
 
-    def link(self, state: GroupState, src: str, dst: str, path: str = PathName.NATS) -> Link:
+    def link(self, state: GroupState, src: str, dst: str, path: str = PathName.NATS, inline_bytes: int = 0) -> Link:
         """The pair's bandwidth on data ``path``: that path's sliding-window estimate, else the
-        declared capacity, else the default."""
+        declared capacity, else the default. With ``inline_bytes`` (the sender's inline limit), a
+        payload that small is predicted on the pair's NATS link (it rides in the `Open`)."""
+        link = self._link(state, src, dst, path or PathName.NATS)
+        if inline_bytes > 0 and link.path != PathName.NATS:
+            link = replace(link, inline=self._link(state, src, dst, PathName.NATS), inline_bytes=inline_bytes)
+        return link
+
+    def _link(self, state: GroupState, src: str, dst: str, path: str) -> Link:
         est = state.link(src, dst, path)
         if est.known:
             return Link(est.bandwidth_bps, 2 * state.declared_latency(src, dst), "estimate", path)
@@ -179,7 +208,7 @@ class AdaptiveSelector(MediumSelector):
                         candidates,
                         n_tokens=req.n_tokens,
                         kv_bytes=req.nbytes,
-                        link=self.link(state, req.src, rx, req.path),
+                        link=self.link(state, req.src, rx, req.path, req.inline_limit),
                         sender=sender,
                         receiver=self.endpoint(state, rx, sig, recompute=pending.recompute.get(rx, True)),
                         lineage=req.fidelity,
@@ -216,22 +245,95 @@ class AdaptiveSelector(MediumSelector):
         if len(per_rx) == 1:
             # The pair keeps its exploited medium for hysteresis: an exploration is one transfer.
             rx = next(iter(pending.receivers))
-            explore = self._explore(state, pending, choice, rx)
+            explore = self._probe(state, pending, choice, rx) or self._explore(state, pending, choice, rx)
             if explore is not None:
                 self.explored += 1
                 return Decided(explore.medium, explore.reason, explore)
         return Decided(choice.medium, choice.reason, choice)
 
+    def _may_explore(self, state: GroupState, pending: Pending, rx: str) -> bool:
+        """Whether this transfer may be sent with another medium than predicted best (`Exploration`)."""
+        ex, req = self.exploration, pending.request
+        if ex.fraction <= 0 or self.explored >= ex.fraction * self.decided + 1:
+            return False
+        if req.critical or req.deadline is not None or pending.deadline_at is not None:
+            return False
+        agent = state.agents.get(rx)
+        return agent is None or agent.memory_pressure <= 0
+
+    def _probe(self, state: GroupState, pending: Pending, choice: Choice, rx: str) -> Choice | None:
+        """A KV medium to send instead of ``choice`` to measure the pair's link again, if due.
+
+        A link estimate that dropped stays low until a transfer big enough to measure it goes by
+        (`SMALL_PAYLOAD_BYTES`), and once it is low the cost model picks ``tokens``, which never
+        measures it: a link that recovered would never be seen to. So a pair whose estimate is
+        ``RISE_FACTOR`` below the rate it had before its last drop, and whose last ``link_every``
+        decisions did not measure it, is sent a KV medium instead: of those that would beat
+        ``choice`` if the link were back at that rate, the one cheapest at the current estimate
+        (if the link is still slow, the probe costs least). Each probe doubles the wait (a link
+        that stays slow costs ever fewer probes); a drop or a rise restarts it. A probe's sample
+        moves the estimate at once (`LinkEstimate.observe` with ``probe``).
+        """
+        ex, req = self.exploration, pending.request
+        if ex.link_every <= 0:
+            return None
+        path = req.path or PathName.NATS
+        est = state.link(req.src, rx, path)
+        probe = self._probes.setdefault((req.src, rx, path), _ProbeState(ex.link_every))
+        if probe.changes != est.changes:
+            probe.changes, probe.every, probe.unmeasured = est.changes, ex.link_every, 0
+        if choice.estimate.nbytes >= SMALL_PAYLOAD_BYTES:
+            probe.unmeasured = 0  # this transfer measures the link itself
+            return None
+        probe.unmeasured += 1
+        if not est.known:
+            return None
+        if est.rising:
+            hope = est.last_rate_bps
+        elif est.peak_bps > RISE_FACTOR * est.bandwidth_bps and probe.unmeasured >= probe.every:
+            hope = est.peak_bps
+        else:
+            return None
+        if not self._may_explore(state, pending, rx):
+            return None
+        cfg = self.model.config
+        best = choice.estimate.total_s
+        options: list[tuple[float, Estimate]] = []
+        for e in choice.candidates:
+            if not e.usable or e.medium == choice.medium or e.nbytes < SMALL_PAYLOAD_BYTES:
+                continue
+            if not self.model.figures[e.medium].lossless and req.fidelity * e.fidelity < cfg.refresh_threshold:
+                continue
+            hoped = e.total_s - (e.comm_s - e.fixed_s) + e.nbytes / hope
+            if hoped < best:
+                options.append((hoped, e))
+        if not options:
+            return None
+        hoped, e = min(options, key=lambda o: o[1].total_s)
+        if not est.rising:
+            probe.every = min(MAX_PROBE_EVERY, 2 * probe.every)
+        probe.unmeasured = 0
+        reason = (
+            f"explore the link: {e.medium} measures it again ({'confirming a rise to' if est.rising else 'it was'} "
+            f"{hope * 8 / 1e6:.0f} Mbit/s, now estimated {est.bandwidth_bps * 8 / 1e6:.0f}); predicted "
+            f"{hoped * 1000:.1f} ms there, {e.total_s * 1000:.1f} ms at the estimate, against {best * 1000:.1f} ms "
+            f"for {choice.medium}"
+        )
+        return replace(
+            choice,
+            medium=e.medium,
+            estimate=e,
+            reason=reason,
+            explored=True,
+            explored_link=True,
+            kept_by_hysteresis=False,
+        )
+
     def _explore(self, state: GroupState, pending: Pending, choice: Choice, rx: str) -> Choice | None:
         """The medium to measure on this transfer instead of ``choice``, if any (see `Exploration`)."""
         ex = self.exploration
         req = pending.request
-        if ex.fraction <= 0 or self.explored >= ex.fraction * self.decided + 1:
-            return None
-        if req.critical or req.deadline is not None or pending.deadline_at is not None:
-            return None
-        agent = state.agents.get(rx)
-        if agent is not None and agent.memory_pressure > 0:
+        if not self._may_explore(state, pending, rx):
             return None
         cfg, learned = self.model.config, self.model.learned
         now = time.time()
@@ -294,5 +396,6 @@ def default_selector(config: SchedulerConfig) -> MediumSelector:
         margin=config.explore_margin,
         min_samples=config.explore_min_samples,
         stale_s=config.explore_stale_s,
+        link_every=config.explore_link_every,
     )
     return AdaptiveSelector(model, default_bandwidth_bps=config.default_bandwidth_bps, exploration=exploration)

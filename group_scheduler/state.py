@@ -72,21 +72,44 @@ class LinkEstimate:
     max_age_s: float = 60.0
     """Samples older than this are forgotten (links change; an unused estimate goes stale)."""
     rising: bool = False
-    """The last sample was ``RISE_FACTOR`` faster than the estimate before it."""
+    """The last sample was ``RISE_FACTOR`` faster than the estimate before it (unconfirmed)."""
+    peak_bps: float = 0.0
+    """The estimate before the last drop: the rate a probe hopes the link is back to."""
+    changes: int = 0
+    """Drops and rises so far (a probing selector restarts its back-off on one)."""
+    _rise_base: float = 0.0
+    """While ``rising``: the estimate before the first fast sample."""
 
-    def observe(self, nbytes: int, seconds: float, now: float | None = None) -> None:
-        """Add a sample of ``nbytes`` sent in ``seconds`` (ignored unless both are positive)."""
+    def observe(self, nbytes: int, seconds: float, now: float | None = None, *, probe: bool = False) -> None:
+        """Add a sample of ``nbytes`` sent in ``seconds`` (ignored unless both are positive).
+
+        ``probe``: the transfer was sent to measure the link (`AdaptiveSelector._probe`); a rise it
+        shows restarts the window at once, without waiting for a second transfer to confirm it.
+        """
         if nbytes <= 0 or seconds <= 0:
             return
         rate, est = nbytes / seconds, self.bandwidth_bps
+        # A second fast sample is compared with the estimate before the first: the first already
+        # pulled the window's average up (half way, for two samples of one size), and judged
+        # against that a link that doubled would never be confirmed.
+        base = self._rise_base if self.rising else est
         if est > 0 and rate * DROP_FACTOR < est:
             self.samples.clear()
             self.rising = False
-        elif est > 0 and rate > RISE_FACTOR * est:
+            self.peak_bps = max(self.peak_bps, est)
+            self.changes += 1
+        elif est > 0 and rate > RISE_FACTOR * est and probe:
+            self.samples.clear()
+            self.rising = False
+            self.changes += 1
+        elif est > 0 and rate > RISE_FACTOR * base:
             if self.rising:
                 last = self.samples[-1]
                 self.samples.clear()
                 self.samples.append(last)
+                self.changes += 1
+            else:
+                self._rise_base = est
             self.rising = not self.rising
         else:
             self.rising = False
@@ -105,6 +128,11 @@ class LinkEstimate:
         b = sum(s[0] for s in fresh)
         t = sum(s[1] for s in fresh)
         return b / t if t > 0 else 0.0
+
+    @property
+    def last_rate_bps(self) -> float:
+        """The rate of the newest sample (0 if none)."""
+        return self.samples[-1][0] / self.samples[-1][1] if self.samples else 0.0
 
     @property
     def known(self) -> bool:

@@ -56,6 +56,7 @@ PRIORITY = float_in(0.0, MAX_PRIORITY)
         "base_tokens": int_in(0, MAX_COUNT),
         "path": str,
         "budget": bool,
+        "inline_limit": int_in(0, MAX_BYTES),
     },
 )
 @dataclass(frozen=True, slots=True)
@@ -86,6 +87,9 @@ class TransferRequest(Message):
     budget: bool = False
     """The sender takes a rate budget with the grant (`Grant.budget_s`): later small transfers
     to the same receivers start without asking."""
+    inline_limit: int = 0
+    """The sender's inline limit: a payload of at most this many bytes rides in the `Open` over
+    NATS whatever ``path`` says, and is predicted on that path (0: unknown, ``path`` for all)."""
 
 
 @message("request_ack", {"transfer_id": str, "ok": bool, "reason": str, "code": Reason})
