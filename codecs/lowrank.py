@@ -20,7 +20,7 @@ from kvbus.signature import ModelSignature
 MAX_EXPANSION = 256
 MAX_EXPANSION_FLOOR = 1 << 20
 #: Widest feature dimension (heads x head_dim) for the exact Gram-matrix basis; wider ones use
-#: `torch.svd_lowrank`.
+#: `randomized_basis`.
 EXACT_MAX_DIM = 512
 
 
@@ -33,19 +33,45 @@ def principal_basis(x: torch.Tensor, r: int) -> torch.Tensor:
     """The top-``r`` right singular vectors of ``x`` ``[rows, dim]`` (float32), as ``[dim, r]``.
 
     Exact (eigenvectors of the ``dim x dim`` Gram matrix) when ``dim <= EXACT_MAX_DIM``, else
-    randomised (`torch.svd_lowrank`, two power iterations, under a fixed seed so that encoding
-    is deterministic and leaves the global RNG alone).
+    randomised (`randomized_basis`, one power iteration, under a fixed seed so that encoding is
+    deterministic and leaves the global RNG alone).
     """
     if x.shape[1] <= EXACT_MAX_DIM:
         gram = x.T.double() @ x.double()
         require_finite("lowrank", ("the Gram matrix of a layer", gram))
         vecs: torch.Tensor = torch.linalg.eigh(gram)[1]
         return vecs[:, -r:].flip(1).float()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        _, _, v = torch.svd_lowrank(x, q=r, niter=2)
+    v = randomized_basis(x, r)
     require_finite("lowrank", ("the basis of a layer", v))
-    return v[:, :r]
+    return v
+
+
+#: Power iterations of `randomized_basis`.
+POWER_ITERATIONS = 1
+
+
+def randomized_basis(x: torch.Tensor, r: int, niter: int = POWER_ITERATIONS) -> torch.Tensor:
+    """An approximate top-``r`` right singular basis of ``x`` ``[rows, dim]`` (float32), as ``[dim, r]``.
+
+    Halko-Martinsson-Tropp's range finder: ``x`` times a Gaussian sketch (from a generator seeded
+    with 0: deterministic, the global RNG untouched), orthonormalised, ``niter`` power iterations
+    each re-orthonormalised, then the right singular vectors of the small ``[r, dim]`` projection. Measured on
+    a Llama-3-8B-shaped layer ([512, 1024], r = 64, 2 cores): 2.7 ms and a relative projection
+    error of 0.513 (keys) / 0.865 (values), against `torch.svd_lowrank` (q = 64, niter = 2):
+    6.5 ms and 0.512 / 0.860; with ``niter = 0``: 1.3 ms and 0.531 / 0.886.
+    """
+    sketch = torch.randn(x.shape[1], r, generator=torch.Generator().manual_seed(0))
+    q = torch.linalg.qr(x @ sketch).Q
+    for _ in range(niter):
+        q = torch.linalg.qr(x.T @ q).Q
+        q = torch.linalg.qr(x @ q).Q
+    b = q.T @ x  # [r, dim]: x's rows projected on the range found
+    # b's right singular vectors: b.T times the eigenvectors of the small Gram matrix b @ b.T
+    # (in float64), orthonormalised by a QR (exact for a rank-deficient b too, zeros included);
+    # torch.linalg.svd of b took 3.8 ms of the 6.5.
+    u = torch.linalg.eigh((b @ b.T).double())[1].flip(1).float()
+    v, _ = torch.linalg.qr(b.T @ u)
+    return v
 
 
 @register("lowrank")
