@@ -70,7 +70,7 @@ def randomized_basis(x: torch.Tensor, r: int, niter: int = POWER_ITERATIONS) -> 
     # (in float64), orthonormalised by a QR (exact for a rank-deficient b too, zeros included);
     # torch.linalg.svd of b took 3.8 ms of the 6.5.
     u = torch.linalg.eigh((b @ b.T).double())[1].flip(1).float()
-    v, _ = torch.linalg.qr(b.T @ u)
+    v: torch.Tensor = torch.linalg.qr(b.T @ u).Q
     return v
 
 
