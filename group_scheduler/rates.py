@@ -41,6 +41,9 @@ class WeightedRates(WeightedBook):
     _held: frozenset[str]
     _deadline_flows: bool
 
+    def _urgency_moved(self, run: Run) -> None:
+        """A running transfer's urgency changed (its deadline nears): the policy re-indexes it."""
+
     def _held_now(
         self, state: GroupState, now: float, new: Sequence[Pending] = ()
     ) -> tuple[dict[Hashable, float], frozenset[str]]:
@@ -91,7 +94,9 @@ class WeightedRates(WeightedBook):
                 deadline_flows = True
                 u = self.urgency.urgency(f, now, running=True)
                 run.weight += u - run.urgency
-                run.urgency = u
+                if u != run.urgency:
+                    run.urgency = u
+                    self._urgency_moved(run)
             if f.paused or f.done:  # done: only its rate budget holds it (`budget_only`)
                 run.loaded = False
                 continue

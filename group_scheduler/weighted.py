@@ -35,15 +35,17 @@ its rate; the O(flows log resources) max-min runs at most once per slice. The in
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
+from bisect import bisect_left
 
 import numpy as np
 
-from kvbus.group_scheduler.bookkeeping import Pair
+from kvbus.group_scheduler.bookkeeping import Pair, Run
 from kvbus.group_scheduler.config import SchedulerConfig
 from kvbus.group_scheduler.pairs import PairQueues
 from kvbus.group_scheduler.policy import Adjustment, Decision, MediumSelector, SchedulingPolicy
-from kvbus.group_scheduler.preemption import NoPreemption, PreemptionStrategy, ThresholdPreemption
+from kvbus.group_scheduler.preemption import NoPreemption, PreemptionStrategy, ThresholdPreemption, UrgencyHeap
 from kvbus.group_scheduler.rates import MIN_RATE_BPS, WeightedRates, _mbit
 from kvbus.group_scheduler.reservations import ReservationTable
 from kvbus.group_scheduler.state import GroupState, Pending
@@ -111,6 +113,33 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
         self._last_adjust = -math.inf
         self._held: frozenset[str] = frozenset()
         self._deadline_flows = False
+        # The urgency index of the running transfers (`_preempt`, `_outranks_rivals`): with a
+        # group budget every transfer competes with every other, and these answer "the least
+        # urgent one" and "those it outranks" without a scan of the running set.
+        self._stamps = itertools.count()
+        """Stamps in event order: a run's place in the running order, a pause, a hold."""
+        self._order: dict[str, int] = {}
+        """Per running transfer, the stamp of its start (``_runs`` is in that order)."""
+        self._by_pair: dict[Pair, dict[str, Run]] = {}
+        """The running transfers of each pair."""
+        self._all_u = UrgencyHeap()
+        """Every running transfer by urgency."""
+        self._unpaused_u = UrgencyHeap()
+        """The running transfers this policy has not paused."""
+        self._preemptible_u = UrgencyHeap()
+        """The unpaused ones that may be asked to pause (not known to decline)."""
+        self._paused_u = UrgencyHeap(most_first=True)
+        """The ones it paused, the most urgent first."""
+        self._pause_stamp: dict[str, int] = {}
+        """Per paused transfer, the stamp of its pause."""
+        self._pause_log: list[tuple[int, str]] = []
+        """(stamp, id) of the pauses in stamp order; entries of transfers resumed since are stale."""
+        self._holds: dict[str, int] = {}
+        """Preemptors that outranked every paused transfer when they started, with the stamp of
+        that moment: each holds paused every transfer whose pause is older (instead of one
+        ``paused_by`` entry in each of them), until it is done."""
+        self._hold_heap: list[tuple[int, str]] = []
+        """(-stamp, id) of the holds, the latest first; stale entries are skipped."""
         self._init_book(PairQueues(self.picker, per_pair=per_pair))
 
     @classmethod
@@ -151,15 +180,95 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
 
     def _ended(self, pending: Pending) -> None:
         """``pending`` no longer preempts anything (done, or only its budget runs): its victims are looked at."""
-        victims = self._victims.pop(pending.transfer_id, None)
+        tid = pending.transfer_id
+        victims = self._victims.pop(tid, None)
         if victims:
-            tid = pending.transfer_id
             runs = self._runs
             for v in victims:
                 run = runs.get(v)
                 if run is not None:
                     run.pending.paused_by.discard(tid)
             self._to_check |= victims
+        stamp = self._holds.pop(tid, None)
+        if stamp is not None:
+            top = self._top_hold()
+            if stamp > top:
+                # The transfers paused between the latest hold left and this one are held by
+                # no hold any more: look at them (those older are still held by ``top``).
+                log, live = self._pause_log, self._pause_stamp
+                for s, v in log[bisect_left(log, (top + 1,)) : bisect_left(log, (stamp,))]:
+                    if live.get(v) == s:
+                        self._to_check.add(v)
+
+    def _top_hold(self) -> int:
+        """The stamp of the latest hold in force (-1 if none)."""
+        heap, holds = self._hold_heap, self._holds
+        while heap and holds.get(heap[0][1]) != -heap[0][0]:
+            heapq.heappop(heap)
+        return -heap[0][0] if heap else -1
+
+    def _hold_covers(self, tid: str) -> bool:
+        """Whether a hold keeps the paused ``tid`` paused (one started after its pause is in force)."""
+        s = self._pause_stamp.get(tid)
+        return s is not None and self._top_hold() > s
+
+    # -- the urgency index -------------------------------------------------------------------------
+
+    def _run(self, state: GroupState, p: Pending, now: float, rp: float | None = None) -> Run:
+        run = super()._run(state, p, now, rp)
+        tid = p.transfer_id
+        self._order[tid] = next(self._stamps)
+        self._by_pair.setdefault(p.pair, {})[tid] = run
+        self._all_u.add(tid, run.urgency)
+        self._unpaused_u.add(tid, run.urgency)
+        if not p.unpreemptible:
+            self._preemptible_u.add(tid, run.urgency)
+        return run
+
+    def _unrun(self, tid: str) -> None:
+        run = self._runs.get(tid)
+        if run is not None:
+            pair = run.pending.pair
+            mine = self._by_pair.get(pair)
+            if mine is not None:
+                mine.pop(tid, None)
+                if not mine:
+                    del self._by_pair[pair]
+        self._order.pop(tid, None)
+        self._all_u.discard(tid)
+        self._unpaused_u.discard(tid)
+        self._preemptible_u.discard(tid)
+        self._paused_u.discard(tid)
+        self._pause_stamp.pop(tid, None)
+        super()._unrun(tid)
+
+    def _urgency_moved(self, run: Run) -> None:
+        """A running transfer's urgency changed (a deadline nears): re-index it."""
+        tid, u = run.pending.transfer_id, run.urgency
+        for index in (self._all_u, self._unpaused_u, self._preemptible_u, self._paused_u):
+            if tid in index:
+                index.add(tid, u)
+
+    def _index_pause(self, run: Run) -> None:
+        tid = run.pending.transfer_id
+        stamp = next(self._stamps)
+        self._pause_stamp[tid] = stamp
+        log = self._pause_log
+        log.append((stamp, tid))
+        if len(log) > 2 * len(self._pause_stamp) + 64:
+            live = self._pause_stamp
+            self._pause_log = [e for e in log if live.get(e[1]) == e[0]]
+        self._unpaused_u.discard(tid)
+        self._preemptible_u.discard(tid)
+        self._paused_u.add(tid, run.urgency)
+
+    def _index_unpause(self, run: Run) -> None:
+        tid = run.pending.transfer_id
+        self._pause_stamp.pop(tid, None)
+        self._paused_u.discard(tid)
+        self._unpaused_u.add(tid, run.urgency)
+        if not run.pending.unpreemptible:
+            self._preemptible_u.add(tid, run.urgency)
 
     def _urgent_run(self, pending: Pending) -> bool:
         """Whether ``pending`` runs with an urgency that passes the preemption rule (critical, a near deadline)."""
@@ -280,6 +389,14 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
         pair = p.pair
         blocked_pair = self._pair_running.get(pair, 0) >= self.per_pair
         outranks = self.preemption.outranks
+        if state.bandwidth_bps > 0:  # everything competes: the index answers
+            mine = self._by_pair.get(pair)
+            if mine:
+                for run in mine.values():
+                    if (slots <= 0 or blocked_pair or not run.pending.paused) and outranks(u_own, run.urgency):
+                        return True
+            least = (self._all_u if slots <= 0 else self._unpaused_u).first(skip=mine or ())
+            return least is not None and outranks(u, least[0])
         for run in self._runs.values():
             f = run.pending
             same = f.pair == pair
@@ -316,7 +433,87 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
                 weights[slot] = pairs.weight(slot, now, self.urgency)
 
     def _preempt(self, state: GroupState, p: Pending, u: float, u_own: float, now: float) -> None:
-        """Pause the running transfers ``p`` outranks among those it competes with."""
+        """Pause the running transfers ``p`` outranks among those it competes with.
+
+        Those it outranks of its own pair by its own urgency (``u_own``), the others by ``u``.
+        The paused ones it outranks stay paused until it is done too. With a group budget (every
+        transfer competes with every other) the urgency index finds them: O(log n) plus the
+        victims; without one, a scan of the running transfers.
+        """
+        if not (state.bandwidth_bps > 0 and self.preemption.picks_outranked_only):
+            self._preempt_scan(state, p, u, u_own, now)
+            return
+        ptid, pair = p.transfer_id, p.pair
+        outranks = self.preemption.outranks
+        runs = self._runs
+        mine = self._by_pair.get(pair, {})
+        paused = self._paused_u
+        if len(paused):
+            covers = all(tid not in paused or outranks(u_own, run.urgency) for tid, run in mine.items())
+            if covers:
+                top = paused.first(skip=mine)
+                covers = top is None or outranks(u, top[0])
+            if covers:  # it outranks every paused transfer: one hold instead of an entry in each
+                stamp = next(self._stamps)
+                self._holds[ptid] = stamp
+                heapq.heappush(self._hold_heap, (-stamp, ptid))
+            else:
+                for tid in paused:
+                    run = runs[tid]
+                    f = run.pending
+                    if f.paused and outranks(u_own if f.pair == pair else u, run.urgency):
+                        f.paused_by.add(ptid)  # stays paused until this one is done too
+                        self._victims.setdefault(ptid, set()).add(tid)
+        level = max(u, u_own)
+        taken = self._preemptible_u.pop_while(lambda uf: outranks(level, uf))
+        order = self._order
+        others: list[tuple[int, Pending, float]] = []
+        own: list[tuple[int, Pending, float]] = []
+        back: list[tuple[Pending, float]] = []
+        for uf, tid in taken:
+            f = runs[tid].pending
+            if f is not p and outranks(u_own if f.pair == pair else u, uf):
+                (own if f.pair == pair else others).append((order[tid], f, uf))
+            else:
+                back.append((f, uf))
+        for group, lvl in ((others, u), (own, u_own)):
+            if not group:
+                continue
+            group.sort(key=lambda x: x[0])  # the running order, as a scan would find them
+            chosen = self.preemption.victims(lvl, [(f, uf) for _, f, uf in group], now)
+            ids = {f.transfer_id for f in chosen}
+            back.extend((f, uf) for _, f, uf in group if f.transfer_id not in ids)
+            for f in chosen:
+                self._pause(p, f, lvl, now)
+        for f, uf in back:
+            if not f.paused and not f.unpreemptible:
+                self._preemptible_u.add(f.transfer_id, uf)
+
+    def _pause(self, p: Pending, f: Pending, level: float, now: float) -> None:
+        """``p`` pauses ``f``."""
+        run = self._runs[f.transfer_id]
+        f.paused = True
+        f.paused_at = now
+        f.paused_by.add(p.transfer_id)
+        self._victims.setdefault(p.transfer_id, set()).add(f.transfer_id)
+        self._paused.add(f.transfer_id)
+        self._index_pause(run)
+        heapq.heappush(self._pause_ends, (now + self.max_pause_s, f.transfer_id))
+        if run.loaded:
+            self._add_load(run, -run.weight)
+        self.preemptions += 1
+        self._immediate.append(
+            Adjustment(
+                f,
+                ControlAction.PAUSE,
+                max_fraction=self.preemption.threshold,
+                reason=f"preempted by {p.transfer_id} (urgency {level:.1f} vs {run.urgency:.1f})",
+            )
+        )
+
+    def _preempt_scan(self, state: GroupState, p: Pending, u: float, u_own: float, now: float) -> None:
+        """`_preempt` by a scan of every running transfer (no group budget, or a strategy that may
+        pick transfers it does not outrank)."""
         others: list[tuple[Pending, float]] = []
         mine: list[tuple[Pending, float]] = []
         for run in self._runs.values():
@@ -330,24 +527,7 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
                     f.paused_by.add(p.transfer_id)  # stays paused until this one is done too
                     self._victims.setdefault(p.transfer_id, set()).add(f.transfer_id)
             for f in self.preemption.victims(level, group, now):
-                run = self._runs[f.transfer_id]
-                f.paused = True
-                f.paused_at = now
-                f.paused_by.add(p.transfer_id)
-                self._victims.setdefault(p.transfer_id, set()).add(f.transfer_id)
-                self._paused.add(f.transfer_id)
-                heapq.heappush(self._pause_ends, (now + self.max_pause_s, f.transfer_id))
-                if run.loaded:
-                    self._add_load(run, -run.weight)
-                self.preemptions += 1
-                self._immediate.append(
-                    Adjustment(
-                        f,
-                        ControlAction.PAUSE,
-                        max_fraction=self.preemption.threshold,
-                        reason=f"preempted by {p.transfer_id} (urgency {level:.1f} vs {run.urgency:.1f})",
-                    )
-                )
+                self._pause(p, f, level, now)
 
     def _resume(self, state: GroupState, now: float) -> None:
         """Resume the paused transfers whose preemptors are done or whose pause ran out, and take
@@ -363,7 +543,10 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
             cands, self._to_check = self._to_check, set()
         while ends and ends[0][0] <= now:
             cands.add(heapq.heappop(ends)[1])
-        for tid in cands:
+        order = self._order
+        # In the running order: the resumes (and the load sums they add to) do not depend on
+        # how a set happens to iterate.
+        for tid in sorted(cands, key=lambda t: order.get(t, -1)):
             if tid not in self._paused:
                 continue
             run = self._runs.get(tid)
@@ -373,16 +556,20 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
             f = run.pending
             if not f.paused:  # the sender declined the pause
                 self._paused.discard(tid)
+                self._index_unpause(run)
                 if not run.loaded and not f.done:
                     self._add_load(run, run.weight)
                 continue
-            # Its preemptors that ended (done, or only their budget runs) left f.paused_by in `_ended`.
-            if f.paused_by and now - f.paused_at < self.max_pause_s:
+            # Its preemptors that ended (done, or only their budget runs) left f.paused_by in
+            # `_ended`, and a hold that ended left `_holds`.
+            held = bool(f.paused_by) or self._hold_covers(tid)
+            if held and now - f.paused_at < self.max_pause_s:
                 continue
-            why = "its preemptors are done" if not f.paused_by else f"paused for {now - f.paused_at:.1f} s"
+            why = "its preemptors are done" if not held else f"paused for {now - f.paused_at:.1f} s"
             f.paused = False
             f.paused_by.clear()
             self._paused.discard(tid)
+            self._index_unpause(run)
             if not f.done:  # a budget resumes without a share again
                 self._add_load(run, run.weight)
             self._immediate.append(Adjustment(f, ControlAction.RESUME, reason=why))
