@@ -75,6 +75,15 @@ SPECS = (
 #: Windows and timing repeats: (quick, full).
 WINDOWS = (2, 6)
 REPEATS = (2, 4)
+#: Context lengths the fidelity of each lossy medium is also measured at (full runs): a medium's
+#: error can grow or shrink with the context, and the cost model charges the one at the
+#: transfer's length (`MediumFigures.fidelity_at`), not the one at `CONTEXT` for every length.
+LENGTHS = (128, 256, 512, 1024, 2048)
+#: Continuation tokens per window of the per-length measurement (the cost model's default
+#: ``output_tokens``: the length of the answer whose agreement the loss term charges).
+LENGTH_FOLLOWING = 128
+#: Windows per length, at most (fewer where the texts are too short).
+LENGTH_WINDOWS = 8
 
 
 def calibration_texts() -> list[str]:
@@ -142,6 +151,51 @@ def compare(ref_logits: torch.Tensor, logits: torch.Tensor, following: torch.Ten
     nll_ref = -lp.gather(-1, idx).mean()
     nll = -lq.gather(-1, idx).mean()
     return max(kl, 0.0), top1, float(nll - nll_ref)
+
+
+def fidelity_by_length(
+    runner: Any,
+    tokenizer: Any,
+    specs: tuple[str, ...],
+    *,
+    lengths: tuple[int, ...] = LENGTHS,
+    n_windows: int = LENGTH_WINDOWS,
+    following: int = LENGTH_FOLLOWING,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, dict[int, float]]:
+    """Each lossy medium's fidelity factor at each context length: `fidelity_from` of the mean
+    top-1 and KL over up to ``n_windows`` windows of the texts (``following`` continuation tokens
+    each, scored teacher-forced against the uncompressed context of that length).
+
+    ``summary`` is left out (its fidelity is not a property of the KV's precision, and it costs a
+    generation per window); lossless media are 1 everywhere and are not listed. A length no text
+    window reaches is left out too.
+    """
+    say = progress or (lambda _line: None)
+    lossy = [s for s in specs if not get_codec(s).lossless and medium_spec(s).outer != "summary"]
+    top1: dict[tuple[str, int], list[float]] = {}
+    kls: dict[tuple[str, int], list[float]] = {}
+    for n in lengths:
+        try:
+            wins = windows(tokenizer, n_windows, n + following)
+        except RuntimeError:
+            continue
+        for ids in wins:
+            ctx, cont = ids[:, :n], ids[:, n:]
+            kv = runner.prefill(ctx)
+            ref = runner.score(kv, cont)
+            for spec in lossy:
+                codec = get_codec(spec)
+                got = codec.decode(_wire(codec.encode(kv, runner=runner)), runner=runner)
+                kl, t1, _ = compare(ref, runner.score(got, cont), cont)
+                top1.setdefault((spec, n), []).append(t1)
+                kls.setdefault((spec, n), []).append(kl)
+        say(f"fidelity at {n} tokens over {len(wins)} windows of {following} following tokens")
+    out: dict[str, dict[int, float]] = {}
+    for (spec, n), t1s in top1.items():
+        f = fidelity_from(statistics.fmean(t1s), statistics.fmean(kls[(spec, n)]))
+        out.setdefault(get_codec(spec).name, {})[n] = f
+    return out
 
 
 def measure(
@@ -232,6 +286,7 @@ def measure(
             nll_delta=0.0 if lossless else mean["nll_delta"],
             fidelity=fidelity_from(mean["top1"], mean["kl"], lossless=lossless),
         )
+    by_tokens = {} if quick else fidelity_by_length(runner, tokenizer, specs, progress=say)
     now = _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat()
     return CalibrationProfile(
         version=PROFILE_VERSION,
@@ -252,7 +307,10 @@ def measure(
             "fidelity": "top1 * exp(-kl), clamped to [0.001, 1]; 1 for lossless media",
             "delta": "delta+X costs what X costs on the tokens after the shared prefix",
             "topk": "scored with the sender's real queries (runner given to encode)",
+            "fidelity_by_tokens": f"full runs: lossy media's fidelity at {list(LENGTHS)} context tokens, "
+            f"mean top-1 and KL over up to {LENGTH_WINDOWS} windows of {LENGTH_FOLLOWING} following tokens",
         },
+        fidelity_by_tokens=by_tokens,
     )
 
 

@@ -92,6 +92,13 @@ class CalibrationProfile:
     """Length of the context windows measured."""
     details: dict[str, Any] = field(default_factory=dict)
     """How it was measured (windows, following tokens, compile mode, ...)."""
+    fidelity_by_tokens: dict[str, dict[int, float]] = field(default_factory=dict)
+    """Lossy media's fidelity factor per context length (tokens), where it was measured at several
+    (``kvbus calibrate``'s full run); a medium not here has only its ``codecs`` fidelity."""
+
+    def fidelity_curve(self, spec: str) -> tuple[tuple[int, float], ...]:
+        """``((tokens, fidelity), ...)`` of a medium, ``spec`` canonical, by length; () if not measured."""
+        return tuple(sorted(self.fidelity_by_tokens.get(spec, {}).items()))
 
     def figures(self, spec: str) -> CodecFigures | None:
         """The figures of a medium, ``spec`` in any form (canonicalised first), or None."""
@@ -109,6 +116,9 @@ class CalibrationProfile:
         """The profile as JSON-able data."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["codecs"] = {k: asdict(v) for k, v in self.codecs.items()}
+        out["fidelity_by_tokens"] = {
+            k: {str(n): f for n, f in sorted(v.items())} for k, v in self.fidelity_by_tokens.items()
+        }
         return out
 
     @classmethod
@@ -149,6 +159,7 @@ class CalibrationProfile:
             if not values["ratio"] > 0:
                 raise CalibrationError(path, f"codecs[{spec!r}].ratio={values['ratio']} is not positive")
             codecs[str(spec)] = CodecFigures(**values)
+        by_tokens = _fidelity_by_tokens(data.get("fidelity_by_tokens", {}), path)
         prefill = float(get("prefill_tokens_per_s", (int, float)))
         decode = float(get("decode_token_s", (int, float)))
         if not (prefill > 0 and decode > 0 and math.isfinite(prefill) and math.isfinite(decode)):
@@ -163,7 +174,34 @@ class CalibrationProfile:
             decode_token_s=decode,
             context_tokens=int(get("context_tokens", int)),
             details=dict(data.get("details") or {}),
+            fidelity_by_tokens=by_tokens,
         )
+
+
+def _fidelity_by_tokens(raw: object, path: str) -> dict[str, dict[int, float]]:
+    """Validate a profile's optional ``fidelity_by_tokens``: medium -> {tokens (a positive integer,
+    as a JSON key): fidelity in (0, 1]}."""
+    if not isinstance(raw, dict):
+        raise CalibrationError(path, "fidelity_by_tokens is not an object")
+    out: dict[str, dict[int, float]] = {}
+    for spec, curve in raw.items():
+        if not isinstance(curve, dict):
+            raise CalibrationError(path, f"fidelity_by_tokens[{spec!r}] is not an object")
+        points: dict[int, float] = {}
+        for key, value in curve.items():
+            try:
+                n = int(key)
+            except (TypeError, ValueError):
+                raise CalibrationError(
+                    path, f"fidelity_by_tokens[{spec!r}] has a length {key!r} that is not an integer"
+                ) from None
+            if n <= 0 or n > 1 << 24:
+                raise CalibrationError(path, f"fidelity_by_tokens[{spec!r}] has a length {n} out of range")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise CalibrationError(path, f"fidelity_by_tokens[{spec!r}][{key!r}]={value!r} is not in (0, 1]")
+            points[n] = float(value)
+        out[str(spec)] = points
+    return out
 
 
 def shipped_profile_path() -> Path:

@@ -88,6 +88,10 @@ class SchedulerConfig:
     """A pair whose link estimate dropped, and whose transfers since carry too few bytes to measure
     it again (``tokens``), is probed with a KV medium after this many such decisions, then after
     twice as many each time the link is still slow (0 = never probed)."""
+    link_drop_risk: bool = True
+    """Predict a link that has dropped lately as one that may drop again: a transfer's bytes are
+    expected at the slow rate with the probability its recent transfers met it
+    (`LinkEstimate.drop_risk`); False: at the current estimate only."""
     learned_save_s: float = 5.0
     """Seconds between writes of what the scheduler learned to JetStream KV (0 = never persisted)."""
     # -- weights: W_ij = role_priority_i + role_priority_j + urgency ----------------------------

@@ -26,6 +26,7 @@ it, unless the sender insists on that medium.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Iterable, Mapping
@@ -59,6 +60,23 @@ class MediumFigures:
     """For ``summary``: tokens in the summary (the sender generates them, the receiver prefills them)."""
     resident_fraction: float = 1.0
     """Share of the context's KV the receiver holds after decoding (a sparsified cache keeps less)."""
+    fidelity_by_tokens: tuple[tuple[int, float], ...] = ()
+    """``(context tokens, fidelity)`` measured at several lengths, ascending (calibration's
+    ``fidelity_by_tokens``); empty: ``fidelity`` at every length."""
+
+    def fidelity_at(self, n_tokens: int) -> float:
+        """The fidelity of one hop of a context of ``n_tokens``: the calibrated curve, linear in
+        log(tokens) between measured lengths and flat past its ends; ``fidelity`` without one."""
+        curve = self.fidelity_by_tokens
+        if self.lossless or not curve:
+            return self.fidelity
+        if n_tokens <= curve[0][0]:
+            return curve[0][1]
+        for (n0, f0), (n1, f1) in itertools.pairwise(curve):
+            if n_tokens <= n1:
+                w = math.log(n_tokens / n0) / math.log(n1 / n0)
+                return f0 + w * (f1 - f0)
+        return curve[-1][1]
 
 
 #: Fallback figures, used only when no calibration profile is available (decisions say so).
@@ -118,6 +136,19 @@ class Link:
     """The path a payload of at most ``inline_bytes`` takes instead (it rides in the `Open`, over
     NATS, whatever ``path`` says): a ``tokens`` transfer of a context that would go direct."""
     inline_bytes: int = 0
+    drop_p: float = 0.0
+    """Probability that a transfer meets the link at ``drop_bps`` instead (the share of its recent
+    transfers that found it dropped: `LinkEstimate.drop_risk`); 0 for a link that held its rate."""
+    drop_bps: float = 0.0
+
+    def bytes_s(self, nbytes: int) -> float:
+        """Expected seconds for ``nbytes`` on this link: at its rate, or with probability
+        ``drop_p`` at the slow rate it has been seen to drop to."""
+        bw = max(self.bandwidth_bps, 1.0)
+        if self.drop_p > 0 and 0 < self.drop_bps < bw:
+            p = min(1.0, self.drop_p)
+            return nbytes * ((1.0 - p) / bw + p / self.drop_bps)
+        return nbytes / bw
 
     def for_payload(self, nbytes: int) -> Link:
         """The link a payload of ``nbytes`` takes."""
@@ -164,6 +195,8 @@ class Estimate:
     """B's prefill (``tokens``; A's summary and B's prefill of it for ``summary``; in ``comp_s``)."""
     fixed_s: float = 0.0
     """Round trips and per-transfer costs beyond the bytes (in ``comm_s``)."""
+    drop_risk_s: float = 0.0
+    """Of the bytes' time, what the link's recent drops add to it (`Link.drop_p`; in ``comm_s``)."""
     prior_enc_s: float = 0.0
     """Encode by the calibrated figures alone (what a measured encode is compared with)."""
     prior_dec_s: float = 0.0
@@ -192,6 +225,7 @@ class Estimate:
                     "terms": {
                         "fixed_s": round(self.fixed_s, 6),
                         "bytes_s": round(self.comm_s - self.fixed_s, 6),
+                        "drop_risk_s": round(self.drop_risk_s, 6),
                         "enc_s": round(self.enc_s, 6),
                         "dec_s": round(self.dec_s, 6),
                         "recompute_s": round(self.recompute_s, 6),
@@ -276,6 +310,7 @@ class CostModel:
                 summary_tokens=int(
                     getattr(f, "summary_tokens", 0) or (64 if medium_spec(spec).kind == "summary" else 0)
                 ),
+                fidelity_by_tokens=_curve(profile, spec),
             )
         for name, fb in FALLBACK_FIGURES.items():
             figures.setdefault(name, fb)
@@ -331,14 +366,15 @@ class CostModel:
             raw = per_token_bytes * new_tokens
             nbytes = int(raw / fig.ratio) + 8 * n_tokens
         link = link.for_payload(nbytes)
-        bw = max(link.bandwidth_bps, 1.0)
         rtt = link.rtt_s or cfg.rtt_s
         chunks = max(1, math.ceil(nbytes / cfg.chunk_bytes))
         learned_fixed = self.learned.fixed(link.path)
         # The grant's round trip, then what a transfer on this path was measured to cost beyond
         # its bytes (Open, verdict); before any measurement, the configured round trips.
         fixed = rtt + learned_fixed if learned_fixed is not None else cfg.round_trips * rtt
-        comm = nbytes / bw + fixed + chunks * cfg.per_chunk_s
+        bytes_s = link.bytes_s(nbytes)
+        drop_risk = bytes_s - nbytes / max(link.bandwidth_bps, 1.0)
+        comm = bytes_s + fixed + chunks * cfg.per_chunk_s
         prior_enc = raw / (fig.encode_gbps * 1e9) / _free(sender.compute_load)
         prior_dec = raw / (fig.decode_gbps * 1e9) / _free(receiver.compute_load)
         f_enc = self.learned.factor(medium, kv_bytes, "encode")
@@ -357,7 +393,7 @@ class CostModel:
         bias = 1.0 if measured_codec else self.bias.get(medium, 1.0)
         enc, dec, recompute = enc * bias, dec * bias, recompute * bias
         comp = enc + dec + recompute
-        fidelity = fig.fidelity
+        fidelity = fig.fidelity_at(n_tokens)
         # The receiver's decode time per token, under its load as its prefill is (`_prefill_free`).
         loss = cfg.loss_weight * cfg.output_tokens * (1.0 - fidelity) * receiver.model.decode_token_s
         loss /= _prefill_free(receiver)
@@ -378,6 +414,7 @@ class CostModel:
             dec_s=dec,
             recompute_s=recompute,
             fixed_s=fixed,
+            drop_risk_s=drop_risk,
             prior_enc_s=round(prior_enc, 9),
             prior_dec_s=round(prior_dec, 9),
             learned=measured_codec or learned_fixed is not None or bias != 1.0,
@@ -493,3 +530,11 @@ def _free(load: float) -> float:
 def with_model(endpoint: Endpoint, model: ModelCosts) -> Endpoint:
     """``endpoint`` with its model-cost figures replaced by ``model``."""
     return replace(endpoint, model=model)
+
+
+def _curve(profile: Any, spec: str) -> tuple[tuple[int, float], ...]:
+    """A profile's fidelity curve of ``spec`` (duck-typed: an older profile object may have none),
+    with every point clamped to (0, 1] and lengths strictly ascending."""
+    curve = getattr(profile, "fidelity_curve", None)
+    points = curve(spec) if callable(curve) else ()
+    return tuple((int(n), min(1.0, max(1e-6, float(f)))) for n, f in points if int(n) > 0)

@@ -122,8 +122,11 @@ class AdaptiveSelector(MediumSelector):
         candidates: tuple[str, ...] = DEFAULT_CANDIDATES,
         default_bandwidth_bps: float = 1e9,
         exploration: Exploration | None = None,
+        drop_risk: bool = True,
     ) -> None:
         self.model = model or CostModel()
+        self.drop_risk = drop_risk
+        """Whether a link's recent drops are priced in (`SchedulerConfig.link_drop_risk`)."""
         self.exploration = exploration or Exploration()
         self.decided = 0
         """Decisions the selector made itself (not a medium the sender asked for)."""
@@ -150,7 +153,10 @@ class AdaptiveSelector(MediumSelector):
     def _link(self, state: GroupState, src: str, dst: str, path: str) -> Link:
         est = state.link(src, dst, path)
         if est.known:
-            return Link(est.bandwidth_bps, 2 * state.declared_latency(src, dst), "estimate", path)
+            p, slow = est.drop_risk() if self.drop_risk else (0.0, 0.0)
+            return Link(
+                est.bandwidth_bps, 2 * state.declared_latency(src, dst), "estimate", path, drop_p=p, drop_bps=slow
+            )
         declared = state.declared_bandwidth(src, dst)
         if declared > 0:
             return Link(declared, 2 * state.declared_latency(src, dst), "configured", path)
@@ -288,10 +294,15 @@ class AdaptiveSelector(MediumSelector):
         probe.unmeasured += 1
         if not est.known:
             return None
+        due = probe.unmeasured >= probe.every
         if est.rising:
-            hope = est.last_rate_bps
-        elif est.peak_bps > RISE_FACTOR * est.bandwidth_bps and probe.unmeasured >= probe.every:
-            hope = est.peak_bps
+            hope, why = est.last_rate_bps, "confirming a rise to"
+        elif est.peak_bps > RISE_FACTOR * est.bandwidth_bps and due:
+            hope, why = est.peak_bps, "it was"
+        elif due and self.drop_risk and est.drop_risk()[0] > 0:
+            # The link is back, but its recent drops priced every KV medium out: without samples
+            # that find it steady the risk would only fade with age, so one is taken (back-off).
+            hope, why = est.bandwidth_bps, "a risk of drops kept KV off it; it runs at"
         else:
             return None
         if not self._may_explore(state, pending, rx):
@@ -314,7 +325,7 @@ class AdaptiveSelector(MediumSelector):
             probe.every = min(MAX_PROBE_EVERY, 2 * probe.every)
         probe.unmeasured = 0
         reason = (
-            f"explore the link: {e.medium} measures it again ({'confirming a rise to' if est.rising else 'it was'} "
+            f"explore the link: {e.medium} measures it again ({why} "
             f"{hope * 8 / 1e6:.0f} Mbit/s, now estimated {est.bandwidth_bps * 8 / 1e6:.0f}); predicted "
             f"{hoped * 1000:.1f} ms there, {e.total_s * 1000:.1f} ms at the estimate, against {best * 1000:.1f} ms "
             f"for {choice.medium}"
@@ -398,4 +409,9 @@ def default_selector(config: SchedulerConfig) -> MediumSelector:
         stale_s=config.explore_stale_s,
         link_every=config.explore_link_every,
     )
-    return AdaptiveSelector(model, default_bandwidth_bps=config.default_bandwidth_bps, exploration=exploration)
+    return AdaptiveSelector(
+        model,
+        default_bandwidth_bps=config.default_bandwidth_bps,
+        exploration=exploration,
+        drop_risk=config.link_drop_risk,
+    )

@@ -6,6 +6,7 @@ so policies can be driven by a simulation as well as by the live scheduler.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -56,6 +57,16 @@ class AgentState:
 DROP_FACTOR = 4.0
 #: Two transfers in a row this many times faster than the estimate: the window restarts from them.
 RISE_FACTOR = 2.0
+#: Transfers of a link's history the drop risk is judged over (`LinkEstimate.drop_risk`); the
+#: history outlives window restarts, so a link that keeps dropping is known to.
+RISK_HISTORY = 32
+#: Seconds a sample stays in that history.
+RISK_MAX_AGE_S = 600.0
+#: A sample's weight in the drop risk halves with each this many seconds of age.
+RISK_HALF_LIFE_S = 120.0
+#: Drop-free samples the risk is judged as if it had seen besides the real ones (a prior): one drop
+#: in three transfers is a risk of 1/7, not 1/3, and an old drop fades as the prior outweighs it.
+RISK_PRIOR_SAMPLES = 4.0
 
 
 @dataclass
@@ -79,6 +90,8 @@ class LinkEstimate:
     """Drops and rises so far (a probing selector restarts its back-off on one)."""
     _rise_base: float = 0.0
     """While ``rising``: the estimate before the first fast sample."""
+    history: deque[tuple[float, bool, float]] = field(default_factory=lambda: deque(maxlen=RISK_HISTORY))
+    """(rate, whether it was a drop, when) of the last `RISK_HISTORY` samples, across restarts."""
 
     def observe(self, nbytes: int, seconds: float, now: float | None = None, *, probe: bool = False) -> None:
         """Add a sample of ``nbytes`` sent in ``seconds`` (ignored unless both are positive).
@@ -93,6 +106,8 @@ class LinkEstimate:
         # pulled the window's average up (half way, for two samples of one size), and judged
         # against that a link that doubled would never be confirmed.
         base = self._rise_base if self.rising else est
+        when = time.monotonic() if now is None else now
+        self.history.append((rate, bool(est > 0 and rate * DROP_FACTOR < est), when))
         if est > 0 and rate * DROP_FACTOR < est:
             self.samples.clear()
             self.rising = False
@@ -113,7 +128,7 @@ class LinkEstimate:
             self.rising = not self.rising
         else:
             self.rising = False
-        self.samples.append((float(nbytes), float(seconds), time.monotonic() if now is None else now))
+        self.samples.append((float(nbytes), float(seconds), when))
 
     def _fresh(self) -> list[tuple[float, float, float]]:
         cutoff = time.monotonic() - self.max_age_s
@@ -128,6 +143,31 @@ class LinkEstimate:
         b = sum(s[0] for s in fresh)
         t = sum(s[1] for s in fresh)
         return b / t if t > 0 else 0.0
+
+    def drop_risk(self, now: float | None = None) -> tuple[float, float]:
+        """``(p, slow_bps)``: how likely the next transfer is to find the link dropped, and the
+        slowest rate it dropped to; ``(0, 0)`` for a link that has not dropped lately.
+
+        ``p`` is the drops' share of the recent samples (`RISK_HISTORY`, younger than
+        `RISK_MAX_AGE_S`), each weighted by its age (half-life `RISK_HALF_LIFE_S`), beside
+        `RISK_PRIOR_SAMPLES` drop-free ones. The cost model expects a transfer to meet the slow rate
+        with probability ``p`` (`Link.drop_p`): on a link seen to fall from 1 Gbit/s to 10 Mbit/s, a
+        context sent uncompressed at the fast rate is a gamble that costs seconds when it loses."""
+        now = time.monotonic() if now is None else now
+        weight = drops = 0.0
+        slow = math.inf
+        for rate, dropped, t in self.history:
+            age = now - t
+            if age > RISK_MAX_AGE_S:
+                continue
+            w = 0.5 ** (max(0.0, age) / RISK_HALF_LIFE_S)
+            weight += w
+            if dropped:
+                drops += w
+                slow = min(slow, rate)
+        if drops <= 0:
+            return 0.0, 0.0
+        return drops / (weight + RISK_PRIOR_SAMPLES), slow
 
     @property
     def last_rate_bps(self) -> float:

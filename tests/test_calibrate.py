@@ -167,3 +167,45 @@ def test_a_small_real_calibration_run() -> None:
     assert profile.codecs["full"] == replace(profile.codecs["full"], kl=0.0, top1=1.0, fidelity=1.0, rel_error=0.0)
     assert profile.prefill_tokens_per_s > 0 and profile.decode_token_s > 0
     assert CalibrationProfile.from_dict(json.loads(json.dumps(profile.to_dict()))) == profile
+
+
+@pytest.mark.parametrize(
+    "curve,match",
+    [
+        ([], "not an object"),
+        ({"int8": 0.9}, "not an object"),
+        ({"int8": {"abc": 0.9}}, "not an integer"),
+        ({"int8": {"0": 0.9}}, "out of range"),
+        ({"int8": {"-5": 0.9}}, "out of range"),
+        ({"int8": {str(1 << 30): 0.9}}, "out of range"),
+        ({"int8": {"256": 0.0}}, "not in"),
+        ({"int8": {"256": 1.5}}, "not in"),
+        ({"int8": {"256": True}}, "not in"),
+        ({"int8": {"256": "0.9"}}, "not in"),
+    ],
+)
+def test_malformed_fidelity_curves_are_rejected(tmp_path: Path, profile: CalibrationProfile, curve, match) -> None:
+    data = json.loads(json.dumps(profile.to_dict()))
+    data["fidelity_by_tokens"] = curve
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(CalibrationError, match=match):
+        load_profile(path)
+
+
+def test_a_fidelity_curve_round_trips_and_an_old_profile_has_none(tmp_path: Path, profile: CalibrationProfile) -> None:
+    curved = replace(profile, fidelity_by_tokens={"int8": {128: 0.999, 1024: 0.98}})
+    back = load_profile(save_profile(curved, tmp_path / "p.json"))
+    assert back == curved and back.fidelity_curve("int8") == ((128, 0.999), (1024, 0.98))
+    old = json.loads(json.dumps(profile.to_dict()))
+    old.pop("fidelity_by_tokens")
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert load_profile(tmp_path / "old.json").fidelity_curve("int8") == ()
+
+
+def test_the_shipped_profile_has_a_fidelity_curve_for_the_quantised_media() -> None:
+    shipped = load_profile(cal.shipped_profile_path())
+    for spec in ("int8", "int4"):
+        curve = shipped.fidelity_curve(spec)
+        assert len(curve) >= 3, spec
+        assert all(0 < f <= 1 for _, f in curve)

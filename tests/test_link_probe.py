@@ -12,7 +12,7 @@ import pytest
 
 from kvbus.group_scheduler.learning import SMALL_PAYLOAD_BYTES, LearnedCosts
 from kvbus.group_scheduler.selection import AdaptiveSelector, Exploration
-from kvbus.group_scheduler.state import GroupState, LinkEstimate, Pending
+from kvbus.group_scheduler.state import RISK_PRIOR_SAMPLES, GroupState, LinkEstimate, Pending
 from kvbus.protocol import TransferDone, TransferRequest
 from tests.test_learning import FIGS, KV_BYTES, SMOL, N, choose, cost_model
 
@@ -97,7 +97,41 @@ def test_a_pair_whose_link_dropped_probes_it_and_switches_back_when_it_recovered
     # The probe saw the link back at its old rate: one probe sample is enough to move the estimate.
     link.observe(int(FAST), 1.0, time.monotonic() + 4, probe=True)
     assert link.bandwidth_bps == pytest.approx(FAST)
-    assert _decide(selector, state)["medium"] not in ("tokens", "summary")
+    # Priced at the estimate alone, the recovered link gets KV again at once (the drop risk is
+    # what `test_a_link_that_dropped_is_priced_with_its_risk_until_steady_samples_outweigh_it` covers).
+    plain = AdaptiveSelector(m, candidates=tuple(FIGS), exploration=Exploration(fraction=0.0), drop_risk=False)
+    assert _decide(plain, state)["medium"] not in ("tokens", "summary")
+
+
+def test_a_link_that_dropped_is_priced_with_its_risk_until_steady_samples_outweigh_it() -> None:
+    """One transfer in four found the link 1000x slower: the next is expected to with a risk of
+    1/(5 + RISK_PRIOR_SAMPLES) after a recovery, and its bytes are priced so; the selector probes the
+    steady link (back-off) and goes back to KV once steady samples outweigh the drop."""
+    m = cost_model()
+    selector = AdaptiveSelector(m, candidates=tuple(FIGS), exploration=Exploration(fraction=1.0, link_every=2))
+    state = GroupState("g")
+    link = _dropped(state)
+    now = time.monotonic()
+    link.observe(int(FAST), 1.0, now + 4, probe=True)
+    p, slow = link.drop_risk(now + 4)
+    assert p == pytest.approx(1 / (5 + RISK_PRIOR_SAMPLES), rel=1e-2) and slow == pytest.approx(SLOW)
+    first = _decide(selector, state)
+    assert first["medium"] == "tokens"
+    full = next(c for c in first["candidates"] if c["medium"] == "full")
+    bytes_s = full["terms"]["bytes_s"]
+    assert bytes_s == pytest.approx(full["bytes"] * ((1 - p) / FAST + p / SLOW), rel=0.02)
+    media, reasons = [], []
+    for i in range(200):
+        d = _decide(selector, state)
+        media.append(d["medium"])
+        reasons.append(d["reason"])
+        if d["medium"] != "tokens":  # the transfer measures the link: steady
+            link.observe(int(FAST), 1.0, now + 5 + i)
+        if d["medium"] == "full":
+            break
+    assert any(r.startswith("explore the link: ") and "risk of drops" in r for r in reasons), reasons
+    assert media[-1] == "full", media
+    assert link.drop_risk(now + 5 + i)[0] < p
 
 
 def test_a_link_that_stays_slow_is_probed_ever_less_often() -> None:
