@@ -83,7 +83,8 @@ class _Kernel:
                     self._failed = True
         return self._compiled
 
-    def __call__(self, x: torch.Tensor, *args: Any) -> Any:
+    def __call__(self, x: torch.Tensor, *args: Any, out: Any = None) -> Any:
+        # ``out``: where the eager kernel writes its results; a compiled kernel returns its own.
         if not self._failed and x.numel() >= COMPILE_MIN_ELEMENTS and compile_enabled():
             fn = self._get_compiled()
             if fn is not None:
@@ -94,7 +95,7 @@ class _Kernel:
                         "compiled %s failed; using eager kernels from now on", self.eager.__name__, exc_info=True
                     )
                     self._failed = True
-        return self.eager(x, *args)
+        return self.eager(x, *args) if out is None else self.eager(x, *args, out=out)
 
 
 def compilable(fn: F) -> F:
@@ -157,7 +158,9 @@ def _as_float32(x: torch.Tensor) -> torch.Tensor:
 
 
 @compilable
-def int8_encode(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
+def int8_encode(
+    x: torch.Tensor, axis: int, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric absmax quantisation of ``x`` to int8 along ``axis`` (reduced to 1 in the scale).
 
     Returns ``(q, scale)``: ``q`` int8 of ``x``'s shape, ``scale`` in ``x``'s dtype, with
@@ -167,6 +170,8 @@ def int8_encode(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]
 
     Eager, a 16-bit ``x`` is converted once into a reused float32 buffer and every pass runs
     there (see `_as_float32`); the codes are those of ``round(x.float() / scale.float())``.
+    ``out``: ``(q, scale)`` tensors of those shapes and dtypes that the results are written into
+    and returned as (eager only).
     """
     if x.shape[axis] == 0:
         shape = list(x.shape)
@@ -190,7 +195,7 @@ def int8_encode(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]
     exact = torch.where(am == 0, 1.0, am / 127)
     scale = _step_up(exact.to(x.dtype), exact)
     if x.dtype == torch.float32:
-        y = torch.div(x, scale.float())  # a new tensor: x itself is never written
+        y = torch.div(x, scale, out=_scratch(x.shape))  # x itself is never written
         y.add_(ROUND_MAGIC)
     elif axis % x.dim() != x.dim() - 1:
         # ``MAGIC + y / scale`` in one pass: addcdiv rounds the quotient, then the sum, exactly as
@@ -201,15 +206,20 @@ def int8_encode(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]
     else:
         y.div_(scale.float())
         y.add_(ROUND_MAGIC)
-    return y.view(torch.int32).to(torch.int8), scale
+    if out is None:
+        return y.view(torch.int32).to(torch.int8), scale
+    q, scale_out = out
+    q.copy_(y.view(torch.int32))
+    scale_out.copy_(scale)
+    return q, scale_out
 
 
 @compilable
-def int8_decode(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``q * scale`` in ``scale``'s dtype (one pass, one new tensor)."""
+def int8_decode(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``q * scale`` in ``scale``'s dtype (one pass, one new tensor or ``out``, eager only)."""
     if torch.compiler.is_compiling():
         return q.to(scale.dtype) * scale
-    return torch.mul(q, scale)
+    return torch.mul(q, scale) if out is None else torch.mul(q, scale, out=out)
 
 
 # -- int4: asymmetric min/max, grouped, two codes per byte ------------------------------------------
@@ -230,13 +240,16 @@ def int4_grouped_shape(shape: tuple[int, ...], axis: int, group: int) -> tuple[l
     return [b, h, s, d // g if g else 0, g], 4
 
 
-def int4_encode(x: torch.Tensor, axis: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def int4_encode(
+    x: torch.Tensor, axis: int, group: int, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric 4-bit quantisation of ``x`` ``[b, h, s, d]`` in groups (see `int4_grouped_shape`).
 
     Returns ``(packed, scale, low)``: ``packed`` uint8 holding two codes per byte (the first in
     the low nibble) in the grouped order, ``scale`` and ``low`` in ``x``'s dtype with the group
     dimension reduced to 1. Each element decodes within half a step (``scale / 2``) plus one
-    rounding in the dtype. ``x`` is never written.
+    rounding in the dtype. ``x`` is never written. ``out``: ``(packed, scale, low)`` tensors of
+    those shapes and dtypes that the results are written into and returned as.
     """
     grouped, red = int4_grouped_shape(tuple(x.shape), axis, group)
     s = x.shape[2]
@@ -264,8 +277,14 @@ def int4_encode(x: torch.Tensor, axis: int, group: int) -> tuple[torch.Tensor, t
         codes = torch.cat([codes, codes.new_zeros(1)])
     pairs = codes.view(-1, 2)
     # two codes per byte, the first in the low nibble: first + 16 * second is exact in float32
-    packed = torch.add(pairs[:, 0], pairs[:, 1], alpha=16).to(torch.uint8)
-    return packed, scale, low
+    packed = torch.add(pairs[:, 0], pairs[:, 1], alpha=16)
+    if out is None:
+        return packed.to(torch.uint8), scale, low
+    packed_out, scale_out, low_out = out
+    packed_out.copy_(packed)
+    scale_out.copy_(scale)
+    low_out.copy_(low)
+    return packed_out, scale_out, low_out
 
 
 def int4_decode(
@@ -275,11 +294,13 @@ def int4_decode(
     shape: tuple[int, int, int, int],
     axis: int,
     group: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rebuild ``[b, h, s, d]`` from `int4_encode`'s output, in ``scale``'s dtype.
 
     The caller has checked ``packed`` holds ``ceil(numel(grouped) / 2)`` bytes and the scale
-    and low shapes.
+    and low shapes. ``out``: a contiguous ``[b, h, s, d]`` tensor of that dtype to write into
+    and return.
     """
     grouped, _ = int4_grouped_shape(shape, axis, group)
     n = 1
@@ -298,7 +319,14 @@ def int4_decode(
         y = _scratch(tuple(grouped))
         y.copy_(codes)
         y.mul_(scale.float()).add_(low.float())
-        return y.to(scale.dtype).view(shape)
-    out = torch.addcmul(low, codes.to(scale.dtype), scale)
-    out = out.view(grouped[0], grouped[1], -1, shape[3]) if axis == 2 else out.view(shape)
-    return out[:, :, : shape[2]] if out.shape[2] != shape[2] else out
+        if out is None:
+            return y.to(scale.dtype).view(shape)
+        out.view(grouped).copy_(y)
+        return out
+    if out is not None and n == out.numel():  # no padded tokens: straight into out
+        torch.addcmul(low, codes.to(scale.dtype), scale, out=out.view(grouped))
+        return out
+    full = torch.addcmul(low, codes.to(scale.dtype), scale)
+    full = full.view(grouped[0], grouped[1], -1, shape[3]) if axis == 2 else full.view(shape)
+    result = full[:, :, : shape[2]] if full.shape[2] != shape[2] else full
+    return result if out is None else out.copy_(result)

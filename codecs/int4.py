@@ -59,7 +59,13 @@ class Int4Codec(LayerwiseCodec):
             ]
         return out
 
-    def encode_layer(self, header: KVHeader, keys: torch.Tensor, values: torch.Tensor) -> Sequence[torch.Tensor]:
+    def encode_layer(
+        self,
+        header: KVHeader,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        out: Sequence[torch.Tensor] | None = None,
+    ) -> Sequence[torch.Tensor]:
         """Quantise keys per channel in groups of tokens, values per token in groups of channels.
 
         Raises:
@@ -67,18 +73,27 @@ class Int4Codec(LayerwiseCodec):
                 finite; the check reads the scales, not the data).
         """
         (k_axis, k_group), (v_axis, v_group) = self._groups(header)
-        kc, ks, kl = int4_encode(keys, k_axis, k_group)
-        vc, vs, vl = int4_encode(values, v_axis, v_group)
+        kc, ks, kl = int4_encode(keys, k_axis, k_group, (out[0], out[1], out[2]) if out else None)
+        vc, vs, vl = int4_encode(values, v_axis, v_group, (out[3], out[4], out[5]) if out else None)
         # A NaN or inf anywhere in a group makes its span, hence its scale, NaN or inf.
         require_finite(self.name, ("keys", ks), ("values", vs))
         return kc, ks, kl, vc, vs, vl
 
-    def decode_layer(self, header: KVHeader, views: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Unpack and dequantise straight to the KV dtype."""
+    def decode_layer(
+        self,
+        header: KVHeader,
+        views: list[torch.Tensor],
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unpack and dequantise straight to the KV dtype (into ``out`` when given)."""
         kc, ks, kl, vc, vs, vl = views
         (k_axis, k_group), (v_axis, v_group) = self._groups(header)
         shape = header.layer_shape
-        return (int4_decode(kc, ks, kl, shape, k_axis, k_group), int4_decode(vc, vs, vl, shape, v_axis, v_group))
+        ko, vo = out if out else (None, None)
+        return (
+            int4_decode(kc, ks, kl, shape, k_axis, k_group, ko),
+            int4_decode(vc, vs, vl, shape, v_axis, v_group, vo),
+        )
 
     def estimate_nbytes(self, signature: ModelSignature, n_tokens: int, batch: int = 1) -> int:
         """Token ids, half a byte per KV element (keys padded to whole groups), scales and minimums."""

@@ -21,19 +21,22 @@ KEY_AXIS = 2
 VALUE_AXIS = 3
 
 
-def quantise(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantise(
+    x: torch.Tensor, axis: int, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric absmax quantisation of ``x`` to int8 along ``axis``.
 
     Returns ``(q, scale)`` with ``q`` int8 of ``x``'s shape and ``scale`` in ``x``'s dtype with
     ``axis`` reduced to 1, such that ``|x - q * scale| <= scale / 2`` element-wise. A slice that
-    is all zeros gets scale 1. ``x`` is never modified. (`kvbus.codecs._kernels.int8_encode`.)
+    is all zeros gets scale 1. ``x`` is never modified. ``out``: ``(q, scale)`` tensors to write
+    into (`kvbus.codecs._kernels.int8_encode`).
     """
-    return int8_encode(x, axis)
+    return int8_encode(x, axis, out=out)
 
 
-def dequantise(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``q * scale`` computed in ``scale``'s dtype (one new tensor)."""
-    return int8_decode(q, scale)
+def dequantise(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``q * scale`` computed in ``scale``'s dtype (one new tensor, or written into ``out``)."""
+    return int8_decode(q, scale, out=out)
 
 
 @register("int8")
@@ -62,21 +65,32 @@ class Int8Codec(LayerwiseCodec):
             LayerBuffer("value scales", header.dtype, (b, h, s, 1)),
         )
 
-    def encode_layer(self, header: KVHeader, keys: torch.Tensor, values: torch.Tensor) -> Sequence[torch.Tensor]:
-        """Quantise keys per channel and values per token.
+    def encode_layer(
+        self,
+        header: KVHeader,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        out: Sequence[torch.Tensor] | None = None,
+    ) -> Sequence[torch.Tensor]:
+        """Quantise keys per channel and values per token (into ``out`` when given).
 
         Raises:
             NonFiniteValues: ``keys`` or ``values`` hold NaN or inf (their scales are not finite).
         """
-        kq, ks = quantise(keys, KEY_AXIS)
-        vq, vs = quantise(values, VALUE_AXIS)
+        kq, ks = quantise(keys, KEY_AXIS, (out[0], out[1]) if out else None)
+        vq, vs = quantise(values, VALUE_AXIS, (out[2], out[3]) if out else None)
         require_finite(self.name, ("keys", ks), ("values", vs))
         return kq, ks, vq, vs
 
-    def decode_layer(self, header: KVHeader, views: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantise straight to the KV dtype."""
+    def decode_layer(
+        self,
+        header: KVHeader,
+        views: list[torch.Tensor],
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantise straight to the KV dtype (into ``out`` when given)."""
         kq, ks, vq, vs = views
-        return dequantise(kq, ks), dequantise(vq, vs)
+        return dequantise(kq, ks, out[0] if out else None), dequantise(vq, vs, out[1] if out else None)
 
     def estimate_nbytes(self, signature: ModelSignature, n_tokens: int, batch: int = 1) -> int:
         """Token ids, one byte per KV element, and the per-channel and per-token scales."""

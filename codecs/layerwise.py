@@ -13,9 +13,11 @@ import collections
 from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
+from kvbus.codecs._arena import carve
 from kvbus.codecs._header import KVHeader, encode_buffers
 from kvbus.codecs._tensors import check_buffer_count, require_map, tensors_from
 from kvbus.codecs.base import Codec, Encoded, ModelRunner
@@ -49,7 +51,17 @@ class LayerwiseCodec(Codec):
     ends), `encode_layer` and `decode_layer`; `check_payload` adds whole-payload checks and
     `buffer_name` other names in errors. A decoded cache's fidelity is the sender's times this
     medium's (1 for a lossless one).
+
+    Outputs: with `encode_arena` (`decode_arena`), `encode` (`decode`) makes one arena for every
+    layer's outputs (`kvbus.codecs._arena`: views of one block, in wire order for an encode) and
+    hands each layer its views as ``out``; an arena nothing references any more is reused by a
+    later call of about its size, so a repeated transfer does not fault fresh pages in.
     """
+
+    encode_arena: ClassVar[bool] = True
+    """Whether `encode` hands `encode_layer` arena views to write the layer's buffers into."""
+    decode_arena: ClassVar[bool] = True
+    """Whether `decode` hands `decode_layer` arena views to write the layer's keys and values into."""
 
     @abstractmethod
     def layer_layout(self, header: KVHeader) -> Sequence[LayerBuffer]:
@@ -60,17 +72,33 @@ class LayerwiseCodec(Codec):
         """
 
     @abstractmethod
-    def encode_layer(self, header: KVHeader, keys: torch.Tensor, values: torch.Tensor) -> Sequence[torch.Tensor]:
+    def encode_layer(
+        self,
+        header: KVHeader,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        out: Sequence[torch.Tensor] | None = None,
+    ) -> Sequence[torch.Tensor]:
         """One layer's tensors, one per buffer of `layer_layout`, in that order.
 
         ``keys`` and ``values`` are ``[batch, kv_heads, seq, head_dim]`` and must not be modified.
+        ``out`` (with `encode_arena`): contiguous tensors of the layout's dtypes and shapes
+        (contents undefined) to write the results into and return; a result returned elsewhere
+        is sent as it is.
         """
 
     @abstractmethod
-    def decode_layer(self, header: KVHeader, views: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_layer(
+        self,
+        header: KVHeader,
+        views: list[torch.Tensor],
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rebuild one layer's ``(keys, values)`` from the checked views of its buffers (layout order).
 
         The views alias the received payload: build new tensors rather than write into them.
+        ``out`` (with `decode_arena`): two contiguous ``[batch, kv_heads, seq, head_dim]`` tensors
+        in the KV dtype (contents undefined) to write the keys and values into and return.
         """
 
     def check_payload(self, header: KVHeader, buffers: list[memoryview]) -> None:
@@ -96,9 +124,10 @@ class LayerwiseCodec(Codec):
         if kv.keys:
             layout = self.layer_layout(header)
             sections: dict[int, list[torch.Tensor]] = {j: [] for j in sorted({want.section for want in layout})}
+            outs = self._encode_outputs(layout, len(kv.keys)) if self.encode_arena else None
             for i, (k, v) in enumerate(zip(kv.keys, kv.values)):
                 try:
-                    layer = self.encode_layer(header, k, v)
+                    layer = self.encode_layer(header, k, v, outs[i] if outs else None)
                 except NonFiniteValues as exc:
                     raise NonFiniteValues(self.name, f"{exc.what}[{i}]") from None
                 for want, tensor in zip(layout, layer, strict=True):
@@ -138,8 +167,10 @@ class LayerwiseCodec(Codec):
             for p, want in enumerate(layout)
         ]
         keys, values = [], []
+        outs = carve([(header.dtype, header.layer_shape)] * (2 * n)) if self.decode_arena and n else None
         for i in range(n):
-            k, v = self.decode_layer(header, [views[i] for views in by_position])
+            out = (outs[2 * i], outs[2 * i + 1]) if outs else None
+            k, v = self.decode_layer(header, [views[i] for views in by_position], out)
             keys.append(k)
             values.append(v)
         kv = KVCache(
@@ -151,6 +182,14 @@ class LayerwiseCodec(Codec):
             fidelity=header.fidelity * self.fidelity if n else header.fidelity,
         )
         return header.finish(kv, self.name)
+
+    def _encode_outputs(self, layout: Sequence[LayerBuffer], n_layers: int) -> list[list[torch.Tensor]]:
+        """Per layer, views of one arena for its buffers (layout order), laid out in wire order."""
+        first, stride = _wire_index(layout, n_layers)
+        order = sorted((first[p] + i * stride[p], i, p) for i in range(n_layers) for p in range(len(layout)))
+        views = carve([(layout[p].dtype, layout[p].shape) for _, _, p in order])
+        by_place = {(i, p): view for view, (_, i, p) in zip(views, order)}
+        return [[by_place[i, p] for p in range(len(layout))] for i in range(n_layers)]
 
 
 def _wire_index(layout: Sequence[LayerBuffer], n_layers: int) -> tuple[list[int], list[int]]:

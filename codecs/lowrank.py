@@ -117,19 +117,25 @@ class LowRankCodec(LayerwiseCodec):
         """Errors count the layers' tensors: layer 3's value basis is ``basis[7]``."""
         return f"{buffer.what}[{2 * layer + position // 2}]"
 
-    def encode_layer(self, header: KVHeader, keys: torch.Tensor, values: torch.Tensor) -> Sequence[torch.Tensor]:
+    def encode_layer(
+        self,
+        header: KVHeader,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        out: Sequence[torch.Tensor] | None = None,
+    ) -> Sequence[torch.Tensor]:
         """The keys' coefficients and basis, then the values'.
 
         Raises:
             NonFiniteValues: ``keys`` or ``values`` hold NaN or inf (their Gram matrix or basis is not finite).
         """
-        out: list[torch.Tensor] = []
+        result: list[torch.Tensor] = []
         for what, x in (("keys", keys), ("values", values)):
             try:
-                out += self._project(x)
+                result += self._project(x)
             except NonFiniteValues:
                 raise NonFiniteValues(self.name, what) from None
-        return out
+        return [dst.copy_(t) for dst, t in zip(out, result, strict=True)] if out else result
 
     def check_payload(self, header: KVHeader, buffers: list[memoryview]) -> None:
         """Refuse a payload that would decode to far more than was received (see `MAX_EXPANSION`)."""
@@ -142,17 +148,27 @@ class LowRankCodec(LayerwiseCodec):
                 f"{received} bytes would decode to {produced} bytes, more than {MAX_EXPANSION}x what was received",
             )
 
-    def decode_layer(self, header: KVHeader, views: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_layer(
+        self,
+        header: KVHeader,
+        views: list[torch.Tensor],
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Multiply coefficients by bases back to ``[batch, heads, seq, head_dim]`` in the KV dtype."""
         b, h, s, d = header.layer_shape
         r = self._rank(header)
 
-        def rebuild(coef: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+        def rebuild(coef: torch.Tensor, basis: torch.Tensor, dst: torch.Tensor | None) -> torch.Tensor:
             rows = coef.float() @ basis.float() if r else torch.zeros(b * s, h * d)
-            return rows.view(b, s, h, d).permute(0, 2, 1, 3).to(header.dtype).contiguous()
+            if dst is None:
+                return rows.view(b, s, h, d).permute(0, 2, 1, 3).to(header.dtype).contiguous()
+            # one pass: the transpose and the conversion to the KV dtype into dst
+            dst.permute(0, 2, 1, 3).copy_(rows.view(b, s, h, d))
+            return dst
 
         kc, kb, vc, vb = views
-        return rebuild(kc, kb), rebuild(vc, vb)
+        ko, vo = out if out else (None, None)
+        return rebuild(kc, kb, ko), rebuild(vc, vb, vo)
 
     def estimate_nbytes(self, signature: ModelSignature, n_tokens: int, batch: int = 1) -> int:
         """Token ids plus, per layer and tensor, ``rows x r`` coefficients and an ``r x features`` basis."""
