@@ -44,6 +44,13 @@ logger = logging.getLogger(__name__)
 SIZE_CLASS_BOUNDS = (1 << 20, 8 << 20, 64 << 20, 512 << 20)
 #: Weight of a new sample in the exponentially weighted averages.
 LEARN_WEIGHT = 0.3
+#: One sample moves a quantity learned in log space (a speed, a factor) by at most this factor:
+#: it is clamped to value/STEP .. value*STEP before it is folded in (with `LEARN_WEIGHT`, a sample
+#: 10x off moves it 1.5x). A first sample is judged against the prior the decision used, and
+#: taken half way (at most 2x). One outlier (a prefill slowed 10x by another process on the
+#: machine) once replaced the prior whole: every later ``tokens`` transfer was predicted 7 s
+#: against 0.35 s, past the exploration margin, and never tried again.
+MAX_STEP = 4.0
 #: A learned factor stays within this range of the prior (1/x .. x): a broken clock or one absurd
 #: sample cannot make a medium look free or impossible.
 MAX_FACTOR = 50.0
@@ -85,8 +92,10 @@ class Learned:
     """Wall-clock time of the last sample."""
 
     def add(self, sample: float, now: float, *, log: bool = False) -> None:
-        """Fold in ``sample`` (``log``: average in log space)."""
+        """Fold in ``sample`` (``log``: average in log space, the sample first bounded to
+        `MAX_STEP` of the value)."""
         if log:
+            sample = min(self.value * MAX_STEP, max(self.value / MAX_STEP, sample))
             self.value = math.exp((1 - LEARN_WEIGHT) * math.log(self.value) + LEARN_WEIGHT * math.log(sample))
         else:
             self.value = (1 - LEARN_WEIGHT) * self.value + LEARN_WEIGHT * sample
@@ -165,13 +174,17 @@ class LearnedCosts:
         if not (_finite_positive(measured_s) and _finite_positive(prior_s)):
             return
         sample = min(MAX_FACTOR, max(1 / MAX_FACTOR, measured_s / prior_s))
-        self._fold(self.codec, (medium, size_class(kv_bytes), phase), sample, now, log=True)
+        self._fold(self.codec, (medium, size_class(kv_bytes), phase), sample, now, log=True, prior=1.0)
 
-    def observe_prefill(self, receiver: str, tokens: int, seconds: float, now: float | None = None) -> None:
-        """``receiver`` rebuilt ``tokens`` tokens of KV in ``seconds``."""
+    def observe_prefill(
+        self, receiver: str, tokens: int, seconds: float, now: float | None = None, *, prior_tps: float = 0.0
+    ) -> None:
+        """``receiver`` rebuilt ``tokens`` tokens of KV in ``seconds``; ``prior_tps``: the speed the
+        decision predicted it at (a first sample is judged against it)."""
         if tokens <= 0 or not _finite_positive(seconds):
             return
-        self._fold(self.prefill_tps, receiver, tokens / seconds, now, log=True)
+        prior = prior_tps if _finite_positive(prior_tps) else None
+        self._fold(self.prefill_tps, receiver, tokens / seconds, now, log=True, prior=prior)
 
     def observe_error(self, medium: str, predicted_s: float, measured_s: float) -> None:
         """How far the prediction of a finished transfer was from what it took."""
@@ -207,7 +220,10 @@ class LearnedCosts:
             self.observe_codec(medium, kv_bytes, "encode", done.encode_s, prior.get("enc_s", 0.0), now)
             if kind == "tokens":
                 if len(done.dst) == 1:
-                    self.observe_prefill(str(done.dst[0]), new_tokens, done.decode_s, now)
+                    terms = candidate.get("terms") if candidate else None
+                    predicted = terms.get("recompute_s", 0.0) if isinstance(terms, Mapping) else 0.0
+                    prior_tps = new_tokens / predicted if _finite_positive(predicted) else 0.0
+                    self.observe_prefill(str(done.dst[0]), new_tokens, done.decode_s, now, prior_tps=prior_tps)
             elif kind != "summary":
                 self.observe_codec(medium, kv_bytes, "decode", done.decode_s, prior.get("dec_s", 0.0), now)
             if done.encode_s > 0 or done.decode_s > 0:
@@ -219,11 +235,26 @@ class LearnedCosts:
         fixed = self.fixed(path)
         return min(fixed, FIXED_MAX_SHARE * done.wire_s) if fixed else 0.0
 
-    def _fold(self, table: dict[Any, Learned], key: Any, sample: float, now: float | None, *, log: bool) -> None:
-        """Fold ``sample`` into ``table[key]`` (a new entry drops the oldest past `MAX_ENTRIES`)."""
+    def _fold(
+        self,
+        table: dict[Any, Learned],
+        key: Any,
+        sample: float,
+        now: float | None,
+        *,
+        log: bool,
+        prior: float | None = None,
+    ) -> None:
+        """Fold ``sample`` into ``table[key]`` (a new entry drops the oldest past `MAX_ENTRIES`).
+
+        A new entry of a log-space quantity with a ``prior`` starts half way (geometrically) from
+        the prior to the sample bounded to `MAX_STEP` of it; without a prior, at the sample."""
         now = time.time() if now is None else now
         got = table.get(key)
         if got is None:
+            if log and prior is not None and _finite_positive(prior):
+                bounded = min(prior * MAX_STEP, max(prior / MAX_STEP, sample))
+                sample = math.sqrt(prior * bounded)
             table[key] = Learned(sample, 1, now)
             if len(table) > MAX_ENTRIES:
                 del table[min(table, key=lambda k: table[k].ts)]
