@@ -359,7 +359,7 @@ async def _run(quick: bool, smoke: bool, nats_url: str | None, cap_s: float, net
                     flush=True,
                 )
                 cells.append(row)
-        fluct = await fluctuating(h, "smollm2", 128 if smoke else 256, quick or smoke)
+        fluct = await fluctuating(h, "smollm2", 128 if smoke else 256, quick or smoke, rounds)
         site, h.site = h.site, None  # the rest runs in this process (see `_where`)
         print(
             f"fluctuating: adaptive / best static ({fluct['best_static']}) = "
