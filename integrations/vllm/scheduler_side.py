@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 PUSH_PARAM = "kvbus_push_to"
 #: ``kv_transfer_params`` key that keeps a request away from kvbus (no lookup).
 SKIP_PARAM = "kvbus_skip"
+#: ``kv_transfer_params`` key that keeps a request out of kvbus altogether: no lookup, no save
+#: into the store, no push (an engine serving it is an engine without the connector).
+OFF_PARAM = "kvbus_off"
 #: ``kv_transfer_params`` key naming the medium for this request's pull or push (e.g. ``"int8"``).
 MEDIUM_PARAM = "kvbus_medium"
 
@@ -60,6 +63,7 @@ class _Req:
     medium: str | None = None
     lookup_s: float = 0.0
     declined: int = 0
+    off: bool = False
 
 
 class SchedulerSide:
@@ -124,8 +128,12 @@ class SchedulerSide:
         if isinstance(extra, list):
             targets += [t for t in extra if isinstance(t, str) and t not in targets and t != self.config.agent]
         medium = params.get(MEDIUM_PARAM) if isinstance(params, dict) else None
+        off = bool(params.get(OFF_PARAM)) if isinstance(params, dict) else False
         self._reqs[request.request_id] = _Req(
-            prompt=list(request.prompt_token_ids or []), push_to=targets, medium=_medium(medium) or self.config.medium
+            prompt=list(request.prompt_token_ids or []),
+            push_to=[] if off else targets,
+            medium=_medium(medium) or self.config.medium,
+            off=off,
         )
 
     def _lookup(self, tokens: list[int], limit: int) -> LookupReply:
@@ -157,12 +165,12 @@ class SchedulerSide:
         the longest prefix, up to the last block vLLM lets match, held by its own store, by
         another agent or by the cache tier, and offers the best of the three. The flag is True
         unless the engine's own store holds that prefix (a synchronous load before the forward).
-        ``(0, False)`` for a request with ``kvbus_skip``, one whose kvbus load failed before, or no
+        ``(0, False)`` for a request with ``kvbus_skip`` or ``kvbus_off``, one whose kvbus load failed before, or no
         hit beyond what is computed.
         """
         rid = request.request_id
         params = getattr(request, "kv_transfer_params", None) or {}
-        if rid in self._failed or (isinstance(params, dict) and params.get(SKIP_PARAM)):
+        if rid in self._failed or (isinstance(params, dict) and (params.get(SKIP_PARAM) or params.get(OFF_PARAM))):
             return 0, False
         prompt = list(request.prompt_token_ids or [])
         limit = matchable_tokens(len(prompt), self.block_size)
@@ -263,7 +271,12 @@ class SchedulerSide:
         return meta
 
     def _plan(self, meta: KVBusConnectorMetadata, rid: str, state: _Req, computed: int) -> None:
-        """Save the prompt's whole blocks computed by the end of this step; push once the prompt is in."""
+        """Save the prompt's whole blocks computed by the end of this step; push once the prompt is in.
+
+        Nothing for a request with ``kvbus_off``.
+        """
+        if state.off:
+            return
         prompt_done = min(computed, len(state.prompt))
         stop = prompt_done - prompt_done % self.block_size
         n_blocks = stop // self.block_size
