@@ -68,6 +68,12 @@ NOTES = {
         "otherwise hold what the kvbus arm before it loaded), and arm (a) runs on each of them: a "
         "kvbus arm's ratios are to arm (a) on the same documents in the same round."
     ),
+    "handoff": (
+        "In the kvbus arms the planner's request pushes its context to both executors while it "
+        "writes the plan; the executors start once both stored it (the wait counts in E2E). The "
+        "verifier and the next turn's planner pull what they lack (the connector's pull gate may "
+        "decline a pull predicted slower than the prefill). Engines' lookup_timeout_s is 10 s."
+    ),
     "text_arms": "Arms (a) and (b) send kvbus_off: the connector neither loads, saves nor pushes for them.",
     "task": (
         "Each executor is asked to continue a passage that occurs once in the documents; the score "
@@ -136,9 +142,9 @@ def run(
 
     quick = quick or smoke
     rounds = rounds or (1 if quick else FULL_ROUNDS)
-    doc_tokens = doc_tokens or (512 if quick else 2048)
+    doc_tokens = doc_tokens or (256 if smoke else 512 if quick else 2048)
     turns = turns or 2
-    lengths = Lengths(plan=8, answer=6, verdict=6) if quick else Lengths()
+    lengths = Lengths(4, 4, 4) if smoke else Lengths(plan=8, answer=6, verdict=6) if quick else Lengths()
     server = None if nats_url else NatsServer().start()
     url = nats_url or server.url  # type: ignore[union-attr]
     logs = Path(tempfile.mkdtemp(prefix="kvbus-bench-agents-"))
@@ -157,7 +163,7 @@ def run(
         ctl.watch()
         # Warm-up on short documents of their own: every engine's first requests, pushes, pulls
         # and each medium's first encode are slower; none of it is recorded.
-        for n, arm in enumerate((PREFIX_CACHED_TEXT, *KVBUS_ARMS[: 1 if quick else None])):
+        for n, arm in enumerate((PREFIX_CACHED_TEXT, *KVBUS_ARMS[: 0 if smoke else 1 if quick else None])):
             run_workflow(team, ctl, arm, docset(256, 50_000 + 997 * n, 1), Lengths(4, 4, 4), f"warm{n}")
         for r in range(rounds):
             sets = [docset(doc_tokens, 1009 * (len(KVBUS_ARMS) * r + k) + 37, turns) for k in range(len(KVBUS_ARMS))]

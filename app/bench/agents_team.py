@@ -206,7 +206,14 @@ def _engine(role: str, nats_url: str, log: Path) -> Any:
         max_num_seqs=2,
         disable_log_stats=False,
         kv_transfer_config=connector_config(
-            agent_name(role), nats_url=nats_url, group=GROUP, model_name="SmolLM2-135M-Instruct", role=role
+            agent_name(role),
+            nats_url=nats_url,
+            group=GROUP,
+            model_name="SmolLM2-135M-Instruct",
+            role=role,
+            # A lookup waits for deliveries being stored (a push still landing): on 2 busy cores
+            # that takes more than the default 1 s, and a lookup that times out is a prefill.
+            lookup_timeout_s=10.0,
         ),
     )
 
@@ -234,6 +241,22 @@ class Team:
 
 def _seg(text: str) -> list[int]:
     return list(_tok(text))
+
+
+def _await_push(ctl: Any, since: int, timeout: float = 30.0) -> None:
+    """Wait until both executors stored the planner's push (or it failed): the hand-off itself."""
+    planner = agent_name("planner")
+    executors = {agent_name("executor-1"), agent_name("executor-2")}
+
+    def done() -> bool:
+        evs = ctl.events[since:]
+        if any(e.agent == planner and e.kind == "push" and not e.ok for e in evs):
+            return True
+        return {e.agent for e in evs if e.kind == "receive" and e.peer == planner} >= executors
+
+    deadline = time.monotonic() + timeout
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def run_workflow(team: Team, ctl: Any, arm: Arm, ds: DocSet, lengths: Lengths, label: str) -> Workflow:
@@ -279,8 +302,11 @@ def run_workflow(team: Team, ctl: Any, arm: Arm, ds: DocSet, lengths: Lengths, l
     for turn, (q1, q2) in enumerate(ds.questions):
         planner_seg = _seg(f"\n\nPlanner (turn {turn + 1}): the plan for the two executors.\nPlan:")
         p = context + planner_seg
+        n_plan = len(ctl.events)
         plan = call("planner", turn, "verifier" if turn else "", p, lengths.plan, push_to=["executor-1", "executor-2"])
         wf.calls.append(plan)
+        if arm.handoff == "kvbus":
+            _await_push(ctl, n_plan)
         shared = p + plan.tokens
         ex_prompts = []
         for i, q in ((1, q1), (2, q2)):
