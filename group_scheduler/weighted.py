@@ -134,12 +134,14 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
         """Per paused transfer, the stamp of its pause."""
         self._pause_log: list[tuple[int, str]] = []
         """(stamp, id) of the pauses in stamp order; entries of transfers resumed since are stale."""
-        self._holds: dict[str, int] = {}
-        """Preemptors that outranked every paused transfer when they started, with the stamp of
-        that moment: each holds paused every transfer whose pause is older (instead of one
-        ``paused_by`` entry in each of them), until it is done."""
-        self._hold_heap: list[tuple[int, str]] = []
-        """(-stamp, id) of the holds, the latest first; stale entries are skipped."""
+        self._holds: dict[str, tuple[int, frozenset[str]]] = {}
+        """Per urgent preemptor (with a group budget), the stamp of its start and the paused
+        transfers it did not outrank then: until it is done it holds paused every transfer
+        whose pause is older, but those (instead of one ``paused_by`` entry in each)."""
+        self._hold_log: list[tuple[int, str]] = []
+        """(stamp, id) of the holds in stamp order; entries of holds that ended are stale."""
+        self._full_holds: list[tuple[int, str]] = []
+        """The same for the holds that left nothing out."""
         self._init_book(PairQueues(self.picker, per_pair=per_pair))
 
     @classmethod
@@ -189,28 +191,43 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
                 if run is not None:
                     run.pending.paused_by.discard(tid)
             self._to_check |= victims
-        stamp = self._holds.pop(tid, None)
-        if stamp is not None:
-            top = self._top_hold()
-            if stamp > top:
-                # The transfers paused between the latest hold left and this one are held by
-                # no hold any more: look at them (those older are still held by ``top``).
+        hold = self._holds.pop(tid, None)
+        if hold is not None:
+            top = self._live_tail(self._full_holds)
+            top_stamp = top[0] if top else -1
+            if hold[0] > top_stamp:
+                # What this hold held may be held by nothing now: the transfers paused since
+                # the latest hold that left nothing out (older ones that one still holds).
                 log, live = self._pause_log, self._pause_stamp
-                for s, v in log[bisect_left(log, (top + 1,)) : bisect_left(log, (stamp,))]:
+                for s, v in log[bisect_left(log, (top_stamp + 1,)) : bisect_left(log, (hold[0],))]:
                     if live.get(v) == s:
                         self._to_check.add(v)
+            for log in (self._hold_log, self._full_holds):
+                self._live_tail(log)
+                if len(log) > 2 * len(self._holds) + 64:
+                    log[:] = [e for e in log if self._holds.get(e[1], (None,))[0] == e[0]]
 
-    def _top_hold(self) -> int:
-        """The stamp of the latest hold in force (-1 if none)."""
-        heap, holds = self._hold_heap, self._holds
-        while heap and holds.get(heap[0][1]) != -heap[0][0]:
-            heapq.heappop(heap)
-        return -heap[0][0] if heap else -1
+    def _live_tail(self, log: list[tuple[int, str]]) -> tuple[int, str] | None:
+        """The latest entry of a hold log that is in force (ended ones at the end are dropped)."""
+        holds = self._holds
+        while log and holds.get(log[-1][1], (None,))[0] != log[-1][0]:
+            log.pop()
+        return log[-1] if log else None
 
     def _hold_covers(self, tid: str) -> bool:
-        """Whether a hold keeps the paused ``tid`` paused (one started after its pause is in force)."""
+        """Whether a hold keeps the paused ``tid`` paused: one in force, started after its
+        pause, that did not leave it out."""
         s = self._pause_stamp.get(tid)
-        return s is not None and self._top_hold() > s
+        if s is None:
+            return False
+        holds = self._holds
+        for stamp, ptid in reversed(self._hold_log):
+            if stamp < s:
+                return False
+            hold = holds.get(ptid)
+            if hold is not None and hold[0] == stamp and tid not in hold[1]:
+                return True
+        return False
 
     # -- the urgency index -------------------------------------------------------------------------
 
@@ -449,21 +466,19 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
         mine = self._by_pair.get(pair, {})
         paused = self._paused_u
         if len(paused):
-            covers = all(tid not in paused or outranks(u_own, run.urgency) for tid, run in mine.items())
-            if covers:
-                top = paused.first(skip=mine)
-                covers = top is None or outranks(u, top[0])
-            if covers:  # it outranks every paused transfer: one hold instead of an entry in each
-                stamp = next(self._stamps)
-                self._holds[ptid] = stamp
-                heapq.heappush(self._hold_heap, (-stamp, ptid))
-            else:
-                for tid in paused:
-                    run = runs[tid]
-                    f = run.pending
-                    if f.paused and outranks(u_own if f.pair == pair else u, run.urgency):
-                        f.paused_by.add(ptid)  # stays paused until this one is done too
-                        self._victims.setdefault(ptid, set()).add(tid)
+            # The paused transfers it outranks stay paused until it is done too: one hold that
+            # names those it does not outrank (its pair's by ``u_own``, the most urgent others).
+            out = [tid for tid, run in mine.items() if tid in paused and not outranks(u_own, run.urgency)]
+            above = paused.pop_while(lambda uf: not outranks(u, uf))
+            for uf, tid in above:
+                paused.add(tid, uf)
+                if tid not in mine:
+                    out.append(tid)
+            stamp = next(self._stamps)
+            self._holds[ptid] = (stamp, frozenset(out))
+            self._hold_log.append((stamp, ptid))
+            if not out:
+                self._full_holds.append((stamp, ptid))
         level = max(u, u_own)
         taken = self._preemptible_u.pop_while(lambda uf: outranks(level, uf))
         order = self._order
