@@ -46,6 +46,13 @@ def _round_up(n: int, step: int) -> int:
     return -(-n // step) * step
 
 
+def _aligned_empty(nbytes: int) -> np.ndarray:
+    """``nbytes`` uninitialised bytes starting at a multiple of `ALIGN` (numpy itself only promises 16)."""
+    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
+    skip = -raw.ctypes.data % ALIGN
+    return raw[skip : skip + nbytes]  # a view: its base keeps ``raw`` alive
+
+
 class ArenaPool:
     """Released arena blocks, kept for reuse up to ``max_bytes`` in all (least recently released dropped first).
 
@@ -113,7 +120,7 @@ class ArenaPool:
             else:
                 self.allocated += 1
         if block is None:
-            block = np.empty(max(_GRAIN, _round_up(nbytes, _GRAIN)), dtype=np.uint8)
+            block = _aligned_empty(max(_GRAIN, _round_up(nbytes, _GRAIN)))
         lease = block[:nbytes]  # a new array object whose base is the block
         weakref.finalize(lease, self._release, block)
         return torch.from_numpy(lease)  # its storage holds the lease until the last view is freed

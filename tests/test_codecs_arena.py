@@ -5,11 +5,12 @@ from __future__ import annotations
 import gc
 
 import hypothesis.strategies as st
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 
-from kvbus.codecs import Encoded, get_codec
+from kvbus.codecs import Encoded, _arena, get_codec
 from kvbus.codecs._arena import ArenaPool, carve, shared_pool
 from kvbus.kvcache import KVCache
 from kvbus.signature import ModelSignature
@@ -41,6 +42,20 @@ def test_views_are_aligned_and_disjoint() -> None:
     assert [t.data_ptr() % 64 for t in (a, b, c)] == [0, 0, 0]
     assert a.data_ptr() + 30 <= b.data_ptr() and b.data_ptr() + 7 <= c.data_ptr()
     assert (a.shape, b.dtype, c.shape) == (torch.Size([3, 5]), torch.int8, torch.Size([2, 2]))
+
+
+def test_views_are_aligned_where_numpy_aligns_less(monkeypatch: pytest.MonkeyPatch) -> None:
+    # numpy only promises 16-byte alignment; CI's image handed out blocks at 32 mod 64.
+    real_empty = np.empty
+
+    def misaligned_empty(n: int, dtype: object = None) -> np.ndarray:
+        raw = real_empty(n + 96, dtype=np.uint8)
+        start = (32 - raw.ctypes.data) % 64
+        return raw[start : start + n]
+
+    monkeypatch.setattr(_arena.np, "empty", misaligned_empty)
+    a, b = carve([(torch.float32, (100,)), (torch.int8, (3,))], ArenaPool())
+    assert [t.data_ptr() % 64 for t in (a, b)] == [0, 0]
 
 
 def test_an_arena_returns_only_when_its_last_view_is_gone() -> None:
