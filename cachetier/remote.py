@@ -64,9 +64,9 @@ class RemoteStore:
         retry = Retry(
             ExponentialWithJitterBackoff(base=0.01, cap=0.5),
             config.retries,
-            # redis.asyncio's Retry annotates supported_errors as RedisError types only, but it
-            # catches whatever types it is given; a bare OSError (socket level) must retry too.
-            supported_errors=(RedisConnectionError, RedisTimeoutError, OSError),  # type: ignore[arg-type]
+            # A bare OSError (socket level) must retry too. redis-py before 8 annotated
+            # supported_errors as RedisError types only (it catches whatever it is given).
+            supported_errors=(RedisConnectionError, RedisTimeoutError, OSError),  # type: ignore[arg-type, unused-ignore]
         )
         self.cluster = config.cluster or is_cluster_url(url)
         """Whether the server is a Redis Cluster (redis-py's cluster client)."""

@@ -5,8 +5,8 @@ model's decode time per token on this machine now.
 
 The fidelity of a medium at a context length is measured as calibration defines it (top-1
 agreement times exp(-KL) of the next-token predictions over the following 128 tokens of the text,
-the length of the answer the penalty charges, against the lossless context) but on other text, at the cell's context length, with the codec
-run here end to end; the penalty a medium pays in the objective is
+the length of the answer the penalty charges, against the lossless context) but on other text, at
+the cell's context length, with the codec run here end to end; the penalty a medium pays in the objective is
 ``loss_weight * output_tokens * (1 - fidelity) * decode_token_s``, all three measured or set here.
 """
 
