@@ -91,8 +91,14 @@ async def test_default_medium_is_chosen_by_the_scheduler(pair: tuple[Any, Any, B
     kv = random_kv(SIG, 10)
     report = await tx.send(rx.name, kv)
     d = await rx.receive(timeout=10)
-    assert report.medium == d.medium == "full"
-    assert d.kv.equal(kv)
+    assert report.medium == d.medium and report.decision["medium"] == report.medium
+    # The session's scheduler is shared: a test before this one may leave it due to explore (send
+    # a lossy medium once to measure it); anything but the predicted best is flagged as such.
+    if report.decision["explored"]:
+        assert d.kv.fidelity == pytest.approx(report.fidelity) and torch.equal(d.kv.tokens, kv.tokens)
+    else:
+        assert report.medium == "full"
+        assert d.kv.equal(kv)
 
 
 async def test_incompatible_receiver_gets_tokens(bus: Bus, nats_url: str) -> None:
@@ -251,7 +257,7 @@ async def test_malformed_and_oversized_open_headers_are_rejected(
     reply = OpenReply.decode(data)
     assert not reply.ok and "malformed open message" in reply.reason
     kv = random_kv(SIG, 3)
-    await tx.send(rx.name, kv)
+    await tx.send(rx.name, kv, medium="full")  # lossless, to compare bit for bit
     assert (await rx.receive(timeout=5)).kv.equal(kv)
 
 
@@ -276,7 +282,8 @@ async def test_oversized_payload_is_refused_by_the_receiver(bus: Bus, nats_url: 
             await tx.send("rx-small", kv_of_bytes(SIG, 4 << 20))
         assert info.value.peer == "rx-small"
         kv = random_kv(SIG, 2)
-        await tx.send("rx-small", kv)
+        # Lossless, to compare bit for bit (left to the scheduler it may explore a lossy medium).
+        await tx.send("rx-small", kv, medium="full")
         assert (await rx.receive(timeout=5)).kv.equal(kv)
     finally:
         await small.close()
