@@ -259,6 +259,27 @@ def _await_push(ctl: Any, since: int, timeout: float = 30.0) -> None:
         time.sleep(0.02)
 
 
+#: No connector event for this long after a workflow: its saves and deliveries are all in.
+SETTLE_QUIET_S = 1.0
+
+
+def settle(ctl: Any, quiet_s: float = SETTLE_QUIET_S, timeout: float = 15.0) -> int:
+    """Wait until ``ctl`` has collected no new event for ``quiet_s`` (at most ``timeout``); how many
+    it holds then. A connector publishes a save's or a delivery's event once it is stored, after
+    the request that made it returned: counted without this wait, the last ones of a workflow
+    were counted in the next (a text arm that "saved" one block)."""
+    deadline = time.monotonic() + timeout
+    seen, since = len(ctl.events), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = len(ctl.events)
+        if now != seen:
+            seen, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            break
+    return seen
+
+
 def run_workflow(team: Team, ctl: Any, arm: Arm, ds: DocSet, lengths: Lengths, label: str) -> Workflow:
     """One workflow of ``arm`` on ``ds``: ``len(ds.questions)`` turns of planner, executors, verifier."""
     salt_of_workflow = f"{label}-{uuid.uuid4().hex[:8]}"
@@ -294,7 +315,7 @@ def run_workflow(team: Team, ctl: Any, arm: Arm, ds: DocSet, lengths: Lengths, l
             answer=question.answer if question else (),
         )
 
-    n_events = len(ctl.events)
+    n_events = settle(ctl)  # the previous workflow's last events are its own
     wf = Workflow(arm=arm.name, offset=ds.offset, e2e_s=0.0)
     t0 = time.perf_counter()
     # The task number first: no block of one workflow's prompts is a block of another's.
@@ -332,7 +353,7 @@ def run_workflow(team: Team, ctl: Any, arm: Arm, ds: DocSet, lengths: Lengths, l
         wf.calls.append(verdict)
         context = v + verdict.tokens
     wf.e2e_s = time.perf_counter() - t0
-    time.sleep(0.3)  # a save's or delivery's event is published right after it is stored
+    settle(ctl)
     ours = {agent_name(r) for r in ROLES}
     for ev in ctl.events[n_events:]:
         if ev.kind == "save" and ev.agent in ours:
