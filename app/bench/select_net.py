@@ -217,6 +217,12 @@ async def send(ctx: WorkerContext, *, sender: str, to: str, n: int, shift: int, 
         "nbytes": report.nbytes,
         "path": report.path,
         "decision": report.decision,
+        "phases_s": {
+            "queued": report.queued_s,
+            "encode": report.encode_s,
+            "transfer": report.transfer_s,
+            "decode": dict(report.decode_s),
+        },
     }
 
 
