@@ -67,7 +67,9 @@ class Agent(Endpoint):
         """
         super().__init__(options, transport, config)
         self._forget = forget
-        self._scheduler = SchedulerLink(self, secure=settings.secure, directory=directory)
+        self._scheduler = SchedulerLink(
+            self, secure=settings.secure, directory=directory, host=settings.plane.host if settings.plane else ""
+        )
         self._sender = Sender(self, self._scheduler, settings)
         self._inbox = Inbox()
         receiving = ReceiveSettings(secure=settings.secure, plane=settings.plane, server=transport)

@@ -59,8 +59,12 @@ DONE_REPEATS_S = (0.5, 1.5)
 class SchedulerLink:
     """Talks to the agent's group scheduler on behalf of its sender and its registration."""
 
-    def __init__(self, endpoint: Endpoint, *, secure: bool, directory: Callable[[], Awaitable[Any]]) -> None:
+    def __init__(
+        self, endpoint: Endpoint, *, secure: bool, directory: Callable[[], Awaitable[Any]], host: str = ""
+    ) -> None:
         self._ep = endpoint
+        self._host = host
+        """The data plane's host, for the directory record (the cost model's hint that ``shm`` can work)."""
         self._secure = secure
         """Per-agent permissions (no JetStream access): the group scheduler writes the agent's record."""
         self._directory = directory
@@ -98,6 +102,7 @@ class SchedulerLink:
             link_bps=link.bandwidth_bps,
             latency_s=link.latency_s,
             recompute=ep.runner is not None,
+            host=self._host,
         )
         if self._secure:
             # No JetStream rights: the group scheduler writes the record to the directory.

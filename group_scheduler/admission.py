@@ -187,9 +187,12 @@ class RequestAdmission:
             return gone_refusal(gone)
         sigs: dict[str, ModelSignature | None] = {}
         recompute: dict[str, bool] = {}
+        sender = self.directory.cached(req.src)
+        hosts = {req.src: sender.host if sender is not None else ""}
         for rx in req.dst:
             record = records[rx]
             recompute[rx] = bool(record.recompute)
+            hosts[rx] = record.host
             try:
                 sigs[rx] = signature_of(record.signature) if record.signature else None
             except WireFormatError:
@@ -202,4 +205,4 @@ class RequestAdmission:
         deadline_at = now + (req.deadline - time.time()) if req.deadline is not None else None
         if deadline_at is not None and not math.isfinite(deadline_at):
             return Refusal(Reason.MALFORMED, f"deadline {req.deadline!r} is not a time")
-        return Pending(req, sigs, arrived=now - waited, deadline_at=deadline_at, recompute=recompute)
+        return Pending(req, sigs, arrived=now - waited, deadline_at=deadline_at, recompute=recompute, hosts=hosts)

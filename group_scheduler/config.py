@@ -76,10 +76,16 @@ class SchedulerConfig:
     """A pair switches medium only if the new one is predicted at least this much faster."""
     default_bandwidth_bps: float = 1e9
     """Bandwidth assumed for a pair with no observation and no declared capacity."""
+    unmeasured_floor_bps: float = 1.25e6
+    """The slowest a pair's link with no observation and no declared capacity is assumed to be
+    (bytes/s; 1.25e6 = 10 Mbit/s): its first transfer is sent with the medium least far from the
+    best at every rate between this and ``default_bandwidth_bps`` (0 = the default rate only)."""
     explore_fraction: float = 0.1
     """Most adaptive decisions that may explore (send a medium to measure it), as a share; 0 = never."""
     explore_margin: float = 1.0
-    """A medium predicted at most (1 + this) x the chosen one's latency may be explored."""
+    """A medium is explored only if it would beat the chosen one with its compute (encode, decode,
+    recompute) this much faster than predicted (1.0: twice as fast); its bytes over a measured link
+    count as predicted."""
     explore_min_samples: int = 3
     """A medium measured fewer times than this at a context size is explored there."""
     explore_stale_s: float = 600.0
@@ -165,6 +171,8 @@ class SchedulerConfig:
                 f"explore_fraction {self.explore_fraction} must be within 0..1, explore_margin "
                 f"{self.explore_margin} a finite number >= 0"
             )
+        if not 0 <= self.unmeasured_floor_bps < float("inf"):
+            raise ConfigError(f"unmeasured_floor_bps {self.unmeasured_floor_bps} must be a finite rate >= 0 (bytes/s)")
         if self.explore_link_every < 0:
             raise ConfigError(f"explore_link_every {self.explore_link_every} must be >= 0 (0: never probe)")
         if self.explore_min_samples < 0 or not 0 < self.explore_stale_s < float("inf"):

@@ -253,6 +253,9 @@ class Choice:
     """Chosen to measure it (bounded exploration), not because it was predicted fastest."""
     explored_link: bool = False
     """Explored to measure the pair's link again (a probe after a drop), not the medium."""
+    hedged: bool = False
+    """The pair's link was never measured: chosen to be least far from the best at any rate
+    (`AdaptiveSelector._hedge`), not for the default rate alone."""
 
     def record(self) -> dict[str, Any]:
         """The decision record that travels in the grant and ends up in the TransferReport."""
@@ -264,6 +267,7 @@ class Choice:
             "kept_by_hysteresis": self.kept_by_hysteresis,
             "explored": self.explored,
             "explored_link": self.explored_link,
+            "hedged": self.hedged,
             "candidates": [c.as_dict() for c in self.candidates],
         }
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 
 from kvbus.codecs import get_codec
 from kvbus.group_scheduler.config import SchedulerConfig
@@ -54,17 +56,22 @@ class Exploration:
     """Bounded exploration: how often, and which, media are tried to measure them.
 
     A medium whose estimate at this context size is unmeasured (fewer than ``min_samples``
-    transfers) or stale (none for ``stale_s``), and predicted within ``margin`` of the chosen
-    one, is sent instead on at most ``fraction`` of the transfers, so that a wrong prior is
-    corrected within a few dozen transfers. Never for a critical transfer, one with a deadline,
-    a broadcast, a receiver under memory pressure, a medium the precision refresh forbids, or
-    a medium the sender asked for.
+    transfers) or stale (none for ``stale_s``), and that would beat the chosen one if its
+    prediction were ``margin`` too pessimistic, is sent instead on at most ``fraction`` of the
+    transfers, so that a wrong prior is corrected within a few dozen transfers. Never for a
+    critical transfer, one with a deadline, a broadcast, a receiver under memory pressure, a
+    medium the precision refresh forbids, a medium the sender asked for, or a pair whose link was
+    never measured (its first transfer is hedged instead, `AdaptiveSelector._hedge`).
     """
 
     fraction: float = 0.1
     """Most transfers that may explore, as a share of the adaptive decisions (0 = never)."""
     margin: float = 1.0
-    """A candidate predicted at most (1 + margin) x the chosen one's latency may be explored."""
+    """How wrong an unmeasured prediction may be: a candidate is explored only if it would beat the
+    chosen one with its compute terms (encode, decode, recompute) ``1 + margin`` times faster than
+    predicted. Its bytes over a measured link are taken as predicted: on a slow link, a medium
+    whose bytes alone take longer than the chosen medium's whole transfer is never explored. On a
+    link not measured yet, its whole prediction is divided by ``1 + margin``."""
     min_samples: int = 3
     """A medium measured fewer times than this at a context size is unmeasured there."""
     stale_s: float = 600.0
@@ -73,6 +80,9 @@ class Exploration:
     """A pair whose link dropped and that has since sent only payloads too small to measure it is
     probed after this many decisions, then twice as many each time (0 = never)."""
 
+
+#: Rates at which a pair with an unmeasured link is predicted (`AdaptiveSelector._hedge`).
+HEDGE_POINTS = 5
 
 #: The longest wait, in decisions, between two probes of a link that stays slow.
 MAX_PROBE_EVERY = 64
@@ -121,6 +131,7 @@ class AdaptiveSelector(MediumSelector):
         *,
         candidates: tuple[str, ...] = DEFAULT_CANDIDATES,
         default_bandwidth_bps: float = 1e9,
+        unmeasured_floor_bps: float = 1.25e6,
         exploration: Exploration | None = None,
         drop_risk: bool = True,
     ) -> None:
@@ -136,6 +147,9 @@ class AdaptiveSelector(MediumSelector):
             dict.fromkeys(c for c in (_canonical(m) for m in candidates) if c in self.model.figures and _known(c))
         )
         self.default_bandwidth_bps = default_bandwidth_bps
+        self.unmeasured_floor_bps = unmeasured_floor_bps
+        """The slowest rate a pair's unmeasured link is assumed able to have (`_hedge`; 0 = assume
+        ``default_bandwidth_bps``)."""
         self.last: dict[tuple[str, str], str] = {}
         self._probes: dict[tuple[str, str, str], _ProbeState] = {}
         """Per (sender, receiver, path): the link probing's back-off (see `_probe`)."""
@@ -207,22 +221,33 @@ class AdaptiveSelector(MediumSelector):
         sender = self.endpoint(state, req.src, sender_sig)
         candidates = (req.medium,) if req.medium else self.candidates
         per_rx: list[Choice] = []
+        unmeasured: set[str] = set()  # receivers whose network link was never measured nor declared
         for rx, sig in pending.receivers.items():
+            link = self.link(state, req.src, rx, req.path, req.inline_limit)
+            choose = partial(
+                self.model.choose,
+                candidates,
+                n_tokens=req.n_tokens,
+                kv_bytes=req.nbytes,
+                sender=sender,
+                receiver=self.endpoint(state, rx, sig, recompute=pending.recompute.get(rx, True)),
+                lineage=req.fidelity,
+                current=None if req.medium else self.last.get((req.src, rx)),
+                base_tokens=req.base_tokens,
+                requested=bool(req.medium),
+            )
             try:
-                per_rx.append(
-                    self.model.choose(
-                        candidates,
-                        n_tokens=req.n_tokens,
-                        kv_bytes=req.nbytes,
-                        link=self.link(state, req.src, rx, req.path, req.inline_limit),
-                        sender=sender,
-                        receiver=self.endpoint(state, rx, sig, recompute=pending.recompute.get(rx, True)),
-                        lineage=req.fidelity,
-                        current=None if req.medium else self.last.get((req.src, rx)),
-                        base_tokens=req.base_tokens,
-                        requested=bool(req.medium),
-                    )
-                )
+                best = choose(link=link)
+                if (
+                    link.source == "default"
+                    and not req.medium
+                    and not (link.path == PathName.SHM and pending.same_host(rx))
+                ):
+                    # (shm runs at memory speed: the default rate is about right for it. A sender
+                    # says shm to a receiver it has not sent to yet whenever it may use shm.)
+                    unmeasured.add(rx)
+                    best = self._hedge(best, link, choose, req.fidelity)
+                per_rx.append(best)
             except ValueError:
                 if req.medium and not _known(req.medium):
                     return Decided.refusal(
@@ -251,7 +276,13 @@ class AdaptiveSelector(MediumSelector):
         if len(per_rx) == 1:
             # The pair keeps its exploited medium for hysteresis: an exploration is one transfer.
             rx = next(iter(pending.receivers))
-            explore = self._probe(state, pending, choice, rx) or self._explore(state, pending, choice, rx)
+            # A pair whose link was never measured is not explored: its choice is hedged over the
+            # rates the link may have (`_hedge`), and its bytes will measure the link.
+            explore = (
+                None
+                if rx in unmeasured
+                else self._probe(state, pending, choice, rx) or self._explore(state, pending, choice, rx)
+            )
             if explore is not None:
                 self.explored += 1
                 return Decided(explore.medium, explore.reason, explore)
@@ -341,7 +372,13 @@ class AdaptiveSelector(MediumSelector):
         )
 
     def _explore(self, state: GroupState, pending: Pending, choice: Choice, rx: str) -> Choice | None:
-        """The medium to measure on this transfer instead of ``choice``, if any (see `Exploration`)."""
+        """The medium to measure on this transfer instead of ``choice``, if any (see `Exploration`).
+
+        A candidate is worth measuring only if it could win: if it would beat ``choice`` with its
+        compute terms ``1 + margin`` times faster than predicted (they are what an unmeasured
+        medium's prior can get wrong; its bytes over the pair's measured link are known, and so is
+        a recompute on a receiver that measured its prefill speed).
+        """
         ex = self.exploration
         req = pending.request
         if not self._may_explore(state, pending, rx):
@@ -349,9 +386,13 @@ class AdaptiveSelector(MediumSelector):
         cfg, learned = self.model.config, self.model.learned
         now = time.time()
         best = choice.estimate.total_s
+        prefill_known = self.endpoint(state, rx, None).prefill_measured
         options: list[tuple[int, float, Estimate]] = []
         for e in choice.candidates:
-            if not e.usable or e.medium == choice.medium or e.total_s > (1 + ex.margin) * best:
+            if not e.usable or e.medium == choice.medium:
+                continue
+            unsure = e.comp_s - (e.recompute_s if prefill_known else 0.0)
+            if e.total_s - unsure * ex.margin / (1 + ex.margin) >= best:
                 continue
             figures = self.model.figures[e.medium]
             if not figures.lossless and req.fidelity * e.fidelity < cfg.refresh_threshold:
@@ -367,6 +408,51 @@ class AdaptiveSelector(MediumSelector):
             f"{est.total_s * 1000:.1f} ms against {best * 1000:.1f} ms for {choice.medium}"
         )
         return replace(choice, medium=est.medium, estimate=est, reason=reason, explored=True, kept_by_hysteresis=False)
+
+    def _hedge(self, choice: Choice, link: Link, choose: Callable[..., Choice], lineage: float) -> Choice:
+        """For a pair whose link was never measured: the medium least far from the best at every
+        rate the link may have.
+
+        ``choice`` assumed ``default_bandwidth_bps``, the fastest link of the range: there a full
+        context costs least, and on a 10 Mbit/s link it costs 10 to 100 times what ``tokens`` or a
+        quantised medium would (a first transfer of 6 MB took 4.9 s for a prediction of 8 ms). So
+        each candidate is predicted at ``HEDGE_POINTS`` rates from ``unmeasured_floor_bps`` up to
+        the default, and the one whose worst ratio to the best at the same rate is smallest is
+        sent. Its bytes (if enough, `SMALL_PAYLOAD_BYTES`) then measure the link, and later
+        transfers are chosen on the estimate.
+        """
+        floor, top = self.unmeasured_floor_bps, link.bandwidth_bps
+        if not 0 < floor < top:
+            return choice
+        figures, threshold = self.model.figures, self.model.config.refresh_threshold
+
+        def allowed(e: Estimate) -> bool:
+            return e.usable and (figures[e.medium].lossless or lineage * e.fidelity >= threshold)
+
+        worst: dict[str, float] = {e.medium: 1.0 for e in choice.candidates if allowed(e)}
+        for i in range(HEDGE_POINTS):
+            rate = floor * (top / floor) ** (i / (HEDGE_POINTS - 1))
+            at = replace(link, bandwidth_bps=rate)
+            if link.inline is not None and link.inline.source == "default":
+                at = replace(at, inline=replace(link.inline, bandwidth_bps=rate))
+            totals = {e.medium: e.total_s for e in choose(link=at).candidates if e.medium in worst and allowed(e)}
+            if not totals:
+                return choice
+            low = max(min(totals.values()), 1e-9)
+            for medium in worst:
+                worst[medium] = max(worst[medium], totals.get(medium, math.inf) / low)
+        if not worst:
+            return choice
+        medium = min(worst, key=lambda m: (worst[m], m != choice.medium))
+        if medium == choice.medium or not math.isfinite(worst[medium]):
+            return choice
+        est = next(e for e in choice.candidates if e.medium == medium)
+        reason = (
+            f"link not measured yet: {medium} is at most {worst[medium]:.1f}x the best at any rate from "
+            f"{floor * 8 / 1e6:.0f} to {top * 8 / 1e6:.0f} Mbit/s ({choice.medium}, best at "
+            f"{top * 8 / 1e6:.0f}, up to {worst[choice.medium]:.1f}x)"
+        )
+        return replace(choice, medium=medium, estimate=est, reason=reason, kept_by_hysteresis=False, hedged=True)
 
     def _broadcast_choice(self, per_rx: list[Choice]) -> Choice | None:
         """One medium for all receivers: the one whose slowest receiver is fastest."""
@@ -412,6 +498,7 @@ def default_selector(config: SchedulerConfig) -> MediumSelector:
     return AdaptiveSelector(
         model,
         default_bandwidth_bps=config.default_bandwidth_bps,
+        unmeasured_floor_bps=config.unmeasured_floor_bps,
         exploration=exploration,
         drop_risk=config.link_drop_risk,
     )

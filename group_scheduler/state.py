@@ -204,6 +204,8 @@ class Pending:
     recompute: dict[str, bool] = field(default_factory=dict)
     """Per receiver, whether its directory record says it can rebuild KV from tokens (has a model
     runner); a receiver missing here is assumed able to (simulations, benchmarks)."""
+    hosts: dict[str, str] = field(default_factory=dict)
+    """The sender's and the receivers' hosts, as their directory records say ("" or missing: unknown)."""
     # -- running-transfer state kept by the weighted policy ----------------------------------
     paused: bool = False
     """Told to pause (and not declined)."""
@@ -239,6 +241,11 @@ class Pending:
     def pair(self) -> tuple[str, tuple[str, ...]]:
         """The (sender, receivers) pair the round robin serves."""
         return self.request.src, self.dst
+
+    def same_host(self, rx: str) -> bool:
+        """Whether the sender and ``rx`` are known to run on one host (so ``shm`` can carry it)."""
+        src = self.hosts.get(self.request.src, "")
+        return bool(src) and src == self.hosts.get(rx, "")
 
 
 @dataclass

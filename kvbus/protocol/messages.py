@@ -371,6 +371,7 @@ class Probe(Message):
         "link_bps": RATE,
         "latency_s": LATENCY,
         "recompute": bool,
+        "host": str,
     },
 )
 @dataclass(frozen=True, slots=True)
@@ -390,6 +391,9 @@ class AgentRecord(Message):
     """Declared (or emulated) one-way latency."""
     recompute: bool = False
     """Whether the agent has a model to rebuild KV from tokens."""
+    host: str = ""
+    """The host its data plane runs on (`kvbus.bus.paths.host_identity`; "" without one). A hint
+    for the cost model only (two agents on one host can use ``shm``), never an identity."""
 
 
 @message("leave_agent", {"agent": str, "group": str, "reason": str, "ts": EPOCH})
