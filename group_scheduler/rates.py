@@ -2,18 +2,29 @@
 
 A new grant gets its weighted share of its tightest resource (the group budget minus what
 reservations hold, its sender's egress, each receiver's ingress: the declared link capacities,
-and for an inter-group transfer the coordinator's lease). Once per time slice `adjust`
-recomputes weighted max-min rates (`kvbus.fairness`) for all running transfers and tells the
-senders whose rate moved by more than ``rate_epsilon`` (a ``rate`` control).
+and for an inter-group transfer the coordinator's lease). Once per time slice `adjust` brings
+the weighted max-min rates of the running transfers up to date and tells the senders whose rate
+moved by more than ``rate_epsilon`` (a ``rate`` control).
+
+The max-min is incremental (`kvbus.fairness.IncrementalMaxMin`, split at the group budget): the
+transfers whose share may have changed since the last slice (started, ended, paused, resumed, a
+deadline weight that moved) are handed to it, and it recomputes only the components of the
+sender/receiver links they touch and moves the budget's level, returning the transfers whose
+rate drifted past ``rate_epsilon``. A slice costs O(changes * log n), not O(running transfers).
+Capacities are re-read for the budget and the inter-group lease on every slice, for the agents'
+links when a declaration changed, and for every resource while reservations are in the table
+(what they hold moves with their windows). `allocate` is the from-scratch recomputation.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Hashable, Sequence
 
-from kvbus.fairness import Flow, weighted_max_min
-from kvbus.group_scheduler.bookkeeping import BUDGET, Run, WeightedBook
+from kvbus.fairness import Flow, IncrementalMaxMin, weighted_max_min
+from kvbus.group_scheduler.bookkeeping import BUDGET, INTER, Run, WeightedBook
+from kvbus.group_scheduler.pairs import PairQueues
 from kvbus.group_scheduler.policy import Adjustment
 from kvbus.group_scheduler.reservations import ReservationTable
 from kvbus.group_scheduler.state import GroupState, Pending
@@ -40,6 +51,39 @@ class WeightedRates(WeightedBook):
     _last_adjust: float
     _held: frozenset[str]
     _deadline_flows: bool
+
+    def _init_book(self, pairs: PairQueues) -> None:
+        super()._init_book(pairs)
+        self._alloc: IncrementalMaxMin[str] = IncrementalMaxMin(BUDGET, epsilon=self.rate_epsilon)
+        """The running, unpaused transfers' max-min rates, kept up to date by `adjust`."""
+        self._touched: dict[str, None] = {}
+        """Transfers whose share may have changed since the last reallocation."""
+        self._resync = True
+        """Look at every running transfer in the next reallocation (something changed outside the policy)."""
+        self._deadline: dict[str, Run] = {}
+        """The running transfers with a deadline: their weight grows as it nears."""
+        self._run_seq: dict[str, int] = {}
+        self._run_count = itertools.count()
+        self._declared_seen = -1
+        self._rebuild_in = 0
+
+    def _run(self, state: GroupState, p: Pending, now: float, rp: float | None = None) -> Run:
+        run = super()._run(state, p, now, rp)
+        tid = p.transfer_id
+        self._run_seq[tid] = next(self._run_count)
+        if p.deadline_at is not None:
+            self._deadline[tid] = run
+        return run
+
+    def _unrun(self, tid: str) -> None:
+        super()._unrun(tid)
+        self._touched[tid] = None
+        self._deadline.pop(tid, None)
+        self._run_seq.pop(tid, None)
+
+    def _add_load(self, run: Run, w: float) -> None:
+        super()._add_load(run, w)
+        self._touched[run.pending.transfer_id] = None
 
     def _urgency_moved(self, run: Run) -> None:
         """A running transfer's urgency changed (its deadline nears): the policy re-indexes it."""
@@ -124,6 +168,85 @@ class WeightedRates(WeightedBook):
         self._deadline_flows = deadline_flows
         return rates
 
+    def _effective_cap(self, state: GroupState, key: Hashable, held: dict[Hashable, float]) -> float | None:
+        full = self._capacity(state, key)
+        if full <= 0:
+            return None  # uncapped for now (the inter-group lease when none is in force)
+        return max(full - held.get(key, 0.0), 0.01 * full, MIN_RATE_BPS) if held else full
+
+    def _sync(self, state: GroupState, now: float) -> None:
+        """Hand the incremental max-min what changed since the last reallocation."""
+        alloc, runs = self._alloc, self._runs
+        alloc.epsilon = self.rate_epsilon
+        held: dict[Hashable, float] = {}
+        if len(self.reservations):
+            held, self._held = self._held_now(state, now)
+        elif self._held:
+            self._held = frozenset()
+            self._declared_seen = -1  # what they held is back: re-read every capacity
+        cap = self._effective_cap
+        for shared in (BUDGET, INTER):
+            alloc.set_capacity(shared, cap(state, shared, held))
+        if held or state.declared_version != self._declared_seen:
+            self._declared_seen = state.declared_version
+            for key in alloc.resources():
+                alloc.set_capacity(key, cap(state, key, held))
+        for tid, run in self._deadline.items():
+            f = run.pending
+            u = self.urgency.urgency(f, now, running=True)
+            if u != run.urgency:
+                if run.loaded:
+                    self._add_load(run, -run.weight)
+                    run.weight += u - run.urgency
+                    self._add_load(run, run.weight)
+                else:
+                    run.weight += u - run.urgency
+                run.urgency = u
+                self._urgency_moved(run)
+                self._touched[tid] = None
+        self._deadline_flows = bool(self._deadline)
+        self._rebuild_in -= 1
+        if self._resync:
+            # Something changed outside the policy (a pause declined or taken by hand): every
+            # transfer is looked at.
+            self._resync = False
+            self._touched.update(dict.fromkeys(runs))
+            self._touched.update(dict.fromkeys(k for k in alloc.rates() if k not in runs))
+            self._rebuild_in = 0
+        if self._rebuild_in <= 0:
+            # The load sums exactly, now and then (float error; amortised O(1) per slice).
+            self._rebuild_in = 64 + 8 * len(runs)
+            self._rebuild_load()
+        touched, self._touched = self._touched, {}
+        for tid in touched:
+            r = runs.get(tid)
+            if r is None or r.pending.paused or r.pending.done:
+                if tid in alloc:
+                    alloc.remove(tid)
+                continue
+            if tid in alloc:
+                alloc.set_weight(tid, r.weight)
+                continue
+            for key in r.resources:
+                if alloc.capacity(key) is None:
+                    alloc.set_capacity(key, cap(state, key, held))
+            alloc.add(tid, r.weight, r.resources, told=r.pending.rate_bps, order=self._run_seq.get(tid, 0))
+
+    def _rebuild_load(self) -> None:
+        """The load sums and loaded flags from scratch, in the order `_add_load` would have added them."""
+        load: dict[Hashable, float] = {}
+        get = load.get
+        for run in self._runs.values():
+            f = run.pending
+            if f.paused or f.done:
+                run.loaded = False
+                continue
+            w = run.weight
+            for key in run.resources:
+                load[key] = get(key, 0.0) + w
+            run.loaded = w > 0
+        self._load = load
+
     def adjust(self, state: GroupState, now: float) -> list[Adjustment]:
         """The pauses and resumes of the last pass, and once per slice the reallocated rates (at
         once when an urgent transfer started or ended: `WeightedPolicy._at_once`)."""
@@ -138,15 +261,16 @@ class WeightedRates(WeightedBook):
         self._dirty = self._at_once = False
         self._last_adjust = now
         self.reallocations += 1
-        rates = self.allocate(state, now)
-        for run in self._runs.values():
-            f = run.pending
-            if f.paused or f.done:
-                continue
-            new = rates.get(f.transfer_id, 0.0)
+        self._sync(state, now)
+        alloc, runs, eps = self._alloc, self._runs, self.rate_epsilon
+        for tid in alloc.solve():
+            f = runs[tid].pending
+            new = alloc.rate(tid)
+            if new > 0:
+                new = max(new, MIN_RATE_BPS)
             old = f.rate_bps
-            if old == new or (old > 0 and new > 0 and abs(new - old) <= self.rate_epsilon * old):
-                continue
-            f.rate_bps = new
-            out.append(Adjustment(f, ControlAction.RATE, rate_bps=new, reason=f"reallocated: {_mbit(new)}"))
+            if not (old == new or (old > 0 and new > 0 and abs(new - old) <= eps * old)):
+                f.rate_bps = new
+                out.append(Adjustment(f, ControlAction.RATE, rate_bps=new, reason=f"reallocated: {_mbit(new)}"))
+            alloc.tell(tid, f.rate_bps)
         return out

@@ -274,6 +274,8 @@ class GroupState:
     policies here learn of that by the `SchedulingPolicy.withdrawn` hook instead.)"""
     declared: dict[str, tuple[float, float]] = field(default_factory=dict)
     """Per agent: (link bytes/s, one-way latency s) it declared in the directory (0 = unknown)."""
+    declared_version: int = 0
+    """Bumped by `declare` when a declaration changed (the policy's rates re-read the capacities)."""
     priorities: dict[str, float] = field(default_factory=dict)
     """Role priorities from the directory, for agents that do not probe this group (other groups)."""
     remote: dict[str, str] = field(default_factory=dict)
@@ -325,6 +327,8 @@ class GroupState:
         new = (float(link_bps), float(latency_s))
         old = self.declared.get(agent)
         self.declared[agent] = new
+        if old != new:
+            self.declared_version += 1
         if old is not None and old != new:
             for key in [k for k in self.links if agent in k]:
                 self.links[key].samples.clear()

@@ -176,9 +176,11 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
 
     def changed(self) -> None:
         """Something outside `decide` changed the running set (a done, a declined pause):
-        reallocate at the next slice, and look at every paused transfer in the next pass."""
+        reallocate at the next slice (looking at every running transfer), and look at every
+        paused transfer in the next pass."""
         self._dirty = True
         self._rescan = True
+        self._resync = True
 
     def _ended(self, pending: Pending) -> None:
         """``pending`` no longer preempts anything (done, or only its budget runs): its victims are looked at."""

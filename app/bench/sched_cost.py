@@ -1,7 +1,8 @@
 """The group scheduler's own cost per grant (`kvbus bench sched`'s ``decision_us_*``): the policy's
 thread CPU time of ``decide`` per grant in a group of 16 / 64 / 256 / 1024 agents with half of them
 sending and half waiting (each step one transfer finishes, one arrives, ``decide`` grants one),
-and of ``adjust`` (the per-slice max-min reallocation of every running transfer)."""
+and of ``adjust`` (the per-slice max-min reallocation of every running transfer); and how many
+transfers the incremental max-min recomputed per slice (``recomputed_per_slice``)."""
 
 from __future__ import annotations
 
@@ -92,4 +93,5 @@ def decision_cost(n: int, steps: int, selector: Any, seed: int = 1) -> dict[str,
         "adjust_p50": pct(adjust, 0.5),
         "adjust_p99": pct(adjust, 0.99),
         "grants": len(per_grant),
+        "recomputed_per_slice": policy._alloc.recomputed / max(1, policy.reallocations),
     }
