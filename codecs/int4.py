@@ -8,9 +8,16 @@ from collections.abc import Sequence
 import torch
 
 from kvbus.codecs._header import KVHeader
-from kvbus.codecs._kernels import int4_decode, int4_encode, int4_grouped_shape
+from kvbus.codecs._kernels import (
+    int4_decode,
+    int4_decode_layer,
+    int4_encode,
+    int4_encode_layer,
+    int4_grouped_shape,
+)
 from kvbus.codecs._tensors import require_finite
 from kvbus.codecs.base import register
+from kvbus.codecs.errors import NonFiniteValues
 from kvbus.codecs.layerwise import LayerBuffer, LayerwiseCodec
 from kvbus.codecs.spec import Param
 from kvbus.signature import ModelSignature
@@ -37,6 +44,8 @@ class Int4Codec(LayerwiseCodec):
     params = (Param("g", int, DEFAULT_GROUP, lo=2, hi=4096),)
     lossless = False
     fidelity = 0.95
+    parallel_layers = True  # the C kernels (`kvbus.codecs._native`) release the GIL
+    native_dtypes = ((torch.bfloat16, torch.float32), (torch.bfloat16, torch.float32))
 
     def _key_group(self, seq_len: int) -> int:
         return max(1, min(int(self.args["g"]), seq_len))
@@ -73,6 +82,12 @@ class Int4Codec(LayerwiseCodec):
                 finite; the check reads the scales, not the data).
         """
         (k_axis, k_group), (v_axis, v_group) = self._groups(header)
+        fused = int4_encode_layer(keys, values, k_group, v_group, out)
+        if fused is not None:  # the C kernels: one call, the finiteness of the scales with it
+            tensors, bad = fused
+            if bad:
+                raise NonFiniteValues(self.name, "keys" if bad & 1 else "values")
+            return tensors
         kc, ks, kl = int4_encode(keys, k_axis, k_group, (out[0], out[1], out[2]) if out else None)
         vc, vs, vl = int4_encode(values, v_axis, v_group, (out[3], out[4], out[5]) if out else None)
         # A NaN or inf anywhere in a group makes its span, hence its scale, NaN or inf.
@@ -86,9 +101,12 @@ class Int4Codec(LayerwiseCodec):
         out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Unpack and dequantise straight to the KV dtype (into ``out`` when given)."""
-        kc, ks, kl, vc, vs, vl = views
         (k_axis, k_group), (v_axis, v_group) = self._groups(header)
         shape = header.layer_shape
+        fused = int4_decode_layer(views, shape, k_group, v_group, out)
+        if fused is not None:
+            return fused
+        kc, ks, kl, vc, vs, vl = views
         ko, vo = out if out else (None, None)
         return (
             int4_decode(kc, ks, kl, shape, k_axis, k_group, ko),

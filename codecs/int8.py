@@ -7,9 +7,10 @@ from collections.abc import Sequence
 import torch
 
 from kvbus.codecs._header import KVHeader
-from kvbus.codecs._kernels import int8_decode, int8_encode
+from kvbus.codecs._kernels import int8_decode, int8_decode_layer, int8_encode, int8_encode_layer
 from kvbus.codecs._tensors import require_finite
 from kvbus.codecs.base import register
+from kvbus.codecs.errors import NonFiniteValues
 from kvbus.codecs.layerwise import LayerBuffer, LayerwiseCodec
 from kvbus.signature import ModelSignature
 
@@ -53,6 +54,8 @@ class Int8Codec(LayerwiseCodec):
 
     lossless = False
     fidelity = 0.99
+    parallel_layers = True  # the C kernels (`kvbus.codecs._native`) release the GIL
+    native_dtypes = ((torch.bfloat16, torch.float32), (torch.bfloat16, torch.float32))
 
     def layer_layout(self, header: KVHeader) -> Sequence[LayerBuffer]:
         """Per tensor its int8 codes (section 1) and its scales in the KV dtype (section 0): per
@@ -77,6 +80,12 @@ class Int8Codec(LayerwiseCodec):
         Raises:
             NonFiniteValues: ``keys`` or ``values`` hold NaN or inf (their scales are not finite).
         """
+        fused = int8_encode_layer(keys, values, out)
+        if fused is not None:  # the C kernels: one call, the finiteness of the scales with it
+            tensors, bad = fused
+            if bad:
+                raise NonFiniteValues(self.name, "keys" if bad & 1 else "values")
+            return tensors
         kq, ks = quantise(keys, KEY_AXIS, (out[0], out[1]) if out else None)
         vq, vs = quantise(values, VALUE_AXIS, (out[2], out[3]) if out else None)
         require_finite(self.name, ("keys", ks), ("values", vs))
@@ -89,6 +98,9 @@ class Int8Codec(LayerwiseCodec):
         out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantise straight to the KV dtype (into ``out`` when given)."""
+        fused = int8_decode_layer(views, out)
+        if fused is not None:
+            return fused
         kq, ks, vq, vs = views
         return dequantise(kq, ks, out[0] if out else None), dequantise(vq, vs, out[1] if out else None)
 

@@ -1,0 +1,803 @@
+/* The fused quantising kernels of kvbus.codecs (see kvbus/codecs/_native.py).
+ *
+ * Each function does, for one contiguous [rows, ...] block, in one or two passes over data that
+ * stays in the L1/L2 cache, what the eager torch kernels of _kernels.py do in five to eight
+ * passes over a layer: read bfloat16 (or float32), reduce, compute the scale, divide, round
+ * half to even and pack. The arithmetic is the same IEEE operation for operation (float32
+ * division, the 1.5 * 2**23 rounding add, scales rounded up to the KV dtype from a float64
+ * quotient, the float32 -> bfloat16 round to nearest even torch uses), so the codes and scales
+ * are bit for bit those of the torch kernels: tests/test_kernels.py checks it. Built without
+ * -ffast-math and with -ffp-contract=off: no reassociation, no reciprocal, no fused multiply-add
+ * that would round differently.
+ *
+ * The division: a float32 division costs several times a multiplication on AVX-512 (and was
+ * the encoders' bottleneck); each code is computed as round(x * (1 / scale)) instead, and a row
+ * in which any product lies within `NEAR_HALF` of a half-integer (where the two could round
+ * apart) is recomputed with the division. |x / scale| <= 127.5, and x * fl(1 / scale) differs
+ * from x / scale by at most 127.5 * 2**-23 < 1.6e-5, plus half an ulp of the quotient (3.9e-6):
+ * far inside the margin of 2**-14 (6.1e-5). About one row in a hundred is recomputed.
+ *
+ * Layouts: keys are [bh, s, d] with a scale per (bh, channel); values [r, d] with a scale per
+ * row. Scales and bfloat16 data travel as their uint16 bit patterns. Heads are at most CHUNK
+ * channels wide (_native.MAX_CHANNELS).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAGIC 12582912.0f /* 1.5 * 2**23: x + MAGIC holds round-half-even(x) in its low bits */
+
+static inline float bf16_to_f32(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint32_t f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+/* float32 -> bfloat16, round to nearest even; NaN -> 0x7FC0 (c10::BFloat16's rule). */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u = f32_bits(f);
+    uint16_t r = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    return f != f ? (uint16_t)0x7FC0 : r; /* a select, not a branch: loops over it vectorise */
+}
+
+/* The smallest bfloat16 >= exact (exact >= 0, or NaN / inf), the way _kernels._step_up gets it:
+ * round through float32 to nearest even, then one ulp up if that fell below exact. */
+static inline uint16_t bf16_ceil(double exact) {
+    uint16_t b = f32_to_bf16((float)exact);
+    return (uint16_t)(b + ((double)bf16_to_f32(b) < exact));
+}
+
+/* The same for float32: round to nearest, then one ulp up if below. */
+static inline float f32_ceil(double exact) {
+    float f = (float)exact;
+    if ((double)f < exact) {
+        uint32_t u = f32_bits(f) + 1;
+        memcpy(&f, &u, 4);
+    }
+    return f;
+}
+
+/* The low byte of t + MAGIC: t rounded half to even (the int8 code as the torch kernels'
+ * int32 -> int8 conversion takes it), defined for NaN and inf too. */
+static inline uint8_t low_byte(float t) { return (uint8_t)f32_bits(t + MAGIC); }
+
+/* Distance of t from its nearest integer, above which x * (1 / s) may round unlike x / s. */
+#define NEAR_HALF (0.5f - 6.103515625e-05f) /* 0.5 - 2**-14 */
+
+/* Whether the product t may round unlike the quotient (near a half-integer, or not finite). */
+static inline int unsure(float t) {
+    float k = (t + MAGIC) - MAGIC;
+    return !(fabsf(t - k) < NEAR_HALF);
+}
+
+#define CHUNK 256 /* widest head (channels per key row) */
+#define BLOCK 64  /* value rows whose scales are computed together */
+
+/* Codes of one row of n float32 values: round(f / sc) with a scale (and its reciprocal) per
+ * element, through the reciprocal unless a product is unsure. */
+static inline void codes_vec(const float *restrict f, const float *restrict sc, const float *restrict rc,
+                             uint8_t *restrict out, int64_t n) {
+    int bad = 0;
+    for (int64_t c = 0; c < n; c++) {
+        float t = f[c] * rc[c];
+        bad |= unsure(t);
+        out[c] = low_byte(t);
+    }
+    if (bad)
+        for (int64_t c = 0; c < n; c++) out[c] = low_byte(f[c] / sc[c]);
+}
+
+/* The same with one scale for the row. */
+static inline void codes_one(const float *restrict f, float sc, float rc, uint8_t *restrict out, int64_t n) {
+    int bad = 0;
+    for (int64_t c = 0; c < n; c++) {
+        float t = f[c] * rc;
+        bad |= unsure(t);
+        out[c] = low_byte(t);
+    }
+    if (bad)
+        for (int64_t c = 0; c < n; c++) out[c] = low_byte(f[c] / sc);
+}
+
+static inline void widen_bf16(const uint16_t *restrict x, float *restrict f, int64_t n) {
+    for (int64_t c = 0; c < n; c++) f[c] = bf16_to_f32(x[c]);
+}
+
+/* The scale of an absmax (|x| as bits: integer order is float order, NaN above inf). */
+static inline uint16_t int8_scale_bf16(uint16_t am) {
+    double a = (double)bf16_to_f32(am), exact = a / 127.0;
+    return bf16_ceil(a == 0 ? 1.0 : exact);
+}
+
+static inline float int8_scale_f32(uint32_t am) {
+    float af;
+    memcpy(&af, &am, 4);
+    double a = (double)af, exact = a / 127.0;
+    return f32_ceil(a == 0 ? 1.0 : exact);
+}
+
+/* Each kernel is an inlined body and an exported function that calls it with the common head
+ * dimensions (and groups) as constants, so that the compiler unrolls the short inner loops. */
+
+/* ---- int8, symmetric absmax ------------------------------------------------------------------ */
+
+static inline __attribute__((always_inline)) void int8_enc_keys_bf16_body(const uint16_t *restrict x, int8_t *restrict q, uint16_t *restrict scale, int64_t bh,
+                        int64_t s, int64_t d) {
+    uint16_t am[CHUNK];
+    float sc[CHUNK], rc[CHUNK], f[CHUNK];
+    for (int64_t r = 0; r < bh; r++) {
+        const uint16_t *xr = x + r * s * d;
+        for (int64_t c = 0; c < d; c++) am[c] = 0;
+        for (int64_t t = 0; t < s; t++)
+            for (int64_t c = 0; c < d; c++) {
+                uint16_t a = xr[t * d + c] & 0x7FFF;
+                am[c] = a > am[c] ? a : am[c];
+            }
+        for (int64_t c = 0; c < d; c++) {
+            uint16_t b = scale[r * d + c] = int8_scale_bf16(am[c]);
+            sc[c] = bf16_to_f32(b);
+            rc[c] = 1.0f / sc[c];
+        }
+        for (int64_t t = 0; t < s; t++) {
+            widen_bf16(xr + t * d, f, d);
+            codes_vec(f, sc, rc, (uint8_t *)q + (r * s + t) * d, d);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void int8_enc_rows_bf16_body(const uint16_t *restrict x, int8_t *restrict q, uint16_t *restrict scale, int64_t rows,
+                        int64_t d) {
+    float f[CHUNK];
+    uint16_t am[BLOCK];
+    for (int64_t r0 = 0; r0 < rows; r0 += BLOCK) {
+        int64_t nb = rows - r0 < BLOCK ? rows - r0 : BLOCK;
+        for (int64_t i = 0; i < nb; i++) {
+            const uint16_t *row = x + (r0 + i) * d;
+            uint16_t m = 0;
+            for (int64_t c = 0; c < d; c++) {
+                uint16_t a = row[c] & 0x7FFF;
+                m = a > m ? a : m;
+            }
+            am[i] = m;
+        }
+        for (int64_t i = 0; i < nb; i++) scale[r0 + i] = int8_scale_bf16(am[i]);
+        for (int64_t i = 0; i < nb; i++) {
+            float sc = bf16_to_f32(scale[r0 + i]);
+            for (int64_t c0 = 0; c0 < d; c0 += CHUNK) {
+                int64_t n = d - c0 < CHUNK ? d - c0 : CHUNK;
+                widen_bf16(x + (r0 + i) * d + c0, f, n);
+                codes_one(f, sc, 1.0f / sc, (uint8_t *)q + (r0 + i) * d + c0, n);
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void int8_enc_keys_f32_body(const float *restrict x, int8_t *restrict q, float *restrict scale, int64_t bh, int64_t s,
+                       int64_t d) {
+    uint32_t am[CHUNK];
+    float sc[CHUNK], rc[CHUNK];
+    for (int64_t r = 0; r < bh; r++) {
+        const float *xr = x + r * s * d;
+        for (int64_t c = 0; c < d; c++) am[c] = 0;
+        for (int64_t t = 0; t < s; t++)
+            for (int64_t c = 0; c < d; c++) {
+                uint32_t a = f32_bits(xr[t * d + c]) & 0x7FFFFFFFu;
+                am[c] = a > am[c] ? a : am[c];
+            }
+        for (int64_t c = 0; c < d; c++) {
+            sc[c] = scale[r * d + c] = int8_scale_f32(am[c]);
+            rc[c] = 1.0f / sc[c];
+        }
+        for (int64_t t = 0; t < s; t++) codes_vec(xr + t * d, sc, rc, (uint8_t *)q + (r * s + t) * d, d);
+    }
+}
+
+static inline __attribute__((always_inline)) void int8_enc_rows_f32_body(const float *restrict x, int8_t *restrict q, float *restrict scale, int64_t rows, int64_t d) {
+    uint32_t am[BLOCK];
+    for (int64_t r0 = 0; r0 < rows; r0 += BLOCK) {
+        int64_t nb = rows - r0 < BLOCK ? rows - r0 : BLOCK;
+        for (int64_t i = 0; i < nb; i++) {
+            const float *row = x + (r0 + i) * d;
+            uint32_t m = 0;
+            for (int64_t c = 0; c < d; c++) {
+                uint32_t a = f32_bits(row[c]) & 0x7FFFFFFFu;
+                m = a > m ? a : m;
+            }
+            am[i] = m;
+        }
+        for (int64_t i = 0; i < nb; i++) scale[r0 + i] = int8_scale_f32(am[i]);
+        for (int64_t i = 0; i < nb; i++) {
+            float sc = scale[r0 + i];
+            codes_one(x + (r0 + i) * d, sc, 1.0f / sc, (uint8_t *)q + (r0 + i) * d, d);
+        }
+    }
+}
+
+/* q * scale rounded once to bfloat16 (the product is exact in float32: 8 by 8 significant bits). */
+static inline __attribute__((always_inline)) void int8_dec_keys_bf16_body(const int8_t *restrict q, const uint16_t *restrict scale, uint16_t *restrict out, int64_t bh,
+                        int64_t s, int64_t d) {
+    float sc[CHUNK];
+    for (int64_t r = 0; r < bh; r++) {
+        for (int64_t c = 0; c < d; c++) sc[c] = bf16_to_f32(scale[r * d + c]);
+        for (int64_t t = 0; t < s; t++) {
+            const int8_t *in = q + (r * s + t) * d;
+            uint16_t *o = out + (r * s + t) * d;
+            for (int64_t c = 0; c < d; c++) o[c] = f32_to_bf16((float)in[c] * sc[c]);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void int8_dec_rows_bf16_body(const int8_t *restrict q, const uint16_t *restrict scale, uint16_t *restrict out,
+                        int64_t rows, int64_t d) {
+    for (int64_t r = 0; r < rows; r++) {
+        float sc = bf16_to_f32(scale[r]);
+        const int8_t *in = q + r * d;
+        uint16_t *o = out + r * d;
+        for (int64_t c = 0; c < d; c++) o[c] = f32_to_bf16((float)in[c] * sc);
+    }
+}
+
+/* ---- int4, asymmetric min/max in groups, two codes per byte (the first in the low nibble) ------ */
+
+/* The low (the minimum, exact in bfloat16) and the scale of n groups from their float32 minimums
+ * and maximums; a NaN in a group (nan[i]) makes both NaN, as torch's amin / amax propagate it. */
+static inline void int4_ranges_bf16(const float *restrict mn, const float *restrict mx, const int *restrict nan,
+                                    uint16_t *restrict low, uint16_t *restrict scale, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        uint16_t lb = f32_to_bf16(mn[i]);
+        double span = (double)mx[i] - (double)bf16_to_f32(lb);
+        double exact = span / 15.0; /* computed unconditionally: the loop vectorises */
+        uint16_t b = bf16_ceil(span == 0 ? 1.0 : exact);
+        low[i] = nan[i] ? 0x7FC0 : lb;
+        scale[i] = nan[i] ? 0x7FC0 : b;
+    }
+}
+
+/* Two codes per byte: out[i] = codes[2i] | codes[2i + 1] << 4, each pair read as one little-endian
+ * uint16 (codes are 0..15, or garbage for a NaN group: masked). */
+static inline void pack4(const uint8_t *restrict codes, uint8_t *restrict out, int64_t n) {
+    for (int64_t i = 0; i < n / 2; i++) {
+        uint16_t w;
+        memcpy(&w, codes + 2 * i, 2);
+        w &= 0x0F0F;
+        out[i] = (uint8_t)(w | (w >> 4));
+    }
+}
+
+/* The inverse: codes[2i], codes[2i + 1] = in[i] & 15, in[i] >> 4, as float32. */
+static inline void unpack4(const uint8_t *restrict in, float *restrict codes, int64_t n) {
+    uint8_t bytes[CHUNK];
+    for (int64_t i = 0; i < n / 2; i++) {
+        uint16_t w = (uint16_t)((in[i] & 0x0F) | ((in[i] & 0xF0) << 4));
+        memcpy(bytes + 2 * i, &w, 2);
+    }
+    for (int64_t c = 0; c < n; c++) codes[c] = (float)bytes[c];
+}
+
+/* Keys: [bh, s, d] bfloat16 (d even) in groups of g tokens per channel, the sequence padded to
+ * whole groups by repeating the last token. scale and low: [bh, groups, d]; packed: the codes of
+ * the padded [bh, groups * g, d] in order, two per byte. */
+static inline __attribute__((always_inline)) void int4_enc_keys_bf16_body(const uint16_t *restrict x, uint8_t *restrict packed, uint16_t *restrict scale,
+                        uint16_t *restrict low, int64_t bh, int64_t s, int64_t d, int64_t g) {
+    int64_t groups = (s + g - 1) / g;
+    float mn[CHUNK], mx[CHUNK], lo[CHUNK], sc[CHUNK], rc[CHUNK], f[CHUNK];
+    int nan[CHUNK];
+    uint8_t codes[CHUNK];
+    for (int64_t r = 0; r < bh; r++) {
+        const uint16_t *xr = x + r * s * d;
+        for (int64_t j = 0; j < groups; j++) {
+            int64_t t0 = j * g, t1 = t0 + g < s ? t0 + g : s;
+            widen_bf16(xr + t0 * d, mn, d);
+            for (int64_t c = 0; c < d; c++) {
+                mx[c] = mn[c];
+                nan[c] = 0;
+            }
+            for (int64_t t = t0; t < t1; t++) {
+                widen_bf16(xr + t * d, f, d);
+                for (int64_t c = 0; c < d; c++) {
+                    float v = f[c];
+                    mn[c] = v < mn[c] ? v : mn[c];
+                    mx[c] = v > mx[c] ? v : mx[c];
+                    nan[c] |= v != v;
+                }
+            }
+            uint16_t *ls = low + (r * groups + j) * d, *ss = scale + (r * groups + j) * d;
+            int4_ranges_bf16(mn, mx, nan, ls, ss, d);
+            for (int64_t c = 0; c < d; c++) {
+                lo[c] = bf16_to_f32(ls[c]);
+                sc[c] = bf16_to_f32(ss[c]);
+                rc[c] = 1.0f / sc[c];
+            }
+            for (int64_t t = t0; t < t0 + g; t++) {
+                widen_bf16(xr + (t < s ? t : s - 1) * d, f, d);
+                for (int64_t c = 0; c < d; c++) f[c] -= lo[c];
+                codes_vec(f, sc, rc, codes, d);
+                pack4(codes, packed + ((r * groups * g + t) * d) / 2, d);
+            }
+        }
+    }
+}
+
+/* The minimum and maximum of each group of g consecutive values of f[0..d) (g divides d), and
+ * whether it holds a NaN. A power-of-two g is reduced as a tree, which vectorises (a sequential
+ * min does not); it keeps the same values, except that of a -0.0 and a 0.0 tied for the minimum
+ * (or maximum) either may come out (torch's own reductions differ there too). */
+static inline __attribute__((always_inline)) void group_ranges(const float *restrict f, float *restrict mn,
+                                                               float *restrict mx, int *restrict nan, int64_t d,
+                                                               int64_t g) {
+    int64_t per = d / g;
+    int any = 0;
+    for (int64_t c = 0; c < d; c++) any |= f[c] != f[c];
+    if ((g & (g - 1)) == 0 && g >= 2) {
+        float a[CHUNK], b[CHUNK];
+        int64_t w = g / 2;
+        for (int64_t j = 0; j < per; j++)
+            for (int64_t c = 0; c < w; c++) {
+                float u = f[j * g + c], v = f[j * g + c + w];
+                a[j * g + c] = v < u ? v : u;
+                b[j * g + c] = v > u ? v : u;
+            }
+        for (w /= 2; w >= 1; w /= 2)
+            for (int64_t j = 0; j < per; j++)
+                for (int64_t c = 0; c < w; c++) {
+                    float u = a[j * g + c], v = a[j * g + c + w];
+                    a[j * g + c] = v < u ? v : u;
+                    u = b[j * g + c], v = b[j * g + c + w];
+                    b[j * g + c] = v > u ? v : u;
+                }
+        for (int64_t j = 0; j < per; j++) {
+            mn[j] = a[j * g];
+            mx[j] = b[j * g];
+        }
+    } else {
+        for (int64_t j = 0; j < per; j++) {
+            float u = f[j * g], v = u;
+            for (int64_t c = 0; c < g; c++) {
+                u = f[j * g + c] < u ? f[j * g + c] : u;
+                v = f[j * g + c] > v ? f[j * g + c] : v;
+            }
+            mn[j] = u;
+            mx[j] = v;
+        }
+    }
+    for (int64_t j = 0; j < per; j++) nan[j] = 0;
+    if (any)
+        for (int64_t j = 0; j < per; j++)
+            for (int64_t c = 0; c < g; c++) nan[j] |= f[j * g + c] != f[j * g + c];
+}
+
+/* Values: [rows, d] bfloat16 in groups of g channels per row (g even, dividing d, d at most
+ * CHUNK). scale and low: [rows, d / g]; packed: the codes in order, two per byte. The ranges of
+ * BLOCK rows are computed together (their float64 divisions vectorise). */
+static inline __attribute__((always_inline)) void int4_enc_rows_bf16_body(const uint16_t *restrict x, uint8_t *restrict packed, uint16_t *restrict scale,
+                        uint16_t *restrict low, int64_t rows, int64_t d, int64_t g) {
+    int64_t per = d / g;
+    float f[CHUNK], mn[BLOCK * CHUNK / 2], mx[BLOCK * CHUNK / 2];
+    int nan[BLOCK * CHUNK / 2];
+    uint8_t codes[CHUNK];
+    for (int64_t r0 = 0; r0 < rows; r0 += BLOCK) {
+        int64_t nb = rows - r0 < BLOCK ? rows - r0 : BLOCK;
+        for (int64_t i = 0; i < nb; i++) {
+            widen_bf16(x + (r0 + i) * d, f, d);
+            group_ranges(f, mn + i * per, mx + i * per, nan + i * per, d, g);
+        }
+        int4_ranges_bf16(mn, mx, nan, low + r0 * per, scale + r0 * per, nb * per);
+        for (int64_t i = 0; i < nb; i++) {
+            int64_t r = r0 + i;
+            widen_bf16(x + r * d, f, d);
+            for (int64_t j = 0; j < per; j++) {
+                float lo = bf16_to_f32(low[r * per + j]), sc = bf16_to_f32(scale[r * per + j]);
+                for (int64_t c = 0; c < g; c++) f[j * g + c] -= lo;
+                codes_one(f + j * g, sc, 1.0f / sc, codes + j * g, g);
+            }
+            pack4(codes, packed + (r * d) / 2, d);
+        }
+    }
+}
+
+/* bfloat16(code * scale + low): the product is exact in float32 (4 by 8 significant bits), so
+ * only the sum rounds, then the cast (as the torch kernels compute it). */
+static inline __attribute__((always_inline)) void int4_dec_keys_bf16_body(const uint8_t *restrict packed, const uint16_t *restrict scale, const uint16_t *restrict low,
+                        uint16_t *restrict out, int64_t bh, int64_t s, int64_t d, int64_t g) {
+    int64_t groups = (s + g - 1) / g;
+    float lo[CHUNK], sc[CHUNK], f[CHUNK];
+    for (int64_t r = 0; r < bh; r++) {
+        for (int64_t j = 0; j < groups; j++) {
+            const uint16_t *ls = low + (r * groups + j) * d, *ss = scale + (r * groups + j) * d;
+            for (int64_t c = 0; c < d; c++) {
+                lo[c] = bf16_to_f32(ls[c]);
+                sc[c] = bf16_to_f32(ss[c]);
+            }
+            int64_t t1 = j * g + g < s ? j * g + g : s;
+            for (int64_t t = j * g; t < t1; t++) {
+                unpack4(packed + ((r * groups * g + t) * d) / 2, f, d);
+                uint16_t *o = out + (r * s + t) * d;
+                for (int64_t c = 0; c < d; c++) o[c] = f32_to_bf16(f[c] * sc[c] + lo[c]);
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void int4_dec_rows_bf16_body(const uint8_t *restrict packed, const uint16_t *restrict scale, const uint16_t *restrict low,
+                        uint16_t *restrict out, int64_t rows, int64_t d, int64_t g) {
+    int64_t per = d / g;
+    float f[CHUNK];
+    for (int64_t r = 0; r < rows; r++) {
+        unpack4(packed + (r * d) / 2, f, d);
+        uint16_t *o = out + r * d;
+        for (int64_t j = 0; j < per; j++) {
+            float lo = bf16_to_f32(low[r * per + j]), sc = bf16_to_f32(scale[r * per + j]);
+            for (int64_t c = 0; c < g; c++) o[j * g + c] = f32_to_bf16(f[j * g + c] * sc + lo);
+        }
+    }
+}
+
+/* ---- float32 variants of the int4 kernels and of int8's decoders (the bodies above, with float32
+ * loads and stores: the low is the minimum itself, the scale rounded up in float32). torch's
+ * float32 addcmul rounds code * scale + low once (a fused multiply-add): int4's decoders do too. */
+
+static inline void widen_f32(const float *restrict x, float *restrict f, int64_t n) {
+    for (int64_t c = 0; c < n; c++) f[c] = x[c];
+}
+
+static inline void int4_ranges_f32(const float *restrict mn, const float *restrict mx, const int *restrict nan,
+                                   float *restrict low, float *restrict scale, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        double span = (double)mx[i] - (double)mn[i];
+        double exact = span / 15.0;
+        float b = f32_ceil(span == 0 ? 1.0 : exact);
+        low[i] = nan[i] ? __builtin_nanf("") : mn[i];
+        scale[i] = nan[i] ? __builtin_nanf("") : b;
+    }
+}
+
+static inline __attribute__((always_inline)) void int8_dec_keys_f32_body(const int8_t *restrict q, const float *restrict scale, float *restrict out, int64_t bh,
+                        int64_t s, int64_t d) {
+    float sc[CHUNK];
+    for (int64_t r = 0; r < bh; r++) {
+        for (int64_t c = 0; c < d; c++) sc[c] = (scale[r * d + c]);
+        for (int64_t t = 0; t < s; t++) {
+            const int8_t *in = q + (r * s + t) * d;
+            float *o = out + (r * s + t) * d;
+            for (int64_t c = 0; c < d; c++) o[c] = ((float)in[c] * sc[c]);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void int8_dec_rows_f32_body(const int8_t *restrict q, const float *restrict scale, float *restrict out,
+                        int64_t rows, int64_t d) {
+    for (int64_t r = 0; r < rows; r++) {
+        float sc = (scale[r]);
+        const int8_t *in = q + r * d;
+        float *o = out + r * d;
+        for (int64_t c = 0; c < d; c++) o[c] = ((float)in[c] * sc);
+    }
+}
+
+static inline __attribute__((always_inline)) void int4_enc_keys_f32_body(const float *restrict x, uint8_t *restrict packed, float *restrict scale,
+                        float *restrict low, int64_t bh, int64_t s, int64_t d, int64_t g) {
+    int64_t groups = (s + g - 1) / g;
+    float mn[CHUNK], mx[CHUNK], lo[CHUNK], sc[CHUNK], rc[CHUNK], f[CHUNK];
+    int nan[CHUNK];
+    uint8_t codes[CHUNK];
+    for (int64_t r = 0; r < bh; r++) {
+        const float *xr = x + r * s * d;
+        for (int64_t j = 0; j < groups; j++) {
+            int64_t t0 = j * g, t1 = t0 + g < s ? t0 + g : s;
+            widen_f32(xr + t0 * d, mn, d);
+            for (int64_t c = 0; c < d; c++) {
+                mx[c] = mn[c];
+                nan[c] = 0;
+            }
+            for (int64_t t = t0; t < t1; t++) {
+                widen_f32(xr + t * d, f, d);
+                for (int64_t c = 0; c < d; c++) {
+                    float v = f[c];
+                    mn[c] = v < mn[c] ? v : mn[c];
+                    mx[c] = v > mx[c] ? v : mx[c];
+                    nan[c] |= v != v;
+                }
+            }
+            float *ls = low + (r * groups + j) * d, *ss = scale + (r * groups + j) * d;
+            int4_ranges_f32(mn, mx, nan, ls, ss, d);
+            for (int64_t c = 0; c < d; c++) {
+                lo[c] = (ls[c]);
+                sc[c] = (ss[c]);
+                rc[c] = 1.0f / sc[c];
+            }
+            for (int64_t t = t0; t < t0 + g; t++) {
+                widen_f32(xr + (t < s ? t : s - 1) * d, f, d);
+                for (int64_t c = 0; c < d; c++) f[c] -= lo[c];
+                codes_vec(f, sc, rc, codes, d);
+                pack4(codes, packed + ((r * groups * g + t) * d) / 2, d);
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void int4_enc_rows_f32_body(const float *restrict x, uint8_t *restrict packed, float *restrict scale,
+                        float *restrict low, int64_t rows, int64_t d, int64_t g) {
+    int64_t per = d / g;
+    float f[CHUNK], mn[BLOCK * CHUNK / 2], mx[BLOCK * CHUNK / 2];
+    int nan[BLOCK * CHUNK / 2];
+    uint8_t codes[CHUNK];
+    for (int64_t r0 = 0; r0 < rows; r0 += BLOCK) {
+        int64_t nb = rows - r0 < BLOCK ? rows - r0 : BLOCK;
+        for (int64_t i = 0; i < nb; i++) {
+            widen_f32(x + (r0 + i) * d, f, d);
+            group_ranges(f, mn + i * per, mx + i * per, nan + i * per, d, g);
+        }
+        int4_ranges_f32(mn, mx, nan, low + r0 * per, scale + r0 * per, nb * per);
+        for (int64_t i = 0; i < nb; i++) {
+            int64_t r = r0 + i;
+            widen_f32(x + r * d, f, d);
+            for (int64_t j = 0; j < per; j++) {
+                float lo = (low[r * per + j]), sc = (scale[r * per + j]);
+                for (int64_t c = 0; c < g; c++) f[j * g + c] -= lo;
+                codes_one(f + j * g, sc, 1.0f / sc, codes + j * g, g);
+            }
+            pack4(codes, packed + (r * d) / 2, d);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void int4_dec_keys_f32_body(const uint8_t *restrict packed, const float *restrict scale, const float *restrict low,
+                        float *restrict out, int64_t bh, int64_t s, int64_t d, int64_t g) {
+    int64_t groups = (s + g - 1) / g;
+    float lo[CHUNK], sc[CHUNK], f[CHUNK];
+    for (int64_t r = 0; r < bh; r++) {
+        for (int64_t j = 0; j < groups; j++) {
+            const float *ls = low + (r * groups + j) * d, *ss = scale + (r * groups + j) * d;
+            for (int64_t c = 0; c < d; c++) {
+                lo[c] = (ls[c]);
+                sc[c] = (ss[c]);
+            }
+            int64_t t1 = j * g + g < s ? j * g + g : s;
+            for (int64_t t = j * g; t < t1; t++) {
+                unpack4(packed + ((r * groups * g + t) * d) / 2, f, d);
+                float *o = out + (r * s + t) * d;
+                for (int64_t c = 0; c < d; c++) o[c] = fmaf(f[c], sc[c], lo[c]);
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void int4_dec_rows_f32_body(const uint8_t *restrict packed, const float *restrict scale, const float *restrict low,
+                        float *restrict out, int64_t rows, int64_t d, int64_t g) {
+    int64_t per = d / g;
+    float f[CHUNK];
+    for (int64_t r = 0; r < rows; r++) {
+        unpack4(packed + (r * d) / 2, f, d);
+        float *o = out + r * d;
+        for (int64_t j = 0; j < per; j++) {
+            float lo = (low[r * per + j]), sc = (scale[r * per + j]);
+            for (int64_t c = 0; c < g; c++) o[j * g + c] = fmaf(f[j * g + c], sc, lo);
+        }
+    }
+}
+
+
+void int8_enc_keys_bf16(const uint16_t *restrict x, int8_t *restrict q, uint16_t *restrict scale, int64_t bh, int64_t s, int64_t d) {
+    if (d == 128)
+        int8_enc_keys_bf16_body(x, q, scale, bh, s, 128);
+    else if (d == 64)
+        int8_enc_keys_bf16_body(x, q, scale, bh, s, 64);
+    else
+        int8_enc_keys_bf16_body(x, q, scale, bh, s, d);
+}
+
+void int8_enc_rows_bf16(const uint16_t *restrict x, int8_t *restrict q, uint16_t *restrict scale, int64_t rows, int64_t d) {
+    if (d == 128)
+        int8_enc_rows_bf16_body(x, q, scale, rows, 128);
+    else if (d == 64)
+        int8_enc_rows_bf16_body(x, q, scale, rows, 64);
+    else
+        int8_enc_rows_bf16_body(x, q, scale, rows, d);
+}
+
+void int8_enc_keys_f32(const float *restrict x, int8_t *restrict q, float *restrict scale, int64_t bh, int64_t s, int64_t d) {
+    if (d == 128)
+        int8_enc_keys_f32_body(x, q, scale, bh, s, 128);
+    else if (d == 64)
+        int8_enc_keys_f32_body(x, q, scale, bh, s, 64);
+    else
+        int8_enc_keys_f32_body(x, q, scale, bh, s, d);
+}
+
+void int8_enc_rows_f32(const float *restrict x, int8_t *restrict q, float *restrict scale, int64_t rows, int64_t d) {
+    if (d == 128)
+        int8_enc_rows_f32_body(x, q, scale, rows, 128);
+    else if (d == 64)
+        int8_enc_rows_f32_body(x, q, scale, rows, 64);
+    else
+        int8_enc_rows_f32_body(x, q, scale, rows, d);
+}
+
+void int8_dec_keys_bf16(const int8_t *restrict q, const uint16_t *restrict scale, uint16_t *restrict out, int64_t bh, int64_t s, int64_t d) {
+    if (d == 128)
+        int8_dec_keys_bf16_body(q, scale, out, bh, s, 128);
+    else if (d == 64)
+        int8_dec_keys_bf16_body(q, scale, out, bh, s, 64);
+    else
+        int8_dec_keys_bf16_body(q, scale, out, bh, s, d);
+}
+
+void int8_dec_rows_bf16(const int8_t *restrict q, const uint16_t *restrict scale, uint16_t *restrict out, int64_t rows, int64_t d) {
+    if (d == 128)
+        int8_dec_rows_bf16_body(q, scale, out, rows, 128);
+    else if (d == 64)
+        int8_dec_rows_bf16_body(q, scale, out, rows, 64);
+    else
+        int8_dec_rows_bf16_body(q, scale, out, rows, d);
+}
+
+void int4_enc_keys_bf16(const uint16_t *restrict x, uint8_t *restrict packed, uint16_t *restrict scale, uint16_t *restrict low, int64_t bh, int64_t s, int64_t d, int64_t g) {
+    if (d == 128 && g == 32)
+        int4_enc_keys_bf16_body(x, packed, scale, low, bh, s, 128, 32);
+    else if (d == 64 && g == 32)
+        int4_enc_keys_bf16_body(x, packed, scale, low, bh, s, 64, 32);
+    else
+        int4_enc_keys_bf16_body(x, packed, scale, low, bh, s, d, g);
+}
+
+void int4_enc_rows_bf16(const uint16_t *restrict x, uint8_t *restrict packed, uint16_t *restrict scale, uint16_t *restrict low, int64_t rows, int64_t d, int64_t g) {
+    if (d == 128 && g == 32)
+        int4_enc_rows_bf16_body(x, packed, scale, low, rows, 128, 32);
+    else if (d == 64 && g == 32)
+        int4_enc_rows_bf16_body(x, packed, scale, low, rows, 64, 32);
+    else
+        int4_enc_rows_bf16_body(x, packed, scale, low, rows, d, g);
+}
+
+void int4_dec_keys_bf16(const uint8_t *restrict packed, const uint16_t *restrict scale, const uint16_t *restrict low, uint16_t *restrict out, int64_t bh, int64_t s, int64_t d, int64_t g) {
+    if (d == 128 && g == 32)
+        int4_dec_keys_bf16_body(packed, scale, low, out, bh, s, 128, 32);
+    else if (d == 64 && g == 32)
+        int4_dec_keys_bf16_body(packed, scale, low, out, bh, s, 64, 32);
+    else
+        int4_dec_keys_bf16_body(packed, scale, low, out, bh, s, d, g);
+}
+
+void int4_dec_rows_bf16(const uint8_t *restrict packed, const uint16_t *restrict scale, const uint16_t *restrict low, uint16_t *restrict out, int64_t rows, int64_t d, int64_t g) {
+    if (d == 128 && g == 32)
+        int4_dec_rows_bf16_body(packed, scale, low, out, rows, 128, 32);
+    else if (d == 64 && g == 32)
+        int4_dec_rows_bf16_body(packed, scale, low, out, rows, 64, 32);
+    else
+        int4_dec_rows_bf16_body(packed, scale, low, out, rows, d, g);
+}
+
+void int8_dec_keys_f32(const int8_t *restrict q, const float *restrict scale, float *restrict out, int64_t bh, int64_t s, int64_t d) {
+    if (d == 128)
+        int8_dec_keys_f32_body(q, scale, out, bh, s, 128);
+    else if (d == 64)
+        int8_dec_keys_f32_body(q, scale, out, bh, s, 64);
+    else
+        int8_dec_keys_f32_body(q, scale, out, bh, s, d);
+}
+
+void int8_dec_rows_f32(const int8_t *restrict q, const float *restrict scale, float *restrict out, int64_t rows, int64_t d) {
+    if (d == 128)
+        int8_dec_rows_f32_body(q, scale, out, rows, 128);
+    else if (d == 64)
+        int8_dec_rows_f32_body(q, scale, out, rows, 64);
+    else
+        int8_dec_rows_f32_body(q, scale, out, rows, d);
+}
+
+void int4_enc_keys_f32(const float *restrict x, uint8_t *restrict packed, float *restrict scale, float *restrict low, int64_t bh, int64_t s, int64_t d, int64_t g) {
+    if (d == 128 && g == 32)
+        int4_enc_keys_f32_body(x, packed, scale, low, bh, s, 128, 32);
+    else if (d == 64 && g == 32)
+        int4_enc_keys_f32_body(x, packed, scale, low, bh, s, 64, 32);
+    else
+        int4_enc_keys_f32_body(x, packed, scale, low, bh, s, d, g);
+}
+
+void int4_enc_rows_f32(const float *restrict x, uint8_t *restrict packed, float *restrict scale, float *restrict low, int64_t rows, int64_t d, int64_t g) {
+    if (d == 128 && g == 32)
+        int4_enc_rows_f32_body(x, packed, scale, low, rows, 128, 32);
+    else if (d == 64 && g == 32)
+        int4_enc_rows_f32_body(x, packed, scale, low, rows, 64, 32);
+    else
+        int4_enc_rows_f32_body(x, packed, scale, low, rows, d, g);
+}
+
+void int4_dec_keys_f32(const uint8_t *restrict packed, const float *restrict scale, const float *restrict low, float *restrict out, int64_t bh, int64_t s, int64_t d, int64_t g) {
+    if (d == 128 && g == 32)
+        int4_dec_keys_f32_body(packed, scale, low, out, bh, s, 128, 32);
+    else if (d == 64 && g == 32)
+        int4_dec_keys_f32_body(packed, scale, low, out, bh, s, 64, 32);
+    else
+        int4_dec_keys_f32_body(packed, scale, low, out, bh, s, d, g);
+}
+
+void int4_dec_rows_f32(const uint8_t *restrict packed, const float *restrict scale, const float *restrict low, float *restrict out, int64_t rows, int64_t d, int64_t g) {
+    if (d == 128 && g == 32)
+        int4_dec_rows_f32_body(packed, scale, low, out, rows, 128, 32);
+    else if (d == 64 && g == 32)
+        int4_dec_rows_f32_body(packed, scale, low, out, rows, 64, 32);
+    else
+        int4_dec_rows_f32_body(packed, scale, low, out, rows, d, g);
+}
+
+/* ---- whole layers: one call for a layer's keys and values ------------------------------------- */
+
+static inline int64_t nonfinite_bf16(const uint16_t *restrict b, int64_t n) {
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; i++) bad |= (b[i] & 0x7F80) == 0x7F80;
+    return bad;
+}
+
+static inline int64_t nonfinite_f32(const float *restrict f, int64_t n) {
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; i++) bad |= (f32_bits(f[i]) & 0x7F800000u) == 0x7F800000u;
+    return bad;
+}
+
+/* int8 of one [bh, s, d] layer: keys per channel, values per token. Returns 1 when a key scale is
+ * not finite (the keys hold NaN or inf), 2 when a value scale is not, 3 for both, else 0. */
+int int8_enc_layer_bf16(const uint16_t *k, const uint16_t *v, int8_t *kq, uint16_t *ks, int8_t *vq, uint16_t *vs,
+                        int64_t bh, int64_t s, int64_t d) {
+    int8_enc_keys_bf16(k, kq, ks, bh, s, d);
+    int8_enc_rows_bf16(v, vq, vs, bh * s, d);
+    return (int)(nonfinite_bf16(ks, bh * d) | (nonfinite_bf16(vs, bh * s) << 1));
+}
+
+int int8_enc_layer_f32(const float *k, const float *v, int8_t *kq, float *ks, int8_t *vq, float *vs, int64_t bh,
+                       int64_t s, int64_t d) {
+    int8_enc_keys_f32(k, kq, ks, bh, s, d);
+    int8_enc_rows_f32(v, vq, vs, bh * s, d);
+    return (int)(nonfinite_f32(ks, bh * d) | (nonfinite_f32(vs, bh * s) << 1));
+}
+
+void int8_dec_layer_bf16(const int8_t *kq, const uint16_t *ks, const int8_t *vq, const uint16_t *vs, uint16_t *ko,
+                         uint16_t *vo, int64_t bh, int64_t s, int64_t d) {
+    int8_dec_keys_bf16(kq, ks, ko, bh, s, d);
+    int8_dec_rows_bf16(vq, vs, vo, bh * s, d);
+}
+
+/* int4 of one layer: keys in groups of kg tokens, values in groups of vg channels. Returns as
+ * int8_enc_layer_bf16. */
+int int4_enc_layer_bf16(const uint16_t *k, const uint16_t *v, uint8_t *kc, uint16_t *ks, uint16_t *kl, uint8_t *vc,
+                        uint16_t *vs, uint16_t *vl, int64_t bh, int64_t s, int64_t d, int64_t kg, int64_t vg) {
+    int4_enc_keys_bf16(k, kc, ks, kl, bh, s, d, kg);
+    int4_enc_rows_bf16(v, vc, vs, vl, bh * s, d, vg);
+    int64_t kn = bh * ((s + kg - 1) / kg) * d, vn = bh * s * (d / vg);
+    return (int)(nonfinite_bf16(ks, kn) | (nonfinite_bf16(vs, vn) << 1));
+}
+
+void int4_dec_layer_bf16(const uint8_t *kc, const uint16_t *ks, const uint16_t *kl, const uint8_t *vc,
+                         const uint16_t *vs, const uint16_t *vl, uint16_t *ko, uint16_t *vo, int64_t bh, int64_t s,
+                         int64_t d, int64_t kg, int64_t vg) {
+    int4_dec_keys_bf16(kc, ks, kl, ko, bh, s, d, kg);
+    int4_dec_rows_bf16(vc, vs, vl, vo, bh * s, d, vg);
+}
+
+void int8_dec_layer_f32(const int8_t *kq, const float *ks, const int8_t *vq, const float *vs, float *ko, float *vo,
+                        int64_t bh, int64_t s, int64_t d) {
+    int8_dec_keys_f32(kq, ks, ko, bh, s, d);
+    int8_dec_rows_f32(vq, vs, vo, bh * s, d);
+}
+
+int int4_enc_layer_f32(const float *k, const float *v, uint8_t *kc, float *ks, float *kl, uint8_t *vc, float *vs,
+                       float *vl, int64_t bh, int64_t s, int64_t d, int64_t kg, int64_t vg) {
+    int4_enc_keys_f32(k, kc, ks, kl, bh, s, d, kg);
+    int4_enc_rows_f32(v, vc, vs, vl, bh * s, d, vg);
+    int64_t kn = bh * ((s + kg - 1) / kg) * d, vn = bh * s * (d / vg);
+    return (int)(nonfinite_f32(ks, kn) | (nonfinite_f32(vs, vn) << 1));
+}
+
+void int4_dec_layer_f32(const uint8_t *kc, const float *ks, const float *kl, const uint8_t *vc, const float *vs,
+                        const float *vl, float *ko, float *vo, int64_t bh, int64_t s, int64_t d, int64_t kg,
+                        int64_t vg) {
+    int4_dec_keys_f32(kc, ks, kl, ko, bh, s, d, kg);
+    int4_dec_rows_f32(vc, vs, vl, vo, bh * s, d, vg);
+}
