@@ -1,4 +1,4 @@
-"""The tensor kernels of the quantising codecs: fused C where they apply, else eager torch, or `torch.compile`d on request.
+"""The tensor kernels of the quantising codecs: fused C where they apply, else torch (eager, or compiled on request).
 
 Each kernel is a plain torch function over one layer's keys or values ``[b, h, s, d]``. Where
 the fused C kernels (`kvbus.codecs._native`) are built and take the tensors (bfloat16 or
