@@ -218,7 +218,10 @@ def measure(
         progress: called with a line of text after each step.
     """
     from kvbus.app.bench import machine_info
+    from kvbus.codecs import _native
     from kvbus.codecs._kernels import compile_enabled
+
+    _native.prepare()  # the speeds measured are those of the kernels transfers will run
 
     say = progress or (lambda _line: None)
     if runner is None:
@@ -303,6 +306,8 @@ def measure(
             "repeats": repeats,
             "quick": quick,
             "compile": compile_enabled(),
+            "kernels": "c" if _native.available() else "torch",
+            "codec_threads": _native.threads(),
             "throughput": "GB/s of uncompressed KV bytes, best window; quality figures: mean over windows",
             "fidelity": "top1 * exp(-kl), clamped to [0.001, 1]; 1 for lossless media",
             "delta": "delta+X costs what X costs on the tokens after the shared prefix",

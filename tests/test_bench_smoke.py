@@ -106,6 +106,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "by_cache": dict,
         "other_kernels": dict,
         "first_call_s": {"int8": NUM, "int4": NUM, "topk": NUM, "lowrank": NUM},
+        "first_call_cold_s": {"int8": NUM, "int4": NUM},
     },
     "select": {
         "adaptive_vs_best_static_max": NUM,

@@ -15,13 +15,18 @@ payload, copies no byte: its ratio is reported as `ZERO_COPY_RATIO` (``zero_copy
 ``zero_copy_decode`` true), and the timed ratio (which only measures the Python bookkeeping)
 as ``*_vs_copy_timed``.
 
-The quantising kernels run eager unless ``KVBUS_COMPILE=1``; the suite also measures ``int8``
-in the other mode (``results.other_kernels``: compiled when the default is eager), the first
-calls' time (compilation) excluded and reported. The int4 kernels always run eager.
+The quantising codecs run the fused C kernels (`kvbus.codecs._native`, built before the suite
+starts) where they apply (bfloat16 and float32 caches), spreading layers over two threads; the
+suite also measures ``int8`` and ``int4`` with the torch kernels in the same run
+(``results.other_kernels``, mode ``torch``: eager, or compiled with ``KVBUS_COMPILE=1``), and
+says which kernels the default was (``config.kernels``: ``c``, or ``torch-eager`` /
+``torch-compiled`` when the C kernels are off, with ``config.c_kernels_off`` saying why).
 ``results.<codec>`` (top level) are the figures on the Llama-shaped 512-token cache in the
 process's default mode; ``results.by_cache`` has every cache. ``results.first_call_s``: per medium of
 `FIRST_CALL_SPECS`, the first ``encode`` + ``decode`` of the Llama-shaped 512-token cache in a
-fresh subprocess (in the process's default kernel mode), imports and cache construction excluded.
+fresh subprocess (in the process's default kernel mode, the built kernels in their cache),
+imports and cache construction excluded; ``results.first_call_cold_s`` the same with an empty
+kernel cache (the build then runs in the background and the torch kernels serve the call).
 """
 
 from __future__ import annotations
@@ -29,16 +34,18 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from kvbus.codecs import Encoded, _kernels, get_codec
+from kvbus.codecs import Encoded, _kernels, _native, get_codec
 from kvbus.codecs._select import kv_positions
 from kvbus.codecs.spec import medium_spec
 from kvbus.kvcache import KVCache
@@ -195,20 +202,33 @@ kv = make_kv(LLAMA3_8B, int(sys.argv[2]))
 t0 = time.perf_counter()
 codec = get_codec(sys.argv[1])
 codec.decode(_wire(codec.encode(kv)))
-print(json.dumps(time.perf_counter() - t0))
+print(json.dumps(time.perf_counter() - t0), flush=True)
+from kvbus.codecs import _native
+_native.prepare()  # a build the call started finishes before the process ends (no orphaned compiler)
 """
 
 
-def first_call_s(spec: str, n_tokens: int) -> float:
+def first_call_s(spec: str, n_tokens: int, kernel_cache: str | None = None) -> float:
     """Seconds of the first ``encode`` + ``decode`` of ``spec`` in a fresh interpreter.
 
     The Llama-shaped cache of ``n_tokens``; the interpreter's start, the imports and the cache's
     construction are outside the timing, so it is what a cold agent pays on its first transfer.
+    ``kernel_cache``: the C kernels' cache folder (`kvbus.codecs._native.CACHE_ENV`; default
+    the process's).
     """
+    env = dict(os.environ)
+    if kernel_cache is not None:
+        env[_native.CACHE_ENV] = kernel_cache
     out = subprocess.run(
-        [sys.executable, "-c", _FIRST_CALL, spec, str(n_tokens)], check=True, capture_output=True, text=True
+        [sys.executable, "-c", _FIRST_CALL, spec, str(n_tokens)], check=True, capture_output=True, text=True, env=env
     )
-    return float(json.loads(out.stdout.strip().splitlines()[-1]))
+    return float(json.loads(out.stdout.strip().splitlines()[0]))
+
+
+def _kernel_mode() -> str:
+    if _native.available():
+        return "c"
+    return "torch-compiled" if _kernels.compile_enabled() else "torch-eager"
 
 
 def run(*, quick: bool = False, smoke: bool = False, **options: Any) -> dict[str, Any]:
@@ -222,35 +242,42 @@ def run(*, quick: bool = False, smoke: bool = False, **options: Any) -> dict[str
     if not quick:
         caches["llama3-8b-4096"] = (LLAMA3_8B, 4096)
     runs = 1 if smoke else 3 if quick else 7
-    default_compile = _kernels.compile_enabled()
+    _native.prepare()  # built (or loaded) now, not during the first measurement
+    mode = _kernel_mode()
     by_cache: dict[str, Any] = {}
-    compiled: dict[str, Any] = {}
+    other: dict[str, Any] = {}
     try:
         for label, (sig, n) in caches.items():
             kv = make_kv(sig, n)
-            print(
-                f"{label} ({kv.nbytes / 1e6:.0f} MB), kernels {'compiled' if default_compile else 'eager'}:", flush=True
-            )
+            print(f"{label} ({kv.nbytes / 1e6:.0f} MB), kernels {mode}:", flush=True)
             by_cache[label] = bench_cache(kv, SPECS, runs if n <= 512 else max(2, runs // 2))
-        # the quantisers with the other kernel mode, on the Llama 512 cache
-        if smoke:
+        # the quantisers with the torch kernels, on the Llama 512 cache, in the same run
+        if smoke or mode != "c":
             raise _SkipOther()
-        _kernels.set_compile(not default_compile)
+        _native.set_enabled(False)
         kv = make_kv(LLAMA3_8B, 512)
         t0 = time.perf_counter()
-        codec = get_codec("int8")
-        codec.decode(_wire(codec.encode(kv)))
+        for spec in ("int8", "int4"):
+            codec = get_codec(spec)
+            codec.decode(_wire(codec.encode(kv)))
         warm = time.perf_counter() - t0
-        other = "compiled" if not default_compile else "eager"
-        print(f"llama3-8b-512, kernels {other} (first calls took {warm:.1f} s):", flush=True)
-        compiled = {"mode": other, "first_call_s": round(warm, 1), "llama3-8b-512": bench_cache(kv, ("int8",), runs)}
+        torch_mode = "torch-compiled" if _kernels.compile_enabled() else "torch-eager"
+        print(f"llama3-8b-512, kernels {torch_mode} (first calls took {warm:.1f} s):", flush=True)
+        other = {
+            "mode": torch_mode,
+            "first_call_s": round(warm, 1),
+            "llama3-8b-512": bench_cache(kv, ("int8", "int4"), runs),
+        }
     except _SkipOther:
-        compiled = {"mode": "compiled" if not default_compile else "eager", "skipped": "smoke run"}
+        other = {"mode": "torch", "skipped": "smoke run" if smoke else f"the default already is {mode}"}
     finally:
-        _kernels.set_compile(None)
+        _native.set_enabled(None)
     top = by_cache["llama3-8b-512"]
     first_call = {spec: round(first_call_s(spec, n512), 3) for spec in FIRST_CALL_SPECS}
     print(f"first calls in a fresh process (s): {first_call}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="kvbus-kernels-", ignore_cleanup_errors=True) as empty:
+        cold = {spec: round(first_call_s(spec, n512, kernel_cache=empty), 3) for spec in FIRST_CALL_SPECS[:2]}
+    print(f"first calls with an empty kernel cache (s): {cold}", flush=True)
     return {
         "suite": "codecs",
         "config": {
@@ -267,9 +294,17 @@ def run(*, quick: bool = False, smoke: bool = False, **options: Any) -> dict[str
                 for k, (s, n) in caches.items()
             },
             "runs": runs,
-            "kernels": "compiled" if default_compile else "eager",
+            "kernels": mode,
+            "c_kernels_off": _native.why_not(),
+            "codec_threads": _native.threads(),
             "timing": "median of alternating runs; *_vs_copy = copy_ time / medium time, same run",
             "specs": list(SPECS),
         },
-        "results": {**top, "by_cache": by_cache, "other_kernels": compiled, "first_call_s": first_call},
+        "results": {
+            **top,
+            "by_cache": by_cache,
+            "other_kernels": other,
+            "first_call_s": first_call,
+            "first_call_cold_s": cold,
+        },
     }
