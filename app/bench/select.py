@@ -36,6 +36,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,7 @@ from kvbus.app.bench import select_net
 from kvbus.app.bench.rounds import FULL_ROUNDS, median, spread
 from kvbus.app.bench.select_dynamics import fluctuating, switches
 from kvbus.app.bench.select_net import EMULATED_LATENCY_MS, LocalPair, Pair, TestbedSite
-from kvbus.app.bench.select_quality import Quality
+from kvbus.app.bench.select_quality import WINDOWS, Quality
 from kvbus.app.local import NatsServer
 from kvbus.app.testbed.benchnet import NetnsNet, choose_network
 from kvbus.bus import Bus, BusConfig, EmulatedLink
@@ -305,7 +306,9 @@ async def _run(quick: bool, smoke: bool, nats_url: str | None, cap_s: float, net
     net: NetnsNet | None = None
     try:
         runner, tokenizer = await asyncio.to_thread(load_smollm2)
-        quality = await asyncio.to_thread(Quality, runner, tokenizer)
+        # (A smoke run judges on one window of held-out text, a quick one on half of them.)
+        windows = 1 if smoke else WINDOWS // 2 if quick else WINDOWS
+        quality = await asyncio.to_thread(partial(Quality, runner, tokenizer, windows=windows))
         sched = await GroupScheduler.connect(url, "select")
         selector = sched.policy.selector
         if not isinstance(selector, AdaptiveSelector):
