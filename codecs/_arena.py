@@ -22,6 +22,7 @@ released blocks back on its next checkout.
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 import os
 import threading
@@ -158,14 +159,41 @@ def carve(specs: Sequence[tuple[torch.dtype, tuple[int, ...]]], pool: ArenaPool 
     Each starts at a multiple of `ALIGN` bytes. The arena goes back to ``pool`` (default:
     `shared_pool`) once none of them, nor anything viewing them, is referenced.
     """
+    return carve_arena(specs, pool)[0]
+
+
+def carve_arena(
+    specs: Sequence[tuple[torch.dtype, tuple[int, ...]]], pool: ArenaPool | None = None
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """`carve`, and the arena itself (a uint8 tensor the views lie in, in the order of ``specs``)."""
     offsets: list[int] = []
     end = 0
     for dtype, shape in specs:
         offsets.append(end)
         end = _round_up(end + math.prod(shape) * dtype.itemsize, ALIGN)
     arena = (pool or shared_pool()).take(end)
-    out: list[torch.Tensor] = []
-    for offset, (dtype, shape) in zip(offsets, specs):
-        n = math.prod(shape) * dtype.itemsize
-        out.append(arena[offset : offset + n].view(dtype).view(shape))
-    return out
+    out: list[torch.Tensor | None] = [None] * len(specs)
+    # The views of one dtype and shape whose offsets step evenly (every layer's buffer of a
+    # layout) come from one strided view, unbound: three ops, where a view each costs three
+    # ops per view (0.8 ms for the 128 of a 32-layer int8 encode).
+    groups: dict[tuple[torch.dtype, tuple[int, ...]], list[int]] = {}
+    for i, (dtype, shape) in enumerate(specs):
+        groups.setdefault((dtype, tuple(shape)), []).append(i)
+    for (dtype, shape), members in groups.items():
+        size = dtype.itemsize
+        n = math.prod(shape)
+        starts = [offsets[i] for i in members]
+        step = starts[1] - starts[0] if len(starts) > 1 else 0
+        even = len(starts) > 2 and n and step % size == 0 and all(b - a == step for a, b in itertools.pairwise(starts))
+        if even:
+            flat = arena[starts[0] : starts[-1] + n * size].view(dtype)
+            inner = [1] * len(shape)
+            for k in range(len(shape) - 2, -1, -1):
+                inner[k] = inner[k + 1] * shape[k + 1]
+            views = flat.as_strided((len(members), *shape), (step // size, *inner)).unbind(0)
+            for i, view in zip(members, views):
+                out[i] = view
+        else:
+            for i in members:
+                out[i] = arena[offsets[i] : offsets[i] + n * size].view(dtype).view(shape)
+    return out, arena  # type: ignore[return-value]  # every entry is set
