@@ -40,27 +40,45 @@ static inline uint32_t f32_bits(float f) {
     return u;
 }
 
+/* a if c else b, in arithmetic: a ?: that mixes widths keeps GCC from vectorising a loop. */
+static inline uint16_t pick16(int c, uint16_t a, uint16_t b) {
+    uint16_t m = (uint16_t)-(uint16_t)(c != 0);
+    return (uint16_t)(b ^ ((b ^ a) & m));
+}
+
+static inline float pick32(int c, float a, float b) {
+    uint32_t m = -(uint32_t)(c != 0), r = f32_bits(b) ^ ((f32_bits(b) ^ f32_bits(a)) & m);
+    float f;
+    memcpy(&f, &r, 4);
+    return f;
+}
+
 /* float32 -> bfloat16, round to nearest even; NaN -> 0x7FC0 (c10::BFloat16's rule). */
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u = f32_bits(f);
     uint16_t r = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-    return f != f ? (uint16_t)0x7FC0 : r; /* a select, not a branch: loops over it vectorise */
+    return f != f ? (uint16_t)0x7FC0 : r; /* vectorises in loops of floats (the decoders) */
+}
+
+/* The same in integer arithmetic: vectorises in the loops that mix float64 and uint16 (scales). */
+static inline uint16_t f32_to_bf16_int(float f) {
+    uint32_t u = f32_bits(f);
+    uint16_t r = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    return pick16((u & 0x7FFFFFFFu) > 0x7F800000u, 0x7FC0, r);
 }
 
 /* The smallest bfloat16 >= exact (exact >= 0, or NaN / inf), the way _kernels._step_up gets it:
  * round through float32 to nearest even, then one ulp up if that fell below exact. */
 static inline uint16_t bf16_ceil(double exact) {
-    uint16_t b = f32_to_bf16((float)exact);
+    uint16_t b = f32_to_bf16_int((float)exact);
     return (uint16_t)(b + ((double)bf16_to_f32(b) < exact));
 }
 
 /* The same for float32: round to nearest, then one ulp up if below. */
 static inline float f32_ceil(double exact) {
     float f = (float)exact;
-    if ((double)f < exact) {
-        uint32_t u = f32_bits(f) + 1;
-        memcpy(&f, &u, 4);
-    }
+    uint32_t u = f32_bits(f) + (uint32_t)((double)f < exact);
+    memcpy(&f, &u, 4);
     return f;
 }
 
@@ -111,16 +129,17 @@ static inline void widen_bf16(const uint16_t *restrict x, float *restrict f, int
 }
 
 /* The scale of an absmax (|x| as bits: integer order is float order, NaN above inf). */
+/* exact (x / 127, x / 15) + 1 when x is 0 (a zero slice gets scale 1): x / n + 0.0 is x / n. */
 static inline uint16_t int8_scale_bf16(uint16_t am) {
-    double a = (double)bf16_to_f32(am), exact = a / 127.0;
-    return bf16_ceil(a == 0 ? 1.0 : exact);
+    double a = (double)bf16_to_f32(am);
+    return bf16_ceil(a / 127.0 + (double)(a == 0));
 }
 
 static inline float int8_scale_f32(uint32_t am) {
     float af;
     memcpy(&af, &am, 4);
-    double a = (double)af, exact = a / 127.0;
-    return f32_ceil(a == 0 ? 1.0 : exact);
+    double a = (double)af;
+    return f32_ceil(a / 127.0 + (double)(a == 0));
 }
 
 /* Each kernel is an inlined body and an exported function that calls it with the common head
@@ -246,17 +265,29 @@ static inline __attribute__((always_inline)) void int8_dec_rows_bf16_body(const 
 
 /* ---- int4, asymmetric min/max in groups, two codes per byte (the first in the low nibble) ------ */
 
+/* Whether n bfloat16 (float32) values hold a NaN (|x| as bits above inf's). */
+static inline int has_nan_bf16(const uint16_t *restrict x, int64_t n) {
+    int any = 0;
+    for (int64_t i = 0; i < n; i++) any |= (x[i] & 0x7FFF) > 0x7F80;
+    return any;
+}
+
+static inline int has_nan_f32(const float *restrict x, int64_t n) {
+    int any = 0;
+    for (int64_t i = 0; i < n; i++) any |= (f32_bits(x[i]) & 0x7FFFFFFFu) > 0x7F800000u;
+    return any;
+}
+
 /* The low (the minimum, exact in bfloat16) and the scale of n groups from their float32 minimums
  * and maximums; a NaN in a group (nan[i]) makes both NaN, as torch's amin / amax propagate it. */
 static inline void int4_ranges_bf16(const float *restrict mn, const float *restrict mx, const int *restrict nan,
                                     uint16_t *restrict low, uint16_t *restrict scale, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
-        uint16_t lb = f32_to_bf16(mn[i]);
+        uint16_t lb = f32_to_bf16_int(mn[i]);
         double span = (double)mx[i] - (double)bf16_to_f32(lb);
-        double exact = span / 15.0; /* computed unconditionally: the loop vectorises */
-        uint16_t b = bf16_ceil(span == 0 ? 1.0 : exact);
-        low[i] = nan[i] ? 0x7FC0 : lb;
-        scale[i] = nan[i] ? 0x7FC0 : b;
+        uint16_t b = bf16_ceil(span / 15.0 + (double)(span == 0));
+        low[i] = pick16(nan[i], 0x7FC0, lb);
+        scale[i] = pick16(nan[i], 0x7FC0, b);
     }
 }
 
@@ -292,6 +323,7 @@ static inline __attribute__((always_inline)) void int4_enc_keys_bf16_body(const 
     uint8_t codes[CHUNK];
     for (int64_t r = 0; r < bh; r++) {
         const uint16_t *xr = x + r * s * d;
+        int any_nan = has_nan_bf16(xr, s * d); /* rare: the group loop tracks NaN only then */
         for (int64_t j = 0; j < groups; j++) {
             int64_t t0 = j * g, t1 = t0 + g < s ? t0 + g : s;
             widen_bf16(xr + t0 * d, mn, d);
@@ -305,8 +337,9 @@ static inline __attribute__((always_inline)) void int4_enc_keys_bf16_body(const 
                     float v = f[c];
                     mn[c] = v < mn[c] ? v : mn[c];
                     mx[c] = v > mx[c] ? v : mx[c];
-                    nan[c] |= v != v;
                 }
+                if (any_nan)
+                    for (int64_t c = 0; c < d; c++) nan[c] |= f[c] != f[c];
             }
             uint16_t *ls = low + (r * groups + j) * d, *ss = scale + (r * groups + j) * d;
             int4_ranges_bf16(mn, mx, nan, ls, ss, d);
@@ -391,12 +424,18 @@ static inline __attribute__((always_inline)) void int4_enc_rows_bf16_body(const 
         int4_ranges_bf16(mn, mx, nan, low + r0 * per, scale + r0 * per, nb * per);
         for (int64_t i = 0; i < nb; i++) {
             int64_t r = r0 + i;
-            widen_bf16(x + r * d, f, d);
+            float lo_e[CHUNK], sc_e[CHUNK], rc_e[CHUNK]; /* each group's low and scale, per element */
             for (int64_t j = 0; j < per; j++) {
-                float lo = bf16_to_f32(low[r * per + j]), sc = bf16_to_f32(scale[r * per + j]);
-                for (int64_t c = 0; c < g; c++) f[j * g + c] -= lo;
-                codes_one(f + j * g, sc, 1.0f / sc, codes + j * g, g);
+                float lo = bf16_to_f32(low[r * per + j]), sc = bf16_to_f32(scale[r * per + j]), rc = 1.0f / sc;
+                for (int64_t c = 0; c < g; c++) {
+                    lo_e[j * g + c] = lo;
+                    sc_e[j * g + c] = sc;
+                    rc_e[j * g + c] = rc;
+                }
             }
+            widen_bf16(x + r * d, f, d);
+            for (int64_t c = 0; c < d; c++) f[c] -= lo_e[c];
+            codes_vec(f, sc_e, rc_e, codes, d);
             pack4(codes, packed + (r * d) / 2, d);
         }
     }
@@ -451,10 +490,9 @@ static inline void int4_ranges_f32(const float *restrict mn, const float *restri
                                    float *restrict low, float *restrict scale, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
         double span = (double)mx[i] - (double)mn[i];
-        double exact = span / 15.0;
-        float b = f32_ceil(span == 0 ? 1.0 : exact);
-        low[i] = nan[i] ? __builtin_nanf("") : mn[i];
-        scale[i] = nan[i] ? __builtin_nanf("") : b;
+        float b = f32_ceil(span / 15.0 + (double)(span == 0));
+        low[i] = pick32(nan[i], __builtin_nanf(""), mn[i]);
+        scale[i] = pick32(nan[i], __builtin_nanf(""), b);
     }
 }
 
@@ -489,6 +527,7 @@ static inline __attribute__((always_inline)) void int4_enc_keys_f32_body(const f
     uint8_t codes[CHUNK];
     for (int64_t r = 0; r < bh; r++) {
         const float *xr = x + r * s * d;
+        int any_nan = has_nan_f32(xr, s * d); /* rare: the group loop tracks NaN only then */
         for (int64_t j = 0; j < groups; j++) {
             int64_t t0 = j * g, t1 = t0 + g < s ? t0 + g : s;
             widen_f32(xr + t0 * d, mn, d);
@@ -502,8 +541,9 @@ static inline __attribute__((always_inline)) void int4_enc_keys_f32_body(const f
                     float v = f[c];
                     mn[c] = v < mn[c] ? v : mn[c];
                     mx[c] = v > mx[c] ? v : mx[c];
-                    nan[c] |= v != v;
                 }
+                if (any_nan)
+                    for (int64_t c = 0; c < d; c++) nan[c] |= f[c] != f[c];
             }
             float *ls = low + (r * groups + j) * d, *ss = scale + (r * groups + j) * d;
             int4_ranges_f32(mn, mx, nan, ls, ss, d);
@@ -537,12 +577,18 @@ static inline __attribute__((always_inline)) void int4_enc_rows_f32_body(const f
         int4_ranges_f32(mn, mx, nan, low + r0 * per, scale + r0 * per, nb * per);
         for (int64_t i = 0; i < nb; i++) {
             int64_t r = r0 + i;
-            widen_f32(x + r * d, f, d);
+            float lo_e[CHUNK], sc_e[CHUNK], rc_e[CHUNK]; /* each group's low and scale, per element */
             for (int64_t j = 0; j < per; j++) {
-                float lo = (low[r * per + j]), sc = (scale[r * per + j]);
-                for (int64_t c = 0; c < g; c++) f[j * g + c] -= lo;
-                codes_one(f + j * g, sc, 1.0f / sc, codes + j * g, g);
+                float lo = (low[r * per + j]), sc = (scale[r * per + j]), rc = 1.0f / sc;
+                for (int64_t c = 0; c < g; c++) {
+                    lo_e[j * g + c] = lo;
+                    sc_e[j * g + c] = sc;
+                    rc_e[j * g + c] = rc;
+                }
             }
+            widen_f32(x + r * d, f, d);
+            for (int64_t c = 0; c < d; c++) f[c] -= lo_e[c];
+            codes_vec(f, sc_e, rc_e, codes, d);
             pack4(codes, packed + (r * d) / 2, d);
         }
     }
