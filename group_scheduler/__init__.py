@@ -26,7 +26,7 @@ from kvbus.group_scheduler.scheduler import GroupScheduler
 from kvbus.group_scheduler.state import AgentState, GroupState, LinkEstimate, Pending
 from kvbus.group_scheduler.weighted import WeightedPolicy
 from kvbus.group_scheduler.weights import UrgencyModel
-from kvbus.group_scheduler.wrr import PairPicker, SmoothWRR
+from kvbus.group_scheduler.wrr import PairPicker, SmoothWRR, StrideWRR
 
 __all__ = [
     "POLICIES",
@@ -53,6 +53,7 @@ __all__ = [
     "SchedulingPolicy",
     "Selection",
     "SmoothWRR",
+    "StrideWRR",
     "StaticSelector",
     "StrictPriorityPolicy",
     "ThresholdPreemption",

@@ -28,6 +28,8 @@ class PairQueues:
 
     def __init__(self, picker: PairPicker | None = None, *, per_pair: int = 1, capacity: int = 64) -> None:
         self.picker = picker
+        self._incremental = picker is not None and picker.incremental
+        """The picker keeps its own index of the ready slots (told of every change here)."""
         self.per_pair = per_pair
         self.slots: dict[Pair, int] = {}
         self.queues: list[list[Pending]] = []
@@ -82,10 +84,13 @@ class PairQueues:
         self.running[slot] = running
         self.since[slot] = since
         self.has_work[slot] = True
-        self.ready[slot] = running < self.per_pair
+        self.ready[slot] = ready = running < self.per_pair
         self._w_stale.add(slot)
         self._set_head(slot)
-        if self.picker is not None:
+        if self._incremental:
+            self.picker.assign(slot, pair)  # type: ignore[union-attr]
+            (self.picker.ready if ready else self.picker.unready)(slot)  # type: ignore[union-attr]
+        elif self.picker is not None:
             self.picker.reset(slot)
         return slot
 
@@ -99,6 +104,8 @@ class PairQueues:
             del self.slots[p.pair]
             self.has_work[slot] = False
             self.ready[slot] = False
+            if self._incremental:
+                self.picker.release(slot)  # type: ignore[union-attr]
             self.special_heads.discard(slot)
             self.free.append(slot)
         elif was_head:
@@ -122,8 +129,10 @@ class PairQueues:
         if slot is not None:
             self.running[slot] = count
             self.since[slot] = since
-            self.ready[slot] = count < self.per_pair
+            self.ready[slot] = ready = count < self.per_pair
             self._w_stale.add(slot)
+            if self._incremental:
+                (self.picker.ready if ready else self.picker.unready)(slot)  # type: ignore[union-attr]
 
     def waiting_since(self, pair: Pair) -> float:
         """Since when ``pair`` has waited with nothing running; inf if it has no queued work."""

@@ -1,5 +1,5 @@
-"""The weighted policy: reservations, urgent admission with preemption, smooth weighted round
-robin over pairs, and weighted max-min rates.
+"""The weighted policy: reservations, urgent admission with preemption, weighted round robin
+over pairs, and weighted max-min rates.
 
 Each pass (on every event; between events only when something can change by itself):
 
@@ -13,8 +13,10 @@ Each pass (on every event; between events only when something can change by itse
    bounds its queue delay (`UrgencyModel.starvation_bound_s`); the pass that admits it is
    scheduled for that moment, so a waiting queue costs no CPU between events.
 4. **Weighted round robin**: free slots (``max_active`` running ordinary transfers, at most
-   ``per_pair`` per pair) go to pairs with queued work, picked by smooth WRR on
-   W_ij = role_priority_i + role_priority_j + urgency of the pair's oldest transfer.
+   ``per_pair`` per pair) go to pairs with queued work, picked in proportion to
+   W_ij = role_priority_i + role_priority_j + urgency of the pair's oldest transfer: by
+   virtual time (`StrideWRR`, the default: a heap, W computed for the picked pair only) or by
+   smooth WRR (`SmoothWRR`: every pair's W on every pick).
 5. **Preemption**: a started transfer of at least ``preempt_min_bytes`` pauses the running
    transfers it outranks on its resources, through the preemption strategy (the sender
    declines past the threshold).
@@ -26,8 +28,10 @@ Each pass (on every event; between events only when something can change by itse
    ``rate_epsilon`` (a ``rate`` control).
 
 The bookkeeping is incremental (per-pair queues, per-resource weight sums, a heap of waiting
-times), so a pass that grants one transfer costs O(pairs) for the round robin and O(1) for
-its rate; the O(flows log resources) max-min runs at most once per slice. The index lives in
+times, heaps of urgency, the round robin's heap of virtual times), so a pass that grants one
+transfer costs O(log pairs) for the round robin and O(1) for its rate; the max-min runs at
+most once per slice, incrementally (O((changes + rate controls) log n), see
+`kvbus.group_scheduler.rates`). The index lives in
 `kvbus.group_scheduler.bookkeeping` (kept by the `SchedulingPolicy` hooks), the rates in
 `kvbus.group_scheduler.rates`; this module holds the decisions.
 """
@@ -50,7 +54,7 @@ from kvbus.group_scheduler.rates import MIN_RATE_BPS, WeightedRates, _mbit
 from kvbus.group_scheduler.reservations import ReservationTable
 from kvbus.group_scheduler.state import GroupState, Pending
 from kvbus.group_scheduler.weights import UrgencyModel
-from kvbus.group_scheduler.wrr import PairPicker, SmoothWRR
+from kvbus.group_scheduler.wrr import PairPicker, StrideWRR
 from kvbus.protocol import ControlAction
 
 __all__ = ["WeightedPolicy"]
@@ -79,7 +83,7 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
     ) -> None:
         super().__init__(selector)
         self.urgency = urgency or UrgencyModel()
-        self.picker = picker or SmoothWRR()
+        self.picker = picker or StrideWRR()
         self.preemption = preemption or ThresholdPreemption()
         self.reservations = reservations if reservations is not None else ReservationTable()
         self.max_active = max_active
@@ -427,29 +431,48 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
         return False
 
     def _round_robin(self, state: GroupState, now: float, started: list[Started], decisions: list[Decision]) -> None:
-        """Fill free slots by smooth WRR over pairs with queued work (oldest transfer of a pair first)."""
+        """Fill free slots by weighted round robin over pairs with queued work (oldest transfer of
+        a pair first): with an incremental picker (`StrideWRR`, the default) O(log pairs) per
+        grant and only the picked pair's weight computed; with `SmoothWRR`, vector passes over
+        every pair."""
         pairs = self._pairs
+        picker = self.picker
+        if picker.incremental:
+            while len(self._runs) < self.max_active:
+                slot = picker.pick_ready()
+                if slot is None:
+                    return
+                w = pairs.weight(slot, now, self.urgency)
+                picker.served(slot, w)
+                self._rr_start(state, now, slot, w, started, decisions)
+            return
         eligible = pairs.ready[: pairs.n]  # kept up to date by _unqueue and _run as we go
         n_eligible = int(np.count_nonzero(eligible))
         if not n_eligible:
             return
         weights = pairs.weights(now, self.urgency, self.tick_s)
         while n_eligible and len(self._runs) < self.max_active:
-            slot = self.picker.pick(weights, eligible)
-            p = pairs.head(slot)
-            w = float(weights[slot])
-            rp = float(pairs.rp[slot])
-            medium, reason, code = selection = self.selector.select(state, p)
-            self._unqueue(p.transfer_id)
-            if selection.refused:
-                decisions.append(Decision.refusal(p, reason, code))
-            else:
-                self._run(state, p, now, rp)
-                started.append((p, w - rp, medium, f"round robin (W {w:.1f}); {reason}"))
+            slot = picker.pick(weights, eligible)
+            self._rr_start(state, now, slot, float(weights[slot]), started, decisions)
             if not eligible[slot]:
                 n_eligible -= 1
             else:
                 weights[slot] = pairs.weight(slot, now, self.urgency)
+
+    def _rr_start(
+        self, state: GroupState, now: float, slot: int, w: float, started: list[Started], decisions: list[Decision]
+    ) -> None:
+        """Start (or refuse) the oldest transfer of the pair the round robin picked, of weight ``w``."""
+        pairs = self._pairs
+        p = pairs.head(slot)
+        rp = float(pairs.rp[slot])
+        medium, reason, code = selection = self.selector.select(state, p)
+        self._unqueue(p.transfer_id)
+        if selection.refused:
+            decisions.append(Decision.refusal(p, reason, code))
+        else:
+            self._run(state, p, now, rp)
+            started.append((p, w - rp, medium, f"round robin (W {w:.1f}); {reason}"))
 
     def _preempt(self, state: GroupState, p: Pending, u: float, u_own: float, now: float) -> None:
         """Pause the running transfers ``p`` outranks among those it competes with.

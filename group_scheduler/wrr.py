@@ -19,9 +19,11 @@ overflowed urgency is as urgent as the most urgent well-formed one, never more),
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 
 import numpy as np
 
@@ -29,10 +31,21 @@ logger = logging.getLogger(__name__)
 
 #: Largest weight a slot counts with (a sum of a million of them is still far from overflow).
 MAX_WEIGHT = 1e150
+#: Smallest weight `StrideWRR` counts with (its stride is ``1 / W``).
+MIN_WEIGHT = 1e-150
 
 
 class PairPicker(ABC):
-    """Picks which pair may start a transfer next; a strategy object of the weighted policy."""
+    """Picks which pair may start a transfer next; a strategy object of the weighted policy.
+
+    A picker whose ``incremental`` is true keeps its own index of the slots that may be picked
+    (`StrideWRR`): the policy's `PairQueues` calls ``assign(slot, pair)`` / ``release(slot)`` as
+    pairs take and leave slots and ``ready(slot)`` / ``unready(slot)`` as they may or may not
+    start a transfer (in the scheduler's thread); the policy asks ``pick_ready()`` for the next
+    slot and reports ``served(slot, weight)``. It does not use `pick` with vectors then.
+    """
+
+    incremental = False
 
     @abstractmethod
     def pick(self, weights: np.ndarray, eligible: np.ndarray) -> int:
@@ -40,6 +53,32 @@ class PairPicker(ABC):
 
     def reset(self, slot: int) -> None:  # noqa: B027 - optional hook
         """A slot was given to a new pair: forget what its previous pair had accumulated."""
+
+    # The incremental form (``incremental`` true): the policy never calls `pick` then.
+
+    def assign(self, slot: int, key: Hashable | None) -> None:
+        """Pair ``key`` takes ``slot``."""
+        raise NotImplementedError
+
+    def release(self, slot: int) -> None:
+        """``slot``'s pair left the table (no queued work)."""
+        raise NotImplementedError
+
+    def ready(self, slot: int) -> None:
+        """``slot`` may be picked from now on."""
+        raise NotImplementedError
+
+    def unready(self, slot: int) -> None:
+        """``slot`` may not be picked until it is ready again."""
+        raise NotImplementedError
+
+    def pick_ready(self) -> int | None:
+        """The ready slot to serve next, or None."""
+        raise NotImplementedError
+
+    def served(self, slot: int, weight: float) -> None:
+        """``slot`` was served with its pair's weight ``weight``."""
+        raise NotImplementedError
 
 
 class SmoothWRR(PairPicker):
@@ -108,3 +147,137 @@ def smooth_wrr_order(weights: dict[object, float], picks: int) -> list[object]:
     picker = SmoothWRR()
     eligible = np.ones(len(keys), dtype=bool)
     return [keys[picker.pick(w, eligible)] for _ in range(picks)]
+
+
+class StrideWRR(PairPicker):
+    """Weighted round robin by virtual time (stride scheduling) over a heap: O(log n) per pick.
+
+    Each slot has a pass value. The ready slot with the smallest pass is picked (the oldest
+    ready one on a tie); the virtual time moves to its pass, and the pass grows by ``1 / W`` of
+    the pair's weight at that moment. A slot that becomes ready starts at the virtual time if
+    its pass is behind (time spent not ready saves no turns, as smooth WRR's reset does); a new
+    pair starts at the virtual time. Over any run of picks among ready slots, a slot is picked
+    in proportion to its weight, as under smooth WRR; turns of different slots interleave in
+    pass order.
+
+    Unlike `SmoothWRR` it does not look at every slot on a pick: the policy tells it which
+    slots become ready or stop being ready (`ready`, `unready`, through
+    `kvbus.group_scheduler.pairs.PairQueues`), and asks only the picked pair's weight.
+
+    Weights are clamped as `SmoothWRR` does: into ``MIN_WEIGHT..MAX_WEIGHT``, a non-finite
+    one counting as the largest finite weight seen (1 if none), with a warning.
+    """
+
+    incremental = True
+
+    def __init__(self) -> None:
+        self.vtime = 0.0
+        self._pass: dict[int, float] = {}
+        self._heap: list[tuple[float, int, int]] = []
+        self._entry: dict[int, int] = {}
+        """Per ready slot, the sequence number of its live heap entry."""
+        self._seq = 0
+        self._wmax = 0.0
+        self._key: dict[int, Hashable | None] = {}
+        """Per slot, the pair in it (as `assign` was told)."""
+        self._left: dict[Hashable, float] = {}
+        """Per pair that left the table, the pass its last turn left it at (while ahead of the virtual time)."""
+        self.clamped = 0
+
+    def ready(self, slot: int) -> None:
+        """``slot`` may be picked from now on (a no-op if it already may)."""
+        if slot in self._entry:
+            return
+        p = self._pass.get(slot, self.vtime)
+        if p < self.vtime:
+            p = self.vtime
+        self._pass[slot] = p
+        self._seq += 1
+        self._entry[slot] = self._seq
+        heapq.heappush(self._heap, (p, self._seq, slot))
+
+    def unready(self, slot: int) -> None:
+        """``slot`` may not be picked until it is ready again."""
+        if self._entry.pop(slot, None) is not None and len(self._heap) > 8 * len(self._entry) + 1024:
+            # Drop the stale entries: O(heap), after as many pushes (amortised O(1)).
+            entry = self._entry
+            self._heap = [e for e in self._heap if entry.get(e[2]) == e[1]]
+            heapq.heapify(self._heap)
+
+    def reset(self, slot: int) -> None:
+        """A new pair in ``slot``: it starts at the virtual time."""
+        self.assign(slot, None)
+
+    def assign(self, slot: int, key: Hashable | None) -> None:
+        """Pair ``key`` takes ``slot``: it starts at the virtual time, or at the pass its last
+        turn left it at if that is later (a pair that empties its queue and comes back at once
+        is not forgiven the turn it just had; one that was away saves nothing)."""
+        start = self.vtime
+        if key is not None:
+            left = self._left.pop(key, None)
+            if left is not None and left > start:
+                start = left
+        self._key[slot] = key
+        self._pass[slot] = start
+        if slot in self._entry:  # re-queue it at its new pass
+            del self._entry[slot]
+            self.ready(slot)
+
+    def release(self, slot: int) -> None:
+        """``slot``'s pair left the table (no queued work): its pass is kept for a while, by pair."""
+        self.unready(slot)
+        key = self._key.pop(slot, None)
+        p = self._pass.get(slot, self.vtime)
+        if key is not None and p > self.vtime:
+            self._left[key] = p
+            if len(self._left) > 2 * len(self._key) + 64:
+                vt = self.vtime  # passes the virtual time has reached no longer matter
+                self._left = {k: v for k, v in self._left.items() if v > vt}
+
+    def pick_ready(self) -> int | None:
+        """The ready slot to serve next (it stays ready; `served` charges it), or None."""
+        heap, entry = self._heap, self._entry
+        while heap:
+            _, seq, slot = heap[0]
+            if entry.get(slot) == seq:
+                return slot
+            heapq.heappop(heap)
+        return None
+
+    def served(self, slot: int, weight: float) -> None:
+        """``slot`` was served with weight ``weight``: the virtual time moves to its pass and its
+        pass grows by ``1 / weight``."""
+        w = weight
+        if not (MIN_WEIGHT <= w <= MAX_WEIGHT):
+            w = self._clamp(w)
+        elif w > self._wmax:
+            self._wmax = w
+        p = self._pass.get(slot, self.vtime)
+        if p > self.vtime:
+            self.vtime = p
+        self._pass[slot] = max(p, self.vtime) + 1.0 / w
+        if self._entry.pop(slot, None) is not None:
+            self.ready(slot)
+
+    def _clamp(self, w: float) -> float:
+        if math.isfinite(w):
+            return min(max(w, MIN_WEIGHT), MAX_WEIGHT)
+        if self.clamped % 10_000 == 0:
+            logger.warning(
+                "stride WRR: a non-finite weight counted as %g (%d picks so far)", self._wmax or 1.0, self.clamped + 1
+            )
+        self.clamped += 1
+        return self._wmax or 1.0
+
+    def pick(self, weights: np.ndarray, eligible: np.ndarray) -> int:
+        """The array form (for callers that hold vectors): O(slots) to bring readiness in line."""
+        for slot in range(len(weights)):
+            if eligible[slot]:
+                self.ready(slot)
+            else:
+                self.unready(slot)
+        best = self.pick_ready()
+        if best is None:
+            raise ValueError("no eligible slot")
+        self.served(best, float(weights[best]))
+        return best
