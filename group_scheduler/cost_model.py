@@ -129,7 +129,8 @@ class Link:
     """Bytes per second (estimate or configured capacity)."""
     rtt_s: float = 0.0
     source: str = "estimate"
-    """``estimate`` (observed transfers), ``configured`` (declared capacity) or ``default``."""
+    """``estimate`` (observed transfers), ``estimate of <path>`` (the pair's other network path's,
+    this one never measured), ``configured`` (declared capacity) or ``default``."""
     path: str = PathName.NATS
     """The data path the bytes are expected to take (its learned fixed cost applies)."""
     inline: Link | None = None

@@ -140,3 +140,21 @@ async def test_agents_on_one_host_say_so_and_their_first_transfer_is_not_hedged(
     report = await tx.send(rx.name, kv)
     await receiving
     assert report.decision["path"] == "shm" and report.decision["hedged"] is False, report.decision["reason"]
+
+
+def test_a_path_never_measured_takes_the_estimate_of_the_pairs_other_network_path() -> None:
+    """A hedged first transfer that rode inline on NATS measured that path; the pair's first tcp
+    transfer is then predicted at that rate, not hedged over rates up to 8 Gbit/s again (it went
+    in full at 10 Mbit/s: 4.9 s where tokens took 0.3 s). shm is never taken from another path."""
+    selector = AdaptiveSelector(cost_model(), candidates=tuple(FIGS))
+    state = GroupState("g")
+    link = state.link("a", "b", "nats")
+    now = time.monotonic()
+    for i in range(3):
+        link.observe(int(1.25e6), 1.0, now + i)
+    tcp = selector.link(state, "a", "b", "tcp")
+    assert tcp.bandwidth_bps == pytest.approx(1.25e6) and tcp.source == "estimate of nats"
+    assert selector.link(state, "a", "b", "shm").source == "default"
+    p = _request("tcp")
+    selector.choose(state, p)
+    assert p.decision["medium"] == "tokens" and not p.decision["hedged"]
