@@ -206,9 +206,17 @@ class IncrementalMaxMin(Generic[K]):
     flows (tests/test_fairness_incremental.py checks it against that one).
     """
 
-    def __init__(self, shared: Hashable | None = None, *, epsilon: float = 0.0) -> None:
+    def __init__(
+        self,
+        shared: Hashable | None = None,
+        *,
+        epsilon: float = 0.0,
+        rebuild_after: tuple[int, int] = (_REBUILD_FACTOR, _REBUILD_MIN),
+    ) -> None:
         self.shared = shared
         self.epsilon = epsilon
+        self.rebuild_after = rebuild_after
+        """(per flow, plus): changes after which the sums are summed again, heap entries after which stale ones go."""
         self._flows: dict[Hashable, _Live] = {}
         self._cap: dict[Hashable, float] = {}
         self._users: dict[Hashable, dict[Hashable, None]] = {}
@@ -340,7 +348,7 @@ class IncrementalMaxMin(Generic[K]):
             self._split = split
             self._reset_split()
             self._dirty.update(dict.fromkeys(self._flows))
-        elif split and self._changes > _REBUILD_FACTOR * len(self._flows) + _REBUILD_MIN:
+        elif split and self._changes > self.rebuild_after[0] * len(self._flows) + self.rebuild_after[1]:
             self._resum()
         cands: dict[Hashable, None] = {}
         skip = s if split else None
@@ -351,9 +359,13 @@ class IncrementalMaxMin(Generic[K]):
                 # Alone on its links: it freezes where the first of them fills (as progressive
                 # filling computes it, to the bit).
                 one = comp[0]
-                lv = min(
-                    (max(0.0, cap[r]) / one.weight for r in one.resources if r in cap and r != skip), default=math.inf
-                )
+                lv = math.inf
+                for r in one.resources:
+                    if r in cap and r != skip:
+                        c = cap[r]
+                        x = (c if c > 0.0 else 0.0) / one.weight
+                        if x < lv:
+                            lv = x
                 levels = [lv]
             else:
                 comp.sort(key=lambda f: f.order)
@@ -381,14 +393,12 @@ class IncrementalMaxMin(Generic[K]):
                 if g is not None and g.wver == ver and g.side == _AT:
                     cands[key] = None
                     popped.append(g)
-        if (
-            max(len(self._at), len(self._up), len(self._down), len(self._below))
-            > _REBUILD_FACTOR * len(flows) + _REBUILD_MIN
-        ):
-            self._compact()
+        limit = self.rebuild_after[0] * len(flows) + self.rebuild_after[1]
+        if len(self._at) > limit or len(self._up) > limit or len(self._down) > limit or len(self._below) > limit:
+            self._compact(limit)
         return self._drifted(cands, popped)
 
-    def _compact(self) -> None:
+    def _compact(self, limit: int) -> None:
         """Drop the stale entries of the heaps (amortised: it takes as many pushes to come here)."""
         flows = self._flows
 
@@ -401,8 +411,14 @@ class IncrementalMaxMin(Generic[K]):
             heapq.heapify(kept)
             return kept
 
-        self._below, self._at = live(self._below, _BELOW, False), live(self._at, _AT, False)
-        self._up, self._down = live(self._up, _AT, True), live(self._down, _AT, True)
+        if len(self._below) > limit:
+            self._below = live(self._below, _BELOW, False)
+        if len(self._at) > limit:
+            self._at = live(self._at, _AT, False)
+        if len(self._up) > limit:
+            self._up = live(self._up, _AT, True)
+        if len(self._down) > limit:
+            self._down = live(self._down, _AT, True)
 
     def _drifted(self, cands: dict[Hashable, None], popped: list[_Live]) -> list[K]:
         eps, flows, level = self.epsilon, self._flows, self.level

@@ -57,11 +57,16 @@ def _check(
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=OPS, all_shared=st.booleans(), eps=st.sampled_from([0.0, 0.05]), shared_cap=CAPS)
+@given(ops=OPS, all_shared=st.booleans(), eps=st.sampled_from([0.0, 0.05]), shared_cap=CAPS, rebuild=st.booleans())
 def test_incremental_equals_from_scratch(
-    ops: list[tuple[int, int, float, int, float | None, int]], all_shared: bool, eps: float, shared_cap: float | None
+    ops: list[tuple[int, int, float, int, float | None, int]],
+    all_shared: bool,
+    eps: float,
+    shared_cap: float | None,
+    rebuild: bool,
 ) -> None:
-    alloc: IncrementalMaxMin[int] = IncrementalMaxMin(G, epsilon=eps)
+    # ``rebuild``: sums summed again and heaps compacted every few changes (as after thousands).
+    alloc: IncrementalMaxMin[int] = IncrementalMaxMin(G, epsilon=eps, rebuild_after=(1, 2) if rebuild else (16, 4096))
     flows: dict[int, Flow[int]] = {}
     caps: dict[Hashable, float] = {}
     told: dict[int, float] = {}
