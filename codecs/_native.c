@@ -22,6 +22,9 @@
  * channels wide (_native.MAX_CHANNELS).
  */
 #include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <stdint.h>
 #include <string.h>
 
@@ -774,7 +777,23 @@ void int4_dec_rows_f32(const uint8_t *restrict packed, const float *restrict sca
         int4_dec_rows_f32_body(packed, scale, low, out, rows, d, g);
 }
 
-/* ---- whole layers: one call for a layer's keys and values ------------------------------------- */
+/* ---- whole layers: one call for a layer's keys and values, split over the OpenMP threads ------ */
+
+/* The threads share the layer: each takes a run of heads of the keys and a run of rows of the
+ * values. The OpenMP runtime is torch's own (its libgomp.so.1 is loaded first, and this library's
+ * dependency on libgomp.so.1 resolves to it), so these are the threads torch's ops run on, and
+ * torch.set_num_threads sets how many; a layer under PARALLEL_MIN elements runs on one. */
+#define PARALLEL_MIN (1 << 15)
+
+static inline void split(int64_t n, int64_t *lo, int64_t *hi) {
+#ifdef _OPENMP
+    int64_t t = omp_get_thread_num(), k = omp_get_num_threads();
+#else
+    int64_t t = 0, k = 1;
+#endif
+    *lo = n * t / k;
+    *hi = n * (t + 1) / k;
+}
 
 static inline int64_t nonfinite_bf16(const uint16_t *restrict b, int64_t n) {
     int64_t bad = 0;
@@ -790,60 +809,75 @@ static inline int64_t nonfinite_f32(const float *restrict f, int64_t n) {
 
 /* int8 of one [bh, s, d] layer: keys per channel, values per token. Returns 1 when a key scale is
  * not finite (the keys hold NaN or inf), 2 when a value scale is not, 3 for both, else 0. */
-int int8_enc_layer_bf16(const uint16_t *k, const uint16_t *v, int8_t *kq, uint16_t *ks, int8_t *vq, uint16_t *vs,
-                        int64_t bh, int64_t s, int64_t d) {
-    int8_enc_keys_bf16(k, kq, ks, bh, s, d);
-    int8_enc_rows_bf16(v, vq, vs, bh * s, d);
-    return (int)(nonfinite_bf16(ks, bh * d) | (nonfinite_bf16(vs, bh * s) << 1));
-}
+#define INT8_ENC_LAYER(SUFFIX, T, S, NONFINITE)                                                               \
+    int int8_enc_layer_##SUFFIX(const T *k, const T *v, int8_t *kq, S *ks, int8_t *vq, S *vs, int64_t bh,     \
+                                int64_t s, int64_t d) {                                                        \
+        _Pragma("omp parallel if (bh * s * d >= PARALLEL_MIN)") {                                              \
+            int64_t a, b, c, e;                                                                                \
+            split(bh, &a, &b);                                                                                 \
+            split(bh * s, &c, &e);                                                                             \
+            if (b > a) int8_enc_keys_##SUFFIX(k + a * s * d, kq + a * s * d, ks + a * d, b - a, s, d);         \
+            if (e > c) int8_enc_rows_##SUFFIX(v + c * d, vq + c * d, vs + c, e - c, d);                        \
+        }                                                                                                      \
+        return (int)(NONFINITE(ks, bh * d) | (NONFINITE(vs, bh * s) << 1));                                   \
+    }
 
-int int8_enc_layer_f32(const float *k, const float *v, int8_t *kq, float *ks, int8_t *vq, float *vs, int64_t bh,
-                       int64_t s, int64_t d) {
-    int8_enc_keys_f32(k, kq, ks, bh, s, d);
-    int8_enc_rows_f32(v, vq, vs, bh * s, d);
-    return (int)(nonfinite_f32(ks, bh * d) | (nonfinite_f32(vs, bh * s) << 1));
-}
+INT8_ENC_LAYER(bf16, uint16_t, uint16_t, nonfinite_bf16)
+INT8_ENC_LAYER(f32, float, float, nonfinite_f32)
 
-void int8_dec_layer_bf16(const int8_t *kq, const uint16_t *ks, const int8_t *vq, const uint16_t *vs, uint16_t *ko,
-                         uint16_t *vo, int64_t bh, int64_t s, int64_t d) {
-    int8_dec_keys_bf16(kq, ks, ko, bh, s, d);
-    int8_dec_rows_bf16(vq, vs, vo, bh * s, d);
-}
+#define INT8_DEC_LAYER(SUFFIX, S)                                                                              \
+    void int8_dec_layer_##SUFFIX(const int8_t *kq, const S *ks, const int8_t *vq, const S *vs, S *ko, S *vo,   \
+                                 int64_t bh, int64_t s, int64_t d) {                                           \
+        _Pragma("omp parallel if (bh * s * d >= PARALLEL_MIN)") {                                              \
+            int64_t a, b, c, e;                                                                                \
+            split(bh, &a, &b);                                                                                 \
+            split(bh * s, &c, &e);                                                                             \
+            if (b > a) int8_dec_keys_##SUFFIX(kq + a * s * d, ks + a * d, ko + a * s * d, b - a, s, d);        \
+            if (e > c) int8_dec_rows_##SUFFIX(vq + c * d, vs + c, vo + c * d, e - c, d);                       \
+        }                                                                                                      \
+    }
+
+INT8_DEC_LAYER(bf16, uint16_t)
+INT8_DEC_LAYER(f32, float)
 
 /* int4 of one layer: keys in groups of kg tokens, values in groups of vg channels. Returns as
  * int8_enc_layer_bf16. */
-int int4_enc_layer_bf16(const uint16_t *k, const uint16_t *v, uint8_t *kc, uint16_t *ks, uint16_t *kl, uint8_t *vc,
-                        uint16_t *vs, uint16_t *vl, int64_t bh, int64_t s, int64_t d, int64_t kg, int64_t vg) {
-    int4_enc_keys_bf16(k, kc, ks, kl, bh, s, d, kg);
-    int4_enc_rows_bf16(v, vc, vs, vl, bh * s, d, vg);
-    int64_t kn = bh * ((s + kg - 1) / kg) * d, vn = bh * s * (d / vg);
-    return (int)(nonfinite_bf16(ks, kn) | (nonfinite_bf16(vs, vn) << 1));
-}
+#define INT4_ENC_LAYER(SUFFIX, T, NONFINITE)                                                                   \
+    int int4_enc_layer_##SUFFIX(const T *k, const T *v, uint8_t *kc, T *ks, T *kl, uint8_t *vc, T *vs, T *vl,  \
+                                int64_t bh, int64_t s, int64_t d, int64_t kg, int64_t vg) {                    \
+        int64_t groups = (s + kg - 1) / kg, per = d / vg;                                                      \
+        _Pragma("omp parallel if (bh * s * d >= PARALLEL_MIN)") {                                              \
+            int64_t a, b, c, e;                                                                                \
+            split(bh, &a, &b);                                                                                 \
+            split(bh * s, &c, &e);                                                                             \
+            if (b > a)                                                                                         \
+                int4_enc_keys_##SUFFIX(k + a * s * d, kc + a * groups * kg * d / 2, ks + a * groups * d,       \
+                                       kl + a * groups * d, b - a, s, d, kg);                                  \
+            if (e > c)                                                                                         \
+                int4_enc_rows_##SUFFIX(v + c * d, vc + c * d / 2, vs + c * per, vl + c * per, e - c, d, vg);   \
+        }                                                                                                      \
+        return (int)(NONFINITE(ks, bh * groups * d) | (NONFINITE(vs, bh * s * per) << 1));                    \
+    }
 
-void int4_dec_layer_bf16(const uint8_t *kc, const uint16_t *ks, const uint16_t *kl, const uint8_t *vc,
-                         const uint16_t *vs, const uint16_t *vl, uint16_t *ko, uint16_t *vo, int64_t bh, int64_t s,
-                         int64_t d, int64_t kg, int64_t vg) {
-    int4_dec_keys_bf16(kc, ks, kl, ko, bh, s, d, kg);
-    int4_dec_rows_bf16(vc, vs, vl, vo, bh * s, d, vg);
-}
+INT4_ENC_LAYER(bf16, uint16_t, nonfinite_bf16)
+INT4_ENC_LAYER(f32, float, nonfinite_f32)
 
-void int8_dec_layer_f32(const int8_t *kq, const float *ks, const int8_t *vq, const float *vs, float *ko, float *vo,
-                        int64_t bh, int64_t s, int64_t d) {
-    int8_dec_keys_f32(kq, ks, ko, bh, s, d);
-    int8_dec_rows_f32(vq, vs, vo, bh * s, d);
-}
+#define INT4_DEC_LAYER(SUFFIX, T)                                                                              \
+    void int4_dec_layer_##SUFFIX(const uint8_t *kc, const T *ks, const T *kl, const uint8_t *vc, const T *vs,  \
+                                 const T *vl, T *ko, T *vo, int64_t bh, int64_t s, int64_t d, int64_t kg,      \
+                                 int64_t vg) {                                                                 \
+        int64_t groups = (s + kg - 1) / kg, per = d / vg;                                                      \
+        _Pragma("omp parallel if (bh * s * d >= PARALLEL_MIN)") {                                              \
+            int64_t a, b, c, e;                                                                                \
+            split(bh, &a, &b);                                                                                 \
+            split(bh * s, &c, &e);                                                                             \
+            if (b > a)                                                                                         \
+                int4_dec_keys_##SUFFIX(kc + a * groups * kg * d / 2, ks + a * groups * d, kl + a * groups * d, \
+                                       ko + a * s * d, b - a, s, d, kg);                                       \
+            if (e > c)                                                                                         \
+                int4_dec_rows_##SUFFIX(vc + c * d / 2, vs + c * per, vl + c * per, vo + c * d, e - c, d, vg);  \
+        }                                                                                                      \
+    }
 
-int int4_enc_layer_f32(const float *k, const float *v, uint8_t *kc, float *ks, float *kl, uint8_t *vc, float *vs,
-                       float *vl, int64_t bh, int64_t s, int64_t d, int64_t kg, int64_t vg) {
-    int4_enc_keys_f32(k, kc, ks, kl, bh, s, d, kg);
-    int4_enc_rows_f32(v, vc, vs, vl, bh * s, d, vg);
-    int64_t kn = bh * ((s + kg - 1) / kg) * d, vn = bh * s * (d / vg);
-    return (int)(nonfinite_f32(ks, kn) | (nonfinite_f32(vs, vn) << 1));
-}
-
-void int4_dec_layer_f32(const uint8_t *kc, const float *ks, const float *kl, const uint8_t *vc, const float *vs,
-                        const float *vl, float *ko, float *vo, int64_t bh, int64_t s, int64_t d, int64_t kg,
-                        int64_t vg) {
-    int4_dec_keys_f32(kc, ks, kl, ko, bh, s, d, kg);
-    int4_dec_rows_f32(vc, vs, vl, vo, bh * s, d, vg);
-}
+INT4_DEC_LAYER(bf16, uint16_t)
+INT4_DEC_LAYER(f32, float)

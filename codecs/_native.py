@@ -15,8 +15,8 @@ loads code built for another CPU; no ``-ffast-math``. `prepare` builds and waits
 calibrate``, the bench and the tests call it). Without a compiler, or with ``KVBUS_NATIVE=0`` (or
 `set_enabled`), the torch kernels run, with one log line saying why (`why_not`).
 
-The functions release the GIL (ctypes does), so `kvbus.codecs.layerwise` runs layers on two
-threads when these kernels do the work (`threads`).
+A layer's call splits its heads and rows over OpenMP threads (`threads`); ctypes releases the
+GIL for the call.
 """
 
 from __future__ import annotations
@@ -39,11 +39,9 @@ logger = logging.getLogger(__name__)
 NATIVE_ENV = "KVBUS_NATIVE"
 #: Environment variable: where built kernels are cached (default `cache_dir`).
 CACHE_ENV = "KVBUS_KERNEL_CACHE"
-#: Environment variable: how many threads a layerwise codec spreads layers over (default `threads`).
-THREADS_ENV = "KVBUS_CODEC_THREADS"
 #: Compiler flags. No -ffast-math (it would allow a reciprocal for the division), no contraction
 #: into fused multiply-adds (they round once where the torch kernels round twice).
-CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-std=c11")
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 #: Longest a build may take before it counts as failed (seconds).
 BUILD_TIMEOUT_S = 60.0
 
@@ -264,16 +262,12 @@ def reset() -> None:
 
 
 def threads() -> int:
-    """Threads a layerwise codec spreads its layers over: ``KVBUS_CODEC_THREADS``, else the CPUs this
-    process may use, at most 2 (more adds little: the kernels run near memory speed)."""
-    raw = os.environ.get(THREADS_ENV, "").strip()
-    if raw:
-        try:
-            return max(1, int(raw))
-        except ValueError:
-            raise ValueError(f"{THREADS_ENV} must be a positive integer, got {raw!r}") from None
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cpus = os.cpu_count() or 1
-    return max(1, min(2, cpus))
+    """Threads the C kernels split a layer over: torch's intra-op threads (`torch.get_num_threads`).
+
+    They run in torch's own OpenMP runtime (the library's ``libgomp.so.1`` resolves to the one
+    torch loaded), on the threads torch's ops use, so a kernel right after a torch op finds them
+    awake rather than competing with them for the cores.
+    """
+    import torch
+
+    return int(torch.get_num_threads())

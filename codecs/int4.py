@@ -44,8 +44,6 @@ class Int4Codec(LayerwiseCodec):
     params = (Param("g", int, DEFAULT_GROUP, lo=2, hi=4096),)
     lossless = False
     fidelity = 0.95
-    parallel_layers = True  # the C kernels (`kvbus.codecs._native`) release the GIL
-    native_dtypes = ((torch.bfloat16, torch.float32), (torch.bfloat16, torch.float32))
 
     def _key_group(self, seq_len: int) -> int:
         return max(1, min(int(self.args["g"]), seq_len))

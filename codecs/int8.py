@@ -54,8 +54,6 @@ class Int8Codec(LayerwiseCodec):
 
     lossless = False
     fidelity = 0.99
-    parallel_layers = True  # the C kernels (`kvbus.codecs._native`) release the GIL
-    native_dtypes = ((torch.bfloat16, torch.float32), (torch.bfloat16, torch.float32))
 
     def layer_layout(self, header: KVHeader) -> Sequence[LayerBuffer]:
         """Per tensor its int8 codes (section 1) and its scales in the KV dtype (section 0): per

@@ -10,16 +10,13 @@ layer checked (views, no allocation) before anything is computed from one.
 from __future__ import annotations
 
 import collections
-import threading
 from abc import abstractmethod
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, TypeVar
+from typing import ClassVar
 
 import torch
 
-from kvbus.codecs import _native
 from kvbus.codecs._arena import carve, carve_arena
 from kvbus.codecs._header import KVHeader, encode_buffers
 from kvbus.codecs._tensors import as_bytes, check_buffer_count, require_map, tensors_from
@@ -61,9 +58,6 @@ class LayerwiseCodec(Codec):
     later call of about its size, so a repeated transfer does not fault fresh pages in.
     """
 
-    parallel_layers: ClassVar[bool] = False
-    """Whether `encode` and `decode` may run layers on several threads when `threaded` says so
-    (for media whose layer kernels release the GIL and are single-threaded: the C kernels)."""
     encode_arena: ClassVar[bool] = True
     """Whether `encode` hands `encode_layer` arena views to write the layer's buffers into."""
     decode_arena: ClassVar[bool] = True
@@ -118,16 +112,6 @@ class LayerwiseCodec(Codec):
         """How errors name buffer ``position`` of the layout of layer ``layer`` (default ``"keys[3]"``)."""
         return f"{buffer.what}[{layer}]"
 
-    native_dtypes: ClassVar[tuple[tuple[torch.dtype, ...], tuple[torch.dtype, ...]]] = ((), ())
-    """The KV dtypes whose layers the C kernels encode, and those they decode (with `parallel_layers`)."""
-
-    def threaded(self, header: KVHeader, *, decoding: bool = False) -> bool:
-        """Whether this payload's layers run on several threads: `parallel_layers`, the C kernels
-        available and taking ``header.dtype`` (`native_dtypes`). Called once per encode and decode;
-        `map_layers` then uses `kvbus.codecs._native.threads` threads."""
-        dtypes = self.native_dtypes[1 if decoding else 0]
-        return self.parallel_layers and header.dtype in dtypes and _native.available()
-
     def encode(self, kv: KVCache, *, base: KVCache | None = None, runner: ModelRunner | None = None) -> Encoded:
         """Encode ``kv`` layer by layer (its tensors are not modified).
 
@@ -142,13 +126,11 @@ class LayerwiseCodec(Codec):
             sections: dict[int, list[torch.Tensor]] = {j: [] for j in sorted({want.section for want in layout})}
             outs, arena = self._encode_outputs(layout, len(kv.keys)) if self.encode_arena else (None, None)
 
-            def one(i: int) -> Sequence[torch.Tensor]:
+            for i, (k, v) in enumerate(zip(kv.keys, kv.values)):
                 try:
-                    return self.encode_layer(header, kv.keys[i], kv.values[i], outs[i] if outs else None)
+                    layer = self.encode_layer(header, k, v, outs[i] if outs else None)
                 except NonFiniteValues as exc:
                     raise NonFiniteValues(self.name, f"{exc.what}[{i}]") from None
-
-            for layer in map_layers(one, len(kv.keys), self.threaded(header)):
                 for want, tensor in zip(layout, layer, strict=True):
                     sections[want.section].append(tensor)
             for section in sections.values():
@@ -191,11 +173,9 @@ class LayerwiseCodec(Codec):
         keys, values = [], []
         outs = carve([(header.dtype, header.layer_shape)] * (2 * n)) if self.decode_arena and n else None
 
-        def one(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        for i in range(n):
             out = (outs[2 * i], outs[2 * i + 1]) if outs else None
-            return self.decode_layer(header, [views[i] for views in by_position], out)
-
-        for k, v in map_layers(one, n, n > 1 and self.threaded(header, decoding=True)):
+            k, v = self.decode_layer(header, [views[i] for views in by_position], out)
             keys.append(k)
             values.append(v)
         kv = KVCache(
@@ -251,44 +231,3 @@ def _wire_index(layout: Sequence[LayerBuffer], n_layers: int) -> tuple[list[int]
         stride.append(widths[want.section])
         seen[want.section] += 1
     return first, stride
-
-
-T = TypeVar("T")
-_pool: list[ThreadPoolExecutor] = []
-_pool_lock = threading.Lock()
-
-
-def _executor(workers: int) -> ThreadPoolExecutor:
-    """The process's pool of codec threads (made at first use with ``workers`` threads)."""
-    if not _pool:
-        with _pool_lock:
-            if not _pool:
-                _pool.append(ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvbus-codec"))
-    return _pool[0]
-
-
-def map_layers(fn: Callable[[int], T], n: int, threaded: bool) -> list[T]:
-    """``[fn(0), ..., fn(n - 1)]``, the layers split into contiguous runs over `_native.threads` threads
-    when ``threaded`` (the calling thread takes the first run).
-
-    An exception is raised as the sequential loop would raise it: that of the lowest layer (every
-    run finishes first, so no thread still writes into the outputs when the caller sees it).
-    """
-    workers = _native.threads() if threaded else 1
-    if workers < 2 or n < 2:
-        return [fn(i) for i in range(n)]
-    workers = min(workers, n)
-    bounds = [n * w // workers for w in range(workers + 1)]
-
-    def run(lo: int, hi: int) -> list[T]:
-        return [fn(i) for i in range(lo, hi)]
-
-    pool = _executor(max(1, _native.threads() - 1))
-    futures = [pool.submit(run, bounds[w], bounds[w + 1]) for w in range(1, workers)]
-    try:
-        results = run(bounds[0], bounds[1])
-    finally:
-        wait(futures)  # no thread still writes into the outputs once the caller sees an exception
-    for future in futures:
-        results += future.result()  # the first run that failed raises: it holds the lowest failing layer
-    return results

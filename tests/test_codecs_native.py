@@ -2,7 +2,7 @@
 
 tests/test_kernels.py holds every kernel against its definition (with the C kernels on, as they
 are by default); here whole payloads are compared with the C kernels on and off, for every
-medium they serve, on layers spread over threads, with the rare products that the reciprocal
+medium they serve, with the rare products that the reciprocal
 path rounds the other way, and the build's cache and fallbacks.
 """
 
@@ -19,7 +19,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbus.codecs import Encoded, _kernels, _native, get_codec
-from kvbus.codecs._header import KVHeader
 from kvbus.codecs.errors import NonFiniteValues
 from kvbus.kvcache import KVCache
 from kvbus.signature import ModelSignature
@@ -88,7 +87,6 @@ def test_the_c_kernels_are_built_and_used_here() -> None:
         [torch.randn(1, 1, 4, 8).bfloat16() for _ in range(2)],
         [torch.randn(1, 1, 4, 8).bfloat16() for _ in range(2)],
     )
-    assert get_codec("int8").threaded(KVHeader.of(kv))
     assert _kernels.int8_encode_layer(kv.keys[0], kv.values[0]) is not None
 
 
@@ -130,18 +128,40 @@ def test_products_next_to_a_tie_are_recomputed_by_division(dtype: torch.dtype) -
         assert torch.equal(scale, scale_ref) and torch.equal(q, q_ref)
 
 
-def test_threaded_layers_report_the_first_bad_layer_and_leave_no_thread_writing() -> None:
-    sig = ModelSignature("n", n_layers=8, n_kv_heads=2, head_dim=16, dtype="bfloat16", vocab_size=10)
-    keys = [torch.randn(1, 2, 32, 16).bfloat16() for _ in range(8)]
-    values = [torch.randn(1, 2, 32, 16).bfloat16() for _ in range(8)]
-    values[6][0, 1, 3, 2] = math.nan  # in the second thread's half
-    keys[5][0, 0, 0, 0] = math.inf
-    values[2][0, 0, 7, 7] = -math.inf  # in the first half: the one named
-    kv = KVCache(torch.zeros(1, 32, dtype=torch.int64), sig, keys, values)
+def test_the_first_bad_layer_is_named() -> None:
+    """Layers big enough to be split over the OpenMP threads: a NaN in the second thread's heads counts."""
+    sig = ModelSignature("n", n_layers=8, n_kv_heads=8, head_dim=64, dtype="bfloat16", vocab_size=10)
+    keys = [torch.randn(1, 8, 64, 64).bfloat16() for _ in range(8)]
+    values = [torch.randn(1, 8, 64, 64).bfloat16() for _ in range(8)]
+    assert keys[0].numel() >= 1 << 15  # PARALLEL_MIN in _native.c
+    values[6][0, 7, 3, 2] = math.nan
+    keys[5][0, 7, 60, 0] = math.inf
+    values[2][0, 6, 63, 7] = -math.inf  # the first: the one named
+    kv = KVCache(torch.zeros(1, 64, dtype=torch.int64), sig, keys, values)
     for spec in ("int8", "int4"):
         with pytest.raises(NonFiniteValues) as caught:
             get_codec(spec).encode(kv)
         assert caught.value.what == "values[2]"
+    values[2][0, 6, 63, 7] = 0.0
+    with pytest.raises(NonFiniteValues) as caught:
+        get_codec("int8").encode(kv)
+    assert caught.value.what == "keys[5]"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("spec", ["int8", "int4"])
+def test_a_layer_split_over_threads_sends_what_the_torch_kernels_do(spec: str, dtype: str) -> None:
+    sig = ModelSignature("n", n_layers=2, n_kv_heads=8, head_dim=128, dtype=dtype, vocab_size=10)
+    g = torch.Generator().manual_seed(7)
+    keys = [(torch.randn(1, 8, 100, 128, generator=g) * 3).to(DTYPES[dtype]) for _ in range(2)]
+    values = [torch.randn(1, 8, 100, 128, generator=g).to(DTYPES[dtype]) for _ in range(2)]
+    kv = KVCache(torch.zeros(1, 100, dtype=torch.int64), sig, keys, values)
+    assert torch.get_num_threads() < 2 or keys[0].numel() >= 1 << 15
+    fast_bytes, fast = encode_decode(spec, kv, True)
+    slow_bytes, slow = encode_decode(spec, kv, False)
+    assert fast_bytes == slow_bytes
+    for a, b in zip(fast.keys + fast.values, slow.keys + slow.values, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 def test_the_build_is_cached_and_a_missing_compiler_falls_back(
