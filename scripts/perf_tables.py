@@ -234,6 +234,24 @@ def codecs(d: Json) -> str:
             "`first_call_s` (first encode + decode in a fresh process): "
             + ", ".join(f"{m} {_f(v, '{:.3f}')} s" for m, v in first.items()),
         ]
+    cold = r.get("first_call_cold_s")
+    if isinstance(cold, dict) and cold:
+        rows += [
+            "",
+            "`first_call_cold_s` (the same with an empty kernel cache; the C kernels build in the background): "
+            + ", ".join(f"{m} {_f(v, '{:.3f}')} s" for m, v in cold.items()),
+        ]
+    other = r.get("other_kernels")
+    if isinstance(other, dict) and isinstance(other.get("llama3-8b-512"), dict):
+        rows += [
+            "",
+            f"Same run, `{other.get('mode')}` kernels (encode / decode vs copy): "
+            + ", ".join(
+                f"{m} {_f(row.get('encode_vs_copy'))} / {_f(row.get('decode_vs_copy'))}"
+                for m, row in other["llama3-8b-512"].items()
+                if isinstance(row, dict)
+            ),
+        ]
     return "\n".join(rows)
 
 
