@@ -153,6 +153,19 @@ def _build(cc: str, source: bytes, target: Path) -> None:
         os.replace(out, target)
 
 
+def _unsafe_folder(folder: Path) -> str | None:
+    """Why ``folder`` may not hold code this process loads (another user could write into it), or None."""
+    try:
+        st = folder.stat()
+    except FileNotFoundError:
+        return None  # made by the build, 0o700
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        return f"{folder} belongs to another user"
+    if st.st_mode & 0o022:
+        return f"{folder} is writable by its group or others"
+    return None
+
+
 def _plan() -> tuple[str, bytes, Path] | None:
     """``(compiler, source, library path)``, or None (with ``why``) when the kernels are off."""
     if not enabled_by_env():
@@ -163,7 +176,12 @@ def _plan() -> tuple[str, bytes, Path] | None:
         _state["why"] = "no C compiler (set CC, or install one)"
         return None
     source = _source()
-    return cc, source, _library_path(cc, source)
+    path = _library_path(cc, source)
+    unsafe = _unsafe_folder(path.parent)
+    if unsafe is not None:
+        _state["why"] = f"the kernel cache is unsafe to load from: {unsafe} (set {CACHE_ENV})"
+        return None
+    return cc, source, path
 
 
 def _open(path: Path) -> ctypes.CDLL:

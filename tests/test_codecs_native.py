@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -164,9 +165,7 @@ def test_a_layer_split_over_threads_sends_what_the_torch_kernels_do(spec: str, d
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-def test_the_build_is_cached_and_a_missing_compiler_falls_back(
-    tmp_path: object, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_build_is_cached_and_a_missing_compiler_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(_native.CACHE_ENV, str(tmp_path))
     _native.reset()
     assert not _native.available()  # nothing cached: the build runs in the background, torch serves
@@ -187,3 +186,18 @@ def test_the_build_is_cached_and_a_missing_compiler_falls_back(
     assert q.shape == kv_layer.shape
     monkeypatch.undo()
     _native.reset()
+
+
+def test_a_cache_folder_others_can_write_to_is_not_loaded_from(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv(_native.CACHE_ENV, str(shared))
+    _native.reset()
+    try:
+        assert not _native.prepare()
+        assert "writable by its group or others" in (_native.why_not() or "")
+        assert not list(shared.iterdir())  # nothing built there either
+    finally:
+        monkeypatch.undo()
+        _native.reset()
