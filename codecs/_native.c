@@ -22,6 +22,9 @@
  * channels wide (_native.MAX_CHANNELS).
  */
 #include <math.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -371,6 +374,15 @@ static inline __attribute__((always_inline)) void group_ranges(const float *rest
     int64_t per = d / g;
     int any = 0;
     for (int64_t c = 0; c < d; c++) any |= f[c] != f[c];
+#ifdef __AVX512F__
+    if (g == 32) { /* two vectors a group: one min / max of them, then one horizontal reduction */
+        for (int64_t j = 0; j < per; j++) {
+            __m512 u = _mm512_loadu_ps(f + j * 32), v = _mm512_loadu_ps(f + j * 32 + 16);
+            mn[j] = _mm512_reduce_min_ps(_mm512_min_ps(u, v));
+            mx[j] = _mm512_reduce_max_ps(_mm512_max_ps(u, v));
+        }
+    } else
+#endif
     if ((g & (g - 1)) == 0 && g >= 2) {
         float a[CHUNK], b[CHUNK];
         int64_t w = g / 2;
