@@ -32,4 +32,3 @@ def test_fidelity_is_averaged_over_windows_of_held_out_text(quality: Quality) ->
     one = quality.score(quality.of_window("int8", kv), n, ref=ref, following=following)
     assert 0.9 < one["fidelity"] <= 1.0
     assert quality.of("full", n) == {"top1": 1.0, "kl": 0.0, "fidelity": 1.0, "windows": 1}
-
