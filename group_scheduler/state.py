@@ -247,6 +247,11 @@ class Pending:
         src = self.hosts.get(self.request.src, "")
         return bool(src) and src == self.hosts.get(rx, "")
 
+    def other_host(self, rx: str) -> bool:
+        """Whether the sender and ``rx`` are known to run on two hosts (so ``shm`` cannot carry it)."""
+        src, dst = self.hosts.get(self.request.src, ""), self.hosts.get(rx, "")
+        return bool(src) and bool(dst) and src != dst
+
 
 @dataclass
 class GroupState:

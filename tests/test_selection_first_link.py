@@ -158,3 +158,21 @@ def test_a_path_never_measured_takes_the_estimate_of_the_pairs_other_network_pat
     p = _request("tcp")
     selector.choose(state, p)
     assert p.decision["medium"] == "tokens" and not p.decision["hedged"]
+
+
+def test_a_receiver_on_another_host_is_predicted_on_tcp_whatever_the_sender_guessed() -> None:
+    """Four inline sends measured the pair's NATS link at 10 Mbit/s; the next context, too big to
+    ride inline, came with the sender's guess of shm. On another host it takes tcp, which has the
+    NATS link's estimate: tokens, not full at memory speed (4.9 s on the testbed)."""
+    selector = AdaptiveSelector(cost_model(), candidates=tuple(FIGS))
+    state = GroupState("g")
+    link = state.link("a", "b", "nats")
+    now = time.monotonic()
+    for i in range(3):
+        link.observe(int(1.25e6), 1.0, now + i)
+    p = _request("shm")
+    p.hosts = {"a": "h1", "b": "h2"}
+    selector.choose(state, p)
+    assert p.decision["medium"] == "tokens", p.decision["reason"]
+    full = next(c for c in p.decision["candidates"] if c["medium"] == "full")
+    assert full["terms"]["bytes_s"] > 10  # 47 MB at 10 Mbit/s
