@@ -483,7 +483,7 @@ class CostModel:
             raise ValueError("no usable medium among " + ", ".join(e.medium for e in ests))
         # Precision refresh: a lossy hop that would take the lineage below the threshold is
         # not allowed; lossless media keep the product (``tokens`` even resets it to 1).
-        allowed = [e for e in pool if self.figures[e.medium].lossless or lineage * e.fidelity >= cfg.refresh_threshold]
+        allowed = [e for e in pool if self.refresh_allows(e, lineage)]
         allowed = allowed or pool
         forced = min(pool, key=lambda e: e.total_s) not in allowed
         pool = allowed
@@ -500,6 +500,11 @@ class CostModel:
         if not self.calibrated:
             reason += " [uncalibrated fallback figures]"
         return Choice(best.medium, best, tuple(ests), reason, forced_lossless=forced, kept_by_hysteresis=kept)
+
+    def refresh_allows(self, e: Estimate, lineage: float) -> bool:
+        """Whether the precision refresh lets ``e``'s medium carry a context of fidelity ``lineage``:
+        a lossless medium always, a lossy one if the lineage stays at ``refresh_threshold`` or above."""
+        return self.figures[e.medium].lossless or lineage * e.fidelity >= self.config.refresh_threshold
 
     # -- online correction ------------------------------------------------------------------------
 

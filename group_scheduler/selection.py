@@ -79,8 +79,7 @@ class Exploration:
     """How wrong an unmeasured prediction may be: a candidate is explored only if it would beat the
     chosen one with its compute terms (encode, decode, recompute) ``1 + margin`` times faster than
     predicted. Its bytes over a measured link are taken as predicted: on a slow link, a medium
-    whose bytes alone take longer than the chosen medium's whole transfer is never explored. On a
-    link not measured yet, its whole prediction is divided by ``1 + margin``."""
+    whose bytes alone take longer than the chosen medium's whole transfer is never explored."""
     min_samples: int = 3
     """A medium measured fewer times than this at a context size is unmeasured there."""
     stale_s: float = 600.0
@@ -188,8 +187,8 @@ class AdaptiveSelector(MediumSelector):
             # the testbed a hedged first transfer rode inline on NATS at 10 Mbit/s, and the next,
             # the first on tcp, was hedged over rates up to 8 Gbit/s again: it went in full.)
             for other in (PathName.TCP, PathName.NATS):
-                sibling = state.link(src, dst, other) if other != path else None
-                if sibling is not None and sibling.known:
+                sibling = state.link(src, dst, other)
+                if other != path and sibling.known:
                     return Link(
                         sibling.bandwidth_bps, 2 * state.declared_latency(src, dst), f"estimate of {other}", path
                     )
@@ -357,13 +356,12 @@ class AdaptiveSelector(MediumSelector):
             return None
         if not self._may_explore(state, pending, rx):
             return None
-        cfg = self.model.config
         best = choice.estimate.total_s
         options: list[tuple[float, Estimate]] = []
         for e in choice.candidates:
             if not e.usable or e.medium == choice.medium or e.nbytes < SMALL_PAYLOAD_BYTES:
                 continue
-            if not self.model.figures[e.medium].lossless and req.fidelity * e.fidelity < cfg.refresh_threshold:
+            if not self.model.refresh_allows(e, req.fidelity):
                 continue
             hoped = e.total_s - (e.comm_s - e.fixed_s) + e.nbytes / hope
             if hoped < best:
@@ -402,7 +400,7 @@ class AdaptiveSelector(MediumSelector):
         req = pending.request
         if not self._may_explore(state, pending, rx):
             return None
-        cfg, learned = self.model.config, self.model.learned
+        learned = self.model.learned
         now = time.time()
         best = choice.estimate.total_s
         prefill_known = self.endpoint(state, rx, None).prefill_measured
@@ -413,9 +411,8 @@ class AdaptiveSelector(MediumSelector):
             unsure = e.comp_s - (e.recompute_s if prefill_known else 0.0)
             if e.total_s - unsure * ex.margin / (1 + ex.margin) >= best:
                 continue
-            figures = self.model.figures[e.medium]
-            if not figures.lossless and req.fidelity * e.fidelity < cfg.refresh_threshold:
-                continue  # the precision refresh would not allow it
+            if not self.model.refresh_allows(e, req.fidelity):
+                continue
             n, ts = learned.measured(e.medium, req.nbytes)
             if n < ex.min_samples or now - ts > ex.stale_s:
                 options.append((n, e.total_s, e))
@@ -443,10 +440,9 @@ class AdaptiveSelector(MediumSelector):
         floor, top = self.unmeasured_floor_bps, link.bandwidth_bps
         if not 0 < floor < top:
             return choice
-        figures, threshold = self.model.figures, self.model.config.refresh_threshold
 
         def allowed(e: Estimate) -> bool:
-            return e.usable and (figures[e.medium].lossless or lineage * e.fidelity >= threshold)
+            return e.usable and self.model.refresh_allows(e, lineage)
 
         worst: dict[str, float] = {e.medium: 1.0 for e in choice.candidates if allowed(e)}
         for i in range(HEDGE_POINTS):
@@ -460,8 +456,6 @@ class AdaptiveSelector(MediumSelector):
             low = max(min(totals.values()), 1e-9)
             for medium in worst:
                 worst[medium] = max(worst[medium], totals.get(medium, math.inf) / low)
-        if not worst:
-            return choice
         medium = min(worst, key=lambda m: (worst[m], m != choice.medium))
         if medium == choice.medium or not math.isfinite(worst[medium]):
             return choice

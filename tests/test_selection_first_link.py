@@ -148,10 +148,7 @@ def test_a_path_never_measured_takes_the_estimate_of_the_pairs_other_network_pat
     in full at 10 Mbit/s: 4.9 s where tokens took 0.3 s). shm is never taken from another path."""
     selector = AdaptiveSelector(cost_model(), candidates=tuple(FIGS))
     state = GroupState("g")
-    link = state.link("a", "b", "nats")
-    now = time.monotonic()
-    for i in range(3):
-        link.observe(int(1.25e6), 1.0, now + i)
+    _measured(state, 1.25e6)  # the NATS path
     tcp = selector.link(state, "a", "b", "tcp")
     assert tcp.bandwidth_bps == pytest.approx(1.25e6) and tcp.source == "estimate of nats"
     assert selector.link(state, "a", "b", "shm").source == "default"
@@ -166,10 +163,7 @@ def test_a_receiver_on_another_host_is_predicted_on_tcp_whatever_the_sender_gues
     NATS link's estimate: tokens, not full at memory speed (4.9 s on the testbed)."""
     selector = AdaptiveSelector(cost_model(), candidates=tuple(FIGS))
     state = GroupState("g")
-    link = state.link("a", "b", "nats")
-    now = time.monotonic()
-    for i in range(3):
-        link.observe(int(1.25e6), 1.0, now + i)
+    _measured(state, 1.25e6)  # the NATS path
     p = _request("shm")
     p.hosts = {"a": "h1", "b": "h2"}
     selector.choose(state, p)

@@ -86,10 +86,15 @@ class Quality:
         if n > self.max_context:
             raise ValueError(f"the held-out text has {self.max_context} tokens of context at most, not {n}")
         if n not in self._contexts:
-            kv = self.runner.prefill(self.ids[:, :n])
-            following = self.ids[:, n : n + FOLLOWING]
-            self._contexts[n] = (kv, following, self.runner.score(kv, following))
+            self._contexts[n] = self._window(0, n)
         return self._contexts[n]
+
+    def _window(self, start: int, n: int) -> tuple[KVCache, torch.Tensor, torch.Tensor]:
+        """The ``n`` tokens from ``start`` prefilled, their `FOLLOWING` tokens, and the lossless
+        predictions on those."""
+        kv = self.runner.prefill(self.ids[:, start : start + n])
+        following = self.ids[:, start + n : start + n + FOLLOWING]
+        return kv, following, self.runner.score(kv, following)
 
     def _windows(self, n: int) -> list[tuple[KVCache, torch.Tensor, torch.Tensor]]:
         """Up to ``windows`` contexts of ``n`` tokens (the first is `context`), `FOLLOWING` tokens
@@ -100,9 +105,7 @@ class Quality:
             for start in range(FOLLOWING, int(self.ids.shape[-1]) - n - FOLLOWING + 1, FOLLOWING):
                 if len(more) + 1 >= self.windows:
                     break
-                kv = self.runner.prefill(self.ids[:, start : start + n])
-                following = self.ids[:, start + n : start + n + FOLLOWING]
-                more.append((kv, following, self.runner.score(kv, following)))
+                more.append(self._window(start, n))
             self._more[n] = more
         return out + self._more[n]
 
