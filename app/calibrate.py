@@ -198,6 +198,28 @@ def fidelity_by_length(
     return out
 
 
+def prefill_by_length(
+    runner: Any, tokenizer: Any, *, lengths: tuple[int, ...] = LENGTHS, rounds: int = 3
+) -> dict[int, float]:
+    """The model's prefill seconds of a context of each length (the best of ``rounds`` rounds,
+    lengths interleaved within a round so that a busy spell slows them alike), for the cost
+    model's prefill curve (`CalibrationProfile.prefill_shape`). A length no text reaches is left out."""
+    ctxs = {}
+    for n in lengths:
+        try:
+            ctxs[n] = windows(tokenizer, 1, n)[0]
+        except RuntimeError:
+            continue
+    best: dict[int, float] = {}
+    for _ in range(rounds):
+        for n, ids in ctxs.items():
+            t0 = time.perf_counter()
+            runner.prefill(ids)
+            took = time.perf_counter() - t0
+            best[n] = min(took, best.get(n, math.inf))
+    return best
+
+
 def measure(
     *,
     quick: bool = False,
@@ -205,6 +227,7 @@ def measure(
     runner: Any = None,
     tokenizer: Any = None,
     n_windows: int | None = None,
+    prefill_lengths: tuple[int, ...] = LENGTHS,
     progress: Callable[[str], None] | None = None,
 ) -> CalibrationProfile:
     """Run the calibration and return the profile (nothing is written).
@@ -215,6 +238,7 @@ def measure(
         runner: the model (default: SmolLM2-135M-Instruct via `load_smollm2`).
         tokenizer: its tokenizer (default: the runner's).
         n_windows: how many text windows (default: 2 quick, 6 full).
+        prefill_lengths: the context lengths the prefill is timed at (`prefill_by_length`).
         progress: called with a line of text after each step.
     """
     from kvbus.app.bench import machine_info
@@ -290,6 +314,8 @@ def measure(
             fidelity=fidelity_from(mean["top1"], mean["kl"], lossless=lossless),
         )
     by_tokens = {} if quick else fidelity_by_length(runner, tokenizer, specs, progress=say)
+    prefill_curve = prefill_by_length(runner, tokenizer, lengths=prefill_lengths, rounds=2 if quick else 3)
+    say("prefill s by tokens: " + ", ".join(f"{n} {t:.3f}" for n, t in sorted(prefill_curve.items())))
     now = _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat()
     return CalibrationProfile(
         version=PROFILE_VERSION,
@@ -312,10 +338,13 @@ def measure(
             "fidelity": "top1 * exp(-kl), clamped to [0.001, 1]; 1 for lossless media",
             "delta": "delta+X costs what X costs on the tokens after the shared prefix",
             "topk": "scored with the sender's real queries (runner given to encode)",
+            "prefill_s_by_tokens": "the best of 2 (quick) or 3 rounds of one prefill per length, lengths "
+            "interleaved; the cost model fits its prefill curve to it",
             "fidelity_by_tokens": f"full runs: lossy media's fidelity at {list(LENGTHS)} context tokens, "
             f"mean top-1 and KL over up to {LENGTH_WINDOWS} windows of {LENGTH_FOLLOWING} following tokens",
         },
         fidelity_by_tokens=by_tokens,
+        prefill_s_by_tokens=prefill_curve,
     )
 
 

@@ -66,13 +66,15 @@ class Endpoint:
 
 class PrefillSpeed:
     """An agent's measured prefill speed, tokens/s: an exponentially weighted mean of the
-    recomputes it did (``tokens`` and ``summary`` deliveries), 0 until one was measured.
+    recomputes it did (``tokens`` and ``summary`` deliveries), 0 until one was measured, with the
+    same mean of their lengths and of the tokens each found held already.
 
     The scheduler's cost model uses it instead of the calibrated figure scaled by the reported
-    load: it already is the speed under the load the agent really has.
+    load: it already is the speed under the load the agent really has. The lengths let it carry
+    the speed to other lengths (a long prefill is slower per token than a short one).
     """
 
-    __slots__ = ("tokens_per_s",)
+    __slots__ = ("held", "tokens", "tokens_per_s")
 
     #: Weight of the newest measurement.
     ALPHA = 0.3
@@ -81,13 +83,17 @@ class PrefillSpeed:
 
     def __init__(self) -> None:
         self.tokens_per_s = 0.0
+        self.tokens = 0.0
+        self.held = 0.0
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        """Count a recompute of ``tokens`` tokens that took ``seconds``."""
+    def observe(self, tokens: int, seconds: float, held: int = 0) -> None:
+        """Count a recompute of ``tokens`` tokens after ``held`` in the cache that took ``seconds``."""
         if tokens < self.MIN_TOKENS or not 0.0 < seconds < math.inf:
             return
         speed = tokens / seconds
         if self.tokens_per_s == 0.0:
-            self.tokens_per_s = speed
+            self.tokens_per_s, self.tokens, self.held = speed, float(tokens), float(max(0, held))
         else:
             self.tokens_per_s += self.ALPHA * (speed - self.tokens_per_s)
+            self.tokens += self.ALPHA * (tokens - self.tokens)
+            self.held += self.ALPHA * (max(0, held) - self.held)

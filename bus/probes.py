@@ -68,6 +68,8 @@ class Probes:
             link_bps=link.bandwidth_bps,
             latency_s=link.latency_s,
             prefill_tps=ep.prefill.tokens_per_s,
+            prefill_tokens=ep.prefill.tokens,
+            prefill_held=ep.prefill.held,
         )
 
     async def publish(self) -> None:

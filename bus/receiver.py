@@ -438,7 +438,7 @@ class Receiver:
         if not codec.needs_kv and kv.has_kv:
             # A medium without KV was decoded by prefilling: that is this agent's real prefill speed.
             held = base.seq_len if base is not None and base.has_kv else 0
-            ep.prefill.observe(kv.seq_len - held, decode_s)
+            ep.prefill.observe(kv.seq_len - held, decode_s, held)
         kv = self._fit(kv, open_msg.codec)
         return Delivery(
             transfer_id=open_msg.transfer_id,

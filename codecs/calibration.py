@@ -96,6 +96,15 @@ class CalibrationProfile:
     """Lossy media's fidelity factor per context length (tokens), where it was measured at several
     (``kvbus calibrate``'s full run); a medium not here has only its ``codecs`` fidelity."""
 
+    prefill_s_by_tokens: dict[int, float] = field(default_factory=dict)
+    """The model's prefill seconds of a context of each length (tokens; best of the timings),
+    where calibration timed several lengths; `prefill_shape` fits the cost model's curve to them."""
+
+    def prefill_shape(self) -> tuple[float, float, float] | None:
+        """The cost model's prefill curve (`ModelCosts.prefill_shape`) fitted to
+        ``prefill_s_by_tokens``, or None (linear in the tokens) with fewer than three lengths."""
+        return fit_prefill_shape(self.prefill_s_by_tokens, self.context_tokens)
+
     def fidelity_curve(self, spec: str) -> tuple[tuple[int, float], ...]:
         """``((tokens, fidelity), ...)`` of a medium, ``spec`` canonical, by length; () if not measured."""
         return tuple(sorted(self.fidelity_by_tokens.get(spec, {}).items()))
@@ -119,6 +128,7 @@ class CalibrationProfile:
         out["fidelity_by_tokens"] = {
             k: {str(n): f for n, f in sorted(v.items())} for k, v in self.fidelity_by_tokens.items()
         }
+        out["prefill_s_by_tokens"] = {str(n): t for n, t in sorted(self.prefill_s_by_tokens.items())}
         return out
 
     @classmethod
@@ -175,7 +185,83 @@ class CalibrationProfile:
             context_tokens=int(get("context_tokens", int)),
             details=dict(data.get("details") or {}),
             fidelity_by_tokens=by_tokens,
+            prefill_s_by_tokens=_prefill_by_tokens(data.get("prefill_s_by_tokens", {}), path),
         )
+
+
+def _length(key: object, what: str, path: str) -> int:
+    """A context length given as a JSON key: a positive integer of at most 2**24."""
+    try:
+        n = int(key)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        raise CalibrationError(path, f"{what} has a length {key!r} that is not an integer") from None
+    if n <= 0 or n > 1 << 24:
+        raise CalibrationError(path, f"{what} has a length {n} out of range")
+    return n
+
+
+def _prefill_by_tokens(raw: object, path: str) -> dict[int, float]:
+    """Validate a profile's optional ``prefill_s_by_tokens``: {tokens: positive finite seconds}."""
+    if not isinstance(raw, dict):
+        raise CalibrationError(path, "prefill_s_by_tokens is not an object")
+    out: dict[int, float] = {}
+    for key, value in raw.items():
+        n = _length(key, "prefill_s_by_tokens", path)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise CalibrationError(path, f"prefill_s_by_tokens[{key!r}]={value!r} is not a positive number of seconds")
+        out[n] = float(value)
+    return out
+
+
+def fit_prefill_shape(timings: dict[int, float], ref_tokens: int) -> tuple[float, float, float] | None:
+    """``(c0, c1, c2)`` with ``t(n) ~ c0 + c1 n + c2 n^2`` over ``timings`` (tokens -> seconds),
+    least squares in relative error, every coefficient >= 0 (a term that fits negative is dropped),
+    scaled so that ``t(ref_tokens) = 1``: the cost model's `ModelCosts.prefill_shape`. None with
+    fewer than three lengths, or when nothing fits."""
+    points = sorted((n, t) for n, t in timings.items() if n > 0 and 0 < t < math.inf)
+    if len(points) < 3 or ref_tokens <= 0:
+        return None
+    best: tuple[float, tuple[float, float, float]] | None = None
+    for terms in ((0, 1, 2), (1, 2), (0, 1), (1,)):
+        # rows scaled by 1/t: each timing's relative error weighs the same
+        rows = [[float(n) ** k / t for k in terms] for n, t in points]
+        coef = _least_squares(rows, [1.0] * len(points))
+        if coef is None or any(c < 0 for c in coef):
+            continue
+        full = [0.0, 0.0, 0.0]
+        for k, c in zip(terms, coef, strict=True):
+            full[k] = c
+        err = sum((sum(r * c for r, c in zip(row, coef, strict=True)) - 1.0) ** 2 for row in rows)
+        if best is None or err < best[0] - 1e-12:
+            best = (err, (full[0], full[1], full[2]))
+    if best is None:
+        return None
+    c0, c1, c2 = best[1]
+    at_ref = c0 + c1 * ref_tokens + c2 * ref_tokens**2
+    if not at_ref > 0:
+        return None
+    return (c0 / at_ref, c1 / at_ref, c2 / at_ref)
+
+
+def _least_squares(rows: list[list[float]], rhs: list[float]) -> list[float] | None:
+    """The least-squares solution of ``rows @ x = rhs`` (normal equations, Gaussian elimination
+    with partial pivoting), None when singular. Small systems only (a handful of unknowns)."""
+    k = len(rows[0])
+    a = [
+        [sum(r[i] * r[j] for r in rows) for j in range(k)] + [sum(r[i] * b for r, b in zip(rows, rhs, strict=True))]
+        for i in range(k)
+    ]
+    for col in range(k):
+        piv = max(range(col, k), key=lambda r: abs(a[r][col]))
+        if abs(a[piv][col]) < 1e-300:
+            return None
+        a[col], a[piv] = a[piv], a[col]
+        for r in range(k):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                a[r] = [x - f * y for x, y in zip(a[r], a[col], strict=True)]
+    out = [a[i][k] / a[i][i] for i in range(k)]
+    return out if all(math.isfinite(x) for x in out) else None
 
 
 def _fidelity_by_tokens(raw: object, path: str) -> dict[str, dict[int, float]]:
@@ -189,14 +275,7 @@ def _fidelity_by_tokens(raw: object, path: str) -> dict[str, dict[int, float]]:
             raise CalibrationError(path, f"fidelity_by_tokens[{spec!r}] is not an object")
         points: dict[int, float] = {}
         for key, value in curve.items():
-            try:
-                n = int(key)
-            except (TypeError, ValueError):
-                raise CalibrationError(
-                    path, f"fidelity_by_tokens[{spec!r}] has a length {key!r} that is not an integer"
-                ) from None
-            if n <= 0 or n > 1 << 24:
-                raise CalibrationError(path, f"fidelity_by_tokens[{spec!r}] has a length {n} out of range")
+            n = _length(key, f"fidelity_by_tokens[{spec!r}]", path)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise CalibrationError(path, f"fidelity_by_tokens[{spec!r}][{key!r}]={value!r} is not in (0, 1]")
             points[n] = float(value)

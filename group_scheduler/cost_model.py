@@ -95,7 +95,35 @@ class ModelCosts:
     """Compute figures of the receiving (or summarising) model."""
 
     prefill_tokens_per_s: float = FALLBACK_PREFILL_TPS
+    """Prefill speed over a context of ``prefill_ref_tokens`` tokens (from nothing held)."""
     decode_token_s: float = FALLBACK_DECODE_TOKEN_S
+    prefill_shape: tuple[float, float, float] | None = None
+    """How a prefill's time grows with its length: ``(c0, c1, c2)``, the prefill of ``n`` tokens
+    after ``p`` held taking ``c0 + c1 n + c2 ((p + n)^2 - p^2)`` reference prefills (a fixed cost,
+    the per-token work, attention over the context), with ``c0 + c1 R + c2 R^2 = 1`` at
+    ``R = prefill_ref_tokens``; calibration fits it to prefills at several lengths. None: linear,
+    ``n / prefill_tokens_per_s`` at every length."""
+    prefill_ref_tokens: int = 512
+    """The context length ``prefill_tokens_per_s`` was measured at."""
+
+    def prefill_s(self, tokens: int, held: int = 0) -> float:
+        """Seconds to prefill ``tokens`` tokens after ``held`` already in the cache."""
+        if tokens <= 0:
+            return 0.0
+        if self.prefill_shape is None:
+            return tokens / self.prefill_tokens_per_s
+        return self.prefill_ref_tokens / self.prefill_tokens_per_s * self._work(tokens, held)
+
+    def reference_tps(self, tokens: int, seconds: float, held: int = 0) -> float:
+        """The ``prefill_tokens_per_s`` under which a prefill of ``tokens`` after ``held`` takes
+        ``seconds``: a speed measured at one length, carried to the reference length."""
+        if self.prefill_shape is None:
+            return tokens / seconds
+        return self.prefill_ref_tokens * self._work(tokens, held) / seconds
+
+    def _work(self, tokens: int, held: int) -> float:
+        c0, c1, c2 = self.prefill_shape or (0.0, 1.0 / self.prefill_ref_tokens, 0.0)
+        return c0 + c1 * tokens + c2 * ((held + tokens) ** 2 - held**2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,7 +356,13 @@ class CostModel:
                     continue
                 figures.setdefault(spec, figures[inner])
         model = cls(figures, config=config, calibrated=True)
-        model.default_model_costs = ModelCosts(float(profile.prefill_tokens_per_s), float(profile.decode_token_s))
+        shape = getattr(profile, "prefill_shape", None)
+        model.default_model_costs = ModelCosts(
+            float(profile.prefill_tokens_per_s),
+            float(profile.decode_token_s),
+            prefill_shape=shape() if callable(shape) else None,
+            prefill_ref_tokens=int(getattr(profile, "context_tokens", 512) or 512),
+        )
         return model
 
     default_model_costs: ModelCosts = ModelCosts()
@@ -388,10 +422,10 @@ class CostModel:
         dec = prior_dec * (f_dec if f_dec is not None else 1.0)
         recompute = 0.0
         if kind == "tokens":
-            recompute = new_tokens / receiver.model.prefill_tokens_per_s / _prefill_free(receiver)
+            recompute = receiver.model.prefill_s(new_tokens, n_tokens - new_tokens) / _prefill_free(receiver)
         elif kind == "summary":
             write = fig.summary_tokens * sender.model.decode_token_s / _free(sender.compute_load)
-            read = fig.summary_tokens / receiver.model.prefill_tokens_per_s / _prefill_free(receiver)
+            read = receiver.model.prefill_s(fig.summary_tokens) / _prefill_free(receiver)
             recompute = write + read
         # The per-medium bias is the older, coarser correction: only where nothing finer was measured.
         measured_codec = f_enc is not None or f_dec is not None

@@ -27,7 +27,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,14 +177,24 @@ class LearnedCosts:
         self._fold(self.codec, (medium, size_class(kv_bytes), phase), sample, now, log=True, prior=1.0)
 
     def observe_prefill(
-        self, receiver: str, tokens: int, seconds: float, now: float | None = None, *, prior_tps: float = 0.0
+        self,
+        receiver: str,
+        tokens: int,
+        seconds: float,
+        now: float | None = None,
+        *,
+        prior_tps: float = 0.0,
+        speed: Callable[[int, float, int], float] | None = None,
     ) -> None:
         """``receiver`` rebuilt ``tokens`` tokens of KV in ``seconds``; ``prior_tps``: the speed the
-        decision predicted it at (a first sample is judged against it)."""
+        decision predicted it at (a first sample is judged against it); ``speed``: how a timing
+        becomes the speed learned (``(tokens, seconds, held) -> tokens/s``; default tokens/seconds)."""
         if tokens <= 0 or not _finite_positive(seconds):
             return
         prior = prior_tps if _finite_positive(prior_tps) else None
-        self._fold(self.prefill_tps, receiver, tokens / seconds, now, log=True, prior=prior)
+        sample = speed(tokens, seconds, 0) if speed is not None else tokens / seconds
+        if _finite_positive(sample):
+            self._fold(self.prefill_tps, receiver, sample, now, log=True, prior=prior)
 
     def observe_error(self, medium: str, predicted_s: float, measured_s: float) -> None:
         """How far the prediction of a finished transfer was from what it took."""
@@ -200,6 +210,7 @@ class LearnedCosts:
         new_tokens: int,
         bandwidth_bps: float | None,
         teach_codec: bool = True,
+        reference_tps: Callable[[int, float, int], float] | None = None,
     ) -> float:
         """Learn from one finished transfer (a `TransferDone` and the decision record it was granted
         with); returns the fixed cost to take off its wire time before the link estimate sees it.
@@ -210,6 +221,9 @@ class LearnedCosts:
             bandwidth_bps: the pair's bandwidth on the path the bytes took, when known (the bytes'
                 own time is taken off a small payload's fixed-cost sample).
             teach_codec: False for a transfer under another's rate budget (its record is the other's).
+            reference_tps: ``(tokens, seconds, held) -> tokens/s`` at the calibrated length
+                (`ModelCosts.reference_tps`): what a ``tokens`` delivery's prefill is learned as.
+                None: its plain tokens/s.
         """
         now = time.time()
         medium = str(done.medium)
@@ -222,8 +236,11 @@ class LearnedCosts:
                 if len(done.dst) == 1:
                     terms = candidate.get("terms") if candidate else None
                     predicted = terms.get("recompute_s", 0.0) if isinstance(terms, Mapping) else 0.0
-                    prior_tps = new_tokens / predicted if _finite_positive(predicted) else 0.0
-                    self.observe_prefill(str(done.dst[0]), new_tokens, done.decode_s, now, prior_tps=prior_tps)
+                    prior_tps = 0.0
+                    if _finite_positive(predicted):
+                        prior_tps = reference_tps(new_tokens, predicted, 0) if reference_tps else new_tokens / predicted
+                    rx = str(done.dst[0])
+                    self.observe_prefill(rx, new_tokens, done.decode_s, now, prior_tps=prior_tps, speed=reference_tps)
             elif kind != "summary":
                 self.observe_codec(medium, kv_bytes, "decode", done.decode_s, prior.get("dec_s", 0.0), now)
             if done.encode_s > 0 or done.decode_s > 0:

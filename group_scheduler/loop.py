@@ -424,6 +424,7 @@ class GrantLoop:
                 new_tokens=max(0, req.n_tokens - req.base_tokens) if _is_delta(done.medium) else req.n_tokens,
                 bandwidth_bps=bw,
                 teach_codec=not budgeted,
+                reference_tps=model.default_model_costs.reference_tps,
             )
         if done.nbytes >= MIN_ESTIMATE_BYTES and done.wire_s > 0 and path in PATH_NAMES:
             wire_s = done.wire_s - fixed  # the bytes' own time: a transfer's round trips are not the link

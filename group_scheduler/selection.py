@@ -203,7 +203,13 @@ class AdaptiveSelector(MediumSelector):
         load = agent.compute_load if agent else 0.0
         pressure = agent.memory_pressure if agent else 0.0
         costs = getattr(self.model, "default_model_costs", ModelCosts())
-        measured = agent.prefill_tps if agent else 0.0
+        measured = 0.0
+        if agent is not None and agent.prefill_tps > 0:
+            # Its speed over the lengths it prefilled lately, carried to the calibrated length:
+            # per token a long prefill is slower than a short one, on any load.
+            n = int(agent.prefill_tokens)
+            held = int(agent.prefill_held)
+            measured = costs.reference_tps(n, n / agent.prefill_tps, held) if n > 0 else agent.prefill_tps
         if measured <= 0:  # the agent measures none: what its tokens deliveries took, if any
             measured = self.model.learned.prefill(name) or 0.0
         if measured > 0:

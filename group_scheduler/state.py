@@ -40,6 +40,10 @@ class AgentState:
     """Monotonic time of the last ``shed`` hint sent to it."""
     prefill_tps: float = 0.0
     """Its measured prefill speed, tokens/s (0: none measured; the calibrated figure applies)."""
+    prefill_tokens: float = 0.0
+    """The mean length of the recomputes that speed was measured on (0: not said)."""
+    prefill_held: float = 0.0
+    """The mean of the tokens they found held already."""
 
     def update(self, probe: Probe, now: float | None = None) -> None:
         """Take the figures of ``probe``; the agent is seen (at ``now``) and up."""
@@ -47,6 +51,8 @@ class AgentState:
         self.cache_bytes = probe.cache_bytes
         self.compute_load = probe.compute_load
         self.prefill_tps = probe.prefill_tps
+        self.prefill_tokens = probe.prefill_tokens
+        self.prefill_held = probe.prefill_held
         self.role_priority = probe.role_priority
         self.role = probe.role
         self.last_seen = time.monotonic() if now is None else now

@@ -160,8 +160,13 @@ def test_calibration_texts_give_windows() -> None:
 
 def test_a_small_real_calibration_run() -> None:
     lines: list[str] = []
-    profile = measure(quick=True, specs=("full", "int8"), n_windows=1, progress=lines.append)
-    assert set(profile.codecs) == {"full", "int8"} and len(lines) == 2
+    profile = measure(
+        quick=True, specs=("full", "int8"), n_windows=1, prefill_lengths=(32, 64, 128), progress=lines.append
+    )
+    assert set(profile.codecs) == {"full", "int8"} and len(lines) == 3
+    assert set(profile.prefill_s_by_tokens) == {32, 64, 128} and all(
+        t > 0 for t in profile.prefill_s_by_tokens.values()
+    )
     int8 = profile.codecs["int8"]
     assert 3.5 < int8.ratio < 4.1 and int8.kl < 5e-3 and int8.top1 > 0.9 and 0 < int8.rel_error < 0.02
     assert profile.codecs["full"] == replace(profile.codecs["full"], kl=0.0, top1=1.0, fidelity=1.0, rel_error=0.0)

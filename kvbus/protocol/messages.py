@@ -337,6 +337,8 @@ class TransferDone(Message):
         "link_bps": RATE,
         "latency_s": LATENCY,
         "prefill_tps": float_in(0.0, 1e9),
+        "prefill_tokens": float_in(0.0, 1e9),
+        "prefill_held": float_in(0.0, 1e9),
     },
 )
 @dataclass(frozen=True, slots=True)
@@ -357,6 +359,11 @@ class Probe(Message):
     prefill_tps: float = 0.0
     """The agent's measured prefill speed, tokens/s, from the recomputes it did lately, under the
     load it really had (0 = none measured yet: the scheduler uses the calibrated figure)."""
+    prefill_tokens: float = 0.0
+    """The mean length of the recomputes ``prefill_tps`` was measured on (0 = not said: the
+    calibration's context length)."""
+    prefill_held: float = 0.0
+    """The mean of the tokens those recomputes found in the cache already."""
 
 
 @message(
