@@ -281,6 +281,8 @@ class OutgoingTransfer:
         """Pace the rest of the transfer at ``rate_bps`` bytes/s (0 = unpaced)."""
         self.stats.rate_changes += 1
         self.bucket.set_rate(rate_bps, burst=max(self.plan.chunk_size, rate_bps * 0.02))
+        if self.route is not None:
+            self.route.repace()  # the bytes the kernel holds slow down too, not only the next chunk
 
     def cancel(self, reason: str) -> None:
         """Give up: every receiver still pending fails with ``reason``."""
@@ -512,6 +514,7 @@ class OutgoingTransfer:
             segment=self._segment,
             on_ack=lambda ack: self.on_ack(link.rx, ack, direct=True),
             on_lost=lambda error: self._path_lost(link.rx, error),
+            pacer=self.bucket,
         )
         self.route = route
         error = await route.open(reply)

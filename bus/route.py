@@ -25,6 +25,7 @@ from collections.abc import Callable
 from kvbus.bus.errors import TransferError
 from kvbus.bus.paths import (
     DataPlane,
+    Pacer,
     PathBroken,
     PathError,
     PathUnavailable,
@@ -56,6 +57,8 @@ class Route:
         on_ack: called with each `Ack` the receiver sent back on the direct path.
         on_lost: called once when the direct path failed and the route fell back (or failed).
         segment: the shared segment the payload was staged in, if any.
+        pacer: what paces the transfer (its token bucket), told to the direct session
+            (`SendSession.pace`: the kernel paces a ``tcp`` connection at its transfers' rates).
     """
 
     def __init__(
@@ -67,8 +70,10 @@ class Route:
         on_ack: Callable[[Ack], None],
         on_lost: Callable[[PathError], None],
         segment: Segment | None = None,
+        pacer: Pacer | None = None,
     ) -> None:
         self.plane = plane
+        self.pacer = pacer
         self.segment = segment
         """Where the payload was staged (a shared segment: ``shm`` then copies nothing)."""
         self.spec = spec
@@ -119,6 +124,7 @@ class Route:
                     exclude=(PathName.NATS,),
                 )
                 self.path = self.session.kind.value
+                self.session.pace(self.pacer)
             except PathUnavailable as exc:
                 logger.info("transfer %s: no direct path to %s (%s)", self.spec.transfer_id, self.spec.receiver, exc)
         if self.session is None:
@@ -145,6 +151,11 @@ class Route:
         """The chunks lie in a segment the receiver maps whole (``shm``): a credit window bounds
         no memory there, it would only make the sender wait for acks between batches of headers."""
         return self.session is not None and self.session.kind is PathName.SHM
+
+    def repace(self) -> None:
+        """The transfer's rate changed: the direct session's kernel pacing follows at once."""
+        if self.session is not None:
+            self.session.pace(self.pacer)
 
     def _nats_allowed(self) -> bool:
         return self.nats_ok and NATS in self._accepted

@@ -11,6 +11,7 @@ import fcntl
 import math
 import os
 import socket
+import struct
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -22,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbus.app.local import NatsServer
+from kvbus.bus.pacing import TokenBucket
 from kvbus.bus.paths import (
     Claim,
     DataPlane,
@@ -34,6 +36,7 @@ from kvbus.bus.paths import (
     TransferSpec,
     chunk_digest,
 )
+from kvbus.bus.paths.direct import SO_MAX_PACING_RATE, UNPACED
 from kvbus.bus.paths.frames import (
     HEADER_SIZE,
     MAX_CTRL,
@@ -46,6 +49,7 @@ from kvbus.bus.paths.frames import (
     parse_bind,
     unpack,
 )
+from kvbus.bus.paths.tcp import WIRE_OVERHEAD
 from kvbus.errors import ConfigError, WireFormatError
 from kvbus.net.transport import MAX_NATS_CHUNK, NatsTransport
 from kvbus.protocol import Open, OpenReply, PathName, PathOffer
@@ -732,3 +736,39 @@ def test_staging_copies_every_buffer_to_its_offset_and_hashes_each_chunk_as_the_
     if source.total:
         with pytest.raises(ValueError, match="cannot hold"):
             asyncio.run(stage(source, dst[: source.total - 1]))
+
+
+def _kernel_pacing(path: Any) -> int:
+    (conn,) = path._conns.values()
+    sock = conn.channel.sock
+    return struct.unpack("Q", sock.getsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, 8))[0]
+
+
+async def test_the_kernel_paces_a_tcp_connection_at_the_rates_of_its_transfers(
+    planes: tuple[DataPlane, DataPlane],
+) -> None:
+    """The tcp connection's ``SO_MAX_PACING_RATE`` is the sum of its transfers' rates (one rate
+    budget's pacer counted once) times the headers, follows a rate change before the next
+    chunk, is lifted while an unpaced transfer runs and comes back when it ends: without it a
+    paced transfer's chunk leaves in one burst and queues at the bottleneck."""
+    rx, tx = planes
+    specs, sinks = [_spec() for _ in range(4)], [Sink() for _ in range(4)]
+    offers = [await rx.accept(s, k, peer_paths=["tcp"], peer_host=tx.host) for s, k in zip(specs, sinks, strict=True)]
+    sessions = await asyncio.gather(*(tx.connect(s, ["tcp"], o) for s, o in zip(specs, offers, strict=True)))
+    assert tx.tcp is not None
+    budget, own = TokenBucket(2e6), TokenBucket(5e6)
+    sessions[0].pace(budget)
+    sessions[1].pace(budget)
+    sessions[2].pace(own)
+    assert _kernel_pacing(tx.tcp) == int(WIRE_OVERHEAD * 7e6)
+    own.set_rate(1e6)
+    data = os.urandom(specs[2].chunk_len(0))
+    await sessions[2].send_chunk(0, [memoryview(data)], chunk_digest(data))
+    assert _kernel_pacing(tx.tcp) == int(WIRE_OVERHEAD * 3e6)
+    sessions[3].pace(None)  # unpaced: no limit while it runs
+    assert _kernel_pacing(tx.tcp) == UNPACED
+    await sessions[3].close()
+    assert _kernel_pacing(tx.tcp) == int(WIRE_OVERHEAD * 3e6)
+    for session in sessions[:3]:
+        await session.close()
+    assert _kernel_pacing(tx.tcp) == UNPACED

@@ -128,6 +128,13 @@ class ChunkSink(Protocol):
 
 
 @runtime_checkable
+class Pacer(Protocol):
+    """What paces one transfer's writes (`kvbus.bus.pacing.TokenBucket`): its rate in bytes/s
+    of payload, 0 when unpaced."""
+
+    rate: float
+
+
 class SendSession(Protocol):
     """The sender's side of one transfer on one path."""
 
@@ -154,6 +161,13 @@ class SendSession(Protocol):
             PathBroken: the path failed; the chunk may or may not have arrived.
             ValueError: ``index`` out of range or the pieces' size is not the chunk's.
         """
+        ...
+
+    def pace(self, pacer: Pacer | None) -> None:
+        """The transfer's writes are paced by ``pacer`` (its ``rate`` read again before every
+        chunk; None: unpaced): a path the kernel paces (``tcp``) holds its connection to the
+        rates of its transfers, the others ignore it. Called by the sender once the session is
+        open and when the transfer's rate changes."""
         ...
 
     async def close(self, *, completed: bool = True) -> None:

@@ -9,11 +9,12 @@ import array
 import asyncio
 import logging
 import socket
+import struct
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Sequence
 from typing import Generic, TypeVar
 
-from kvbus.bus.paths.base import ControlHandler, DataPath, LostHandler, TransferSpec, digest_int
+from kvbus.bus.paths.base import ControlHandler, DataPath, LostHandler, Pacer, TransferSpec, digest_int
 from kvbus.bus.paths.errors import PathBroken, PathError, PathProtocolError, PathUnavailable, TokenRefused
 from kvbus.bus.paths.frames import HEADER_SIZE, MAX_CTRL, SENDER, Frame, FrameType, bind_payload, pack, unpack
 from kvbus.protocol import PathName
@@ -22,6 +23,12 @@ logger = logging.getLogger(__name__)
 
 #: Most buffers one ``sendmsg`` takes (Linux IOV_MAX).
 IOV_MAX = 1024
+#: Linux's ``SO_MAX_PACING_RATE`` (Python's `socket` module does not name it).
+SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)
+#: ``SO_MAX_PACING_RATE``'s "no limit".
+UNPACED = (1 << 64) - 1
+#: A relative change of a connection's pacing rate below this is not passed to the kernel.
+REPACE_TOLERANCE = 0.01
 Buffer = bytes | bytearray | memoryview
 K = TypeVar("K", bound=Hashable)
 """How a direct path names a receiving endpoint (``shm``: the socket's name; ``tcp``: (host, port))."""
@@ -41,8 +48,28 @@ def byte_view(data: Buffer) -> memoryview:
     return view.cast("B")
 
 
+def _set_pacing(sock: socket.socket, rate_bps: float) -> None:
+    value = UNPACED if rate_bps <= 0 else max(1, int(rate_bps))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, struct.pack("Q", value))
+    except OSError:  # a kernel that takes the rate as 32 bits only
+        sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, struct.pack("I", min(value, (1 << 32) - 1)))
+
+
+class _Unpaced:
+    rate = 0.0
+
+
+_UNPACED_PACER = _Unpaced()
+
+
 class Channel(ABC):
     """A bidirectional byte (or message) pipe carrying frames."""
+
+    def pace(self, rate_bps: float) -> None:
+        """Have the kernel send at most ``rate_bps`` bytes/s on the wire (0: no limit); a channel
+        without such a limit ignores it. Raises `OSError` when the kernel refuses."""
+        return None
 
     @abstractmethod
     async def send(self, buffers: Sequence[memoryview], fds: Sequence[int] = ()) -> None:
@@ -63,6 +90,10 @@ class SocketChannel(Channel):
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self._loop = asyncio.get_running_loop()
+
+    def pace(self, rate_bps: float) -> None:
+        """Set the socket's ``SO_MAX_PACING_RATE`` (see `Channel.pace`)."""
+        _set_pacing(self.sock, rate_bps)
 
     async def _writable(self) -> None:
         fut: asyncio.Future[None] = self._loop.create_future()
@@ -150,6 +181,12 @@ class StreamChannel(Channel):
         self.reader = reader
         self.writer = writer
 
+    def pace(self, rate_bps: float) -> None:
+        """Set the underlying socket's ``SO_MAX_PACING_RATE`` (see `Channel.pace`)."""
+        sock = self.writer.get_extra_info("socket")
+        if sock is not None:
+            _set_pacing(sock, rate_bps)
+
     async def send(self, buffers: Sequence[memoryview], fds: Sequence[int] = ()) -> None:
         """Write the frame through the stream (no descriptors)."""
         if fds:
@@ -195,6 +232,15 @@ class DirectSendSession:
         self._on_lost = on_lost
         self._broken: PathError | None = None
         self._closed = False
+        self.pacer: Pacer | None = None
+        """What paces the transfer's writes, for a connection the kernel paces (None: not told
+        yet, the connection's pacing leaves the transfer out)."""
+
+    def pace(self, pacer: Pacer | None) -> None:
+        """The transfer's writes are paced by ``pacer`` (see `SendSession.pace`); the connection's
+        kernel pacing follows the rates of the transfers on it."""
+        self.pacer = pacer if pacer is not None else _UNPACED_PACER
+        self.conn.repace()
 
     @property
     def segment(self) -> memoryview | None:
@@ -259,12 +305,32 @@ class DirectSendSession:
 
 
 class TxConnection:
-    """A sender's long-lived connection to one receiving process, multiplexing transfers as streams."""
+    """A sender's long-lived connection to one receiving process, multiplexing transfers as streams.
 
-    def __init__(self, path: str, channel: Channel, peer: str, on_closed: Callable[[TxConnection], None]) -> None:
+    With ``wire_overhead`` (``tcp``) the kernel paces the connection (``SO_MAX_PACING_RATE``) at
+    the sum of the rates of the transfers on it, times ``wire_overhead`` for the headers, and
+    without a limit while any of them is unpaced. The transfers' own pacing holds their
+    average rates, a chunk at a time; the kernel spreads each chunk's packets over its share of
+    the time, so the link's queue stays short instead of taking a chunk in one burst, and a
+    rate control slows the bytes already written at once (`repace`).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        channel: Channel,
+        peer: str,
+        on_closed: Callable[[TxConnection], None],
+        *,
+        wire_overhead: float = 0.0,
+    ) -> None:
         self.path = path
         self.channel = channel
         self.peer = peer
+        self.wire_overhead = wire_overhead
+        """Wire bytes per payload byte for the kernel's pacing (0: the kernel does not pace)."""
+        self.pacing_bps = 0.0
+        """The kernel's pacing rate now, bytes/s on the wire (0: no limit)."""
         self.sessions: dict[int, DirectSendSession] = {}
         self.broken: PathError | None = None
         self._on_closed = on_closed
@@ -283,6 +349,7 @@ class TxConnection:
         """
         if self.broken is not None:
             raise self.broken
+        self.repace()
         async with self._lock:
             try:
                 await self.channel.send(buffers, fds)
@@ -317,9 +384,36 @@ class TxConnection:
         session.stream = sid
         self.sessions[sid] = session
 
+    def repace(self) -> None:
+        """Set the kernel's pacing to the transfers' rates now (see the class docstring); called
+        before every frame and when a transfer's rate or pacer changes."""
+        if self.wire_overhead <= 0 or self.broken is not None:
+            return
+        rates: dict[int, float] = {}
+        for session in self.sessions.values():
+            pacer = session.pacer
+            if pacer is None:
+                continue
+            if pacer.rate <= 0:
+                rates = {}
+                break
+            rates[id(pacer)] = pacer.rate  # transfers under one rate budget share its pacer
+        rate = self.wire_overhead * sum(rates.values())
+        now = self.pacing_bps
+        if (rate <= 0) == (now <= 0) and abs(rate - now) <= REPACE_TOLERANCE * now:
+            return
+        try:
+            self.channel.pace(rate)
+        except OSError as exc:
+            logger.debug("%s connection to %s: pacing refused (%s)", self.path, self.peer, exc)
+            self.wire_overhead = 0.0  # this kernel does not pace; the transfers' own pacing holds
+            return
+        self.pacing_bps = rate
+
     async def end(self, stream: int, *, completed: bool) -> None:
         """End ``stream`` (best effort: a broken connection ends it anyway)."""
         self.sessions.pop(stream, None)
+        self.repace()
         if self.broken is None:
             try:
                 await self.send([memoryview(pack(FrameType.END, stream, flags=2 if completed else 0))])
@@ -395,6 +489,9 @@ class DirectPath(DataPath, Generic[K]):
     closes what else it holds (its listener) in `close_listener`.
     """
 
+    wire_overhead: float = 0.0
+    """Wire bytes per payload byte when the kernel paces the path's connections (0: it does not)."""
+
     def __init__(self) -> None:
         self._conns: dict[K, TxConnection] = {}
         self._connecting: dict[K, asyncio.Task[TxConnection]] = {}
@@ -433,7 +530,7 @@ class DirectPath(DataPath, Generic[K]):
 
     async def _connect(self, endpoint: K) -> TxConnection:
         channel, peer = await self.dial(endpoint)
-        conn = TxConnection(self.kind.value, channel, peer, self._forget)
+        conn = TxConnection(self.kind.value, channel, peer, self._forget, wire_overhead=self.wire_overhead)
         self._conns[endpoint] = conn
         return conn
 

@@ -12,7 +12,7 @@ import nats.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from kvbus.bus.paths.base import ChunkSink, DataPath, OpenRequest, TransferSpec, chunk_digest
+from kvbus.bus.paths.base import ChunkSink, DataPath, OpenRequest, Pacer, TransferSpec, chunk_digest
 from kvbus.bus.paths.errors import PathBroken, PathUnavailable
 from kvbus.net.transport import Transport, publish_views
 from kvbus.protocol import CHUNK_INDEX_HEADER, CHUNK_SUM_HEADER, ROOT_SUM_HEADER, PathName, PathOffer
@@ -57,6 +57,9 @@ class NatsSendSession:
         except (nats.errors.ConnectionClosedError, nats.errors.OutboundBufferLimitError, OSError) as exc:
             self._broken = PathBroken("nats", f"publish failed ({type(exc).__name__})", peer=self.spec.receiver)
             raise self._broken from None
+
+    def pace(self, pacer: Pacer | None) -> None:
+        """NATS is not paced by the kernel here: the sender's own pacing holds the rate."""
 
     async def close(self, *, completed: bool = True) -> None:
         """Nothing to end on NATS."""

@@ -32,6 +32,10 @@ LOOPBACK = "127.0.0.1"
 #: Seconds an endpoint that could not be connected to is not tried again (each try may cost
 #: ``connect_timeout_s`` before the transfer goes on NATS).
 FAILED_ENDPOINT_S = 30.0
+#: Wire bytes per payload byte of a full 1500-byte frame: Ethernet 14, IP 20, TCP 20 with
+#: timestamps 12 around 1448 bytes of payload (1514 / 1448 = 1.046). The kernel paces a
+#: connection at its transfers' granted payload rates times this (`TxConnection`).
+WIRE_OVERHEAD = 1.05
 
 
 class TcpSendSession(DirectSendSession):
@@ -65,6 +69,7 @@ class TcpPath(DirectPath[tuple[str, int]]):
     """The ``tcp`` path of one process: its listener (when it receives) and its connections to peers (`DirectPath`)."""
 
     kind = PathName.TCP
+    wire_overhead = WIRE_OVERHEAD
 
     def __init__(self, registry: Expectations | None, *, config: PathsConfig, tls: DataTls | None = None) -> None:
         super().__init__()
