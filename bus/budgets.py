@@ -4,8 +4,9 @@ A grant for a small transfer may carry a rate budget (`Grant.budget_s`): for tha
 transfer's slot stays the sender's, and the next transfers of at most ``budget_bytes`` to the
 same receivers, with the same medium asked and the same urgency, start at once at the granted
 rate and medium. The scheduler still holds every guarantee: the budget occupies the pair's slot
-like a running transfer (the round robin and the reservations count it; the max-min rates do
-not, as its transfers are small and a critical one's weight would hold the link), a ``pause``
+like a running transfer (the round robin and the reservations count it; the max-min rates give
+it no weighted share, as its transfers are small and a critical one's weight would hold the
+link, but share out the group budget less twice what its transfers used lately), a ``pause``
 control naming it suspends it (a preempting transfer gets the bandwidth) and a ``resume`` gives
 it back, a ``rate`` control changes it; each transfer run under it is reported done with
 `TransferDone.budget`, so the link estimates keep learning. A budget never makes anyone wait:

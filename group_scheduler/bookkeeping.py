@@ -137,9 +137,10 @@ class WeightedBook:
         self._dirty = True
 
     def budget_only(self, pending: Pending) -> None:
-        """A transfer whose budget outlives it: it keeps its slot but no longer a share of the
-        bandwidth (a critical one's urgency weighed 13x a bulk transfer's and held most of the
-        link for messages of a few KB), and it preempts nothing any more."""
+        """A transfer whose budget outlives it: it keeps its slot but no longer a weighted share
+        of the bandwidth (a critical one's urgency weighed 13x a bulk transfer's and held most of
+        the link for messages of a few KB; what its transfers use is held out of the budget
+        instead, `WeightedRates.leased`), and it preempts nothing any more."""
         run = self._runs.get(pending.transfer_id)
         if run is not None and run.loaded:
             self._add_load(run, -run.weight)

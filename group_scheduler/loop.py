@@ -381,6 +381,7 @@ class GrantLoop:
             if holder is not None and holder.src == done.src and done.ok:
                 state.completed += 1
                 self._learn(done, holder, budgeted=True)
+                self.policy.leased(holder, done.nbytes, time.monotonic())
             return
         pending = state.active.get(done.transfer_id)
         if pending is None or pending.src != done.src:
@@ -391,6 +392,7 @@ class GrantLoop:
             state.completed += 1
             self._learn(done, pending)
             self.policy.budget_only(pending)
+            self.policy.leased(pending, done.nbytes, time.monotonic())
             self.wake.set()  # the loop's next wake-up: the budget's end
             return  # its budget goes on
         del state.active[done.transfer_id]

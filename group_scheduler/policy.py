@@ -195,6 +195,10 @@ class SchedulingPolicy(ABC):
         sends only the small transfers the budget lets through (the default notes a change)."""
         self.changed()
 
+    def leased(self, holder: Pending, nbytes: int, now: float) -> None:  # noqa: B027 - optional hook
+        """A transfer of ``nbytes`` ran under ``holder``'s rate budget (or ``holder`` itself is done
+        and its budget goes on); reported by the sender afterwards, ``now`` on the scheduler's clock."""
+
     def probed(self, state: GroupState, agent: AgentState) -> None:  # noqa: B027 - optional hook
         """``agent``'s probe arrived and updated ``state``."""
 

@@ -383,7 +383,7 @@ class WeightedPolicy(WeightedRates, SchedulingPolicy):
             self._round_robin(state, now, started, decisions)
         if not started:
             return decisions
-        held = self._held_now(state, now, [p for p, _, _, _ in started])[0] if len(self.reservations) else {}
+        held = self._held_with_leases(state, now, [p for p, _, _, _ in started])
         for p, u, medium, reason in started:
             if p.reservation:
                 r = self.reservations.get(p.reservation)

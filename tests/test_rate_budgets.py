@@ -19,6 +19,7 @@ from kvbus.app.bench.transport_paths import count_round_trips
 from kvbus.bus import Bus
 from kvbus.group_scheduler import GroupScheduler, SchedulerConfig
 from kvbus.group_scheduler.policy import Adjustment
+from kvbus.group_scheduler.rates import LEASE_HEADROOM, LEASE_WINDOW_S
 from kvbus.protocol import TransferDone
 from tests.conftest import FAST
 from tests.kvutil import kv_of_bytes
@@ -170,4 +171,8 @@ async def test_a_critical_transfers_budget_holds_no_share_of_the_link(group: Any
     bulk = await bus.agent(f"budget-bulk-{uuid.uuid4().hex[:6]}", group="budgets", signature=SIG)
     report = await bulk.send(rx.name, kv_of_bytes(SIG, 4 << 20, seed=2))
     await rx.receive(timeout=10)
-    assert report.rate_bps == pytest.approx(40e6)  # the whole budget: nothing else is sending
+    # The whole budget but what the rate budget's traffic holds (issue 33: on the testbed the
+    # bulk took it all and the budget's messages queued on a link 100 % busy): the critical
+    # message's own 64 KB, reported within the last window, twice over.
+    held = LEASE_HEADROOM * kv.nbytes / LEASE_WINDOW_S
+    assert report.rate_bps == pytest.approx(40e6 - held)
