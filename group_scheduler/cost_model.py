@@ -367,6 +367,21 @@ class CostModel:
 
     default_model_costs: ModelCosts = ModelCosts()
 
+    def figures_of(self, medium: str) -> MediumFigures | None:
+        """The figures of ``medium``: the calibrated ones, those of ``tokens`` for padded ids (a
+        link probe; their padding's bytes are counted by `estimate`), else None."""
+        fig = self.figures.get(medium)
+        if fig is None and _padding(medium):
+            return self.figures.get("tokens")
+        return fig
+
+    def _figures(self, medium: str) -> MediumFigures:
+        """`figures_of` a medium an estimate was made for (it has figures)."""
+        fig = self.figures_of(medium)
+        if fig is None:
+            raise KeyError(medium)
+        return fig
+
     # -- prediction ---------------------------------------------------------------------------------
 
     def estimate(
@@ -382,7 +397,8 @@ class CostModel:
     ) -> Estimate:
         """Predicted cost terms of sending ``n_tokens`` (``kv_bytes`` uncompressed) with ``medium``."""
         cfg = self.config
-        fig = self.figures.get(medium)
+        fig = self.figures_of(medium)
+        pad = _padding(medium) if medium not in self.figures else 0
         if fig is None:
             return Estimate(medium, 0, 0, 0, 0, 0, usable=False, why_not="no figures for this medium")
         if fig.needs_kv and (
@@ -399,7 +415,7 @@ class CostModel:
         per_token_bytes = kv_bytes / n_tokens if n_tokens else 0.0
         kind = spec.kind
         if not fig.needs_kv:
-            nbytes = 8 * max(1, fig.summary_tokens) if kind == "summary" else 8 * new_tokens
+            nbytes = 8 * max(1, fig.summary_tokens) if kind == "summary" else 8 * new_tokens + pad
             raw = 0.0
         else:
             raw = per_token_bytes * new_tokens
@@ -504,11 +520,11 @@ class CostModel:
             not receiver.recompute
             and kv_bytes > 0
             and not requested
-            and any(e.usable and self.figures[e.medium].needs_kv for e in ests)
+            and any(e.usable and self._figures(e.medium).needs_kv for e in ests)
         ):
             ests = [
                 replace(e, usable=False, why_not="receiver cannot recompute (no model runner)")
-                if e.usable and not self.figures[e.medium].needs_kv
+                if e.usable and not self._figures(e.medium).needs_kv
                 else e
                 for e in ests
             ]
@@ -538,7 +554,7 @@ class CostModel:
     def refresh_allows(self, e: Estimate, lineage: float) -> bool:
         """Whether the precision refresh lets ``e``'s medium carry a context of fidelity ``lineage``:
         a lossless medium always, a lossy one if the lineage stays at ``refresh_threshold`` or above."""
-        return self.figures[e.medium].lossless or lineage * e.fidelity >= self.config.refresh_threshold
+        return self._figures(e.medium).lossless or lineage * e.fidelity >= self.config.refresh_threshold
 
     # -- online correction ------------------------------------------------------------------------
 
@@ -552,6 +568,20 @@ class CostModel:
             return
         ratio = min(4.0, max(0.25, observed_s / (predicted_s / self.bias.get(medium, 1.0))))
         self.bias[medium] = (1 - weight) * self.bias.get(medium, 1.0) + weight * ratio
+
+
+def _padding(medium: str) -> int:
+    """The padding of a ``tokens(pad)`` medium (a link probe, `AdaptiveSelector._probe`); 0 for
+    any other medium, or a spec that names no codec."""
+    try:
+        spec = medium_spec(medium)
+        if len(spec.stages) != 1 or spec.kind != "tokens":
+            return 0
+        from kvbus.codecs import get_codec
+
+        return int(get_codec(medium).args.get("pad", 0))
+    except Exception:  # noqa: BLE001 - an unknown or malformed medium has no figures either way
+        return 0
 
 
 def _prefill_free(endpoint: Endpoint) -> float:

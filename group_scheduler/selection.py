@@ -95,6 +95,10 @@ HEDGE_POINTS = 5
 #: The longest wait, in decisions, between two probes of a link that stays slow.
 MAX_PROBE_EVERY = 64
 
+#: Padding of a ``tokens`` probe (`AdaptiveSelector._probe`): with the ids, a payload big enough
+#: for the link estimate to take (`SMALL_PAYLOAD_BYTES`); 52 ms at 10 Mbit/s.
+PROBE_PAD_BYTES = SMALL_PAYLOAD_BYTES
+
 
 @dataclass(slots=True)
 class _ProbeState:
@@ -312,10 +316,12 @@ class AdaptiveSelector(MediumSelector):
                 return Decided(explore.medium, explore.reason, explore)
         return Decided(choice.medium, choice.reason, choice)
 
-    def _may_explore(self, state: GroupState, pending: Pending, rx: str) -> bool:
-        """Whether this transfer may be sent with another medium than predicted best (`Exploration`)."""
+    def _may_explore(self, state: GroupState, pending: Pending, rx: str, *, capped: bool = True) -> bool:
+        """Whether this transfer may be sent with another medium than predicted best (`Exploration`);
+        ``capped``: it counts against ``fraction`` (a padded ``tokens`` probe does not: it costs its
+        padding's bytes, and its own back-off bounds how often it is sent)."""
         ex, req = self.exploration, pending.request
-        if ex.fraction <= 0 or self.explored >= ex.fraction * self.decided + 1:
+        if ex.fraction <= 0 or (capped and self.explored >= ex.fraction * self.decided + 1):
             return False
         if req.critical or req.deadline is not None or pending.deadline_at is not None:
             return False
@@ -329,9 +335,12 @@ class AdaptiveSelector(MediumSelector):
         (`SMALL_PAYLOAD_BYTES`), and once it is low the cost model picks ``tokens``, which never
         measures it: a link that recovered would never be seen to. So a pair whose estimate is
         ``RISE_FACTOR`` below the rate it had before its last drop, and whose last ``link_every``
-        decisions did not measure it, is sent a KV medium instead: of those that would beat
-        ``choice`` if the link were back at that rate, the one cheapest at the current estimate
-        (if the link is still slow, the probe costs least). Each probe doubles the wait (a link
+        decisions did not measure it, is probed if a KV medium would beat ``choice`` were the link
+        back at that rate. When ``choice`` is ``tokens`` and the rate is what is in doubt, the probe
+        is the ids padded to a payload the estimate takes (`PROBE_PAD_BYTES`): its cost is the
+        padding's bytes. Otherwise (and for a link whose risk of drops keeps KV off it) it is a
+        KV medium instead, of those that would win, the one cheapest at the current estimate (if
+        the link is still slow, the probe costs least). Each probe doubles the wait (a link
         that stays slow costs ever fewer probes); a drop or a rise restarts it. A probe's sample
         moves the estimate at once (`LinkEstimate.observe` with ``probe``).
         """
@@ -350,6 +359,7 @@ class AdaptiveSelector(MediumSelector):
         if not est.known:
             return None
         due = probe.unmeasured >= probe.every
+        rate_in_doubt = True
         if est.rising:
             hope, why = est.last_rate_bps, "confirming a rise to"
         elif est.peak_bps > RISE_FACTOR * est.bandwidth_bps and due:
@@ -357,10 +367,12 @@ class AdaptiveSelector(MediumSelector):
         elif due and self.drop_risk and est.drop_risk()[0] > 0:
             # The link is back, but its recent drops priced every KV medium out: without samples
             # that find it steady the risk would only fade with age, so one is taken (back-off).
-            hope, why = est.bandwidth_bps, "a risk of drops kept KV off it; it runs at"
+            hope, why, rate_in_doubt = est.bandwidth_bps, "a risk of drops kept KV off it; it runs at", False
         else:
             return None
-        if not self._may_explore(state, pending, rx):
+        # Padded ids tell a rate; a risk of drops fades only with the KV transfers that run steady.
+        cheap = choice.medium == "tokens" and rate_in_doubt
+        if not self._may_explore(state, pending, rx, capped=not cheap):
             return None
         best = choice.estimate.total_s
         options: list[tuple[float, Estimate]] = []
@@ -378,9 +390,33 @@ class AdaptiveSelector(MediumSelector):
         if not est.rising:
             probe.every = min(MAX_PROBE_EVERY, 2 * probe.every)
         probe.unmeasured = 0
+        cause = f"{why} {hope * 8 / 1e6:.0f} Mbit/s, now estimated {est.bandwidth_bps * 8 / 1e6:.0f}"
+        if cheap:
+            # The ids padded to a measurable payload: the probe costs the padding's bytes, not a
+            # whole KV's at a rate that may still be the slow one.
+            padded = replace(
+                choice.estimate,
+                medium=f"tokens({PROBE_PAD_BYTES})",
+                nbytes=choice.estimate.nbytes + PROBE_PAD_BYTES,
+                comm_s=choice.estimate.comm_s + PROBE_PAD_BYTES / max(est.bandwidth_bps, 1.0),
+            )
+            reason = (
+                f"probe the link: {padded.medium} (the ids and {PROBE_PAD_BYTES >> 10} KiB of padding) measures it "
+                f"({cause}); predicted {padded.total_s * 1000:.1f} ms against {best * 1000:.1f} ms unpadded, and "
+                f"{e.medium} {hoped * 1000:.1f} ms if the link is back"
+            )
+            return replace(
+                choice,
+                medium=padded.medium,
+                estimate=padded,
+                candidates=(*choice.candidates, padded),
+                reason=reason,
+                explored=True,
+                explored_link=True,
+                kept_by_hysteresis=False,
+            )
         reason = (
-            f"explore the link: {e.medium} measures it again ({why} "
-            f"{hope * 8 / 1e6:.0f} Mbit/s, now estimated {est.bandwidth_bps * 8 / 1e6:.0f}); predicted "
+            f"explore the link: {e.medium} measures it again ({cause}); predicted "
             f"{hoped * 1000:.1f} ms there, {e.total_s * 1000:.1f} ms at the estimate, against {best * 1000:.1f} ms "
             f"for {choice.medium}"
         )

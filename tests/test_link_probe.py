@@ -11,7 +11,7 @@ import time
 import pytest
 
 from kvbus.group_scheduler.learning import SMALL_PAYLOAD_BYTES, LearnedCosts
-from kvbus.group_scheduler.selection import AdaptiveSelector, Exploration
+from kvbus.group_scheduler.selection import PROBE_PAD_BYTES, AdaptiveSelector, Exploration
 from kvbus.group_scheduler.state import RISK_PRIOR_SAMPLES, GroupState, LinkEstimate, Pending
 from kvbus.protocol import TransferDone, TransferRequest
 from tests.test_learning import FIGS, KV_BYTES, SMOL, N, choose, cost_model
@@ -93,7 +93,16 @@ def test_a_pair_whose_link_dropped_probes_it_and_switches_back_when_it_recovered
     assert first["medium"] == "tokens" and not first["explored"]  # the link is slow: tokens
     assert second["explored_link"] and second["explored"], second["reason"]
     probe = next(c for c in second["candidates"] if c["medium"] == second["medium"])
-    assert probe["bytes"] >= SMALL_PAYLOAD_BYTES and second["reason"].startswith("explore the link: ")
+    assert probe["bytes"] >= SMALL_PAYLOAD_BYTES and second["reason"].startswith("probe the link: ")
+    # The probe is the ids padded (a KV medium's bytes at the slow rate would cost seconds).
+    assert second["medium"] == f"tokens({PROBE_PAD_BYTES})"
+    tokens = next(c for c in second["candidates"] if c["medium"] == "tokens")
+    assert probe["comm_s"] - tokens["comm_s"] == pytest.approx(PROBE_PAD_BYTES / SLOW)
+    kv = min(
+        (c for c in second["candidates"] if c["bytes"] >= SMALL_PAYLOAD_BYTES and c is not probe),
+        key=lambda c: c["total_s"],
+    )
+    assert probe["total_s"] < kv["total_s"] / 10
     # The probe saw the link back at its old rate: one probe sample is enough to move the estimate.
     link.observe(int(FAST), 1.0, time.monotonic() + 4, probe=True)
     assert link.bandwidth_bps == pytest.approx(FAST)
