@@ -99,6 +99,10 @@ MAX_PROBE_EVERY = 64
 #: for the link estimate to take (`SMALL_PAYLOAD_BYTES`); 52 ms at 10 Mbit/s.
 PROBE_PAD_BYTES = SMALL_PAYLOAD_BYTES
 
+#: A padded probe whose padding costs at most this share of the transfer it rides on does not
+#: back off (a link that stays slow is probed every `Exploration.link_every` transfers).
+PROBE_SHARE = 0.1
+
 
 @dataclass(slots=True)
 class _ProbeState:
@@ -340,8 +344,9 @@ class AdaptiveSelector(MediumSelector):
         is the ids padded to a payload the estimate takes (`PROBE_PAD_BYTES`): its cost is the
         padding's bytes. Otherwise (and for a link whose risk of drops keeps KV off it) it is a
         KV medium instead, of those that would win, the one cheapest at the current estimate (if
-        the link is still slow, the probe costs least). Each probe doubles the wait (a link
-        that stays slow costs ever fewer probes); a drop or a rise restarts it. A probe's sample
+        the link is still slow, the probe costs least). Each probe doubles the wait (a link that
+        stays slow costs ever fewer probes), but for a padded one whose padding costs at most
+        `PROBE_SHARE` of the transfer; a drop or a rise restarts it. A probe's sample
         moves the estimate at once (`LinkEstimate.observe` with ``probe``).
         """
         ex, req = self.exploration, pending.request
@@ -387,7 +392,10 @@ class AdaptiveSelector(MediumSelector):
         if not options:
             return None
         hoped, e = min(options, key=lambda o: o[1].total_s)
-        if not est.rising:
+        pad_s = PROBE_PAD_BYTES / max(est.bandwidth_bps, 1.0)
+        # A probe that costs little next to the transfer it rides on keeps its pace: a link back
+        # up is seen within `link_every` transfers, for at most PROBE_SHARE / link_every more time.
+        if not est.rising and not (cheap and pad_s <= PROBE_SHARE * best):
             probe.every = min(MAX_PROBE_EVERY, 2 * probe.every)
         probe.unmeasured = 0
         cause = f"{why} {hope * 8 / 1e6:.0f} Mbit/s, now estimated {est.bandwidth_bps * 8 / 1e6:.0f}"
@@ -398,7 +406,7 @@ class AdaptiveSelector(MediumSelector):
                 choice.estimate,
                 medium=f"tokens({PROBE_PAD_BYTES})",
                 nbytes=choice.estimate.nbytes + PROBE_PAD_BYTES,
-                comm_s=choice.estimate.comm_s + PROBE_PAD_BYTES / max(est.bandwidth_bps, 1.0),
+                comm_s=choice.estimate.comm_s + pad_s,
             )
             reason = (
                 f"probe the link: {padded.medium} (the ids and {PROBE_PAD_BYTES >> 10} KiB of padding) measures it "

@@ -170,3 +170,29 @@ def test_an_unconfirmed_rise_without_a_probe_still_needs_a_second_sample() -> No
     assert link.rising and link.bandwidth_bps < 0.9 * FAST
     link.observe(int(FAST), 1.0, now + 2)
     assert not link.rising and link.bandwidth_bps == pytest.approx(FAST) and link.changes == 1
+
+
+def test_a_padded_probe_that_costs_little_keeps_its_pace() -> None:
+    """On a link slow enough for tokens but not so slow that 64 KiB of padding weighs on a
+    transfer (at most PROBE_SHARE of it), the probe does not back off: a link that comes back is
+    seen within `link_every` transfers, however long it was down."""
+    m = cost_model()
+    selector = AdaptiveSelector(m, candidates=tuple(FIGS), exploration=Exploration(fraction=1.0, link_every=2))
+    state = GroupState("g")
+    link = state.link("a", "b")
+    now = time.monotonic()
+    for i in range(3):
+        link.observe(int(FAST), 1.0, now + i)
+    slow = 2e7  # 160 Mbit/s: 3 ms of padding
+    link.observe(int(slow), 1.0, now + 3)
+    probes = []
+    for i in range(40):
+        d = _decide(selector, state)
+        if d["explored_link"]:
+            probes.append(i)
+            assert d["medium"] == f"tokens({PROBE_PAD_BYTES})", d["reason"]
+            link.observe(int(slow), 1.0, time.monotonic() + 5 + i, probe=True)  # still slow
+        else:
+            assert d["medium"] == "tokens", d["reason"]
+    gaps = {b - a for a, b in itertools.pairwise(probes)}
+    assert len(probes) >= 10 and gaps == {2}, probes
