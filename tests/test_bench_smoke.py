@@ -80,7 +80,9 @@ SCHEMAS: dict[str, dict[str, Any]] = {
                 "round_trips": int,
             },
             "1MB": {"ratio_vs_redis_pipelined": NUM, "ratio_vs_nats_py": NUM, "round_trips": int},
+            "64KB": {"ratio_vs_nats_py": NUM, "ratio_vs_nats_py_runs": SPREAD, "round_trips": int, "path": str},
         },
+        "round_trips_64KB": int,
     },
     "e2e": {
         "adaptive_vs_best_static": OPT_NUM,
@@ -155,6 +157,9 @@ SCHEMAS: dict[str, dict[str, Any]] = {
             for arm in ("wrr", "fifo", "unscheduled")
         },
         "critical_p99_ms": {arm: OPT_NUM for arm in ("wrr", "fifo", "unscheduled")},
+        "critical_idle": {"critical_p99_ms": OPT_NUM, "critical_p99_ms_rounds": SPREAD, "phases": dict},
+        "critical_p99_ratio_wrr_vs_idle": OPT_NUM,
+        "critical_p99_ratio_wrr_vs_idle_rounds": SPREAD,
         "critical_phases": {"p50": dict, "p99": dict, "tail": dict, "n": int, "phases": list},
         "jain_fairness": OPT_NUM,
         "jain_fairness_rounds": SPREAD,
@@ -234,6 +239,9 @@ def test_smoke_run_writes_the_json_every_reader_expects(suite: str, tmp_path: Pa
         assert config["network"] in ("netns", "emulated")
         assert set(config["where"]) == {"cells", "fluctuating", "switches", "relay"}, config["where"]
         assert set(config["where"].values()) <= {"netns", "emulated"}
+        for cell in data["results"]["cells"]:  # where each arm's time went, and on which path
+            assert set(cell["paths"]) == set(cell["phases_ms"]) == {"adaptive", *cell["static"]}, cell
+            assert all(set(p) == {"queued", "encode", "transfer", "decode"} for p in cell["phases_ms"].values())
     if suite == "chaos":  # on the testbed the KV goes between two namespaces, on the direct path
         assert config["network"] in ("netns", "loopback")
         if config["network"] == "netns":

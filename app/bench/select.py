@@ -172,9 +172,13 @@ async def _cell(h: Harness, shape: str, n: int, mbit: float, rounds: int) -> dic
     decisions: list[dict[str, Any]] = []
     predicted: list[tuple[float, float]] = []
     nbytes: dict[str, int] = {}
+    paths: dict[str, list[str]] = {m: [] for m in lat}
+    phases: dict[str, list[dict[str, float]]] = {m: [] for m in lat}
     for _ in range(rounds):
         for arm in ["adaptive", *statics]:
             t, medium, size = await h.once(pair, n, None if arm == "adaptive" else arm)
+            paths[arm].append(pair.last_path)
+            phases[arm].append(pair.last_phases_s)
             lat[arm].append(t)
             obj[arm].append(t + h.loss_s(medium, n))
             nbytes[arm] = size
@@ -199,6 +203,13 @@ async def _cell(h: Harness, shape: str, n: int, mbit: float, rounds: int) -> dic
             "bytes": nbytes[m],
             "fidelity_measured": h.quality.of(m, n)["fidelity"],
         }
+    # Where each arm's time went (the sender's phases, median ms) and on which data path.
+    row["paths"] = {arm: dict(collections.Counter(p)) for arm, p in paths.items()}
+    row["phases_ms"] = {
+        arm: {k: round(1000 * statistics.median(x.get(k, 0.0) for x in ph), 3) for k in ph[0]}
+        for arm, ph in phases.items()
+        if ph and ph[0]
+    }
     best = min(statics, key=lambda m: row["static"][m]["objective_s"])
     best_lat = min(statics, key=lambda m: row["static"][m]["latency_s"])
     row["best_static"] = best

@@ -50,6 +50,10 @@ class Pair(Protocol):
 
     last_decision: dict[str, Any]
     """The scheduler's decision record of the last `once`, with the sender's measured phases."""
+    last_path: str
+    """The data path the last `once` took."""
+    last_phases_s: dict[str, float]
+    """Its phases as the sender's report gives them (queued, encode, transfer, decode)."""
 
     async def once(self, n: int, shift: int, medium: str | None) -> tuple[float, str, int]:
         """Send the ``n``-token context with token ids shifted by ``shift``; (latency, medium, bytes)."""
@@ -67,12 +71,16 @@ class LocalPair:
     def __init__(self, h: Harness, tx: Any, rx: Any) -> None:
         self.h, self.tx, self.rx = h, tx, rx
         self.last_decision: dict[str, Any] = {}
+        self.last_path = ""
+        self.last_phases_s: dict[str, float] = {}
 
     async def once(self, n: int, shift: int, medium: str | None) -> tuple[float, str, int]:
         """`Pair.once` in this process."""
         report = await self.tx.send(self.rx.name, shifted(self.h.quality.context(n), shift), medium=medium)
         await self.rx.receive(timeout=RECEIVE_TIMEOUT_S)
         self.last_decision = dict(report.decision or {})
+        self.last_path = report.path
+        self.last_phases_s = _phases(report)
         return report.total_s, report.medium, report.nbytes
 
     async def set_link(self, mbit: float) -> None:
@@ -93,6 +101,8 @@ class TestbedPair:
     def __init__(self, site: TestbedSite, tx: str, rx: str) -> None:
         self.site, self.tx, self.rx = site, tx, rx
         self.last_decision: dict[str, Any] = {}
+        self.last_path = ""
+        self.last_phases_s: dict[str, float] = {}
 
     async def once(self, n: int, shift: int, medium: str | None) -> tuple[float, str, int]:
         """`Pair.once` across the testbed: the receive is asked for before the send starts."""
@@ -105,6 +115,8 @@ class TestbedPair:
                 recv.cancel()
         self.site.paths.append(sent["path"])
         self.last_decision = dict(sent.get("decision") or {})
+        self.last_path = str(sent["path"])
+        self.last_phases_s = dict(sent["phases_s"])
         return float(sent["total_s"]), str(sent["medium"]), int(sent["nbytes"])
 
     async def set_link(self, mbit: float) -> None:
@@ -217,12 +229,18 @@ async def send(ctx: WorkerContext, *, sender: str, to: str, n: int, shift: int, 
         "nbytes": report.nbytes,
         "path": report.path,
         "decision": report.decision,
-        "phases_s": {
-            "queued": report.queued_s,
-            "encode": report.encode_s,
-            "transfer": report.transfer_s,
-            "decode": dict(report.decode_s),
-        },
+        "phases_s": _phases(report),
+    }
+
+
+def _phases(report: Any) -> dict[str, float]:
+    """A transfer report's phases, seconds: queued (to the grant), encode, transfer, and the
+    slowest receiver's decode (its prefill for ``tokens``)."""
+    return {
+        "queued": report.queued_s,
+        "encode": report.encode_s,
+        "transfer": report.transfer_s,
+        "decode": max(dict(report.decode_s).values(), default=0.0),
     }
 
 
