@@ -19,7 +19,9 @@ give ``results.shm_ratio_vs_nats_py``, ``tcp_ratio_vs_nats_py`` and
 ``nats_path_ratio_vs_nats_py``; a plain socket loop and a ``copy_`` of the same bytes give
 ``tcp_vs_loopback_limit`` and ``shm_vs_memcpy``. At 1 MB the baseline is a plain nats-py
 request/reply carrying the bytes, and ``results.round_trips_1MB`` counts the control round
-trips (requests) one 1 MB ``send`` makes.
+trips (requests) one 1 MB ``send`` makes. ``by_size["64KB"]`` is a SmolLM2-135M-shaped context of
+three tokens (67.5 KB; a Llama-3-8B token alone is 128 KB) between two more agents, against the
+same request/reply, the two ways alternating.
 
 Runs alternate between the three ways; the figure per way is the median of its runs. A fourth
 way, alternating with them, is (a) with tracing and metrics on in all three processes (spans
@@ -68,6 +70,18 @@ LLAMA3_8B = ModelSignature(
     vocab_size=128256,
     rope_theta=500000.0,
 )
+#: The model of the small size (a 64 KB context is half a Llama-3-8B token): SmolLM2-135M's KV shape.
+SMOLLM2 = ModelSignature(
+    "smollm2-135m-shape",
+    n_layers=30,
+    n_kv_heads=3,
+    head_dim=64,
+    dtype="bfloat16",
+    vocab_size=49152,
+    rope_theta=100000.0,
+)
+#: The small size: sent between agents of `SMOLLM2`, against a plain nats-py request/reply.
+SMALL_LABEL, SMALL_BYTES, SMALL_RX, SMALL_TX = "64KB", 64 * 1024, "bench-rx-small", "bench-tx-small"
 RAW_SUBJECT = "kvbus.app.bench.raw"
 CREDIT_SUBJECT = "kvbus.app.bench.raw.credit"
 REDIS_SUBJECT = "kvbus.app.bench.redis"
@@ -162,6 +176,7 @@ async def _peer(nats_url: str, redis_url: str, chunk_size: int, window: int, ack
     agent = await bus.agent(
         TRACED_RX if traced else "bench-rx", group=TRACED_GROUP if traced else GROUP, signature=LLAMA3_8B
     )
+    small = None if traced else await bus.agent(SMALL_RX, group=GROUP, signature=SMOLLM2)
     nc = await nats.connect(nats_url, pending_size=64 * 1024 * 1024)
     r = aioredis.Redis.from_url(redis_url, socket_timeout=REDIS_TIMEOUT_S)
     state: dict[str, Any] = {"n": 0, "bytes": 0, "chunks": []}
@@ -199,15 +214,16 @@ async def _peer(nats_url: str, redis_url: str, chunk_size: int, window: int, ack
     await flush(nc)
     print(f"ready {_socket_server([bytearray()])}", flush=True)
 
-    async def drain_inbox() -> None:
-        async for _ in agent.inbox():
+    async def drain_inbox(a: Any) -> None:
+        async for _ in a.inbox():
             pass
 
-    task = asyncio.create_task(drain_inbox())
+    tasks = [asyncio.create_task(drain_inbox(a)) for a in (agent, small) if a is not None]
     try:
         await asyncio.Event().wait()
     finally:
-        task.cancel()
+        for task in tasks:
+            task.cancel()
         await bus.close()
         await nc.close()
 
@@ -340,6 +356,7 @@ async def _run(quick: bool, nats_url: str | None, smoke: bool = False) -> dict[s
         bus = await Bus.connect(url, config=cfg)
         agent = await bus.agent("bench-tx", group=GROUP, signature=LLAMA3_8B)
         traced_agent = await bus.agent(TRACED_TX, group=TRACED_GROUP, signature=LLAMA3_8B)
+        small_agent = await bus.agent(SMALL_TX, group=GROUP, signature=SMOLLM2)
         # The same sends restricted to tcp, and to NATS only (each bus is one process's data plane).
         path_buses = {
             path: await Bus.connect(url, config=cfg, paths=PathsConfig(allowed=allowed, tcp_host="127.0.0.1"))
@@ -416,6 +433,7 @@ async def _run(quick: bool, nats_url: str | None, smoke: bool = False) -> dict[s
                 "nats_py_baseline": "request/reply" if small else "publish loop with credit",
                 **tp.path_results(kv.nbytes, medians),
             }
+        results[SMALL_LABEL] = await _small_size(small_agent, nc, reps["1MB"], warm=1 if smoke else 2)
         await bus.close()
         for b in path_buses.values():
             await b.close()
@@ -445,7 +463,7 @@ async def _run(quick: bool, nats_url: str | None, smoke: bool = False) -> dict[s
                     ),
                 },
                 "runs": reps,
-                "sizes": sizes,
+                "sizes": {**sizes, SMALL_LABEL: SMALL_BYTES},
                 "kv_shape": "llama-3-8b (32 layers, 8 kv heads, head_dim 128, bf16)",
                 "timing": "median of alternating runs, two processes, embedded nats-server and valkey",
             },
@@ -468,6 +486,7 @@ async def _run(quick: bool, nats_url: str | None, smoke: bool = False) -> dict[s
                 "path": top["path"],
                 "GBps": {k[:-5]: v for k, v in top.items() if k.endswith("_GBps")},
                 "round_trips_1MB": results["1MB"]["round_trips"],
+                "round_trips_64KB": results[SMALL_LABEL]["round_trips"],
                 "by_size": results,
             },
         }
@@ -478,6 +497,41 @@ async def _run(quick: bool, nats_url: str | None, smoke: bool = False) -> dict[s
         redis_srv.stop()
         if nats_srv:
             nats_srv.stop()
+
+
+async def _small_size(agent: Any, nc: Any, runs: int, *, warm: int) -> dict[str, Any]:
+    """The small size: a `SMOLLM2` context of about 64 KB (three tokens) against a plain nats-py
+    request/reply carrying its bytes, in alternating runs (only these two ways: at this size the
+    others measure their own per-call costs)."""
+    kv = await asyncio.to_thread(make_kv, SMALL_BYTES, SMOLLM2)
+    payload = torch.cat([t.reshape(-1) for t in kv.keys + kv.values]).view(torch.uint8).numpy().data
+    for _ in range(warm):
+        await _kvbus_once(agent, kv, SMALL_RX)
+        await tp.reqrep_once(nc, payload)
+    times: dict[str, list[float]] = collections.defaultdict(list)
+    for i in range(runs):
+        # In turn first: what ran before a run must not favour one of them.
+        for way in ("kvbus", "nats_py") if i % 2 == 0 else ("nats_py", "kvbus"):
+            if way == "kvbus":
+                times[way].append(await _kvbus_once(agent, kv, SMALL_RX))
+            else:
+                times[way].append(await tp.reqrep_once(nc, payload))
+    round_trips, picked = await tp.count_round_trips(agent, SMALL_RX, kv)
+    mbps = {k: kv.nbytes / statistics.median(v) / 1e6 for k, v in times.items()}
+    return {
+        "bytes": kv.nbytes,
+        "kv_shape": "smollm2-135m (30 layers, 3 kv heads, head_dim 64, bf16), 3 tokens",
+        "kvbus_MBps": round(mbps["kvbus"], 1),
+        "nats_py_MBps": round(mbps["nats_py"], 1),
+        "kvbus_ms": round(statistics.median(times["kvbus"]) * 1e3, 3),
+        "nats_py_ms": round(statistics.median(times["nats_py"]) * 1e3, 3),
+        "ratio_vs_nats_py": round(mbps["kvbus"] / mbps["nats_py"], 3),
+        "ratio_vs_nats_py_runs": spread((b / a for a, b in zip(times["kvbus"], times["nats_py"])), digits=3),
+        "runs": runs,
+        "path": picked,
+        "round_trips": round_trips,
+        "nats_py_baseline": "request/reply",
+    }
 
 
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -541,6 +595,12 @@ def run(*, quick: bool = False, smoke: bool = False, nats_url: str | None = None
     """Run the suite (``smoke``: one timed run per size)."""
     out = asyncio.run(_run(quick, nats_url, smoke))
     for label, row in out["results"]["by_size"].items():
+        if "redis_MBps" not in row:  # the small size: kvbus against a nats-py request/reply only
+            print(
+                f"{label:>5}: kvbus {row['kvbus_ms']:.2f} ms  nats-py request/reply {row['nats_py_ms']:.2f} ms  "
+                f"kvbus/nats-py {row['ratio_vs_nats_py']:.2f}  round_trips {row['round_trips']}  path {row['path']}"
+            )
+            continue
         print(
             f"{label:>5}: kvbus {row['kvbus_MBps']:8.1f} MB/s  nats-py {row['nats_py_MBps']:8.1f} MB/s  "
             f"redis {row['redis_MBps']:8.1f} MB/s  redis pipelined {row['redis_pipelined_MBps']:8.1f} MB/s  "
