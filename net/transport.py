@@ -185,9 +185,9 @@ class NatsTransport:
             if theirs is not None:
                 await theirs()
 
-        transport = cls(
-            await nats.connect(servers, reconnected_cb=reconnected, **opts), reconnect_grace_s=reconnect_grace_s
-        )
+        nc = await nats.connect(servers, reconnected_cb=reconnected, **opts)
+        natspy.install_large_reads(nc)
+        transport = cls(nc, reconnect_grace_s=reconnect_grace_s)
         box.append(transport)
         return transport
 

@@ -53,6 +53,10 @@ async def test_every_private_attribute_relied_on_is_there_with_its_type(transpor
     assert callable(nc._transport.writelines)
     assert isinstance(nc._transport._io_writer, asyncio.StreamWriter)
     assert natspy.can_write_views(nc)
+    # The read loop's stream (`install_large_reads`).
+    assert isinstance(nc._transport._io_reader, asyncio.StreamReader)
+    assert isinstance(nc._transport._io_reader._limit, int)
+    assert "buffer_size" in inspect.signature(TcpTransport.read).parameters
     # The new-style request's wildcard reply subscription (`new_request`).
     assert isinstance(nc._resp_map, dict)
     assert nc._resp_sub_prefix is None or isinstance(nc._resp_sub_prefix, bytearray)
@@ -105,6 +109,43 @@ async def test_flush_writes_the_queued_views_through_the_flusher(transport: Nats
         assert got == [bytes([i]) * 4096 for i in range(8)]
     finally:
         await sub.unsubscribe()
+
+
+async def test_a_large_message_reaches_the_parser_in_a_few_reads_and_whole(transport: NatsTransport) -> None:
+    """nats-py alone feeds its parser 32 KB per turn of its read loop (32 turns for a 1 MB `Open`)."""
+    nc = transport.nc
+    size = min(1 << 20, transport.max_payload) - 4096
+    payload = bytes(range(256)) * (size // 256)
+    got: list[bytes] = []
+    arrived = asyncio.Event()
+
+    async def take(msg: Msg) -> None:
+        got.append(msg.data)
+        arrived.set()
+
+    sub = await transport.subscribe("kvbus.test.natspy.large", take)
+    await transport.flush()
+    parses = 0
+    parse = nc._ps.parse
+
+    async def counting(data: bytes = b"") -> None:
+        nonlocal parses
+        parses += 1
+        await parse(data)
+
+    nc._ps.parse = counting
+    try:
+        await transport.publish_views("kvbus.test.natspy.large", [memoryview(payload)])
+        await transport.flush()
+        await asyncio.wait_for(arrived.wait(), 10)
+    finally:
+        nc._ps.parse = parse
+        await sub.unsubscribe()
+    assert got == [payload]
+    assert parses <= 12, f"{parses} reads for one message of {size} bytes"
+    assert nc._transport._io_reader._limit >= natspy.READ_BYTES
+    assert natspy.install_large_reads(nc)  # again: already there, not wrapped twice
+    assert natspy.install_large_reads(types.SimpleNamespace()) is False
 
 
 @pytest.mark.parametrize("missing", [types.SimpleNamespace(), None], ids=["no-attributes", "none"])
