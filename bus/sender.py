@@ -425,9 +425,10 @@ class Sender:
         )
         if out.plan.n_chunks > MAX_CHUNKS:
             raise PayloadTooLarge(f"payload in chunks of {chunk_size} bytes", out.plan.n_chunks, MAX_CHUNKS)
-        open_bytes = len(out.open.encode()) + out.plan.n_chunks * DIGEST_BYTES + 1024
-        if not out.open.inline and open_bytes > ep.transport.max_payload:
-            raise PayloadTooLarge("open message", open_bytes, ep.transport.max_payload)
+        if not out.open.inline:  # (an inline Open was sized to fit when it was made)
+            open_bytes = len(out.open.encode()) + out.plan.n_chunks * DIGEST_BYTES + 1024
+            if open_bytes > ep.transport.max_payload:
+                raise PayloadTooLarge("open message", open_bytes, ep.transport.max_payload)
         return out
 
     def expected_path(self, receivers: list[str], kv: KVCache | KVCacheSize) -> str:

@@ -250,3 +250,44 @@ def test_an_inline_payload_starts_aligned_in_its_message_and_comes_back_whole(ti
         bad[len(framed) - len(payload) - 1] = 1
         with pytest.raises(WireFormatError, match="padding"):
             Open.unframe(bytes(bad))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    items=st.lists(
+        st.one_of(
+            st.integers(-(2**70), 2**70),
+            st.booleans(),
+            st.floats(allow_nan=True),
+            st.text(max_size=2),
+            st.none(),
+        ),
+        max_size=12,
+    ),
+    lo=st.integers(-5, 5),
+    span=st.integers(0, 2**60),
+)
+def test_a_list_of_bounded_ints_is_taken_exactly_when_each_entry_passes_its_own_check(
+    items: list, lo: int, span: int
+) -> None:
+    """The one-pass check of a list of plain ints in range (an Open's ``sizes``) takes what the
+    check per entry takes, and refuses the rest with the per-entry error."""
+    from kvbus.protocol.wire import ListOf, int_in
+
+    kind = ListOf(int_in(lo, lo + span))
+
+    def each() -> None:
+        for item in items:
+            kind.element.check("m", "f[]", item)
+
+    try:
+        each()
+        expected: str | None = None
+    except WireFormatError as exc:
+        expected = str(exc)
+    if expected is None:
+        assert kind.check("m", "f", items) is items
+    else:
+        with pytest.raises(WireFormatError) as err:
+            kind.check("m", "f", items)
+        assert str(err.value) == expected

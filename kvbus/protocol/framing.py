@@ -258,7 +258,10 @@ class Open(Message):
             raise WireFormatError(what, f"attempt {self.attempt} is out of range")
         if not 0.0 <= self.retry_age <= 1e9:  # also rejects NaN
             raise WireFormatError(what, f"retry_age {self.retry_age} must be finite and not negative")
-        if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in self.sizes):
+        sizes = self.sizes
+        if not (all(type(s) is int for s in sizes) and min(sizes, default=0) >= 0) and not all(
+            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in sizes
+        ):
             raise WireFormatError(what, "sizes must be non-negative integers")
         if sum(self.sizes) != self.total:
             raise WireFormatError(what, f"sizes add up to {sum(self.sizes)}, total says {self.total}")
