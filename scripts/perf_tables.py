@@ -96,12 +96,17 @@ def transport(d: Json) -> str:
     r = d["results"]
     by = r["by_size"]
     # 512 MB only in a full run.
-    sizes = [size for size in ("64MB", "512MB", "1MB") if size in by]
-    rows = ["| figure | " + " | ".join(size.replace("MB", " MB") for size in sizes) + " |"]
+    sizes = [size for size in ("64MB", "512MB", "1MB", "64KB") if size in by]
+    rows = ["| figure | " + " | ".join(size.replace("MB", " MB").replace("KB", " KB") for size in sizes) + " |"]
     rows.append("|---|" + "---|" * len(sizes))
     for label, key, fmt in (
         ("kvbus `send`/`receive`, `full` codec (MB/s)", "kvbus_MBps", "{:.0f}"),
-        ("plain nats-py loop, same messages and window (MB/s)", "nats_py_MBps", "{:.0f}"),
+        (
+            "plain nats-py loop, same messages and window (MB/s; 1 MB and 64 KB: one request/reply)",
+            "nats_py_MBps",
+            "{:.0f}",
+        ),
+        ("kvbus / nats-py request/reply, median ms per transfer", "kvbus_ms", None),
         ("redis-py one SET + one GET (MB/s)", "redis_MBps", "{:.0f}"),
         ("redis-py pipelined chunked SET/GET, the faster loop (MB/s)", "redis_pipelined_MBps", "{:.0f}"),
         ("`ratio_vs_nats_py`", "ratio_vs_nats_py", "{:.2f}"),
@@ -117,7 +122,14 @@ def transport(d: Json) -> str:
         ("`shm_vs_memcpy`", "shm_vs_memcpy", "{:.2f}"),
         ("control round trips of one transfer", "round_trips", "{}"),
     ):
-        if key is None:
+        if key == "kvbus_ms":
+            cells = [
+                f"{_f(by[size].get('kvbus_ms'), '{:.2f}')} / {_f(by[size].get('nats_py_ms'), '{:.2f}')}"
+                if "kvbus_ms" in by[size]
+                else "-"
+                for size in sizes
+            ]
+        elif key is None:
             cells = [
                 " / ".join(_f(by[size].get(f"kvbus_{p}_GBps"), "{:.2f}") for p in ("shm", "tcp", "nats"))
                 for size in sizes
@@ -130,8 +142,6 @@ def transport(d: Json) -> str:
         "| ratio per run vs nats-py / vs pipelined redis-py | "
         + " | ".join(
             f"{_sp(by[size].get('ratio_vs_nats_py_runs'))} / {_sp(by[size].get('ratio_vs_redis_pipelined_runs'))}"
-            if size != "1MB"
-            else ""
             for size in sizes
         )
         + " |"
@@ -159,6 +169,16 @@ def sched(d: Json) -> str:
         + " | ".join(_sp(c[a].get("critical_p99_ms_rounds"), "{:.1f}") for a in arms)
         + " |",
         "| bulk throughput (MB/s) | " + " | ".join(_f(c[a].get("bulk_mb_s"), "{:.1f}") for a in arms) + " |",
+        *(
+            [
+                "| critical p99 (ms) with no bulk at all (wrr's senders alone: the floor) | "
+                + _sp(r["critical_idle"].get("critical_p99_ms_rounds"), "{:.1f}")
+                + " |"
+                + " |" * (len(arms) - 1)
+            ]
+            if "critical_idle" in r
+            else []
+        ),
         "| Jain's fairness, W 2/3/4/6, 30 MB/s | "
         + " | ".join(_sp(f[a].get("jain_rounds"), "{:.3f}") if a in f else "" for a in arms)
         + " |",
@@ -172,6 +192,7 @@ def sched(d: Json) -> str:
                 "critical_p99_ratio_fifo1_vs_wrr",
                 "critical_p99_ratio_strict_vs_wrr",
                 "critical_p99_ratio_unscheduled_vs_wrr",
+                "critical_p99_ratio_wrr_vs_idle",
                 "bulk_throughput_ratio_wrr_vs_unscheduled",
             )
             if key in r

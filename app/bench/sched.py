@@ -30,6 +30,11 @@ Figures (each per round, reported as median with min and max, see `kvbus.app.ben
   a 64 KB critical message every 200 ms (open loop); p99 of the critical messages' latency
   (`send` to verified delivery) under the arm over the same under ``wrr``, same round;
   ``bulk_throughput_ratio_wrr_vs_unscheduled``: the bulk's MB/s under ``wrr`` over unscheduled.
+- ``critical_idle``: the ``wrr`` arm's critical senders alone (no bulk), once per round after
+  the arms: the floor of a critical message's latency on this machine and link (the request or
+  rate budget, encode, the `Open` through nats-server, decode, the verdict);
+  ``critical_p99_ratio_wrr_vs_idle``: ``wrr``'s critical p99 over it, same round (1: the bulk
+  costs the critical messages nothing).
 - ``critical_p99_ms`` per arm, and ``critical_phases`` (the ``wrr`` arm; every arm's in
   ``critical.<arm>.phases``): where a critical transfer's time goes (`phases`), per phase the
   median over rounds of its p50 and p99 and its mean over the slowest 5 % (``tail``).
@@ -54,6 +59,7 @@ from kvbus.app.bench.sched_ops import MB, SIG
 from kvbus.app.testbed.benchnet import BenchNet, open_net
 from kvbus.app.testbed.topology import Topology, one_rack
 from kvbus.app.testbed.worker import Worker
+from kvbus.bus.config import BusConfig
 from kvbus.group_scheduler import SchedulerConfig
 from kvbus.group_scheduler.selection import default_selector
 from kvbus.group_scheduler.simulate import FixedSelector
@@ -158,6 +164,11 @@ async def _with_receiver(
         await rx.call(f"{OPS}:receiver_stop", name=name)
 
 
+#: Payloads up to this size go inline in the `Open` (`BusConfig.inline_limit`, the bench's agents keep it).
+INLINE = BusConfig().inline_limit
+#: The critical experiment's reference run: the ``wrr`` arm's critical senders with no bulk at
+#: all, the floor any arm's critical latency can reach on this machine and link.
+IDLE = "idle"
 #: The phases of a critical transfer, in order (`phases`).
 PHASES = ("request_to_grant", "encode", "grant_to_receiver", "receiver", "verdict")
 
@@ -171,7 +182,8 @@ def phases(sends: list[dict[str, Any]], arrivals: dict[str, Any]) -> list[dict[s
     - ``grant_to_receiver``: the end of the encode to the receiver's decode starting: hashing, the
       sender's pacing, the `Open` (and chunks) crossing NATS or a direct path and the link's queue,
       the receiving event loop's wait; ``pacing`` (a part of it) is what the granted rate alone
-      asks of the payload (the pacing starts empty, a rate budget's may not);
+      asks of the payload (the pacing starts empty, a rate budget's may not; 0 for an inline
+      payload, paid after it went);
     - ``receiver``: the receiver's own `Delivery.transfer_s` + `decode_s`;
     - ``verdict``: the receiver's inbox to the sender's verdict (its way back, and the inbox's wake-up).
 
@@ -192,7 +204,8 @@ def phases(sends: list[dict[str, Any]], arrivals: dict[str, Any]) -> list[dict[s
                 "request_to_grant": 1e3 * s["queued_s"],
                 "encode": 1e3 * s["encode_s"],
                 "grant_to_receiver": 1e3 * (t_recv - rx_decode - rx_transfer - t_enc),
-                "pacing": 1e3 * s["nbytes"] / rate if rate > 0 and not budget else 0.0,
+                # An inline payload (one message) is paid to the pacing after it went: no wait.
+                "pacing": 1e3 * s["nbytes"] / rate if rate > 0 and not budget and s["nbytes"] > INLINE else 0.0,
                 "receiver": 1e3 * (rx_transfer + rx_decode),
                 "verdict": 1e3 * (s["t0"] + s["total_s"] - t_recv),
                 "budget": 1.0 if budget else 0.0,
@@ -226,11 +239,13 @@ async def _critical(
     net: BenchNet, phase: Schedulers, tx: Worker, rx: Worker, rounds: int, seconds: float
 ) -> dict[str, Any]:
     net.set_link("host:rx", rate_mbit=CRIT_LINK * 8 / 1e6)
-    await phase.start({f"crit-{a}": (a, arm_config(a, CRIT_LINK)[0]) for a in ARMS})
-    per: dict[str, list[dict[str, Any]]] = {a: [] for a in ARMS}
+    groups = {f"crit-{a}": (a, arm_config(a, CRIT_LINK)[0]) for a in ARMS}
+    groups["crit-idle"] = ("wrr", arm_config("wrr", CRIT_LINK)[0])
+    await phase.start(groups)
+    per: dict[str, list[dict[str, Any]]] = {a: [] for a in (*ARMS, IDLE)}
     try:
         for r in range(rounds):
-            for arm in ARMS:
+            for arm in (*ARMS, IDLE):
                 group, name = f"crit-{arm}", f"cr{r}-{arm}"
                 job = tx.call(
                     f"{OPS}:critical",
@@ -242,11 +257,11 @@ async def _critical(
                     bulk_bytes=8 * MB,
                     crit_bytes=64 * 1024,
                     every=0.2,
-                    n_bulk=N_BULK,
+                    n_bulk=0 if arm == IDLE else N_BULK,
                     n_crit=N_CRIT,
                 )
                 arrivals: dict[str, Any] = {}
-                declared = arm_config(arm, CRIT_LINK)[1]
+                declared = arm_config("wrr" if arm == IDLE else arm, CRIT_LINK)[1]
                 res = await _with_receiver(net, rx, group, f"{name}-rx", declared, job, arrivals=arrivals)
                 res["phases"] = phases(res.pop("crit_sends"), arrivals)
                 res["stats"] = await phase.stats(group)
@@ -259,8 +274,8 @@ async def _critical(
     finally:
         await phase.stop()
     out: dict[str, Any] = {}
-    p99 = {a: [1e3 * pct(x["crit_lat"], 0.99) for x in per[a]] for a in ARMS}
-    for a in ARMS:
+    p99 = {a: [1e3 * pct(x["crit_lat"], 0.99) for x in per[a]] for a in (*ARMS, IDLE)}
+    for a in (*ARMS, IDLE):
         out[a] = {
             "critical_p99_ms": median(p99[a]),
             "critical_p99_ms_rounds": spread(p99[a]),
@@ -277,6 +292,7 @@ async def _critical(
             "phases": phase_summary([x["phases"] for x in per[a]]),
         }
     ratios = {a: [ratio(p99[a][i], p99["wrr"][i]) for i in range(rounds)] for a in BASELINES}
+    ratios["wrr_vs_idle"] = [ratio(p99["wrr"][i], p99[IDLE][i]) for i in range(rounds)]
     ratios["bulk_wrr_vs_unscheduled"] = [
         ratio(per["wrr"][i]["bulk_mb_s"], per["unscheduled"][i]["bulk_mb_s"]) for i in range(rounds)
     ]
@@ -422,7 +438,11 @@ async def _run(*, quick: bool, smoke: bool, network: str | None, nats_url: str |
         results["bulk_throughput_ratio_wrr_vs_unscheduled"] = median(crit["ratios"]["bulk_wrr_vs_unscheduled"])
         results["bulk_throughput_ratio_wrr_vs_unscheduled_rounds"] = spread(crit["ratios"]["bulk_wrr_vs_unscheduled"])
         results["fifo_concurrency_lets_critical_pass_bulk"] = FIFO_PASSES
+        idle = crit["arms"].pop(IDLE)
         results["critical"] = crit["arms"]
+        results["critical_idle"] = idle
+        results["critical_p99_ratio_wrr_vs_idle"] = median(crit["ratios"]["wrr_vs_idle"])
+        results["critical_p99_ratio_wrr_vs_idle_rounds"] = spread(crit["ratios"]["wrr_vs_idle"])
         results["critical_p99_ms"] = {a: crit["arms"][a]["critical_p99_ms"] for a in ARMS}
         results["critical_phases"] = crit["arms"]["wrr"]["phases"]
         results["jitter_p99_over_p50"] = crit["arms"]["wrr"]["jitter_p99_over_p50"]
@@ -455,7 +475,8 @@ def run(
         "network": out["net"]["network"],
         "net": out["net"],
         "rounds": results["rounds"],
-        "interleaving": "per round: " + ", ".join(ARMS) + " (same order every round)",
+        "interleaving": "per round: " + ", ".join(ARMS) + f" (same order every round; the critical experiment "
+        f"then runs {IDLE}: wrr's critical senders without bulk)",
         "signature": SIG.to_dict(),
         "budget_share": BUDGET_SHARE,
         "arms": {
@@ -475,6 +496,8 @@ def run(
             "per_pair 1e6, no preemption, no declared link); the flows share the link itself",
         },
         "critical": "4 bulk x 8 MB + 2 x 64 KB critical every 200 ms (open loop), 40 MB/s link",
+        "critical_idle": "the wrr arm's 2 x 64 KB critical every 200 ms with no bulk, same link and scheduler "
+        "config: the floor of the critical latency here; critical_p99_ratio_wrr_vs_idle is wrr's p99 over it",
         "fairness": "priorities 0/1/2/4 -> W 2/3/4/6, 6 MB transfers, 30 MB/s link, every arm",
         "sweep": "wrr only: 3 bulk x 8 MB + critical 4 MB every 0.2-0.6 s (critical_boost 7), 40 MB/s link, one pass",
         "decision": "n/2 running, n/2 waiting; one done + one arrival per step; thread CPU time of decide() per "
@@ -492,6 +515,10 @@ def _print(r: dict[str, Any]) -> None:
         + ", ".join(f"{a} {c[a]['critical_p99_ms']:.1f} ms" for a in ARMS)
         + " -> over WRR: "
         + ", ".join(f"{a} {r[f'critical_p99_ratio_{a}_vs_wrr_rounds']}" for a in BASELINES)
+    )
+    print(
+        f"critical p99 without bulk (wrr): {r['critical_idle']['critical_p99_ms']:.1f} ms; wrr over it: "
+        f"{r['critical_p99_ratio_wrr_vs_idle_rounds']}"
     )
     print(f"bulk throughput WRR / unscheduled: {r['bulk_throughput_ratio_wrr_vs_unscheduled_rounds']}")
     f = r["fairness"]
