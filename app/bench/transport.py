@@ -417,6 +417,8 @@ async def _run(quick: bool, nats_url: str | None, smoke: bool = False) -> dict[s
                 "nats_py_MBps": round(mbps["nats_py"], 1),
                 "redis_MBps": round(mbps["redis"], 1),
                 "ratio_vs_nats_py": round(mbps["kvbus"] / mbps["nats_py"], 3),
+                "kvbus_ms": round(medians["kvbus"] * 1e3, 3),
+                "nats_py_ms": round(medians["nats_py"] * 1e3, 3),
                 "ratio_vs_redis": round(mbps["kvbus"] / mbps["redis"], 3),
                 "redis_pipelined_MBps": round(mbps["redis_pipelined"], 1),
                 "redis_pipelined_loop": best_pipe,
