@@ -431,8 +431,15 @@ class GrantLoop:
         if done.nbytes >= MIN_ESTIMATE_BYTES and done.wire_s > 0 and path in PATH_NAMES:
             wire_s = done.wire_s - fixed  # the bytes' own time: a transfer's round trips are not the link
             probe = bool(pending.decision.get("explored_link"))
+            # A probe of the pair's link that rode on another path than the one it probed (padded
+            # ids go inline through NATS, the KV it stands for goes direct) tells that path too:
+            # both cross the receiver's link, and the next KV transfer measures the path itself.
+            probed = pending.decision.get("path")
+            also = probed if probe and probed != path and probed in PATH_NAMES else None
             for rx in done.dst:
                 state.link(done.src, rx, path).observe(done.nbytes, wire_s, probe=probe)
+                if also is not None:
+                    state.link(done.src, rx, also).observe(done.nbytes, wire_s, probe=True)
                 telemetry.instruments().link_bandwidth.record(
                     done.nbytes / wire_s, {"group": self.group, "link": f"{done.src}->{rx}", "path": path}
                 )

@@ -6,6 +6,7 @@ cost the padding's bytes, and are delivered as ``tokens`` are."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -65,9 +66,7 @@ def test_an_absurd_padding_is_not_a_medium() -> None:
             get_codec(spec)
 
 
-async def test_a_padded_probe_is_delivered_once_and_measures_the_link(
-    nats_url: str, scheduler: GroupScheduler
-) -> None:
+async def test_a_padded_probe_is_delivered_once_and_measures_the_link(nats_url: str, scheduler: GroupScheduler) -> None:
     bus = await Bus.connect(nats_url, config=FAST)
     try:
         tx = await bus.agent("tp-tx", signature=RUNNER.signature, runner=RUNNER)
@@ -87,3 +86,36 @@ async def test_a_padded_probe_is_delivered_once_and_measures_the_link(
         assert scheduler.state.link(tx.name, rx.name, path).known  # its bytes were a link sample
     finally:
         await bus.close()
+
+
+async def test_a_probe_that_went_inline_through_nats_moves_the_estimate_of_the_path_it_probed(
+    nats_url: str, scheduler: GroupScheduler
+) -> None:
+    """The padded ids fit in the `Open` and cross NATS, while the pair's KV goes on ``tcp``: in
+    bench select's fluctuating trace every probe measured NATS and the tcp estimate stayed at the
+    slow phase's 24 Mbit/s through the 800 Mbit/s phase after it."""
+    from kvbus.group_scheduler.state import Pending
+    from kvbus.protocol import TransferDone, TransferRequest
+
+    state = scheduler.state
+    tcp = state.link("a", "b", "tcp")
+    now = time.monotonic()
+    for i in range(3):
+        tcp.observe(100 << 20, 1.0, now + i)
+    tcp.observe(3 << 20, 1.0, now + 3)  # the link dropped to 3 MB/s
+    slow = tcp.bandwidth_bps
+    nbytes = PROBE_PAD_BYTES + 8 * 256
+    req = TransferRequest(
+        transfer_id="p", src="a", dst=["b"], group=state.group, n_tokens=256, nbytes=11 << 20, signature={}
+    )
+    pending = Pending(req, {}, arrived=now)
+    pending.decision = {"medium": f"tokens({PROBE_PAD_BYTES})", "explored_link": True, "path": "tcp", "candidates": []}
+    done = TransferDone("p", "a", True, f"tokens({PROBE_PAD_BYTES})", nbytes, 0.5, dst=["b"], wire_s=0.001, path="nats")
+    scheduler.loop._learn(done, pending)
+    assert state.link("a", "b", "nats").known
+    assert tcp.bandwidth_bps > 10 * slow  # the probe saw ~66 MB/s: the tcp estimate follows at once
+    # An ordinary transfer on NATS teaches NATS only.
+    pending.decision = {**pending.decision, "explored_link": False}
+    tcp_before = tcp.bandwidth_bps
+    scheduler.loop._learn(dataclasses.replace(done, wire_s=0.1), pending)
+    assert tcp.bandwidth_bps == tcp_before
