@@ -6,8 +6,9 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
+from typing import Any
 
 from kvbus.codecs import get_codec
 from kvbus.group_scheduler.config import SchedulerConfig
@@ -125,6 +126,9 @@ class Decided:
     choice: Choice | None
     code: Reason = Reason.NONE
     """For a refusal: why, as a code."""
+    links: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per receiver, the link the prediction used: its path, where its rate came from
+    (``estimate``, ``configured``, ``estimate of tcp``, ``default``) and the rate, Mbit/s."""
 
     @classmethod
     def refusal(cls, reason: str, code: Reason) -> Decided:
@@ -237,7 +241,7 @@ class AdaptiveSelector(MediumSelector):
         """`choose` with the refusal's code."""
         decided = self.decide(state, pending)
         path = pending.request.path or PathName.NATS
-        pending.decision = {**decided.choice.record(), "path": path} if decided.choice else {}
+        pending.decision = {**decided.choice.record(), "path": path, "links": decided.links} if decided.choice else {}
         if decided.choice is not None:
             pending.predicted_s = decided.choice.estimate.total_s
             pending.predicted_comp_s = decided.choice.estimate.comp_s
@@ -254,8 +258,10 @@ class AdaptiveSelector(MediumSelector):
         candidates = (req.medium,) if req.medium else self.candidates
         per_rx: list[Choice] = []
         unmeasured: set[str] = set()  # receivers whose network link was never measured nor declared
+        links: dict[str, dict[str, Any]] = {}
         for rx, sig in pending.receivers.items():
             link = self.link(state, req.src, rx, _path(pending, rx), req.inline_limit)
+            links[rx] = {"path": link.path, "source": link.source, "mbit": round(link.bandwidth_bps * 8e-6, 3)}
             choose = partial(
                 self.model.choose,
                 candidates,
@@ -303,7 +309,7 @@ class AdaptiveSelector(MediumSelector):
                 self.switches += 1
             self.last[(req.src, rx)] = choice.medium
         if req.medium:
-            return Decided(choice.medium, "requested by the sender", choice)
+            return Decided(choice.medium, "requested by the sender", choice, links=links)
         self.decided += 1
         if len(per_rx) == 1:
             # The pair keeps its exploited medium for hysteresis: an exploration is one transfer.
@@ -317,8 +323,8 @@ class AdaptiveSelector(MediumSelector):
             )
             if explore is not None:
                 self.explored += 1
-                return Decided(explore.medium, explore.reason, explore)
-        return Decided(choice.medium, choice.reason, choice)
+                return Decided(explore.medium, explore.reason, explore, links=links)
+        return Decided(choice.medium, choice.reason, choice, links=links)
 
     def _may_explore(self, state: GroupState, pending: Pending, rx: str, *, capped: bool = True) -> bool:
         """Whether this transfer may be sent with another medium than predicted best (`Exploration`);

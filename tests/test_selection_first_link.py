@@ -155,6 +155,8 @@ def test_a_path_never_measured_takes_the_estimate_of_the_pairs_other_network_pat
     p = _request("tcp")
     selector.choose(state, p)
     assert p.decision["medium"] == "tokens" and not p.decision["hedged"]
+    # The decision record says which link the prediction used, and where its rate came from.
+    assert p.decision["links"] == {"b": {"path": "tcp", "source": "estimate of nats", "mbit": 10.0}}
 
 
 def test_a_receiver_on_another_host_is_predicted_on_tcp_whatever_the_sender_guessed() -> None:

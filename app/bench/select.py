@@ -247,6 +247,7 @@ def _decision_summary(decision: dict[str, Any], latency_s: float) -> dict[str, A
         "latency_s": round(latency_s, 4),
         "predicted_s": {c["medium"]: c["total_s"] for c in cands},
         "loss_s": {c["medium"]: c.get("loss_s") for c in cands},
+        "links": decision.get("links", {}),
     }
 
 

@@ -112,6 +112,7 @@ def _step(mbit: float, latency_s: float, decision: dict[str, Any]) -> dict[str, 
         "terms": next(
             (c.get("terms") for c in decision.get("candidates", ()) if c.get("medium") == decision.get("medium")), None
         ),
+        "links": decision.get("links", {}),
     }
 
 
