@@ -184,7 +184,7 @@ async def test_an_inline_message_goes_at_once_and_its_bytes_are_paid_after(group
     # its whole size at the granted rate and then crossed the link as fast as ever; a 64 KB
     # critical message granted most of a 320 Mbit/s link waited 1.9 ms for nothing. Here the
     # budget is 4 KB/s: paid before, the 64 KB send would wait 16 s.
-    sched, tx, rx, _ = group
+    _, tx, rx, _ = group
     kv = kv_of_bytes(SIG, 64 * KB, seed=3)
     report = await asyncio.wait_for(tx.send(rx.name, kv, medium="full"), 5.0)
     got = await rx.receive(timeout=5)
