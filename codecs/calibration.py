@@ -189,10 +189,10 @@ class CalibrationProfile:
         )
 
 
-def _length(key: object, what: str, path: str) -> int:
+def _length(key: Any, what: str, path: str) -> int:
     """A context length given as a JSON key: a positive integer of at most 2**24."""
     try:
-        n = int(key)  # type: ignore[call-overload]
+        n = int(key)
     except (TypeError, ValueError):
         raise CalibrationError(path, f"{what} has a length {key!r} that is not an integer") from None
     if n <= 0 or n > 1 << 24:
