@@ -374,13 +374,8 @@ class OutgoingTransfer:
             return self.outcomes
         self._started = True
         if inline:
-            # The whole payload goes in one message, the `Open`: it waits only for what earlier
-            # transfers of its rate budget still owe, goes now and is paid for after (the next
-            # transfer of the budget waits for it). Paid before, it waited its whole size at the
-            # granted rate and then crossed the link as fast as ever: a 64 KB critical message
-            # granted most of a 320 Mbit/s link waited 1.9 ms for nothing.
-            await self.bucket.take(0)
-            self.bucket.charge(self.plan.total)
+            # The whole payload goes in the Open: pace it like chunks (0 = unpaced takes no time).
+            await self.bucket.take(self.plan.total)
         try:
             await asyncio.gather(*(self._open(link, payload) for link in self.links.values()))
             if not inline:
