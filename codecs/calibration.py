@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvbus.codecs.errors import CalibrationError
 
 logger = logging.getLogger(__name__)
@@ -244,24 +246,9 @@ def fit_prefill_shape(timings: dict[int, float], ref_tokens: int) -> tuple[float
 
 
 def _least_squares(rows: list[list[float]], rhs: list[float]) -> list[float] | None:
-    """The least-squares solution of ``rows @ x = rhs`` (normal equations, Gaussian elimination
-    with partial pivoting), None when singular. Small systems only (a handful of unknowns)."""
-    k = len(rows[0])
-    a = [
-        [sum(r[i] * r[j] for r in rows) for j in range(k)] + [sum(r[i] * b for r, b in zip(rows, rhs, strict=True))]
-        for i in range(k)
-    ]
-    for col in range(k):
-        piv = max(range(col, k), key=lambda r: abs(a[r][col]))
-        if abs(a[piv][col]) < 1e-300:
-            return None
-        a[col], a[piv] = a[piv], a[col]
-        for r in range(k):
-            if r != col:
-                f = a[r][col] / a[col][col]
-                a[r] = [x - f * y for x, y in zip(a[r], a[col], strict=True)]
-    out = [a[i][k] / a[i][i] for i in range(k)]
-    return out if all(math.isfinite(x) for x in out) else None
+    """The least-squares solution of ``rows @ x = rhs``, None when it is not finite."""
+    x = [float(v) for v in np.linalg.lstsq(np.asarray(rows), np.asarray(rhs), rcond=None)[0]]
+    return x if all(math.isfinite(v) for v in x) else None
 
 
 def _fidelity_by_tokens(raw: object, path: str) -> dict[str, dict[int, float]]:
