@@ -103,6 +103,11 @@ class Learned:
         self.ts = now
 
 
+def _tokens_per_s(tokens: int, seconds: float, _held: int) -> float:
+    """A prefill's plain speed (the ``speed`` of `LearnedCosts.observe_prefill` by default)."""
+    return tokens / seconds
+
+
 def _finite_positive(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
@@ -192,7 +197,7 @@ class LearnedCosts:
         if tokens <= 0 or not _finite_positive(seconds):
             return
         prior = prior_tps if _finite_positive(prior_tps) else None
-        sample = speed(tokens, seconds, 0) if speed is not None else tokens / seconds
+        sample = (speed or _tokens_per_s)(tokens, seconds, 0)
         if _finite_positive(sample):
             self._fold(self.prefill_tps, receiver, sample, now, log=True, prior=prior)
 
@@ -236,11 +241,10 @@ class LearnedCosts:
                 if len(done.dst) == 1:
                     terms = candidate.get("terms") if candidate else None
                     predicted = terms.get("recompute_s", 0.0) if isinstance(terms, Mapping) else 0.0
-                    prior_tps = 0.0
-                    if _finite_positive(predicted):
-                        prior_tps = reference_tps(new_tokens, predicted, 0) if reference_tps else new_tokens / predicted
+                    speed = reference_tps or _tokens_per_s
+                    prior_tps = speed(new_tokens, predicted, 0) if _finite_positive(predicted) else 0.0
                     rx = str(done.dst[0])
-                    self.observe_prefill(rx, new_tokens, done.decode_s, now, prior_tps=prior_tps, speed=reference_tps)
+                    self.observe_prefill(rx, new_tokens, done.decode_s, now, prior_tps=prior_tps, speed=speed)
             elif kind != "summary":
                 self.observe_codec(medium, kv_bytes, "decode", done.decode_s, prior.get("dec_s", 0.0), now)
             if done.encode_s > 0 or done.decode_s > 0:
