@@ -259,16 +259,27 @@ class AdaptiveSelector(MediumSelector):
         per_rx: list[Choice] = []
         unmeasured: set[str] = set()  # receivers whose network link was never measured nor declared
         links: dict[str, dict[str, Any]] = {}
+        prices: dict[str, Callable[[str], Estimate]] = {}  # per receiver: one medium's estimate
         for rx, sig in pending.receivers.items():
             link = self.link(state, req.src, rx, _path(pending, rx), req.inline_limit)
             links[rx] = {"path": link.path, "source": link.source, "mbit": round(link.bandwidth_bps * 8e-6, 3)}
+            receiver = self.endpoint(state, rx, sig, recompute=pending.recompute.get(rx, True))
+            prices[rx] = partial(
+                self.model.estimate,
+                n_tokens=req.n_tokens,
+                kv_bytes=req.nbytes,
+                link=link,
+                sender=sender,
+                receiver=receiver,
+                base_tokens=req.base_tokens,
+            )
             choose = partial(
                 self.model.choose,
                 candidates,
                 n_tokens=req.n_tokens,
                 kv_bytes=req.nbytes,
                 sender=sender,
-                receiver=self.endpoint(state, rx, sig, recompute=pending.recompute.get(rx, True)),
+                receiver=receiver,
                 lineage=req.fidelity,
                 current=None if req.medium else self.last.get((req.src, rx)),
                 base_tokens=req.base_tokens,
@@ -319,7 +330,7 @@ class AdaptiveSelector(MediumSelector):
             explore = (
                 None
                 if rx in unmeasured
-                else self._probe(state, pending, choice, rx) or self._explore(state, pending, choice, rx)
+                else self._probe(state, pending, choice, rx, prices[rx]) or self._explore(state, pending, choice, rx)
             )
             if explore is not None:
                 self.explored += 1
@@ -338,7 +349,9 @@ class AdaptiveSelector(MediumSelector):
         agent = state.agents.get(rx)
         return agent is None or agent.memory_pressure <= 0
 
-    def _probe(self, state: GroupState, pending: Pending, choice: Choice, rx: str) -> Choice | None:
+    def _probe(
+        self, state: GroupState, pending: Pending, choice: Choice, rx: str, price: Callable[[str], Estimate]
+    ) -> Choice | None:
         """A KV medium to send instead of ``choice`` to measure the pair's link again, if due.
 
         A link estimate that dropped stays low until a transfer big enough to measure it goes by
@@ -398,22 +411,16 @@ class AdaptiveSelector(MediumSelector):
         if not options:
             return None
         hoped, e = min(options, key=lambda o: o[1].total_s)
-        pad_s = PROBE_PAD_BYTES / max(est.bandwidth_bps, 1.0)
+        # The ids padded to a measurable payload: the probe costs the padding's bytes, not a
+        # whole KV's at a rate that may still be the slow one.
+        padded = price(f"tokens({PROBE_PAD_BYTES})") if cheap else None
         # A probe that costs little next to the transfer it rides on keeps its pace: a link back
         # up is seen within `link_every` transfers, for at most PROBE_SHARE / link_every more time.
-        if not est.rising and not (cheap and pad_s <= PROBE_SHARE * best):
+        if not est.rising and not (padded is not None and padded.total_s - best <= PROBE_SHARE * best):
             probe.every = min(MAX_PROBE_EVERY, 2 * probe.every)
         probe.unmeasured = 0
         cause = f"{why} {hope * 8 / 1e6:.0f} Mbit/s, now estimated {est.bandwidth_bps * 8 / 1e6:.0f}"
-        if cheap:
-            # The ids padded to a measurable payload: the probe costs the padding's bytes, not a
-            # whole KV's at a rate that may still be the slow one.
-            padded = replace(
-                choice.estimate,
-                medium=f"tokens({PROBE_PAD_BYTES})",
-                nbytes=choice.estimate.nbytes + PROBE_PAD_BYTES,
-                comm_s=choice.estimate.comm_s + pad_s,
-            )
+        if padded is not None:
             reason = (
                 f"probe the link: {padded.medium} (the ids and {PROBE_PAD_BYTES >> 10} KiB of padding) measures it "
                 f"({cause}); predicted {padded.total_s * 1000:.1f} ms against {best * 1000:.1f} ms unpadded, and "
