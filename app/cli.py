@@ -27,6 +27,9 @@ from kvbus.app.cli_commands import (
 )
 from kvbus.errors import ConfigError, NatsConnectError
 
+# The bench suites whose number of interleaved rounds `kvbus bench --rounds` sets.
+ROUNDS_SUITES = ("agents", "e2e", "scale")
+
 __all__ = ["build_parser", "main"]
 
 logger = logging.getLogger("kvbus")
@@ -145,6 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
         "when available; env KVBUS_BENCH_NETWORK)",
     )
     bench.add_argument("--seconds", type=float, default=None, help="duration of the soak suite")
+    bench.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help=f"interleaved rounds (the {', '.join(ROUNDS_SUITES)} suites; default: the suite's)",
+    )
     _add_urls(bench, redis=False)
     _add_cluster_options(bench)
 
@@ -295,6 +304,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 extra["redis_cluster"] = True
             if args.network:
                 extra["network"] = args.network
+            if args.rounds is not None:
+                if args.suite not in ROUNDS_SUITES:
+                    raise SystemExit(f"--rounds applies to the {', '.join(ROUNDS_SUITES)} suites")
+                if args.rounds < 1:
+                    raise SystemExit("--rounds must be at least 1")
+                extra["rounds"] = args.rounds
             return run_suite(
                 args.suite,
                 json_path=args.json_path,

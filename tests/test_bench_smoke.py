@@ -269,3 +269,21 @@ def test_smoke_run_writes_the_json_every_reader_expects(suite: str, tmp_path: Pa
         assert any(k.startswith("flat_over_hier_at_") and k.endswith("_rounds") for k in keys), sorted(keys)
         for row in keys["hier"].values():
             check(row, {"coordinator_cpu": NUM, "sched_overhead_p99_ms": OPT_NUM}, "scale.hier[n]")
+
+
+def test_rounds_reach_the_suites_that_take_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvbus bench SUITE --rounds N` passes ``rounds=N`` to the agents, e2e and scale suites, and
+    refuses it (exit, one sentence) for a suite that has no rounds or for N < 1."""
+    import kvbus.app.bench as bench
+    from kvbus.app.cli import ROUNDS_SUITES, main
+
+    seen: list[dict[str, Any]] = []
+    monkeypatch.setattr(bench, "run_suite", lambda name, **kw: seen.append({"suite": name, **kw}) or 0)
+    for suite in ROUNDS_SUITES:
+        assert main(["bench", suite, "--rounds", "3"]) == 0
+    assert [(s["suite"], s["rounds"]) for s in seen] == [(s, 3) for s in ROUNDS_SUITES]
+    assert main(["bench", "agents"]) == 0 and "rounds" not in seen[-1]
+    with pytest.raises(SystemExit, match="--rounds applies to"):
+        main(["bench", "transport", "--rounds", "2"])
+    with pytest.raises(SystemExit, match="at least 1"):
+        main(["bench", "agents", "--rounds", "0"])
