@@ -371,6 +371,32 @@ def e2e(d: Json) -> str:
     return "\n".join(rows)
 
 
+def agents(d: Json) -> str:
+    r = d["results"]
+    rows = [
+        "| arm | E2E (s) | E2E / arm (a) | hand-off TTFT p50 / p99 (s) | MB moved | agreement with (a) "
+        "| task score | media |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    per_arm = r.get("e2e_vs_prefix_cached_text_per_arm", {})
+    for name, arm in r["arms"].items():
+        ttft = arm.get("handoff_ttft_s", {})
+        mb = arm.get("bytes_moved", {})
+        rows.append(
+            f"| {name} | {_sp(arm.get('e2e_s'), '{:.1f}')} | {_sp(per_arm.get(name), '{:.2f}')} | "
+            f"{_f(ttft.get('p50'))} / {_f(ttft.get('p99'))} | "
+            f"{_f(None if mb.get('median') is None else mb['median'] / 1e6, '{:.1f}')} | "
+            f"{_sp(arm.get('agreement_vs_prefix_cached_text'), '{:.3f}')} | {_sp(arm.get('task_score'))} | "
+            f"{', '.join(arm.get('media') or []) or '-'} |"
+        )
+    bits = []
+    for key, g in r.get("goals", {}).items():
+        value = "-" if g.get("value") is None else f"{g['value']:g}"
+        bits.append(f"`{key}` {g.get('goal')}: {value}, {'met' if g.get('met') else '**not met**'}")
+    rows += ["", f"Best fixed medium: {r.get('best_fixed', '-')}. Goals: " + "; ".join(bits) + "."]
+    return "\n".join(rows)
+
+
 def scale(d: Json) -> str:
     r = d["results"]
     size = d.get("config", {}).get("group_size", 64)
@@ -498,6 +524,7 @@ TABLES: dict[str, tuple[str, Callable[[Json], str]]] = {
     "select": ("kvbus bench select --json select.json", select),
     "cachetier": ("kvbus bench cachetier --json cachetier.json", cachetier),
     "e2e": ("kvbus bench e2e --json e2e.json", e2e),
+    "agents": ("kvbus bench agents --json agents.json", agents),
     "scale": ("kvbus bench scale --json scale.json", scale),
     "chaos": ("kvbus bench chaos --json chaos.json", chaos),
     "soak": ("kvbus bench soak --json soak.json", soak),
