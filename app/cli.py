@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_urls(demo)
     demo.add_argument("--quick", action="store_true", help="shorter continuations (2 tokens per step)")
     demo.add_argument("--new-tokens", type=int, default=None, help="tokens each agent generates per step")
-    demo.add_argument("--rounds", type=int, default=None, help="interleaved rounds of every policy (default 2)")
+    demo.add_argument("--rounds", type=int, default=None, help="interleaved rounds of every policy (default 3)")
     demo.add_argument("--tasks", type=int, default=None, help="tasks the workflow works through (default 1, up to 3)")
     demo.add_argument(
         "--network",

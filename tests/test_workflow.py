@@ -10,7 +10,7 @@ import matplotlib.image as mpimg
 import pytest
 import torch
 
-from kvbus.app.demo import STATIC_POLICIES
+from kvbus.app.demo import STATIC_POLICIES, round_order
 from kvbus.app.demo_report import RATIO_MEANS, compare, headline, prediction_summary, summarise, write_report
 from kvbus.app.models import random_model
 from kvbus.app.workflow import AgentSpec, Workflow
@@ -122,6 +122,17 @@ def test_the_headline_says_the_result_in_one_sentence(ratios: dict, word: str) -
     assert line.startswith(f"adaptive took {ratios['median']:.2f}x as long as the fastest static policy")
     assert "delta+int4" in line and "100% agreement" in line and line.endswith(f": {word}.")
     assert "{" not in line and "\n" not in line  # no raw dict, one line
+
+
+def test_each_round_shuffles_the_order_so_no_policy_always_follows_the_same_one() -> None:
+    # In a fresh clone's demo adaptive ran second in every round, always right after `full`.
+    policies = ["full", "adaptive", "int8", "int4", "tokens", "delta+int4"]
+    orders = [round_order(policies, r) for r in range(5)]
+    assert orders[0] == policies and orders == [round_order(policies, r) for r in range(5)]
+    assert all(sorted(o) == sorted(policies) for o in orders)
+    before = {o[o.index("adaptive") - 1] if o.index("adaptive") else None for o in orders}
+    assert len(before) >= 3, orders
+    assert round_order([], 3) == []
 
 
 def test_every_medium_adaptive_can_pick_is_a_static_policy() -> None:
