@@ -33,6 +33,7 @@ from kvbus.bus.chunking import ChunkPlan, ChunkVerifier, Reassembly
 from kvbus.bus.config import BusConfig
 from kvbus.bus.paths import DataPlane, PathError, ReceiveSession
 from kvbus.bus.paths.shm import address
+from kvbus.kvcache import KVCache
 from kvbus.net.transport import Transport
 from kvbus.protocol import CHUNK_INDEX_HEADER, DIGEST_BYTES, Ack, Open, PathName, Reason, packb, unpackb
 
@@ -102,6 +103,9 @@ class IncomingTransfer:
         of the same bytes, which the receiver keeps as the delta base instead of a copy."""
         self._control: ReceiveSession | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self.prepared: asyncio.Future[KVCache] | None = None
+        """The codec's work started when the `Open` was accepted (`Codec.prepare`: ``split``'s
+        prefill of its prefix), running in a worker thread while the chunks stream in."""
 
     @property
     def nbytes(self) -> int:
@@ -120,6 +124,8 @@ class IncomingTransfer:
     async def stop(self) -> None:
         """Unsubscribe and withdraw the direct paths (the partial payload is then dropped with this object)."""
         self.completed = True
+        if self.prepared is not None and not self.prepared.done():
+            self.prepared.cancel()  # its thread runs to its end; nobody waits for the result
         plane, self.plane = self.plane, None
         if plane is not None:
             await plane.withdraw(self.open.transfer_id)

@@ -106,6 +106,9 @@ class StreamPayload:
     """The scheduler's root span, sent in the `Open` when ``traceparent`` is None."""
     incarnations: Mapping[str, str] = field(default_factory=dict)
     """Per receiver, the incarnation it had when last heard from (one that restarted since lost our bases)."""
+    streamed: bool = False
+    """Never inline in the `Open`: the receiver starts work when the `Open` comes (`Codec.prepare`,
+    ``split``'s prefill), which only pays while the payload is still on its way."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +197,7 @@ class OutgoingTransfer:
         """The `Open` of the first receiver (before its digests are known); each gets its own."""
         # Inline when small enough and the framed Open (header + payload) fits the server's max_payload.
         room = transport.max_payload - len(self.open.encode()) - 1024
-        if self.plan.total <= min(config.inline_limit, room):
+        if self.plan.total <= min(config.inline_limit, room) and not payload.streamed:
             self.open = dataclasses.replace(self.open, inline=True)
         known = payload.incarnations
         self.links: dict[str, Handshake] = {rx: Handshake(transport, rx, self.open) for rx in self.receivers}

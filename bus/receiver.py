@@ -25,7 +25,7 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -237,6 +237,10 @@ class Receiver:
                 raise WireFormatError("open message", f"ack subject must be {want!r}")
         except (ValueError, WireFormatError) as exc:
             return _refuse(tid, Reason.MALFORMED, str(exc))
+        try:
+            work = codec.prepare(open_msg.meta, ep.runner)
+        except CodecError as exc:
+            return _refuse(tid, Reason.MALFORMED, str(exc))
         incoming = IncomingTransfer(ep.transport, open_msg, ep.name, ep.config, self.finish, plan)
         if self._settings.plane is not None and any(p != "nats" for p in open_msg.paths):
             # A direct offer keeps the chunk layout once more (the path's `TransferSpec`).
@@ -250,7 +254,17 @@ class Receiver:
             while len(self.keyed) > COMPLETED_MEMORY:
                 self.keyed.popitem(last=False)
         await incoming.start()
+        if work is not None:
+            incoming.prepared = asyncio.ensure_future(self._prepared(work))
         return self._offer(incoming, plan)
+
+    async def _prepared(self, work: Callable[[], KVCache]) -> KVCache:
+        """Run a codec's early work (`Codec.prepare`: ``split``'s prefill) in a worker thread while
+        the chunks stream in; its prefill speed is this agent's, measured under that load."""
+        t0 = time.perf_counter()
+        kv = await asyncio.to_thread(work)
+        self._ep.prefill.observe(kv.seq_len, time.perf_counter() - t0, 0)
+        return kv
 
     def _offer(self, incoming: IncomingTransfer, plan: ChunkPlan) -> OpenReply:
         """The reply to a streamed transfer's first `Open`: the paths this receiver takes it on,
@@ -382,7 +396,9 @@ class Receiver:
             t0 = time.perf_counter()
             try:
                 buffers = incoming.buffers()
-                delivery = await self._decode(incoming.opened(), buffers, transfer_s, region=incoming.region)
+                delivery = await self._decode(
+                    incoming.opened(), buffers, transfer_s, region=incoming.region, prepared=incoming.prepared
+                )
             except KVBusError as exc:
                 telemetry.fail(receive_span, exc)
                 code, reason = decode_failure(exc)
@@ -409,6 +425,7 @@ class Receiver:
         transfer_s: float,
         *,
         region: tuple[memoryview, Sequence[int]] | None = None,
+        prepared: asyncio.Future[KVCache] | None = None,
     ) -> Delivery:
         ep = self._ep
         codec = get_codec(open_msg.codec)
@@ -416,10 +433,16 @@ class Receiver:
         if region is not None:
             encoded.region, encoded.offsets = region  # the buffers are slices of it at these offsets
         t0 = time.perf_counter()
-        heavy = not codec.cheap_decode and (open_msg.total > OFFLOAD_BYTES or not codec.needs_kv)
+        heavy = not codec.cheap_decode and (open_msg.total > OFFLOAD_BYTES or not codec.needs_kv or codec.recomputes)
         if self._handover is not None:
             await asyncio.shield(self._handover)  # the base copy of the last delivery is made
         base = self.bases.get(open_msg.src)
+        if prepared is not None:
+            # What the codec started when the Open came (`split`: the prefix's KV) is its base.
+            try:
+                base = await prepared
+            except Exception as exc:  # the model failed on ids the codec checked
+                raise DecodeError(open_msg.codec, f"the prefill started on the Open failed: {exc}") from exc
         attributes = {"kvbus.medium": open_msg.codec, "kvbus.bytes": open_msg.total} if telemetry.tracing() else None
         with (
             telemetry.span("kvbus.decode", attributes=attributes, current=not codec.needs_kv, lazy=True),

@@ -410,6 +410,7 @@ class Sender:
                 traceparent=telemetry.traceparent(),
                 trace_link=grant.traceparent,  # the scheduler's root span, for a sender that does not trace
                 incarnations=self.incarnations,
+                streamed=plan.codec.recomputes,
             ),
             StreamPacing(
                 chunk_size,

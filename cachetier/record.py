@@ -203,8 +203,8 @@ def storage_codec(spec: str) -> Codec:
     """The codec ``spec`` names, checked to store a block on its own.
 
     A block must decode from its record alone into dense KV for every one of its tokens: media
-    that carry no KV (``tokens``, ``summary``), need the receiver's previous context (``delta``)
-    or keep only some positions (``topk``) cannot store one.
+    that carry no KV (``tokens``, ``summary``), need the receiver's previous context (``delta``),
+    leave a prefix to recompute (``split``) or keep only some positions (``topk``) cannot store one.
 
     Raises:
         UnsuitableCodec: it cannot; also for a spec the codec library refuses.
@@ -218,6 +218,8 @@ def storage_codec(spec: str) -> Codec:
     stage = getattr(codec, "stage", "kv")
     if stage == "delta":
         raise UnsuitableCodec(codec.name, "it needs the receiver's previous context to decode")
+    if codec.recomputes:
+        raise UnsuitableCodec(codec.name, "it leaves part of the block to be recomputed by a model")
     if stage != "kv":
         raise UnsuitableCodec(codec.name, "it does not keep the KV of every position")
     return codec

@@ -1,7 +1,7 @@
 """Media for moving a KV-cache: the `Codec` family, its registry and spec language, and the built-in codecs.
 
 Importing this package registers ``full``, ``int8``, ``int4``, ``topk``, ``lowrank``,
-``delta``, ``tokens`` and ``summary``; `get_codec` also builds compositions such as
+``delta``, ``split``, ``tokens`` and ``summary``; `get_codec` also builds compositions such as
 ``"delta+topk(0.25)+int8"`` (grammar in `kvbus.codecs.spec`). Measured figures per medium live
 in calibration profiles (`kvbus.codecs.calibration`).
 """
@@ -12,6 +12,7 @@ from kvbus.codecs import full as _full  # noqa: F401  (registers "full")
 from kvbus.codecs import int4 as _int4  # noqa: F401  (registers "int4")
 from kvbus.codecs import int8 as _int8  # noqa: F401  (registers "int8")
 from kvbus.codecs import lowrank as _lowrank  # noqa: F401  (registers "lowrank")
+from kvbus.codecs import split as _split  # noqa: F401  (registers "split")
 from kvbus.codecs import summary as _summary  # noqa: F401  (registers "summary")
 from kvbus.codecs import tokens as _tokens  # noqa: F401  (registers "tokens")
 from kvbus.codecs import topk as _topk  # noqa: F401  (registers "topk")
@@ -44,6 +45,7 @@ from kvbus.codecs.layerwise import LayerBuffer, LayerwiseCodec
 from kvbus.codecs.lowrank import LowRankCodec
 from kvbus.codecs.runner import HFRunner
 from kvbus.codecs.spec import parse_spec
+from kvbus.codecs.split import SplitCodec
 from kvbus.codecs.summary import ModelSummarizer, Summarizer, SummaryCodec, TailSummarizer
 from kvbus.codecs.tokens import TokensCodec
 from kvbus.codecs.topk import TopKCodec
@@ -86,6 +88,7 @@ __all__ = [
     "SummaryUnavailable",
     "TailSummarizer",
     "TokensCodec",
+    "SplitCodec",
     "TopKCodec",
     "UnknownCodec",
     "available_codecs",

@@ -90,7 +90,7 @@ class Encoded:
 
 
 #: Composition stages, in the order they may appear in a spec (see `kvbus.codecs.spec`).
-STAGES = ("delta", "select", "kv", "tokens", "summary")
+STAGES = ("delta", "split", "select", "kv", "tokens", "summary")
 
 
 class Codec(ABC):
@@ -128,6 +128,9 @@ class Codec(ABC):
     cheap_encode: bool = False
     """True when encode only builds views of contiguous tensors (no pass over the data): the
     sender runs it on the event loop whatever the size, when the cache's tensors are contiguous."""
+    recomputes: bool = False
+    """True when decoding runs the receiver's model over part of the context (``split``): the
+    receiver decodes it off the event loop, whatever the payload's size."""
 
     def __init__(self, *, inner: Codec | None = None, **args: Any) -> None:
         """Build a codec with parameter values ``args`` (validated) around ``inner`` (wrappers only).
@@ -200,6 +203,20 @@ class Codec(ABC):
             DecodeError: the payload or metadata is malformed.
         """
 
+    def prepare(self, meta: Any, runner: ModelRunner | None) -> Callable[[], KVCache] | None:
+        """Work a receiver may start as soon as a streamed transfer's `Open` arrives, before its payload.
+
+        Called by the receiver on the event loop, with the `Open`'s codec metadata (hostile: check
+        it) and the receiver's model, once it has accepted the `Open`. The function returned runs
+        in a worker thread while the chunks stream in; what it returns is handed to `decode` as
+        ``base``. ``split`` prefills the prefix it names here, so that the recompute overlaps
+        the transfer. Default: nothing to start (None).
+
+        Raises:
+            DecodeError: the metadata is malformed (the receiver refuses the transfer).
+        """
+        return None
+
     def estimate_nbytes(self, signature: ModelSignature, n_tokens: int, batch: int = 1) -> int:
         """Predicted payload bytes for ``n_tokens`` of context (used before encoding)."""
         return batch * n_tokens * (signature.kv_bytes_per_token() + 8)
@@ -242,7 +259,7 @@ def register(name: str) -> Callable[[C], C]:
 
 
 #: What each wrapper stage may wrap.
-_WRAPS = {"delta": ("select", "kv", "tokens"), "select": ("kv",)}
+_WRAPS = {"delta": ("select", "kv", "tokens"), "split": ("select", "kv"), "select": ("kv",)}
 #: The inner codec of a wrapper given none.
 DEFAULT_INNER = "full"
 

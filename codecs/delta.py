@@ -60,6 +60,50 @@ def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
     return int(idx[0]) if idx.numel() else m
 
 
+def join_prefix(base: KVCache, p: int, new: KVCache) -> KVCache:
+    """``base``'s first ``p`` tokens (and their KV) followed by ``new`` (its positions relative to
+    ``p``): the whole context as one cache, in the base's dtype. Used by ``delta`` (the base the
+    receiver holds) and ``split`` (the prefix the receiver recomputed).
+
+    Raises:
+        DeltaBaseMismatch: the base's KV does not reach ``p``, or does not fit ``new``'s model.
+    """
+    tokens = torch.cat([base.tokens[:, :p].to(torch.int64), new.tokens.to(torch.int64)], dim=1)
+    fidelity = min(base.fidelity, new.fidelity)
+    if new.seq_len and coverage(base) < p:
+        raise DeltaBaseMismatch(f"the base has KV for {coverage(base)} tokens, the delta's KV follows {p}")
+    if not base.has_kv and not new.seq_len:
+        return KVCache(tokens=tokens, signature=new.signature, fidelity=fidelity)
+    base_pos = kv_positions(base)
+    head = torch.nonzero(base_pos < p).view(-1)
+    dtype = base.dtype if base.has_kv else new.dtype
+    if not new.has_kv:  # delta+tokens: the base's KV covers the prefix, the new tokens are a tail
+        kept = select_entries(base, head, tokens=tokens)
+        signature = replace(new.signature, dtype=dtype_name(kept.dtype)) if kept.has_kv else new.signature
+        return replace(kept, signature=signature, fidelity=fidelity)
+    keys, values = [], []
+    for i in range(new.n_layers):
+        bk = base.keys[i].index_select(2, head) if base.has_kv else new.keys[i][:, :, :0]
+        bv = base.values[i].index_select(2, head) if base.has_kv else new.values[i][:, :, :0]
+        keys.append(torch.cat([bk.to(dtype), new.keys[i].to(dtype)], dim=2))
+        values.append(torch.cat([bv.to(dtype), new.values[i].to(dtype)], dim=2))
+    positions = torch.cat([base_pos.index_select(0, head), kv_positions(new) + p])
+    out = KVCache(
+        tokens=tokens,
+        # The joined KV is in the base's dtype (the receiver's model's): say so.
+        signature=replace(new.signature, dtype=dtype_name(dtype)),
+        keys=keys,
+        values=values,
+        positions=densify(positions),
+        fidelity=fidelity,
+    )
+    try:
+        out.validate()
+    except ValueError as exc:
+        raise DeltaBaseMismatch(f"the base's KV does not fit the delta's model ({exc})") from None
+    return out
+
+
 @register("delta")
 class DeltaCodec(Codec):
     """Send only what follows the prefix the receiver holds; the receiver joins it to its base.
@@ -146,43 +190,7 @@ class DeltaCodec(Codec):
             raise DeltaBaseMismatch(
                 f"the base's first {p} tokens differ from the sender's (version {mine[:16]}... vs {version[:16]}...)"
             )
-        return self._join(base, p, new)
-
-    def _join(self, base: KVCache, p: int, new: KVCache) -> KVCache:
-        tokens = torch.cat([base.tokens[:, :p].to(torch.int64), new.tokens.to(torch.int64)], dim=1)
-        fidelity = min(base.fidelity, new.fidelity)
-        if new.seq_len and coverage(base) < p:
-            raise DeltaBaseMismatch(f"the base has KV for {coverage(base)} tokens, the delta's KV follows {p}")
-        if not base.has_kv and not new.seq_len:
-            return KVCache(tokens=tokens, signature=new.signature, fidelity=fidelity)
-        base_pos = kv_positions(base)
-        head = torch.nonzero(base_pos < p).view(-1)
-        dtype = base.dtype if base.has_kv else new.dtype
-        if not new.has_kv:  # delta+tokens: the base's KV covers the prefix, the new tokens are a tail
-            kept = select_entries(base, head, tokens=tokens)
-            signature = replace(new.signature, dtype=dtype_name(kept.dtype)) if kept.has_kv else new.signature
-            return replace(kept, signature=signature, fidelity=fidelity)
-        keys, values = [], []
-        for i in range(new.n_layers):
-            bk = base.keys[i].index_select(2, head) if base.has_kv else new.keys[i][:, :, :0]
-            bv = base.values[i].index_select(2, head) if base.has_kv else new.values[i][:, :, :0]
-            keys.append(torch.cat([bk.to(dtype), new.keys[i].to(dtype)], dim=2))
-            values.append(torch.cat([bv.to(dtype), new.values[i].to(dtype)], dim=2))
-        positions = torch.cat([base_pos.index_select(0, head), kv_positions(new) + p])
-        out = KVCache(
-            tokens=tokens,
-            # The joined KV is in the base's dtype (the receiver's model's): say so.
-            signature=replace(new.signature, dtype=dtype_name(dtype)),
-            keys=keys,
-            values=values,
-            positions=densify(positions),
-            fidelity=fidelity,
-        )
-        try:
-            out.validate()
-        except ValueError as exc:
-            raise DeltaBaseMismatch(f"the base's KV does not fit the delta's model ({exc})") from None
-        return out
+        return join_prefix(base, p, new)
 
     def estimate_nbytes(self, signature: ModelSignature, n_tokens: int, batch: int = 1) -> int:
         """The inner medium's size for all ``n_tokens`` (the new part is not known in advance)."""

@@ -29,12 +29,13 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvbus.codecs.spec import medium_spec
-from kvbus.group_scheduler.learning import LearnedCosts
+from kvbus.codecs.spec import MediumSpec, medium_spec
+from kvbus.codecs.split import prefix_length
+from kvbus.group_scheduler.learning import LearnedCosts, family
 from kvbus.protocol import PathName
 from kvbus.signature import ModelSignature
 
@@ -88,6 +89,12 @@ FALLBACK_FIGURES: dict[str, MediumFigures] = {
 }
 FALLBACK_PREFILL_TPS = 800.0
 FALLBACK_DECODE_TOKEN_S = 0.03
+
+#: The prefixes a bare ``split+X`` is priced at are fractions of the context in these steps (the
+#: chosen one names the medium, ``split(0.65)+int4``: few distinct names for the learned state).
+SPLIT_STEP = 0.05
+#: Bytes per second at which a receiver joins a recomputed prefix's KV to the rest (a copy).
+JOIN_BPS = 5e9
 
 
 @dataclass(frozen=True, slots=True)
@@ -355,6 +362,13 @@ class CostModel:
                 except Exception:  # noqa: BLE001 - no delta in this build
                     continue
                 figures.setdefault(spec, figures[inner])
+        # split+X costs what X costs on the tokens after the prefix (estimate() prices the prefix).
+        for inner in ("full", "int8", "int4"):
+            if inner in figures:
+                try:
+                    figures.setdefault(get_codec(f"split+{inner}").name, figures[inner])
+                except Exception:  # noqa: BLE001 - no split in this build
+                    continue
         model = cls(figures, config=config, calibrated=True)
         shape = getattr(profile, "prefill_shape", None)
         model.default_model_costs = ModelCosts(
@@ -369,10 +383,14 @@ class CostModel:
 
     def figures_of(self, medium: str) -> MediumFigures | None:
         """The figures of ``medium``: the calibrated ones, those of ``tokens`` for padded ids (a
-        link probe; their padding's bytes are counted by `estimate`), else None."""
+        link probe; their padding's bytes are counted by `estimate`), those of ``split+X`` (or
+        else X) for ``split(f)+X``, else None."""
         fig = self.figures.get(medium)
         if fig is None and _padding(medium):
             return self.figures.get("tokens")
+        fam = family(medium)
+        if fig is None and fam.startswith("split+"):  # a split costs what its inner medium costs on the rest
+            return self.figures.get(fam) or self.figures.get(fam[len("split+") :])
         return fig
 
     def _figures(self, medium: str) -> MediumFigures:
@@ -408,6 +426,10 @@ class CostModel:
         ):
             return Estimate(medium, 0, 0, 0, 0, fig.fidelity, usable=False, why_not="receiver cannot use this KV")
         spec = medium_spec(medium)
+        if spec.outer == "split":
+            return self._estimate_split(
+                medium, spec, n_tokens=n_tokens, kv_bytes=kv_bytes, link=link, sender=sender, receiver=receiver
+            )
         delta = spec.delta
         if delta and base_tokens <= 0:
             return Estimate(medium, 0, 0, 0, 0, fig.fidelity, usable=False, why_not="receiver holds no base")
@@ -475,6 +497,117 @@ class CostModel:
             learned=measured_codec or learned_fixed is not None or bias != 1.0,
         )
 
+    def _estimate_split(
+        self,
+        medium: str,
+        spec: MediumSpec,
+        *,
+        n_tokens: int,
+        kv_bytes: int,
+        link: Link,
+        sender: Endpoint,
+        receiver: Endpoint,
+    ) -> Estimate:
+        """``split(f)+X``: the receiver prefills the first ``f`` of the tokens from the moment the
+        `Open` arrives, while X's bytes of the rest cross the link and are decoded; it takes the
+        longer of the two (and a join). A bare ``split+X`` is priced at the prefix where the two
+        meet (in steps of `SPLIT_STEP`), and the estimate names the medium with it."""
+        inner = "+".join(spec.pieces[1:]) or "full"
+        stage = spec.stages[0]
+        given = stage.args[0] if stage.args else dict(stage.kwargs).get("prefix")
+        if not receiver.recompute:
+            return Estimate(
+                medium, 0, 0, 0, 0, 1.0, usable=False, why_not="receiver cannot recompute (no model runner)"
+            )
+        whole = self.estimate(inner, n_tokens=n_tokens, kv_bytes=kv_bytes, link=link, sender=sender, receiver=receiver)
+        if not whole.usable or n_tokens <= 1:
+            why = whole.why_not or "a context of one token cannot be split"
+            return replace(whole, medium=medium, usable=False, why_not=why)
+        free = _prefill_free(receiver)
+
+        def prefill(k: int) -> float:
+            return receiver.model.prefill_s(k) / free
+
+        if isinstance(given, (int, float)) and not isinstance(given, bool):
+            return self._split_at(
+                medium, inner, float(given), whole, prefill, n_tokens, kv_bytes, link, sender, receiver
+            )
+        # The rest's time on the link and in its decode shrinks with it, about in proportion; the
+        # prefix's prefill grows with it: the best prefix is about where they meet, and of the
+        # two steps around that point the cheaper one is taken.
+        stream = whole.comm_s - whole.fixed_s + whole.dec_s
+        lo, hi = 0, n_tokens
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if prefill(mid) <= stream * (n_tokens - mid) / n_tokens:
+                lo = mid
+            else:
+                hi = mid - 1
+        steps = round(1 / SPLIT_STEP)
+        at = lo / n_tokens * steps
+        options = {min(steps - 1, max(1, s)) for s in (math.floor(at), math.ceil(at))}
+        ests = [
+            self._split_at(
+                _split_name(s / steps, inner),
+                inner,
+                s / steps,
+                whole,
+                prefill,
+                n_tokens,
+                kv_bytes,
+                link,
+                sender,
+                receiver,
+            )
+            for s in sorted(options)
+        ]
+        return min(ests, key=lambda e: e.total_s)
+
+    def _split_at(
+        self,
+        medium: str,
+        inner: str,
+        fraction: float,
+        whole: Estimate,
+        prefill: Callable[[int], float],
+        n_tokens: int,
+        kv_bytes: int,
+        link: Link,
+        sender: Endpoint,
+        receiver: Endpoint,
+    ) -> Estimate:
+        """``split(fraction)+inner`` (see `_estimate_split`): ``whole`` is inner's estimate for
+        the whole context (its fidelity), ``prefill(k)`` the receiver's prefill of ``k`` tokens."""
+        k = prefix_length(fraction, n_tokens)
+        rest = self.estimate(
+            inner,
+            n_tokens=max(1, n_tokens - k),
+            kv_bytes=kv_bytes * (n_tokens - k) // n_tokens,
+            link=link,
+            sender=sender,
+            receiver=receiver,
+        )
+        ids = 4 * k
+        lossy = (n_tokens - k) / n_tokens  # the prefix is recomputed exactly: only the rest is lossy
+        overlap = prefill(k) - (rest.comm_s - rest.fixed_s + rest.dec_s)
+        # The prefill's part the stream did not hide, scaled by what the split's transfers took
+        # against their predictions (`observe`: the prefill shares the receiver with the stream).
+        exposed = max(0.0, overlap) * self.bias.get(family(medium), 1.0)
+        join = kv_bytes / JOIN_BPS / _free(receiver.compute_load)
+        return replace(
+            rest,
+            medium=medium,
+            nbytes=rest.nbytes + ids,
+            comm_s=rest.comm_s + link.bytes_s(ids),
+            comp_s=rest.comp_s + exposed + join,
+            # A prior, not a calibration: the fidelity loss in proportion to the share of the
+            # context whose KV went lossy.
+            loss_s=whole.loss_s * lossy,
+            fidelity=1.0 - (1.0 - whole.fidelity) * lossy,
+            dec_s=rest.dec_s + join,
+            recompute_s=exposed,
+        )
+
     def choose(
         self,
         candidates: Iterable[str],
@@ -540,8 +673,9 @@ class CostModel:
         best = min(pool, key=lambda e: e.total_s)
         kept = False
         reason = f"lowest predicted latency ({best.total_s * 1000:.1f} ms)"
-        if current is not None and current != best.medium:
-            cur = next((e for e in pool if e.medium == current), None)
+        if current is not None and family(current) != family(best.medium):
+            # (a split keeps its family: its prefix is sized anew for every transfer)
+            cur = next((e for e in pool if family(e.medium) == family(current)), None)
             if cur is not None and best.total_s > (1.0 - cfg.hysteresis) * cur.total_s:
                 best, kept = cur, True
                 reason = f"kept {current}: the best alternative is less than {cfg.hysteresis:.0%} faster"
@@ -566,6 +700,7 @@ class CostModel:
         """
         if predicted_s <= 0 or observed_s <= 0:
             return
+        medium = family(medium)  # every split(f)+X teaches split+X
         ratio = min(4.0, max(0.25, observed_s / (predicted_s / self.bias.get(medium, 1.0))))
         self.bias[medium] = (1 - weight) * self.bias.get(medium, 1.0) + weight * ratio
 
@@ -582,6 +717,12 @@ def _padding(medium: str) -> int:
         return int(get_codec(medium).args.get("pad", 0))
     except Exception:  # noqa: BLE001 - an unknown or malformed medium has no figures either way
         return 0
+
+
+def _split_name(fraction: float, inner: str) -> str:
+    """The canonical spec of ``split(fraction)+inner`` (the default prefix, 0.5, is not written)."""
+    value = round(fraction, 4)
+    return f"split+{inner}" if value == 0.5 else f"split({value!r})+{inner}"
 
 
 def _prefill_free(endpoint: Endpoint) -> float:

@@ -103,6 +103,19 @@ class Learned:
         self.ts = now
 
 
+def family(medium: str) -> str:
+    """What the learned state keys ``medium`` by: ``split+X`` for every ``split(f)+X`` (the prefix
+    the scheduler sized varies from transfer to transfer; the measurements are of the same
+    medium), the medium itself otherwise."""
+    if not medium.startswith("split("):
+        return medium
+    try:
+        spec = medium_spec(medium)
+    except Exception:  # noqa: BLE001 - a malformed name is its own key
+        return medium
+    return "+".join(("split", *spec.pieces[1:])) if len(spec.pieces) > 1 else "split+full"
+
+
 def _tokens_per_s(tokens: int, seconds: float, _held: int) -> float:
     """A prefill's plain speed (the ``speed`` of `LearnedCosts.observe_prefill` by default)."""
     return tokens / seconds
@@ -122,6 +135,13 @@ class LearnedCosts:
     """Per (medium, size class, ``encode`` or ``decode``): measured / calibrated seconds."""
     prefill_tps: dict[str, Learned] = field(default_factory=dict)
     """Per receiver: prefill tokens/s measured from its ``tokens`` deliveries."""
+    seen: dict[tuple[str, int], Learned] = field(default_factory=dict)
+    """Per (medium, size class): how many transfers finished with it and when the last did (what
+    exploration asks; every medium, ``tokens`` included, whose transfers teach no codec speed)."""
+    decisions: int = 0
+    """Adaptive decisions of the group so far, across restarts (the exploration cap's base)."""
+    explorations: int = 0
+    """Of those, the ones that explored."""
     recent: deque[tuple[str, float, float]] = field(default_factory=lambda: deque(maxlen=ERRORS_KEPT))
     """(medium, predicted s, measured s) of recent transfers (not persisted)."""
     changes: int = 0
@@ -137,7 +157,7 @@ class LearnedCosts:
     def factor(self, medium: str, kv_bytes: float, phase: str) -> float | None:
         """Measured / calibrated seconds of ``phase`` (``encode``/``decode``) for ``medium`` at
         this size, or None when never measured."""
-        got = self.codec.get((medium, size_class(kv_bytes), phase))
+        got = self.codec.get((family(medium), size_class(kv_bytes), phase))
         return got.value if got is not None else None
 
     def prefill(self, receiver: str) -> float | None:
@@ -146,9 +166,13 @@ class LearnedCosts:
         return got.value if got is not None else None
 
     def measured(self, medium: str, kv_bytes: float) -> tuple[int, float]:
-        """(samples, wall time of the last one) of ``medium`` at this size (0, 0.0 when never)."""
-        got = [self.codec.get((medium, size_class(kv_bytes), p)) for p in ("encode", "decode")]
-        seen = [g for g in got if g is not None]
+        """(samples, wall time of the last one) of ``medium`` at this size (0, 0.0 when never):
+        the transfers that finished with it, or (a state saved before they were counted) its
+        codec samples."""
+        cls_ = size_class(kv_bytes)
+        done = self.seen.get((family(medium), cls_))
+        got = [self.codec.get((family(medium), cls_, p)) for p in ("encode", "decode")]
+        seen = [g for g in (done, *got) if g is not None]
         if not seen:
             return 0, 0.0
         return max(g.n for g in seen), max(g.ts for g in seen)
@@ -179,7 +203,7 @@ class LearnedCosts:
         if not (_finite_positive(measured_s) and _finite_positive(prior_s)):
             return
         sample = min(MAX_FACTOR, max(1 / MAX_FACTOR, measured_s / prior_s))
-        self._fold(self.codec, (medium, size_class(kv_bytes), phase), sample, now, log=True, prior=1.0)
+        self._fold(self.codec, (family(medium), size_class(kv_bytes), phase), sample, now, log=True, prior=1.0)
 
     def observe_prefill(
         self,
@@ -232,6 +256,8 @@ class LearnedCosts:
         """
         now = time.time()
         medium = str(done.medium)
+        if teach_codec:
+            self._count(medium, kv_bytes, now)
         candidate = next((c for c in decision.get("candidates", ()) if c.get("medium") == medium), None)
         prior = candidate.get("prior") if candidate else None
         if teach_codec and isinstance(prior, Mapping):
@@ -245,7 +271,8 @@ class LearnedCosts:
                     prior_tps = speed(new_tokens, predicted, 0) if _finite_positive(predicted) else 0.0
                     rx = str(done.dst[0])
                     self.observe_prefill(rx, new_tokens, done.decode_s, now, prior_tps=prior_tps, speed=speed)
-            elif kind != "summary":
+            elif kind != "summary" and medium_spec(medium).outer != "split":
+                # (A split's decode waits for the receiver's prefill of its prefix: not a codec speed.)
                 self.observe_codec(medium, kv_bytes, "decode", done.decode_s, prior.get("dec_s", 0.0), now)
             if done.encode_s > 0 or done.decode_s > 0:
                 self.observe_error(medium, candidate["comm_s"] + candidate["comp_s"], done.seconds)  # type: ignore[index]
@@ -255,6 +282,19 @@ class LearnedCosts:
             self.observe_fixed(path, max(0.0, done.wire_s - bytes_s), now)
         fixed = self.fixed(path)
         return min(fixed, FIXED_MAX_SHARE * done.wire_s) if fixed else 0.0
+
+    def _count(self, medium: str, kv_bytes: float, now: float) -> None:
+        """One more finished transfer of ``medium`` at this size (`measured`)."""
+        key = (family(medium), size_class(kv_bytes))
+        got = self.seen.get(key)
+        if got is None:
+            self.seen[key] = Learned(1.0, 1, now)
+            if len(self.seen) > MAX_ENTRIES:
+                del self.seen[min(self.seen, key=lambda k: self.seen[k].ts)]
+        else:
+            got.n += 1
+            got.ts = now
+        self.changes += 1
 
     def _fold(
         self,
@@ -292,6 +332,8 @@ class LearnedCosts:
             "fixed_s": {p: [v.value, v.n, v.ts] for p, v in self.fixed_s.items()},
             "codec": [[m, c, ph, v.value, v.n, v.ts] for (m, c, ph), v in self.codec.items()],
             "prefill_tps": {r: [v.value, v.n, v.ts] for r, v in self.prefill_tps.items()},
+            "seen": [[m, c, v.n, v.ts] for (m, c), v in self.seen.items()],
+            "explore": [self.decisions, self.explorations],
         }
 
     @classmethod
@@ -336,6 +378,19 @@ class LearnedCosts:
             got = entry(raw)
             if isinstance(rx, str) and got is not None and got.value > 0 and len(out.prefill_tps) < MAX_ENTRIES:
                 out.prefill_tps[rx] = got
+        seen = data.get("seen")
+        for raw in seen if isinstance(seen, list) else []:
+            if not (isinstance(raw, (list, tuple)) and len(raw) == 4):
+                continue
+            medium, cls_, n, ts = raw
+            got = entry([1.0, n, ts])
+            if isinstance(medium, str) and isinstance(cls_, int) and got is not None and len(out.seen) < MAX_ENTRIES:
+                out.seen[(medium, cls_)] = got
+        explore = data.get("explore")
+        if isinstance(explore, (list, tuple)) and len(explore) == 2:
+            decisions, explorations = explore
+            if isinstance(decisions, int) and isinstance(explorations, int) and 0 <= explorations <= decisions:
+                out.decisions, out.explorations = decisions, explorations
         return out
 
 

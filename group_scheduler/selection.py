@@ -34,6 +34,9 @@ DEFAULT_CANDIDATES = (
     "delta+full",
     "delta+int8",
     "delta+int4",
+    "split+full",
+    "split+int8",
+    "split+int4",
 )
 
 
@@ -322,6 +325,7 @@ class AdaptiveSelector(MediumSelector):
         if req.medium:
             return Decided(choice.medium, "requested by the sender", choice, links=links)
         self.decided += 1
+        self.model.learned.decisions += 1
         if len(per_rx) == 1:
             # The pair keeps its exploited medium for hysteresis: an exploration is one transfer.
             rx = next(iter(pending.receivers))
@@ -334,6 +338,7 @@ class AdaptiveSelector(MediumSelector):
             )
             if explore is not None:
                 self.explored += 1
+                self.model.learned.explorations += 1
                 return Decided(explore.medium, explore.reason, explore, links=links)
         return Decided(choice.medium, choice.reason, choice, links=links)
 
@@ -342,7 +347,10 @@ class AdaptiveSelector(MediumSelector):
         ``capped``: it counts against ``fraction`` (a padded ``tokens`` probe does not: it costs its
         padding's bytes, and its own back-off bounds how often it is sent)."""
         ex, req = self.exploration, pending.request
-        if ex.fraction <= 0 or (capped and self.explored >= ex.fraction * self.decided + 1):
+        # The cap counts the group's decisions across restarts (they are in the learned state): a
+        # scheduler that restarts, or a standby that takes over, does not explore afresh.
+        learned = self.model.learned
+        if ex.fraction <= 0 or (capped and learned.explorations >= ex.fraction * learned.decisions + 1):
             return False
         if req.critical or req.deadline is not None or pending.deadline_at is not None:
             return False

@@ -13,7 +13,7 @@ import pytest
 from kvbus.bus import Bus, BusConfig, EmulatedLink, Reason, ReceiveTimeout, TransferRejected
 from kvbus.bus.chunking import digests_root
 from kvbus.net.transport import TransportWrapper
-from kvbus.protocol import Ack, Control, Open, OpenReply, ack_subject, agent_subject, inbox_subject
+from kvbus.protocol import Ack, Control, Open, OpenReply, ack_subject, agent_subject, data_subject, inbox_subject
 from kvbus.signature import ModelSignature
 from tests.conftest import FAST
 from tests.kvutil import kv_of_bytes, random_kv
@@ -132,6 +132,44 @@ async def test_every_open_refusal_carries_its_code(
     tx, rx, _ = pair
     reply = await _ask(bus, rx.name, tx.name, _open(tx.name, **fields).frame(payload))
     assert not reply.ok and reply.code is code, reply.reason
+    kv = random_kv(SIG, 3)
+    await tx.send(rx.name, kv, medium="full")  # the receiver keeps working
+    assert (await rx.receive(timeout=5)).kv.equal(kv)
+
+
+@pytest.mark.parametrize(
+    "split",
+    [
+        {"prefix": 5, "batch": 1, "ids": b"\0"},
+        {"prefix": 5, "batch": 1, "ids": "not bytes"},
+        {"prefix": 1 << 40, "batch": 1, "ids": b""},
+        {"prefix": 2, "batch": 0, "ids": b"\0" * 8},
+        "not a map",
+    ],
+    ids=["short-ids", "ids-not-bytes", "absurd-prefix", "no-rows", "not-a-map"],
+)
+async def test_a_split_open_whose_prefix_is_malformed_is_refused_before_any_chunk(
+    pair: tuple[Any, Any, Bus], bus: Bus, split: Any
+) -> None:
+    """A streamed ``split`` Open names the prefix its receiver prefills while the chunks come: a
+    malformed one is refused when it arrives (no prefill starts, no subscription is left)."""
+    tx, rx, _ = pair
+    frame = _open(
+        tx.name,
+        codec="split+full",
+        meta={"signature": SIG.to_dict(), "split": split},
+        inline=False,
+        sizes=[2048],
+        total=2048,
+        n_chunks=2,
+        digests=b"\0" * 16,
+        digest=digests_root(b"\0" * 16, 2048),
+        data_subject=data_subject(rx.name, tx.name, "t1"),
+        ack_subject=ack_subject(tx.name, rx.name),
+    ).frame(b"")
+    reply = await _ask(bus, rx.name, tx.name, frame)
+    assert not reply.ok and reply.code is Reason.MALFORMED, reply.reason
+    assert "split" in reply.reason
     kv = random_kv(SIG, 3)
     await tx.send(rx.name, kv, medium="full")  # the receiver keeps working
     assert (await rx.receive(timeout=5)).kv.equal(kv)

@@ -289,7 +289,7 @@ async def test_codecs_that_cannot_store_a_block_alone_are_refused(make_tier: Tie
         await make_tier(codec="tokens")  # carries no KV
     with pytest.raises(UnsuitableCodec):
         await make_tier(codec="no-such-codec")
-    for spec in ("delta", "topk"):  # needs a base / keeps only some positions
+    for spec in ("delta", "topk", "split"):  # needs a base / keeps only some positions / recomputes
         if spec in available_codecs():
             with pytest.raises(UnsuitableCodec):
                 await make_tier(codec=spec)

@@ -127,7 +127,7 @@ def dense(kv: KVCache, like: KVCache) -> list[torch.Tensor]:
 
 
 def test_every_medium_is_registered() -> None:
-    assert set(available_codecs()) == {"full", "int8", "int4", "topk", "lowrank", "delta", "tokens", "summary"}
+    assert set(available_codecs()) == {"full", "int8", "int4", "topk", "lowrank", "delta", "split", "tokens", "summary"}
 
 
 @pytest.mark.parametrize(

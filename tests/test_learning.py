@@ -255,6 +255,48 @@ def test_a_medium_measured_enough_is_not_explored_again() -> None:
         assert not p.decision["explored"]
 
 
+def test_a_medium_whose_transfers_teach_no_codec_speed_still_counts_as_measured() -> None:
+    # Found in a fresh clone's demo: `tokens` transfers teach a prefill speed, never an encode or
+    # decode factor, so `tokens` stayed "measured 0 time(s)" however often it was sent, and was
+    # explored again and again (4 of 7 tokens transfers of adaptive were explorations).
+    m = cost_model()
+    for _ in range(3):
+        choice = choose(m, "tokens")
+        done = done_of(choice, encode_s=0.0, decode_s=0.4, wire_s=0.01, nbytes=8 * N)
+        m.learned.observe_transfer(done, choice.record(), kv_bytes=KV_BYTES, new_tokens=N, bandwidth_bps=1.25e8)  # type: ignore[attr-defined]
+    n, ts = m.learned.measured("tokens", KV_BYTES)
+    assert n == 3 and ts > 0
+    assert LearnedCosts.from_dict(m.learned.as_dict()).measured("tokens", KV_BYTES)[0] == 3
+    # Every split(f)+X is the same medium to the learned state: split+X.
+    for fraction in (0.3, 0.7):
+        m.learned._count(f"split({fraction})+int8", KV_BYTES, time.time())
+    assert m.learned.measured("split(0.55)+int8", KV_BYTES)[0] == 2 == m.learned.measured("split+int8", KV_BYTES)[0]
+
+
+def test_the_exploration_cap_holds_across_a_restart() -> None:
+    """The cap counts the group's decisions in the learned state: a restarted scheduler (the demo
+    restarts them for every run) does not get a fresh allowance of explorations."""
+    m = cost_model()
+    selector = AdaptiveSelector(m, candidates=tuple(FIGS), exploration=Exploration(fraction=0.1, margin=100.0))
+    state = _state()
+    for _ in range(20):
+        selector.choose(state, _pending())
+    assert m.learned.decisions == 20 and 1 <= m.learned.explorations <= 3
+    stored = m.learned.as_dict()
+    explored = 0
+    for _ in range(5):  # five restarts, one decision each
+        again = cost_model()
+        again.learned = LearnedCosts.from_dict(stored)
+        fresh = AdaptiveSelector(again, candidates=tuple(FIGS), exploration=Exploration(fraction=0.1, margin=100.0))
+        p = _pending()
+        fresh.choose(state, p)
+        explored += bool(p.decision["explored"])
+        stored = again.learned.as_dict()
+    # Before, each restart could explore at once (the allowance's +1): 5 of 5 here.
+    assert explored <= 1
+    assert LearnedCosts.from_dict(stored).decisions == 25
+
+
 @given(
     st.recursive(
         st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),

@@ -1,0 +1,239 @@
+"""The ``split`` medium: the receiver prefills a prefix from its ids while the rest streams as KV,
+and the scheduler sizes the prefix where the prefill and the stream meet."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from kvbus.app.models import random_model
+from kvbus.bus import Bus
+from kvbus.codecs import Encoded, get_codec
+from kvbus.codecs.errors import CodecError, DecodeError, RecomputeUnavailable
+from kvbus.codecs.split import MAX_PREFIX_IDS, META_KEY, prefix_length
+from kvbus.group_scheduler import GroupScheduler
+from kvbus.group_scheduler.cost_model import CostModel, Endpoint, Link, ModelCosts
+from kvbus.kvcache import KVCache
+from tests.conftest import FAST
+from tests.test_codecs_media import kv_caches
+
+RUNNER = random_model(n_layers=2, n_kv_heads=2, head_dim=16, n_heads=4, vocab_size=256, seed=5)
+
+
+def context(n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
+    return torch.randint(0, 256, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_the_spec_names_the_prefix_and_composes_with_kv_media_only() -> None:
+    assert get_codec("split").name == "split+full"
+    assert get_codec("split(0.65)+int4").name == "split(0.65)+int4"
+    assert get_codec("split(prefix=0.5)+int8").name == "split+int8"  # the default is omitted
+    assert get_codec("split+topk+int8").name == "split+topk+int8"
+    for bad in ("split+tokens", "split+summary", "split(1.5)+int4", "split(-0.1)", "delta+split+int4", "int4+split"):
+        with pytest.raises(ValueError):
+            get_codec(bad)
+    codec = get_codec("split(0.3)+int8")
+    assert codec.recomputes and codec.needs_kv and not codec.is_lossless
+    assert get_codec("split+full").is_lossless
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    kv=kv_caches(sparse=False),
+    fraction=st.floats(0.0, 1.0),
+    inner=st.sampled_from(["full", "int8", "int4"]),
+)
+def test_a_split_context_decodes_to_the_whole_context(kv: KVCache, fraction: float, inner: str) -> None:
+    """Against a base that holds the prefix (the sender's own cache here) the rest joins it: the
+    whole context, exact with a lossless inner medium, within the inner medium's bounds else."""
+    assume(kv.has_kv and kv.seq_len == kv.n_tokens)
+    codec = get_codec(f"split({fraction})+{inner}")
+    enc = codec.encode(kv)
+    k = prefix_length(fraction, kv.n_tokens, kv.batch)
+    assert enc.meta[META_KEY]["prefix"] == k and len(enc.meta[META_KEY]["ids"]) == 4 * k * kv.batch
+    again = Encoded.from_payload(
+        enc.codec, enc.meta, b"".join(bytes(b) for b in enc.buffers), [len(b) for b in enc.buffers]
+    )
+    out = get_codec(enc.codec).decode(again, base=kv)
+    assert torch.equal(out.tokens, kv.tokens) and out.seq_len == kv.seq_len
+    for got, want in zip([*out.keys, *out.values], [*kv.keys, *kv.values]):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        if inner == "full":
+            assert torch.equal(got, want)
+        else:
+            assert torch.equal(got[:, :, :k], want[:, :, :k])  # the prefix is the base's, untouched
+    if k and kv.n_tokens:
+        with pytest.raises(RecomputeUnavailable):  # no base holds the prefix, no model to rebuild it
+            get_codec(enc.codec).decode(again)
+
+
+def test_the_receiver_recomputes_the_prefix_with_its_model() -> None:
+    kv = RUNNER.prefill(context(48, 1))
+    codec = get_codec("split(0.6)+full")
+    enc = codec.encode(kv)
+    work = codec.prepare(enc.meta, RUNNER)
+    assert work is not None
+    prefix = work()
+    assert prefix.n_tokens == prefix_length(0.6, 48) == 29
+    out = codec.decode(enc, base=prefix, runner=RUNNER)
+    # The prefix's KV depends on the prefix alone: recomputed, it is the sender's (float rounding apart).
+    assert torch.equal(out.tokens, kv.tokens)
+    for got, want in zip(out.keys, kv.keys):
+        assert torch.allclose(got, want, atol=1e-5)
+    # Without the prepared prefix the decode prefills it itself; a base of other tokens is not used.
+    other = RUNNER.prefill(context(48, 2))
+    again = codec.decode(enc, base=other, runner=RUNNER)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(again.keys, kv.keys))
+    assert codec.prepare(enc.meta, None) is None
+
+
+_META = st.one_of(
+    st.none(),
+    st.integers(-(2**40), 2**40),
+    st.binary(max_size=64),
+    st.text(max_size=8),
+    st.lists(st.integers(-5, 300), max_size=8),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    prefix=_META,
+    batch=_META,
+    ids=_META,
+    drop=st.sampled_from([None, "prefix", "batch", "ids"]),
+    own=st.sampled_from(["map", "missing", "list"]),
+)
+def test_hostile_split_metadata_is_refused_with_a_codec_error(
+    prefix: Any, batch: Any, ids: Any, drop: str | None, own: str
+) -> None:
+    """Whatever the ``split`` field holds, `prepare` and `decode` raise a `CodecError` or accept a
+    consistent prefix (never read past ``ids``, never allocate from a size they were told)."""
+    kv = RUNNER.prefill(context(12, 3))
+    codec = get_codec("split(0.5)+full")
+    enc = codec.encode(kv)
+    field = {"prefix": prefix, "batch": batch, "ids": ids}
+    if drop:
+        del field[drop]
+    meta = dict(enc.meta)
+    if own == "map":
+        meta[META_KEY] = field
+    elif own == "missing":
+        del meta[META_KEY]
+    else:
+        meta[META_KEY] = list(field.values())
+    try:
+        work = codec.prepare(meta, RUNNER)
+    except CodecError:
+        work = None
+    else:
+        if work is not None:
+            got = work()
+            assert got.n_tokens <= MAX_PREFIX_IDS
+    try:
+        out = codec.decode(Encoded(codec=enc.codec, meta=meta, buffers=enc.buffers), runner=RUNNER)
+    except CodecError:
+        return
+    out.validate()
+    assert out.n_tokens == out.seq_len <= 12 + MAX_PREFIX_IDS
+
+
+def test_prefix_ids_outside_the_vocabulary_or_of_the_wrong_size_are_refused() -> None:
+    codec = get_codec("split+full")
+    enc = codec.encode(RUNNER.prefill(context(10, 4)))
+    meta = dict(enc.meta)
+    bad = torch.full((1, 5), 9999, dtype=torch.int32).numpy().tobytes()
+    meta[META_KEY] = {"prefix": 5, "batch": 1, "ids": bad}
+    with pytest.raises(DecodeError, match="vocab|range|token"):
+        codec.prepare(meta, RUNNER)
+    meta[META_KEY] = {"prefix": 5, "batch": 1, "ids": b"\x00" * 19}
+    with pytest.raises(DecodeError, match="19 bytes"):
+        codec.prepare(meta, RUNNER)
+    meta[META_KEY] = {"prefix": MAX_PREFIX_IDS, "batch": 2, "ids": b""}
+    with pytest.raises(DecodeError, match="over the limit"):
+        codec.prepare(meta, RUNNER)
+
+
+# -- the cost model sizes the prefix -------------------------------------------------------------------------
+
+
+SIG = RUNNER.signature
+COSTS = ModelCosts(prefill_tokens_per_s=500.0, decode_token_s=0.03)
+
+
+def _choose(bandwidth_bps: float, candidates: tuple[str, ...], n: int = 400) -> Any:
+    model = CostModel()
+    ep = Endpoint(SIG, model=COSTS)
+    kv_bytes = n * 400_000 // 10  # 40 KB per token: a large model's KV
+    return model.choose(
+        candidates, n_tokens=n, kv_bytes=kv_bytes, link=Link(bandwidth_bps, rtt_s=0.01), sender=ep, receiver=ep
+    )
+
+
+def test_where_prefill_and_link_take_alike_split_beats_both_by_overlapping_them() -> None:
+    # 400 tokens: 0.8 s of prefill, or 16 MB of KV at 20 MB/s (0.8 s). About half and half overlap.
+    choice = _choose(2e7, ("tokens", "full", "split+full"))
+    by = {e.medium.split("(")[0].split("+")[0]: e for e in choice.candidates}
+    split = by["split"]
+    assert choice.medium == split.medium
+    assert split.total_s < 0.7 * min(by["tokens"].total_s, by["full"].total_s)
+    # The prefix is sized where its prefill meets the rest's stream.
+    fraction = float(split.medium[len("split(") : split.medium.index(")")]) if "(" in split.medium else 0.5
+    assert 0.3 < fraction < 0.7
+    assert split.recompute_s <= 0.15 * split.total_s  # the prefill hides behind the stream
+    assert get_codec(split.medium).name == split.medium  # a medium the sender can encode as named
+    # On a ten times slower link most of the context is recomputed, and split still wins.
+    slow = _choose(2e6, ("tokens", "full", "split+full"))
+    assert slow.medium.startswith("split(0.9") and slow.estimate.total_s < min(
+        e.total_s for e in slow.candidates if not e.medium.startswith("split")
+    )
+
+
+def test_on_a_fast_link_the_whole_kv_beats_a_split() -> None:
+    choice = _choose(5e9, ("tokens", "full", "split+full"))
+    assert choice.medium == "full"
+
+
+def test_a_split_at_a_given_prefix_is_priced_at_that_prefix() -> None:
+    model = CostModel()
+    ep = Endpoint(SIG, model=COSTS)
+    kw: dict[str, Any] = dict(n_tokens=400, kv_bytes=16_000_000, link=Link(2.5e6), sender=ep, receiver=ep)
+    low, high = (model.estimate(f"split({f})+full", **kw) for f in (0.1, 0.9))
+    assert low.medium == "split(0.1)+full" and high.medium == "split(0.9)+full"
+    assert low.nbytes > high.nbytes and low.comm_s > high.comm_s
+    no_model = Endpoint(SIG, model=COSTS, recompute=False)
+    assert not model.estimate("split+full", **{**kw, "receiver": no_model}).usable
+
+
+# -- over the bus ----------------------------------------------------------------------------------------------
+
+
+async def test_a_split_transfer_overlaps_the_prefill_with_the_stream(nats_url: str, scheduler: GroupScheduler) -> None:
+    """Streamed (not inline), the receiver starts the prefix's prefill when the Open comes (its
+    prefill speed is measured from it) and delivers the sender's context."""
+    bus = await Bus.connect(nats_url, config=dataclasses.replace(FAST, inline_limit=0))
+    try:
+        tx = await bus.agent(f"sp-tx-{time.monotonic_ns()}", signature=SIG, runner=RUNNER)
+        rx = await bus.agent(f"sp-rx-{time.monotonic_ns()}", signature=SIG, runner=RUNNER)
+        kv = RUNNER.prefill(context(200, 6))
+        report = await tx.send(rx.name, kv, medium="split(0.7)+full")
+        got = await rx.receive(timeout=30)
+        assert report.medium == got.medium == "split(0.7)+full"
+        assert torch.equal(got.kv.tokens, kv.tokens)
+        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got.kv.keys, kv.keys))
+        assert rx.prefill.tokens_per_s > 0  # the prefill started on the Open measured this agent
+        assert report.nbytes < kv.nbytes  # the prefix's KV did not travel
+        # A scheduler-sized split: the sender asks for the family, the grant names the prefix.
+        report = await tx.send(rx.name, kv, medium="split+int8")
+        got = await asyncio.wait_for(rx.receive(timeout=30), 35)
+        assert got.medium == "split+int8" or (got.medium.startswith("split(") and got.medium.endswith(")+int8"))
+        assert torch.equal(got.kv.tokens, kv.tokens)
+    finally:
+        await bus.close()
