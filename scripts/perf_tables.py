@@ -559,16 +559,25 @@ def render(suite: str, data: Json) -> str:
 
 
 def load_all(folder: Path) -> dict[str, Json]:
-    """Every ``*.json`` in ``folder`` that is a bench result, by table (`table_name`; the newest file wins)."""
-    found: dict[str, tuple[float, Json]] = {}
+    """Every ``*.json`` in ``folder`` that is a bench result, by table (`table_name`): of two runs of
+    one table, the one measured last (``config.date``; the file's mtime for a run without one).
+
+    Not the file's mtime alone: a fresh clone writes every file at about the same time, in no set
+    order, and `select_quick.json` (an older quick run) won over `select.json` in some checkouts."""
+    found: dict[str, tuple[tuple[str, float], Json]] = {}
     for path in sorted(folder.glob("*.json")):
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
         suite = table_name(data) if isinstance(data, dict) else None
-        if suite is not None and (suite not in found or path.stat().st_mtime > found[suite][0]):
-            found[suite] = (path.stat().st_mtime, data)
+        if suite is None:
+            continue
+        cfg = data.get("config")
+        date = cfg.get("date") if isinstance(cfg, dict) else None
+        key = (str(date) if date else "", path.stat().st_mtime)
+        if suite not in found or key > found[suite][0]:
+            found[suite] = (key, data)
     return {k: v for k, (_, v) in found.items()}
 
 

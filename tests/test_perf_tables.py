@@ -116,6 +116,17 @@ def test_a_missed_goal_is_said() -> None:
     assert "| `lost` | 2 | 0, **not met** |" in perf_tables.render("chaos_cluster", bad)
 
 
+def test_of_two_runs_of_a_table_the_one_measured_last_is_shown_whatever_the_files_mtimes(tmp_path: Path) -> None:
+    # A fresh clone writes docs/bench-results/ in no set order: select_quick.json (an older quick
+    # run) had the later mtime in some checkouts, and the stored-tables test failed there.
+    older = {"suite": "scale", "config": {"date": "2026-12-04T17:55:25Z", "quick": True}, "results": {}}
+    newer = {"suite": "scale", "config": {"date": "2026-12-04T22:21:42Z"}, "results": {}}
+    (tmp_path / "a.json").write_text(json.dumps(newer))
+    (tmp_path / "b.json").write_text(json.dumps(older))
+    os.utime(tmp_path / "a.json", (1, 1))  # the newer run's file is the older file
+    assert perf_tables.load_all(tmp_path)["scale"]["config"]["date"] == newer["config"]["date"]
+
+
 def test_the_performance_page_holds_every_table_and_the_readme_none() -> None:
     page = perf_tables.PAGE.read_text()
     assert perf_tables.PAGE == ROOT / "docs" / "performance.md"
