@@ -412,8 +412,12 @@ class CostModel:
         sender: Endpoint,
         receiver: Endpoint,
         base_tokens: int = 0,
+        known: Mapping[str, Estimate] | None = None,
     ) -> Estimate:
-        """Predicted cost terms of sending ``n_tokens`` (``kv_bytes`` uncompressed) with ``medium``."""
+        """Predicted cost terms of sending ``n_tokens`` (``kv_bytes`` uncompressed) with ``medium``.
+
+        ``known``: estimates of other media for the same transfer, by medium (a ``split+X`` takes
+        X's whole-context estimate from it rather than making it again)."""
         cfg = self.config
         fig = self.figures_of(medium)
         pad = _padding(medium) if medium not in self.figures else 0
@@ -428,7 +432,14 @@ class CostModel:
         spec = medium_spec(medium)
         if spec.outer == "split":
             return self._estimate_split(
-                medium, spec, n_tokens=n_tokens, kv_bytes=kv_bytes, link=link, sender=sender, receiver=receiver
+                medium,
+                spec,
+                n_tokens=n_tokens,
+                kv_bytes=kv_bytes,
+                link=link,
+                sender=sender,
+                receiver=receiver,
+                whole=(known or {}).get("+".join(spec.pieces[1:]) or "full"),
             )
         delta = spec.delta
         if delta and base_tokens <= 0:
@@ -507,6 +518,7 @@ class CostModel:
         link: Link,
         sender: Endpoint,
         receiver: Endpoint,
+        whole: Estimate | None = None,
     ) -> Estimate:
         """``split(f)+X``: the receiver prefills the first ``f`` of the tokens from the moment the
         `Open` arrives, while X's bytes of the rest cross the link and are decoded; it takes the
@@ -519,7 +531,11 @@ class CostModel:
             return Estimate(
                 medium, 0, 0, 0, 0, 1.0, usable=False, why_not="receiver cannot recompute (no model runner)"
             )
-        whole = self.estimate(inner, n_tokens=n_tokens, kv_bytes=kv_bytes, link=link, sender=sender, receiver=receiver)
+        offered = whole is not None and whole.medium == inner  # X is a candidate of the same decision
+        if whole is None or not offered:
+            whole = self.estimate(
+                inner, n_tokens=n_tokens, kv_bytes=kv_bytes, link=link, sender=sender, receiver=receiver
+            )
         if not whole.usable or n_tokens <= 1:
             why = whole.why_not or "a context of one token cannot be split"
             return replace(whole, medium=medium, usable=False, why_not=why)
@@ -530,51 +546,71 @@ class CostModel:
 
         if isinstance(given, (int, float)) and not isinstance(given, bool):
             return self._split_at(
-                medium, inner, float(given), whole, prefill, n_tokens, kv_bytes, link, sender, receiver
-            )
-        # The rest's time on the link and in its decode shrinks with it, about in proportion; the
-        # prefix's prefill grows with it: the best prefix is about where they meet, and of the
-        # two steps around that point the cheaper one is taken.
-        stream = whole.comm_s - whole.fixed_s + whole.dec_s
-        lo, hi = 0, n_tokens
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if prefill(mid) <= stream * (n_tokens - mid) / n_tokens:
-                lo = mid
-            else:
-                hi = mid - 1
-        steps = round(1 / SPLIT_STEP)
-        at = lo / n_tokens * steps
-        options = {min(steps - 1, max(1, s)) for s in (math.floor(at), math.ceil(at))}
-        ests = [
-            self._split_at(
-                _split_name(s / steps, inner),
-                inner,
-                s / steps,
+                medium,
+                float(given),
                 whole,
                 prefill,
                 n_tokens,
                 kv_bytes,
                 link,
-                sender,
                 receiver,
+                inner=inner,
+                sender=sender,
             )
-            for s in sorted(options)
-        ]
-        return min(ests, key=lambda e: e.total_s)
+        # The rest's time on the link and in its decode shrinks with it, about in proportion; the
+        # prefix's prefill grows with it. The best prefix is about where they meet: the largest
+        # step whose prefill the rest's stream still hides, or the next one, whichever is cheaper
+        # on the whole's terms scaled to the rest (a decision does this for every split
+        # candidate: arithmetic only, and one exact estimate of the rest at the end).
+        stream = whole.comm_s - whole.fixed_s + whole.dec_s
+        bias = self.bias.get(family(medium), 1.0)
+        steps = round(1 / SPLIT_STEP)
+
+        def cost(s: int) -> float:
+            k = prefix_length(s / steps, n_tokens)
+            share = (n_tokens - k) / n_tokens
+            exposed = max(0.0, prefill(k) - stream * share) * bias
+            return (stream + whole.enc_s + whole.loss_s) * share + exposed
+
+        if offered and prefill(prefix_length(1 / steps, n_tokens)) > stream * (1 - 1 / steps):
+            # Even the smallest prefix takes longer to prefill than the rest takes to arrive: the
+            # split only adds to X, which this decision weighs anyway (the fast links' common case).
+            why = f"{inner} arrives before the smallest prefix ({SPLIT_STEP:.0%}) is prefilled: {inner} alone is faster"
+            return replace(whole, medium=medium, usable=False, why_not=why)
+        lo, hi = 1, steps - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if prefill(prefix_length(mid / steps, n_tokens)) <= stream * (1 - mid / steps):
+                lo = mid
+            else:
+                hi = mid - 1
+        best = min((lo, min(steps - 1, lo + 1)), key=cost)
+        return self._split_at(
+            _split_name(best / steps, inner),
+            best / steps,
+            whole,
+            prefill,
+            n_tokens,
+            kv_bytes,
+            link,
+            receiver,
+            inner=inner,
+            sender=sender,
+        )
 
     def _split_at(
         self,
         medium: str,
-        inner: str,
         fraction: float,
         whole: Estimate,
         prefill: Callable[[int], float],
         n_tokens: int,
         kv_bytes: int,
         link: Link,
-        sender: Endpoint,
         receiver: Endpoint,
+        *,
+        inner: str,
+        sender: Endpoint,
     ) -> Estimate:
         """``split(fraction)+inner`` (see `_estimate_split`): ``whole`` is inner's estimate for
         the whole context (its fidelity), ``prefill(k)`` the receiver's prefill of ``k`` tokens."""
@@ -635,8 +671,11 @@ class CostModel:
                 recompute may still be given a token medium).
         """
         cfg = self.config
-        ests = [
-            self.estimate(
+        media = list(dict.fromkeys(candidates))
+        known: dict[str, Estimate] = {}
+        # Splits last: each takes its inner medium's estimate from the others when it is one.
+        for m in sorted(media, key=lambda m: m.startswith("split")):
+            known[m] = self.estimate(
                 m,
                 n_tokens=n_tokens,
                 kv_bytes=kv_bytes,
@@ -644,9 +683,9 @@ class CostModel:
                 sender=sender,
                 receiver=receiver,
                 base_tokens=base_tokens,
+                known=known,
             )
-            for m in dict.fromkeys(candidates)
-        ]
+        ests = [known[m] for m in media]
         # Tokens would reach a receiver with no model to rebuild the KV from them: only when no KV
         # medium fits it at all (then tokens are all it can take), or the sender insists.
         if (

@@ -23,6 +23,7 @@ over starts from what the group learned.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -103,6 +104,7 @@ class Learned:
         self.ts = now
 
 
+@functools.lru_cache(maxsize=1024)
 def family(medium: str) -> str:
     """What the learned state keys ``medium`` by: ``split+X`` for every ``split(f)+X`` (the prefix
     the scheduler sized varies from transfer to transfer; the measurements are of the same

@@ -199,6 +199,13 @@ def test_where_prefill_and_link_take_alike_split_beats_both_by_overlapping_them(
 def test_on_a_fast_link_the_whole_kv_beats_a_split() -> None:
     choice = _choose(5e9, ("tokens", "full", "split+full"))
     assert choice.medium == "full"
+    # full arrives before even 5 % of the context is prefilled: the split is not weighed further
+    # (a decision prices it for every split candidate; here it costs no second estimate).
+    split = next(e for e in choice.candidates if e.medium.startswith("split"))
+    assert not split.usable and "alone is faster" in split.why_not
+    # Without full among the candidates the split is priced all the same (it may be the best left).
+    alone = _choose(5e9, ("tokens", "split+full"))
+    assert all(e.usable for e in alone.candidates)
 
 
 def test_a_split_at_a_given_prefix_is_priced_at_that_prefix() -> None:
