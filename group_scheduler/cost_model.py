@@ -33,8 +33,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvbus.codecs.spec import MediumSpec, medium_spec
-from kvbus.codecs.split import prefix_length
+from kvbus.codecs.spec import MediumSpec, medium_spec, render_stage
+from kvbus.codecs.split import SplitCodec, prefix_length
 from kvbus.group_scheduler.learning import LearnedCosts, family
 from kvbus.protocol import PathName
 from kvbus.signature import ModelSignature
@@ -545,57 +545,42 @@ class CostModel:
             return receiver.model.prefill_s(k) / free
 
         if isinstance(given, (int, float)) and not isinstance(given, bool):
-            return self._split_at(
-                medium,
-                float(given),
-                whole,
-                prefill,
-                n_tokens,
-                kv_bytes,
-                link,
-                receiver,
-                inner=inner,
-                sender=sender,
-            )
-        # The rest's time on the link and in its decode shrinks with it, about in proportion; the
-        # prefix's prefill grows with it. The best prefix is about where they meet: the largest
-        # step whose prefill the rest's stream still hides, or the next one, whichever is cheaper
-        # on the whole's terms scaled to the rest (a decision does this for every split
-        # candidate: arithmetic only, and one exact estimate of the rest at the end).
-        stream = whole.comm_s - whole.fixed_s + whole.dec_s
-        bias = self.bias.get(family(medium), 1.0)
-        steps = round(1 / SPLIT_STEP)
+            fraction = float(given)
+        else:
+            # The rest's time on the link and in its decode shrinks with it, about in proportion;
+            # the prefix's prefill grows with it. The best prefix is about where they meet: the
+            # largest step whose prefill the rest's stream still hides, or the next one, whichever
+            # is cheaper on the whole's terms scaled to the rest (a decision does this for every
+            # split candidate: arithmetic only, and one exact estimate of the rest at the end).
+            stream = whole.comm_s - whole.fixed_s + whole.dec_s
+            bias = self.bias.get(family(medium), 1.0)
+            steps = round(1 / SPLIT_STEP)
 
-        def cost(s: int) -> float:
-            k = prefix_length(s / steps, n_tokens)
-            share = (n_tokens - k) / n_tokens
-            exposed = max(0.0, prefill(k) - stream * share) * bias
-            return (stream + whole.enc_s + whole.loss_s) * share + exposed
+            def cost(s: int) -> float:
+                k = prefix_length(s / steps, n_tokens)
+                share = (n_tokens - k) / n_tokens
+                exposed = max(0.0, prefill(k) - stream * share) * bias
+                return (stream + whole.enc_s + whole.loss_s) * share + exposed
 
-        if offered and prefill(prefix_length(1 / steps, n_tokens)) > stream * (1 - 1 / steps):
-            # Even the smallest prefix takes longer to prefill than the rest takes to arrive: the
-            # split only adds to X, which this decision weighs anyway (the fast links' common case).
-            why = f"{inner} arrives before the smallest prefix ({SPLIT_STEP:.0%}) is prefilled: {inner} alone is faster"
-            return replace(whole, medium=medium, usable=False, why_not=why)
-        lo, hi = 1, steps - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if prefill(prefix_length(mid / steps, n_tokens)) <= stream * (1 - mid / steps):
-                lo = mid
-            else:
-                hi = mid - 1
-        best = min((lo, min(steps - 1, lo + 1)), key=cost)
+            if offered and prefill(prefix_length(1 / steps, n_tokens)) > stream * (1 - 1 / steps):
+                # Even the smallest prefix takes longer to prefill than the rest takes to arrive:
+                # the split only adds to X, which this decision weighs anyway (fast links).
+                why = (
+                    f"{inner} arrives before the smallest prefix ({SPLIT_STEP:.0%}) is prefilled: "
+                    f"{inner} alone is faster"
+                )
+                return replace(whole, medium=medium, usable=False, why_not=why)
+            lo, hi = 1, steps - 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if prefill(prefix_length(mid / steps, n_tokens)) <= stream * (1 - mid / steps):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            fraction = min((lo, min(steps - 1, lo + 1)), key=cost) / steps
+            medium = _split_name(fraction, inner)
         return self._split_at(
-            _split_name(best / steps, inner),
-            best / steps,
-            whole,
-            prefill,
-            n_tokens,
-            kv_bytes,
-            link,
-            receiver,
-            inner=inner,
-            sender=sender,
+            medium, fraction, whole, prefill, n_tokens, kv_bytes, link, receiver, inner=inner, sender=sender
         )
 
     def _split_at(
@@ -759,9 +744,9 @@ def _padding(medium: str) -> int:
 
 
 def _split_name(fraction: float, inner: str) -> str:
-    """The canonical spec of ``split(fraction)+inner`` (the default prefix, 0.5, is not written)."""
-    value = round(fraction, 4)
-    return f"split+{inner}" if value == 0.5 else f"split({value!r})+{inner}"
+    """The canonical spec of ``split(fraction)+inner``, as the codec names it (the default prefix
+    is not written)."""
+    return render_stage("split", SplitCodec.params, {"prefix": round(fraction, 4)}) + "+" + inner
 
 
 def _prefill_free(endpoint: Endpoint) -> float:
