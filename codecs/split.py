@@ -108,8 +108,10 @@ class SplitCodec(Codec):
             raise DecodeError(self.name, f"a prefix of {batch} x {k} ids is over the limit of {MAX_PREFIX_IDS}")
         if len(raw) != 4 * k * batch:
             raise DecodeError(self.name, f"'ids' holds {len(raw)} bytes, {batch} x {k} int32 ids take {4 * k * batch}")
-        ids = torch.frombuffer(bytearray(raw), dtype=torch.int32).to(torch.int64).view(batch, k) if k else None
-        tokens = ids if ids is not None else torch.zeros((batch, 0), dtype=torch.int64)
+        if k:
+            tokens = torch.frombuffer(bytearray(raw), dtype=torch.int32).to(torch.int64).view(batch, k)
+        else:  # frombuffer refuses an empty buffer
+            tokens = torch.zeros((batch, 0), dtype=torch.int64)
         check_tokens(tokens, vocab_size, self.name)
         return tokens
 
