@@ -69,6 +69,12 @@ class TokenBucket:
         self._tokens -= nbytes
         return 0.0 if self._tokens >= 0 else -self._tokens / self.rate
 
+    def charge(self, nbytes: int) -> None:
+        """``nbytes`` went without waiting: the next `take` waits until they are earned."""
+        if self.rate > 0:
+            self._refill()
+            self._tokens -= nbytes
+
     def restart(self) -> None:
         """Forget credit saved while the stream was idle (paused): it restarts at its rate, no burst."""
         self._refill()
