@@ -12,6 +12,7 @@ import math
 import os
 import socket
 import struct
+import sys
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -441,6 +442,52 @@ async def test_shm_segments_are_reused_once_the_receiver_lets_go(planes: tuple[D
             assert tx.segment(MB) is not None and tx.shm.pool.free_bytes == 0  # taken again
 
 
+_WRITER = """
+import mmap, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+out = []
+try:
+    os.pwrite(fd, b"forged", 0)
+    out.append("write went through")
+except PermissionError:
+    out.append("write refused")
+try:
+    m = mmap.mmap(fd, 4096, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    m[:6] = b"forged"
+    out.append("mapping went through")
+except PermissionError:
+    out.append("mapping refused")
+print(";".join(out))
+"""
+
+
+async def test_no_other_process_can_change_what_a_receiver_verified_on_shm(planes: tuple[DataPlane, DataPlane]) -> None:
+    # Red team (issue 34): another process of the same user opened the sender's segment through
+    # /proc/<pid>/fd after the receiver verified it and wrote into it: the send had succeeded and
+    # the delivery the receiver held (a view of the segment) changed under it. Segments are now
+    # sealed against every write access but the sender's own mapping, before a byte is written.
+    rx, tx = planes
+    spec, sink = _spec(n=1, size=MB), Sink()
+    offer = await rx.accept(spec, sink, peer_paths=["shm"], peer_host=tx.host)
+    seg = tx.segment(spec.total)
+    assert seg is not None
+    data = os.urandom(MB)
+    seg.view[:] = data
+    session = await tx.connect(spec, ["shm"], offer, segment=seg)
+    await session.send_chunk(0, [seg.view[:]], chunk_digest(data))
+    await sink.until(lambda: 0 in sink.arrived)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _WRITER, f"/proc/{os.getpid()}/fd/{seg.fd}", stdout=asyncio.subprocess.PIPE
+    )
+    out, _ = await proc.communicate()
+    assert out.decode().strip() == "write refused;mapping refused"
+    assert bytes(sink.arrived[0]) == data  # the held delivery is what was verified
+    seals = fcntl.fcntl(seg.fd, fcntl.F_GET_SEALS)
+    assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW and seals & 0x0010  # F_SEAL_FUTURE_WRITE
+    await session.close()
+    await rx.withdraw(spec.transfer_id)
+
+
 @pytest.mark.parametrize("inline_bytes", [0, 1 << 40], ids=["worker-threads", "event-loop"])
 async def test_shm_verifies_a_batch_of_chunks_in_order_and_reports_the_corrupt_one(
     planes: tuple[DataPlane, DataPlane], inline_bytes: int, monkeypatch: pytest.MonkeyPatch
@@ -472,14 +519,16 @@ async def test_shm_verifies_a_batch_of_chunks_in_order_and_reports_the_corrupt_o
 async def test_shm_refuses_a_segment_that_is_not_sealed_or_too_small(planes: tuple[DataPlane, DataPlane]) -> None:
     rx, _ = planes
     assert rx.shm is not None
-    for size, seal in ((MB, False), (MB // 2, True)):
+    size_seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+    # unsealed; sealed but too small; sealed against resizing but open to writes by anyone
+    for size, seal in ((MB, 0), (MB // 2, size_seals | 0x0010), (MB, size_seals)):
         spec, sink = _spec(n=1, size=MB), Sink()
         offer = await rx.accept(spec, sink, peer_paths=["shm"], peer_host=rx.host)
         assert offer is not None
         fd = os.memfd_create("probe", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(fd, size)
         if seal:
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seal)
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         s.setblocking(False)
         loop = asyncio.get_running_loop()

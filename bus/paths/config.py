@@ -36,7 +36,8 @@ class PathsConfig:
     host's address (its host name's, or ``127.0.0.1`` when that is none of this machine's)."""
     shm_private: bool = False
     """A receiver copies each chunk out of the shared segment before verifying it (one copy):
-    a same-host sender then cannot change bytes after they were verified."""
+    the sending process then cannot change bytes after they were verified. (No other process
+    can, in either mode: segments are sealed against writes by anyone but their maker.)"""
     shm_pool_bytes: int = 1 << 30
     """Bytes of released shared segments a sender keeps for reuse (0: none)."""
     shm_map_cache_bytes: int = 1 << 30

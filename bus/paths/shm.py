@@ -11,7 +11,14 @@ a process that dies (kill -9 included) drops its own, and its peer, seeing the s
 drops the session's.
 
 Segments are sealed against shrinking and growing before they are shared, so neither side can
-truncate the memory under the other (which would crash it with SIGBUS).
+truncate the memory under the other (which would crash it with SIGBUS), and against writes
+through any mapping or descriptor made after the sender's own (``F_SEAL_FUTURE_WRITE``): no
+other process can change bytes a receiver verified and holds, not even one of the same user
+that opens the descriptor through ``/proc/<pid>/fd`` (it could before: a delivery held in
+place changed under its receiver). The seals go on before any payload byte is written, so no
+writable mapping of anyone else can predate them. The sending process keeps its one writable
+mapping (the pool reuses the segment once the receiver let go). A receiver that does not trust
+the sending process itself copies each chunk (`PathsConfig.shm_private`).
 """
 
 from __future__ import annotations
@@ -39,8 +46,12 @@ from kvbus.protocol import PathName, PathOffer
 
 logger = logging.getLogger(__name__)
 
-#: Seals every shared segment carries: its size is fixed for good.
-SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1
+"""No new write access from anyone: ``write``, writable shared mappings and hole punching are
+refused; mappings made before it keep theirs (the sender's own)."""
+#: Seals every shared segment carries: its size is fixed and nobody but its maker writes it.
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
 
 
 def address(view: memoryview) -> int:
@@ -67,9 +78,13 @@ class Segment:
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, nbytes)
-            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SIZE_SEALS)
             # One descriptor per segment (the one passed to receivers): the mapping keeps none.
-            self._map: mmap.mmap | None = map_fd(self.fd, nbytes, shared=True, writable=True, populate=populate)
+            # It is this process's one writable mapping: sealed right after it (before a byte is
+            # written), nobody can make another, so only this process ever writes the segment.
+            self._map: mmap.mmap | None = map_fd(self.fd, nbytes, shared=True, writable=True)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS)
+            if populate:
+                _populate(self._map)
         except BaseException:
             os.close(self.fd)
             raise
@@ -111,6 +126,14 @@ class Segment:
     def __del__(self) -> None:
         if getattr(self, "fd", -1) >= 0:
             os.close(self.fd)
+
+
+def _populate(m: mmap.mmap) -> None:
+    """Fault every page of the writable mapping ``m`` in now (as ``MAP_POPULATE`` would)."""
+    try:
+        m.madvise(MADV_POPULATE_WRITE)
+    except OSError:  # a kernel before 5.14: touch a byte per page
+        np.frombuffer(m, dtype=np.uint8)[:: mmap.PAGESIZE] = 0
 
 
 class SegmentPool:

@@ -1,7 +1,8 @@
 """The receiving side of the ``shm`` path: an abstract-namespace ``SOCK_SEQPACKET`` listener.
 
 Each message is one frame. A BIND brings the segment's descriptor; with a valid, unused token
-the receiver checks the segment (its size is the payload's, it is sealed against resizing),
+the receiver checks the segment (its size is the payload's, it is sealed against resizing and
+against writes by anyone but the process that made it),
 maps it copy-on-write and closes the descriptor at once (no mapping keeps one: `map_fd`);
 DATA frames name chunks to verify in place. A connection whose first frame is not a valid BIND
 is closed (and any descriptor it passed with it).
@@ -35,7 +36,9 @@ from kvbus.protocol import PathName
 logger = logging.getLogger(__name__)
 
 _MAX_FDS = 4
+_F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
 _SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+_WRITE_SEALS = fcntl.F_SEAL_WRITE | _F_SEAL_FUTURE_WRITE
 #: A batch of DATA frames up to this many bytes is verified on the event loop (about 0.1 ms);
 #: a larger one in `CHECK_THREADS` worker threads.
 INLINE_CHECK_BYTES = 1 << 20
@@ -215,8 +218,14 @@ class ShmRxConnection(DirectRxConnection[ShmRxSession]):
             seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
         except OSError:
             size, seals = -1, 0
-        if size < total or seals & _SIZE_SEALS != _SIZE_SEALS:
-            self.refuse(frame.stream, f"segment of {size} bytes (sealed {seals:#x}) for a payload of {total}")
+        if size < total or seals & _SIZE_SEALS != _SIZE_SEALS or not seals & _WRITE_SEALS:
+            # Unsealed against writes, any process that can open it could change bytes after
+            # they were verified, under a delivery held in place.
+            self.refuse(
+                frame.stream,
+                f"segment of {size} bytes for a payload of {total}, sealed {seals:#x} "
+                "(it must be sealed against resizing and writes)",
+            )
             return
         try:
             # Copy-on-write: the receiver may write its tensors; the sender's bytes stay as they are.
