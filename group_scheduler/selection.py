@@ -143,7 +143,8 @@ class AdaptiveSelector(MediumSelector):
     """For each transfer, the medium with the lowest predicted end-to-end latency.
 
     Bandwidth per pair is the group's sliding-window estimate from observed transfers, else the
-    capacity the agents declared (link emulation), else ``default_bandwidth_bps``. A pair keeps
+    capacity the agents declared (link emulation), else ``default_bandwidth_bps``
+    (``default_shm_bandwidth_bps`` on ``shm``). A pair keeps
     its medium unless another is predicted ``hysteresis`` faster. The sender's explicit medium,
     when given, is honoured (and still recorded with its predicted cost).
     """
@@ -154,6 +155,7 @@ class AdaptiveSelector(MediumSelector):
         *,
         candidates: tuple[str, ...] = DEFAULT_CANDIDATES,
         default_bandwidth_bps: float = 1e9,
+        default_shm_bandwidth_bps: float = 3e9,
         unmeasured_floor_bps: float = 1.25e6,
         exploration: Exploration | None = None,
         drop_risk: bool = True,
@@ -170,6 +172,8 @@ class AdaptiveSelector(MediumSelector):
             dict.fromkeys(c for c in (_canonical(m) for m in candidates) if c in self.model.figures and _known(c))
         )
         self.default_bandwidth_bps = default_bandwidth_bps
+        self.default_shm_bandwidth_bps = default_shm_bandwidth_bps
+        """What an unmeasured ``shm`` path is assumed to carry (memory speed, not a network's)."""
         self.unmeasured_floor_bps = unmeasured_floor_bps
         """The slowest rate a pair's unmeasured link is assumed able to have (`_hedge`; 0 = assume
         ``default_bandwidth_bps``)."""
@@ -207,6 +211,8 @@ class AdaptiveSelector(MediumSelector):
                     return Link(
                         sibling.bandwidth_bps, 2 * state.declared_latency(src, dst), f"estimate of {other}", path
                     )
+        if path == PathName.SHM:
+            return Link(self.default_shm_bandwidth_bps, 0.0, "default", path)
         return Link(self.default_bandwidth_bps, 0.0, "default", path)
 
     def endpoint(
@@ -295,8 +301,8 @@ class AdaptiveSelector(MediumSelector):
                     and not req.medium
                     and not (link.path == PathName.SHM and pending.same_host(rx))
                 ):
-                    # (shm runs at memory speed: the default rate is about right for it. A sender
-                    # says shm to a receiver it has not sent to yet whenever it may use shm.)
+                    # (shm runs at memory speed, `default_shm_bandwidth_bps`: nothing to hedge. A
+                    # sender says shm to a receiver it has not sent to yet whenever it may use shm.)
                     unmeasured.add(rx)
                     best = self._hedge(best, link, choose, req.fidelity)
                 per_rx.append(best)
@@ -582,6 +588,7 @@ def default_selector(config: SchedulerConfig) -> MediumSelector:
     return AdaptiveSelector(
         model,
         default_bandwidth_bps=config.default_bandwidth_bps,
+        default_shm_bandwidth_bps=config.default_shm_bandwidth_bps,
         unmeasured_floor_bps=config.unmeasured_floor_bps,
         exploration=exploration,
         drop_risk=config.link_drop_risk,

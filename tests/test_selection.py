@@ -220,3 +220,31 @@ async def test_decision_record_travels_to_the_report(bus: Bus) -> None:
     assert {"full", "int8", "tokens"} <= media
     assert all({"comm_s", "comp_s", "loss_s"} <= set(c) for c in rec["candidates"])
     assert rec["observed_s"] > 0
+
+
+def test_an_unmeasured_shm_path_is_priced_at_memory_speed() -> None:
+    # Found in `kvbus bench agents` (issue 35): two vLLM engines of one host, a 2048-token
+    # SmolLM2 context, their shm path never measured. Priced at the network default (1 GB/s) it
+    # went in int8 (and lost greedy agreement); full was the faster medium (shm: 3.6 GB/s at
+    # 64 MB on this 2-core machine).
+    from kvbus.group_scheduler import SchedulerConfig
+    from kvbus.group_scheduler.selection import default_selector
+    from kvbus.group_scheduler.state import GroupState
+
+    config = SchedulerConfig()
+    selector = default_selector(config)
+    state = GroupState("g")
+    shm = selector.link(state, "a", "b", "shm")
+    assert shm.source == "default" and shm.bandwidth_bps == config.default_shm_bandwidth_bps
+    assert selector.link(state, "a", "b", "tcp").bandwidth_bps == config.default_bandwidth_bps
+    costs = selector.model.default_model_costs
+    n = 2048
+    chosen = selector.model.choose(
+        list(selector.candidates),
+        n_tokens=n,
+        kv_bytes=n * SMOL.kv_bytes_per_token(),
+        link=shm,
+        sender=Endpoint(SMOL, model=costs),
+        receiver=Endpoint(SMOL, model=costs),
+    )
+    assert chosen.medium == "full"
