@@ -27,7 +27,7 @@ from kvbus.codecs.spec import medium_spec
 from kvbus.errors import WireFormatError
 from kvbus.group_scheduler.admission import down_refusal
 from kvbus.group_scheduler.config import SchedulerConfig
-from kvbus.group_scheduler.learning import SMALL_PAYLOAD_BYTES
+from kvbus.group_scheduler.learning import SMALL_PAYLOAD_BYTES, measures_link
 from kvbus.group_scheduler.policy import Adjustment, Decision, SchedulingPolicy
 from kvbus.group_scheduler.reservations import ReservationTable
 from kvbus.group_scheduler.state import GroupState, Pending
@@ -428,7 +428,7 @@ class GrantLoop:
                 teach_codec=not budgeted,
                 reference_tps=model.default_model_costs.reference_tps,
             )
-        if done.nbytes >= MIN_ESTIMATE_BYTES and done.wire_s > 0 and path in PATH_NAMES:
+        if done.nbytes >= MIN_ESTIMATE_BYTES and done.wire_s > 0 and path in PATH_NAMES and measures_link(done.medium):
             wire_s = done.wire_s - fixed  # the bytes' own time: a transfer's round trips are not the link
             probe = bool(pending.decision.get("explored_link"))
             # A probe of the pair's link that rode on another path than the one it probed (padded

@@ -244,3 +244,35 @@ async def test_a_split_transfer_overlaps_the_prefill_with_the_stream(nats_url: s
         assert torch.equal(got.kv.tokens, kv.tokens)
     finally:
         await bus.close()
+
+
+async def test_a_split_transfer_does_not_measure_its_link(scheduler: GroupScheduler) -> None:
+    # Found in `bench select` (testbed, 10 Gbit/s, 128 tokens): the receiver prefills a split's
+    # prefix while its bytes come and holds the GIL between the model's ops, so 5.6 MB took
+    # 133 ms to arrive (full: 12 ms). Counted as a link sample it took the pair's estimate from
+    # 2987 to 357 Mbit/s, and the next transfers went in int8 where full was faster.
+    from kvbus.group_scheduler.learning import measures_link
+    from kvbus.group_scheduler.state import Pending
+    from kvbus.protocol import TransferDone, TransferRequest
+
+    assert not measures_link("split(0.95)+full") and not measures_link("split+int8")
+    assert measures_link("full") and measures_link("delta+int8") and measures_link("tokens")
+    state = scheduler.state
+    link = state.link("split-a", "split-b", "tcp")
+    now = time.monotonic()
+    for i in range(3):
+        link.observe(370 << 20, 1.0, now + i)  # ~3 Gbit/s
+    before = link.bandwidth_bps
+    req = TransferRequest(
+        transfer_id="s", src="split-a", dst=["split-b"], group=state.group, n_tokens=128, nbytes=6 << 20, signature={}
+    )
+    pending = Pending(req, {}, arrived=now)
+    pending.decision = {"medium": "split(0.95)+full", "path": "tcp", "candidates": []}
+    done = TransferDone(
+        "s", "split-a", True, "split(0.95)+full", 5_622_736, 0.14, dst=["split-b"], wire_s=0.133, path="tcp"
+    )
+    scheduler.loop._learn(done, pending)
+    assert link.bandwidth_bps == before
+    # The same bytes in full would have been a sample (and this slow one would have moved it).
+    scheduler.loop._learn(dataclasses.replace(done, medium="full"), pending)
+    assert link.bandwidth_bps < before
