@@ -120,6 +120,7 @@ def transport(d: Json) -> str:
         ("`nats_path_ratio_vs_nats_py`", "nats_path_ratio_vs_nats_py", "{:.2f}"),
         ("`tcp_vs_loopback_limit` (plain socket loop)", "tcp_vs_loopback_limit", "{:.2f}"),
         ("`shm_vs_memcpy`", "shm_vs_memcpy", "{:.2f}"),
+        ("`first_transfer_vs_steady` (the first send of the size)", "first_transfer_vs_steady", "{:.2f}"),
         ("control round trips of one transfer", "round_trips", "{}"),
     ):
         if key == "kvbus_ms":

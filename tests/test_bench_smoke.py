@@ -67,6 +67,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "nats_path_ratio_vs_nats_py": NUM,
         "tcp_vs_loopback_limit": NUM,
         "shm_vs_memcpy": NUM,
+        "first_transfer_vs_steady": NUM,
         "path": str,
         "GBps": {"kvbus_shm": NUM, "kvbus_tcp": NUM, "kvbus_nats": NUM, "nats_py": NUM, "socket": NUM, "memcpy": NUM},
         "round_trips_1MB": int,

@@ -17,7 +17,9 @@ The data plane (`kvbus.app.bench.transport_paths`): (a) is the bus on the path i
 agents of one host: ``shm``); the same sends from buses allowed ``tcp,nats`` and ``nats`` only
 give ``results.shm_ratio_vs_nats_py``, ``tcp_ratio_vs_nats_py`` and
 ``nats_path_ratio_vs_nats_py``; a plain socket loop and a ``copy_`` of the same bytes give
-``tcp_vs_loopback_limit`` and ``shm_vs_memcpy``. At 1 MB the baseline is a plain nats-py
+``tcp_vs_loopback_limit`` and ``shm_vs_memcpy``. ``first_transfer_vs_steady``: the median
+time of a send of the size over the time of this process's first (at 64 MB also the first to the
+receiver, so not staged in a segment: the path is not known yet). At 1 MB the baseline is a plain nats-py
 request/reply carrying the bytes, and ``results.round_trips_1MB`` counts the control round
 trips (requests) one 1 MB ``send`` makes. ``by_size["64KB"]`` is a SmolLM2-135M-shaped context of
 three tokens (67.5 KB; a Llama-3-8B token alone is 128 KB) between two more agents, against the
@@ -379,8 +381,9 @@ async def _run(quick: bool, nats_url: str | None, smoke: bool = False) -> dict[s
             # its last shm segment mapped as its delta base, so a sender's first two segments of a
             # size are fresh, and a fresh 512 MB one faults its pages in for about half a second).
             warm: dict[str, list[float]] = collections.defaultdict(list)
+            first: list[float] = []
             for _ in range(1 if smoke else 2):
-                await _kvbus_once(agent, kv)
+                first.append(await _kvbus_once(agent, kv))
                 await _nats_baseline(nc, payload, small, chunks, window)
                 await _path_ways(warm, path_agents, kv, sockets, payload, (src, dst))
                 await _redis_once(nc, r, payload, "kvbus-bench")
@@ -428,6 +431,10 @@ async def _run(quick: bool, nats_url: str | None, smoke: bool = False) -> dict[s
                 "ratio_vs_nats_py_runs": spread((b / a for a, b in zip(times["kvbus"], times["nats_py"])), digits=3),
                 "kvbus_traced_MBps": round(mbps["kvbus_traced"], 1),
                 "tracing_overhead": round(mbps["kvbus_traced"] / mbps["kvbus"], 3),
+                # This process's first send of the size (a fresh segment; at 64 MB also the first
+                # to the receiver: its path not known yet, so not staged) against the steady ones.
+                "first_transfer_ms": round(first[0] * 1e3, 3),
+                "first_transfer_vs_steady": round(medians["kvbus"] / first[0], 3),
                 "runs": reps[label],
                 "chunks": len(chunks),
                 "path": picked,
@@ -485,6 +492,7 @@ async def _run(quick: bool, nats_url: str | None, smoke: bool = False) -> dict[s
                 "nats_path_ratio_vs_nats_py": top["nats_path_ratio_vs_nats_py"],
                 "tcp_vs_loopback_limit": top["tcp_vs_loopback_limit"],
                 "shm_vs_memcpy": top["shm_vs_memcpy"],
+                "first_transfer_vs_steady": top["first_transfer_vs_steady"],
                 "path": top["path"],
                 "GBps": {k[:-5]: v for k, v in top.items() if k.endswith("_GBps")},
                 "round_trips_1MB": results["1MB"]["round_trips"],
