@@ -27,7 +27,7 @@ from kvbus.codecs.spec import medium_spec
 from kvbus.errors import WireFormatError
 from kvbus.group_scheduler.admission import down_refusal
 from kvbus.group_scheduler.config import SchedulerConfig
-from kvbus.group_scheduler.learning import SMALL_PAYLOAD_BYTES, measures_link
+from kvbus.group_scheduler.learning import LOWER_BOUND_SHARE, SMALL_PAYLOAD_BYTES, measures_link
 from kvbus.group_scheduler.policy import Adjustment, Decision, SchedulingPolicy
 from kvbus.group_scheduler.reservations import ReservationTable
 from kvbus.group_scheduler.state import GroupState, Pending
@@ -428,8 +428,10 @@ class GrantLoop:
                 teach_codec=not budgeted,
                 reference_tps=model.default_model_costs.reference_tps,
             )
-        if done.nbytes >= MIN_ESTIMATE_BYTES and done.wire_s > 0 and path in PATH_NAMES and measures_link(done.medium):
+        if done.nbytes >= MIN_ESTIMATE_BYTES and done.wire_s > 0 and path in PATH_NAMES:
             wire_s = done.wire_s - fixed  # the bytes' own time: a transfer's round trips are not the link
+            # A split's rate is only a lower bound of its link's (`measures_link`).
+            floor = 0.0 if measures_link(done.medium) else LOWER_BOUND_SHARE
             probe = bool(pending.decision.get("explored_link"))
             # A probe of the pair's link that rode on another path than the one it probed (padded
             # ids go inline through NATS, the KV it stands for goes direct) tells that path too:
@@ -437,6 +439,8 @@ class GrantLoop:
             probed = pending.decision.get("path")
             also = probed if probe and probed != path and probed in PATH_NAMES else None
             for rx in done.dst:
+                if floor and done.nbytes / wire_s < floor * state.link(done.src, rx, path).bandwidth_bps:
+                    continue
                 state.link(done.src, rx, path).observe(done.nbytes, wire_s, probe=probe)
                 if also is not None:
                     state.link(done.src, rx, also).observe(done.nbytes, wire_s, probe=True)
