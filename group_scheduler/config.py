@@ -79,8 +79,9 @@ class SchedulerConfig:
     default_shm_bandwidth_bps: float = 3e9
     """The same for the ``shm`` path (two agents of one host), which runs at memory speed:
     `kvbus bench transport` measured 3.6 GB/s at 64 MB and 5.6 GB/s at 512 MB on a 2-core
-    machine. Assumed at ``default_bandwidth_bps``, a 2048-token SmolLM2 context between two
-    engines of one host went in int8 (and lost agreement) where ``full`` was faster."""
+    machine. Assumed at ``default_bandwidth_bps``, the cost model sends a 2048-token SmolLM2
+    context between two agents of one host in int8 (fidelity lost for nothing); at this rate, in
+    full."""
     unmeasured_floor_bps: float = 1.25e6
     """The slowest a pair's link with no observation and no declared capacity is assumed to be
     (bytes/s; 1.25e6 = 10 Mbit/s): its first transfer is sent with the medium least far from the
