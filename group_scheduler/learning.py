@@ -296,8 +296,9 @@ class LearnedCosts:
                     prior_tps = speed(new_tokens, predicted, 0) if _finite_positive(predicted) else 0.0
                     rx = str(done.dst[0])
                     self.observe_prefill(rx, new_tokens, done.decode_s, now, prior_tps=prior_tps, speed=speed)
-            elif kind != "summary" and medium_spec(medium).outer != "split":
-                # (A split's decode waits for the receiver's prefill of its prefix: not a codec speed.)
+            elif kind != "summary" and measures_link(medium):
+                # (A split's decode waits for the receiver's prefill of its prefix: not a codec
+                # speed, for the reason its wire time is not the link's, `measures_link`.)
                 self.observe_codec(medium, kv_bytes, "decode", done.decode_s, prior.get("dec_s", 0.0), now)
             if done.encode_s > 0 or done.decode_s > 0:
                 self.observe_error(medium, candidate["comm_s"] + candidate["comp_s"], done.seconds)  # type: ignore[index]

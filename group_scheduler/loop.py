@@ -439,9 +439,10 @@ class GrantLoop:
             probed = pending.decision.get("path")
             also = probed if probe and probed != path and probed in PATH_NAMES else None
             for rx in done.dst:
-                if floor and done.nbytes / wire_s < floor * state.link(done.src, rx, path).bandwidth_bps:
+                link = state.link(done.src, rx, path)
+                if floor and done.nbytes / wire_s < floor * link.bandwidth_bps:
                     continue
-                state.link(done.src, rx, path).observe(done.nbytes, wire_s, probe=probe)
+                link.observe(done.nbytes, wire_s, probe=probe)
                 if also is not None:
                     state.link(done.src, rx, also).observe(done.nbytes, wire_s, probe=True)
                 telemetry.instruments().link_bandwidth.record(

@@ -41,14 +41,11 @@ from kvbus.bus.paths.errors import PathUnavailable, TokenRefused
 from kvbus.bus.paths.frames import FrameType, pack
 from kvbus.bus.paths.host import host_identity
 from kvbus.bus.paths.registry import Expectations
-from kvbus.bus.paths.shm_server import ShmListener, map_fd
+from kvbus.bus.paths.shm_server import F_SEAL_FUTURE_WRITE, ShmListener, map_fd
 from kvbus.protocol import PathName, PathOffer
 
 logger = logging.getLogger(__name__)
 
-F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1
-"""No new write access from anyone: ``write``, writable shared mappings and hole punching are
-refused; mappings made before it keep theirs (the sender's own)."""
 #: Seals every shared segment carries: its size is fixed and nobody but its maker writes it.
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14

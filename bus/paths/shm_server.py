@@ -36,9 +36,11 @@ from kvbus.protocol import PathName
 logger = logging.getLogger(__name__)
 
 _MAX_FDS = 4
-_F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1
+"""No new write access from anyone: ``write``, writable shared mappings and hole punching are
+refused; mappings made before it keep theirs (the sender's own)."""
 _SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
-_WRITE_SEALS = fcntl.F_SEAL_WRITE | _F_SEAL_FUTURE_WRITE
+_WRITE_SEALS = fcntl.F_SEAL_WRITE | F_SEAL_FUTURE_WRITE
 #: A batch of DATA frames up to this many bytes is verified on the event loop (about 0.1 ms);
 #: a larger one in `CHECK_THREADS` worker threads.
 INLINE_CHECK_BYTES = 1 << 20
