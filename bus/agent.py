@@ -13,6 +13,7 @@ import torch
 from kvbus.bus.config import BusConfig
 from kvbus.bus.endpoint import AgentOptions, Endpoint
 from kvbus.bus.inbox import Inbox
+from kvbus.bus.kvbuffer import kv_buffer
 from kvbus.bus.pacing import EmulatedLink
 from kvbus.bus.probes import Probes
 from kvbus.bus.receiver import Receiver, ReceiveSettings
@@ -31,6 +32,7 @@ from kvbus.protocol import (
     inbox_subject,
     sched_subject,
 )
+from kvbus.signature import ModelSignature
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +144,25 @@ class Agent(Endpoint):
         await self.close()
 
     # -- sending ------------------------------------------------------------------------------
+
+    def kv_buffer(self, n_tokens: int, *, batch: int = 1, signature: ModelSignature | None = None) -> KVCache:
+        """An empty cache of ``n_tokens`` tokens to build a context in, in memory the bus shares:
+        sent with ``full`` to an agent of this host, it moves no byte (`kvbus.bus.kvbuffer`).
+
+        Fill its ``tokens``, ``keys[i]`` and ``values[i]`` in place, then `send` it. Its first
+        send freezes it: later writes through its tensors change this process's copy only.
+
+        Args:
+            signature: the model whose KV it holds (default: this agent's).
+
+        Raises:
+            ValueError: no signature (a token-only agent), or ``n_tokens`` or ``batch`` not positive.
+            OSError: no memory for it.
+        """
+        signature = signature or self.signature
+        if signature is None:
+            raise ValueError(f"agent {self.name!r} has no model signature: pass the one the KV is for")
+        return kv_buffer(signature, n_tokens, batch=batch)
 
     async def send(
         self,

@@ -29,9 +29,12 @@ def base_copy(kv: KVCache, old: KVCache | None = None) -> KVCache:
         old.tokens.copy_(kv.tokens)
         if old.positions is not None and kv.positions is not None:
             old.positions.copy_(kv.positions)
-        return dataclasses.replace(kv, tokens=old.tokens, keys=old.keys, values=old.values, positions=old.positions)
+        return dataclasses.replace(
+            kv, tokens=old.tokens, keys=old.keys, values=old.values, positions=old.positions, segment=None
+        )
     return dataclasses.replace(
         kv,
+        segment=None,
         tokens=kv.tokens.clone(),
         keys=[_fresh_copy(t) for t in kv.keys],
         values=[_fresh_copy(t) for t in kv.values],
@@ -64,6 +67,7 @@ def twin_base(kv: KVCache, twins: Sequence[tuple[memoryview, memoryview]]) -> KV
         return None
     return dataclasses.replace(
         kv,
+        segment=None,
         tokens=kv.tokens.clone(),
         keys=keys,  # type: ignore[arg-type]
         values=values,  # type: ignore[arg-type]

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import xxhash
 
+from kvbus.bus.paths.shm import address
 from kvbus.errors import WireFormatError
 from kvbus.protocol import DIGEST_BYTES, MAX_CHUNKS, Open
 
@@ -252,10 +253,13 @@ def digest_chunks(chunks: Sequence[bytes | memoryview]) -> bytes:
     return b"".join(chunk_digest_bytes(c) for c in chunks)
 
 
-def copy_and_digest(source: ChunkSource, dst: memoryview, indices: Sequence[int]) -> bytes:
+def copy_and_digest(
+    source: ChunkSource, dst: memoryview, indices: Sequence[int], in_place: Sequence[bool] = ()
+) -> bytes:
     """Copy chunks ``indices`` of ``source`` to their payload offsets in ``dst`` and hash each
     where it landed, while it is still in cache; their digests back to back. Runs in a worker
-    thread (numpy's copy and xxh3 release the GIL, so two halves run on two cores)."""
+    thread (numpy's copy and xxh3 release the GIL, so two halves run on two cores).
+    ``in_place[b]``: buffer ``b`` already lies at its payload offset in ``dst`` (not copied)."""
     plan = source.plan
     out = []
     for index in indices:
@@ -263,7 +267,8 @@ def copy_and_digest(source: ChunkSource, dst: memoryview, indices: Sequence[int]
         pos = lo
         for b, s, e in plan.pieces(index):
             n = e - s
-            np.copyto(np.frombuffer(dst, np.uint8, n, pos), np.frombuffer(source.buffers[b], np.uint8, n, s))
+            if not (in_place and in_place[b]):
+                np.copyto(np.frombuffer(dst, np.uint8, n, pos), np.frombuffer(source.buffers[b], np.uint8, n, s))
             pos += n
         out.append(chunk_digest_bytes(dst[lo:hi]))
     return b"".join(out)
@@ -272,7 +277,8 @@ def copy_and_digest(source: ChunkSource, dst: memoryview, indices: Sequence[int]
 async def stage(source: ChunkSource, dst: memoryview, *, workers: int = 2) -> bytes:
     """Copy the payload of ``source`` into ``dst`` (a shared segment, say) and hash its chunks
     there (`Open.digests`), in ``workers`` threads over contiguous runs of chunks: one pass over
-    the bytes instead of a hash pass and then a copy.
+    the bytes instead of a hash pass and then a copy. A buffer that already lies at its payload
+    offset in ``dst`` (a cache built there, `Agent.kv_buffer`) is only hashed.
 
     Raises:
         ValueError: ``dst`` is smaller than the payload.
@@ -284,7 +290,9 @@ async def stage(source: ChunkSource, dst: memoryview, *, workers: int = 2) -> by
         return b""
     per = -(-n // max(1, workers))
     runs = [range(lo, min(n, lo + per)) for lo in range(0, n, per)]
-    parts = await asyncio.gather(*(asyncio.to_thread(copy_and_digest, source, dst, run) for run in runs))
+    base = address(dst)
+    in_place = [address(b) == base + start for b, start in zip(source.buffers, source.plan.starts)]
+    parts = await asyncio.gather(*(asyncio.to_thread(copy_and_digest, source, dst, run, in_place) for run in runs))
     return b"".join(parts)
 
 

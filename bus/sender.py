@@ -422,6 +422,7 @@ class Sender:
                 settings.plane,
                 per_receiver_streams=settings.secure,
                 stage_shm=len(receivers) == 1 and self.paths.get(receivers[0]) == PathName.SHM,
+                home=request.kv.segment,
             ),
         )
         if out.plan.n_chunks > MAX_CHUNKS:

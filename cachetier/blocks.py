@@ -70,11 +70,28 @@ def split_blocks(kv: KVCache, ids: torch.Tensor, spans: list[BlockSpan]) -> list
     return out
 
 
-def assemble(parts: list[KVCache | None], ids: torch.Tensor, signature: ModelSignature, dtype: torch.dtype) -> KVCache:
-    """One context from its blocks, in order (new tensors: the caller may keep or modify them)."""
+def assemble(
+    parts: list[KVCache | None],
+    ids: torch.Tensor,
+    signature: ModelSignature,
+    dtype: torch.dtype,
+    out: KVCache | None = None,
+) -> KVCache:
+    """One context from its blocks, in order (new tensors: the caller may keep or modify them).
+
+    ``out``: an empty cache of exactly the context's shape to assemble into (a bus's
+    ``kv_buffer``, from which a send copies nothing); ignored when its shape differs.
+    """
     blocks = [p for p in parts if p is not None]
     if len(blocks) != len(parts):
         raise RuntimeError("a block left memory while pinned")  # a bug, not a user error
+    if out is not None and blocks and _fits(out, blocks, ids):
+        for i in range(out.n_layers):
+            torch.cat([b.keys[i] for b in blocks], dim=2, out=out.keys[i])
+            torch.cat([b.values[i] for b in blocks], dim=2, out=out.values[i])
+        out.tokens.copy_(ids)
+        out.fidelity = min(b.fidelity for b in blocks)
+        return out
     if not blocks:
         shape = (ids.shape[0], signature.n_kv_heads, 0, signature.head_dim)
         empty = [torch.empty(shape, dtype=dtype) for _ in range(signature.n_layers)]
@@ -84,6 +101,16 @@ def assemble(parts: list[KVCache | None], ids: torch.Tensor, signature: ModelSig
     values = [torch.cat([b.values[i] for b in blocks], dim=2) for i in range(n)]
     fidelity = min(b.fidelity for b in blocks)
     return KVCache(tokens=ids.clone(), signature=blocks[0].signature, keys=keys, values=values, fidelity=fidelity)
+
+
+def _fits(out: KVCache, blocks: list[KVCache], ids: torch.Tensor) -> bool:
+    """Whether ``out`` has the tokens, layers, shape and dtype the blocks assemble into."""
+    first = blocks[0]
+    if tuple(out.tokens.shape) != tuple(ids.shape) or out.positions is not None or out.n_layers != first.n_layers:
+        return False
+    seq = sum(b.seq_len for b in blocks)
+    want = (*first.keys[0].shape[:2], seq, first.keys[0].shape[3])
+    return out.seq_len == seq and tuple(out.keys[0].shape) == want and out.dtype == first.dtype
 
 
 def prefill_blocks(runner: ModelRunner, ids: torch.Tensor, stop: int, spans: list[BlockSpan]) -> list[KVCache]:

@@ -90,8 +90,9 @@ class Loader:
 
     # -- access ---------------------------------------------------------------------------------
 
-    async def get(self, ids: torch.Tensor) -> KVCache:
-        """The KV of every token of ``ids``: resident blocks as they are, the others loaded first.
+    async def get(self, ids: torch.Tensor, out: KVCache | None = None) -> KVCache:
+        """The KV of every token of ``ids``: resident blocks as they are, the others loaded first
+        (assembled into ``out`` when it has the context's shape, see `assemble`).
 
         Raises:
             BlockUnavailable: blocks are missing and there is no runner to recompute them.
@@ -115,7 +116,7 @@ class Loader:
                 raise TierClosed()
             table.touch(keys)
             parts = [table.blocks[k].kv for k in keys]
-            kv = await asyncio.to_thread(assemble, parts, ids, table.signature, table.dtype)
+            kv = await asyncio.to_thread(assemble, parts, ids, table.signature, table.dtype, out)
         finally:
             table.unpin(keys)
         await table.maybe_shed()

@@ -286,19 +286,21 @@ class CacheTier:
         await self._table.store(kv, ids, spans)
         return [s.key for s in spans]
 
-    async def get(self, context: KVCache | torch.Tensor) -> KVCache:
+    async def get(self, context: KVCache | torch.Tensor, *, out: KVCache | None = None) -> KVCache:
         """The KV of every token of ``context`` (token ids, or a `KVCache` whose tokens count).
 
         Resident blocks are used as they are; stubs are fetched, verified and decoded; blocks
         neither resident nor remote (or whose record is gone) are recomputed by the runner.
-        The result is a new cache (its tensors are copies).
+        The result is a new cache (its tensors are copies), or ``out`` filled in place when it
+        is an empty cache of exactly that shape (an agent's ``kv_buffer``: a send of it on
+        ``shm`` copies nothing).
 
         Raises:
             BlockUnavailable: blocks are missing and the tier has no runner to recompute them.
             ContextMismatch: the token ids are malformed.
         """
         self._check_open()
-        return await self._loader.get(self._ids(context))
+        return await self._loader.get(self._ids(context), out)
 
     def prefetch(self, context: KVCache | torch.Tensor) -> asyncio.Task[int]:
         """Workflow hint: ``context`` is needed soon; load its blocks in the background.

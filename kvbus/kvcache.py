@@ -33,6 +33,10 @@ class KVCache:
     """Positions of the KV entries when they are not ``0..seq-1`` (sparsified caches)."""
     fidelity: float = 1.0
     """Product of the fidelity factors of every lossy hop this context took (1.0 = lossless)."""
+    segment: Any = field(default=None, repr=False)
+    """The shared segment the cache was built in, laid out as the ``full`` medium's payload
+    (`Agent.kv_buffer`): sent on ``shm`` without a copy. None for a cache anywhere else; the
+    caches derived from this one (slices, copies) have none."""
 
     def __post_init__(self) -> None:
         if self.tokens.dim() == 1:
@@ -143,6 +147,7 @@ class KVCache:
         kv_start = min(start, kv_stop)
         return replace(
             self,
+            segment=None,
             tokens=self.tokens[:, start:stop],
             keys=[k[:, :, kv_start:kv_stop] for k in self.keys],
             values=[v[:, :, kv_start:kv_stop] for v in self.values],
@@ -151,18 +156,21 @@ class KVCache:
 
     def token_only(self) -> KVCache:
         """The same context without its KV."""
-        return replace(self, keys=[], values=[], positions=None)
+        return replace(self, keys=[], values=[], positions=None, segment=None)
 
     def to(self, dtype: torch.dtype) -> KVCache:
         """A copy with keys and values in ``dtype`` (self when already there)."""
         if self.dtype == dtype:
             return self
-        return replace(self, keys=[k.to(dtype) for k in self.keys], values=[v.to(dtype) for v in self.values])
+        return replace(
+            self, keys=[k.to(dtype) for k in self.keys], values=[v.to(dtype) for v in self.values], segment=None
+        )
 
     def clone(self) -> KVCache:
         """A deep copy: every tensor cloned, so the copy can be modified without touching this one."""
         return replace(
             self,
+            segment=None,
             tokens=self.tokens.clone(),
             keys=_clone_all(self.keys),
             values=_clone_all(self.values),

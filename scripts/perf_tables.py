@@ -119,8 +119,11 @@ def transport(d: Json) -> str:
         ("`tcp_ratio_vs_nats_py`", "tcp_ratio_vs_nats_py", "{:.2f}"),
         ("`nats_path_ratio_vs_nats_py`", "nats_path_ratio_vs_nats_py", "{:.2f}"),
         ("`tcp_vs_loopback_limit` (plain socket loop)", "tcp_vs_loopback_limit", "{:.2f}"),
-        ("`shm_vs_memcpy`", "shm_vs_memcpy", "{:.2f}"),
+        ("`shm_vs_memcpy` (a context built in place, `Agent.kv_buffer`)", "shm_vs_memcpy", "{:.2f}"),
+        ("`shm_copying_vs_memcpy` (an ordinary context, copied to a segment)", "shm_copying_vs_memcpy", "{:.2f}"),
+        ("`zero_copy_vs_copying` (send time, copying / in place)", "zero_copy_vs_copying", "{:.2f}"),
         ("`first_transfer_vs_steady` (the first send of the size)", "first_transfer_vs_steady", "{:.2f}"),
+        ("`first_transfer_zero_copy_vs_steady` (built in place)", "first_transfer_zero_copy_vs_steady", "{:.2f}"),
         ("control round trips of one transfer", "round_trips", "{}"),
     ):
         if key == "kvbus_ms":

@@ -181,6 +181,26 @@ async def test_offload_then_fetch_is_bit_exact_with_full(
     assert tier.stats.fetched == 5 and tier.stats.recomputed == 0
 
 
+async def test_get_assembles_into_a_kv_buffer_of_the_contexts_shape_and_ignores_another(
+    make_tier: TierFactory,
+) -> None:
+    from kvbus.bus.kvbuffer import kv_buffer
+
+    sig = ModelSignature("rand", n_layers=3, n_kv_heads=2, head_dim=16, dtype="float32", vocab_size=VOCAB)
+    kv = random_kv(sig, 4 * BLOCK, seed=8)
+    tier = await make_tier(codec="full", drop_below=0.0, signature=sig, with_runner=False)
+    await tier.put(kv)
+    await tier.shed(target_bytes=0)  # half fetched from the server, half resident
+    await tier.load(kv.slice(0, 2 * BLOCK))
+    out = kv_buffer(sig, 4 * BLOCK)
+    got = await tier.get(kv, out=out)
+    assert got is out and got.equal(kv) and got.segment is not None
+    wrong = kv_buffer(sig, 3 * BLOCK)
+    again = await tier.get(kv, out=wrong)
+    assert again is not wrong and again.equal(kv) and again.segment is None
+    assert not wrong.keys[0].any()  # left as it was
+
+
 async def test_offload_then_fetch_with_int8_is_within_the_quantisation_bound(make_tier: TierFactory) -> None:
     sig = ModelSignature("rand", n_layers=2, n_kv_heads=2, head_dim=16, dtype="float32", vocab_size=VOCAB)
     g = torch.Generator().manual_seed(5)

@@ -17,7 +17,10 @@ The data plane (`kvbus.app.bench.transport_paths`): (a) is the bus on the path i
 agents of one host: ``shm``); the same sends from buses allowed ``tcp,nats`` and ``nats`` only
 give ``results.shm_ratio_vs_nats_py``, ``tcp_ratio_vs_nats_py`` and
 ``nats_path_ratio_vs_nats_py``; a plain socket loop and a ``copy_`` of the same bytes give
-``tcp_vs_loopback_limit`` and ``shm_vs_memcpy``. ``first_transfer_vs_steady``: the median
+``tcp_vs_loopback_limit`` and ``shm_vs_memcpy`` (the same context built in a shared segment by
+its producer, `Agent.kv_buffer`, sent with no copy: ``kvbus_zero_copy``; the copying send's
+figure is ``shm_copying_vs_memcpy``, and ``zero_copy_vs_copying`` compares the two sends).
+``first_transfer_vs_steady``: the median
 time of a send of the size over the time of this process's first (at 64 MB also the first to the
 receiver, so not staged in a segment: the path is not known yet). At 1 MB the baseline is a plain nats-py
 request/reply carrying the bytes, and ``results.round_trips_1MB`` counts the control round
@@ -376,14 +379,20 @@ async def _run(quick: bool, nats_url: str | None, smoke: bool = False) -> dict[s
             # this process's agents keep probing their schedulers meanwhile.
             kv, payload, chunks, src, dst = await asyncio.to_thread(_prepare, nbytes, min(chunk_size, bus.chunk_size))
             small = nbytes <= cfg.inline_limit
+            # The same context built in place by its producer (`Agent.kv_buffer`): sent on shm
+            # with no copy (the fill is the producer's work, not the transfer's).
+            built = None if small else await asyncio.to_thread(_built_in_place, agent, kv)
 
             # Warm up every way twice (connections, first-touch allocations: each receiver keeps
             # its last shm segment mapped as its delta base, so a sender's first two segments of a
             # size are fresh, and a fresh 512 MB one faults its pages in for about half a second).
             warm: dict[str, list[float]] = collections.defaultdict(list)
             first: list[float] = []
+            first_built: list[float] = []
             for _ in range(1 if smoke else 2):
                 first.append(await _kvbus_once(agent, kv))
+                if built is not None:
+                    first_built.append(await _kvbus_once(agent, built))
                 await _nats_baseline(nc, payload, small, chunks, window)
                 await _path_ways(warm, path_agents, kv, sockets, payload, (src, dst))
                 await _redis_once(nc, r, payload, "kvbus-bench")
@@ -397,6 +406,8 @@ async def _run(quick: bool, nats_url: str | None, smoke: bool = False) -> dict[s
                 if i % 2:
                     times["kvbus_traced"].append(await _traced_once(traced_agent, kv))
                 times["kvbus"].append(await _kvbus_once(agent, kv))
+                if built is not None:
+                    times["kvbus_zero_copy"].append(await _kvbus_once(agent, built))
                 if not i % 2:
                     times["kvbus_traced"].append(await _traced_once(traced_agent, kv))
                 times["nats_py"].append(await _nats_baseline(nc, payload, small, chunks, window))
@@ -435,6 +446,18 @@ async def _run(quick: bool, nats_url: str | None, smoke: bool = False) -> dict[s
                 # to the receiver: its path not known yet, so not staged) against the steady ones.
                 "first_transfer_ms": round(first[0] * 1e3, 3),
                 "first_transfer_vs_steady": round(medians["kvbus"] / first[0], 3),
+                **(
+                    {
+                        "first_transfer_zero_copy_ms": round(first_built[0] * 1e3, 3),
+                        "first_transfer_zero_copy_vs_steady": round(medians["kvbus_zero_copy"] / first_built[0], 3),
+                        "zero_copy_vs_copying": round(medians["kvbus"] / medians["kvbus_zero_copy"], 3),
+                        "zero_copy_vs_copying_runs": spread(
+                            (a / b for a, b in zip(times["kvbus"], times["kvbus_zero_copy"])), digits=3
+                        ),
+                    }
+                    if built is not None
+                    else {}
+                ),
                 "runs": reps[label],
                 "chunks": len(chunks),
                 "path": picked,
@@ -492,7 +515,10 @@ async def _run(quick: bool, nats_url: str | None, smoke: bool = False) -> dict[s
                 "nats_path_ratio_vs_nats_py": top["nats_path_ratio_vs_nats_py"],
                 "tcp_vs_loopback_limit": top["tcp_vs_loopback_limit"],
                 "shm_vs_memcpy": top["shm_vs_memcpy"],
+                "shm_copying_vs_memcpy": top["shm_copying_vs_memcpy"],
+                "zero_copy_vs_copying": top.get("zero_copy_vs_copying"),
                 "first_transfer_vs_steady": top["first_transfer_vs_steady"],
+                "first_transfer_zero_copy_vs_steady": top.get("first_transfer_zero_copy_vs_steady"),
                 "path": top["path"],
                 "GBps": {k[:-5]: v for k, v in top.items() if k.endswith("_GBps")},
                 "round_trips_1MB": results["1MB"]["round_trips"],
@@ -570,6 +596,15 @@ def _prepare(nbytes: int, chunk_size: int) -> tuple[KVCache, memoryview, list[me
     return kv, payload, chunks, src, torch.empty_like(src)
 
 
+def _built_in_place(agent: Any, kv: KVCache) -> KVCache:
+    """``kv`` copied into a cache of ``agent.kv_buffer``, as a producer that built it there would hold it."""
+    built: KVCache = agent.kv_buffer(kv.n_tokens)
+    built.tokens.copy_(kv.tokens)
+    for dst, src in zip((*built.keys, *built.values), (*kv.keys, *kv.values)):
+        dst.copy_(src)
+    return built
+
+
 async def _nats_baseline(nc: Any, payload: memoryview, small: bool, chunks: list[memoryview], window: int) -> float:
     """The plain nats-py figure: one request carrying a small payload, else the credit loop."""
     return await (tp.reqrep_once(nc, payload) if small else _nats_once(nc, chunks, window))
@@ -619,7 +654,7 @@ def run(*, quick: bool = False, smoke: bool = False, nats_url: str | None = None
             f"{row['tracing_overhead']:.3f}"
         )
         keys: tuple[str, ...] = ("shm_ratio_vs_nats_py", "tcp_ratio_vs_nats_py", "nats_path_ratio_vs_nats_py")
-        keys += ("tcp_vs_loopback_limit", "shm_vs_memcpy", "round_trips")
+        keys += ("tcp_vs_loopback_limit", "shm_vs_memcpy", "shm_copying_vs_memcpy", "round_trips")
         print(
             f"       path {row['path']}  "
             + "  ".join(f"{k[:-5]} {v:.2f}" for k, v in row.items() if k.endswith("_GBps"))

@@ -1,5 +1,7 @@
 """The data-path ways of `kvbus bench transport`: the bus on each path, and the baselines they are held to.
 
+- ``kvbus_zero_copy``: the same ``send`` on ``shm`` of the context built in place
+  (`Agent.kv_buffer`): ``shm_vs_memcpy`` with it, ``shm_copying_vs_memcpy`` without;
 - ``kvbus_shm`` / ``kvbus_tcp`` / ``kvbus_nats``: a real ``send`` through the bus (grant,
   `Open`, stream, verdict) from three buses of the sending process, one allowed every path
   (it picks ``shm``: one host), one ``tcp,nats``, one ``nats`` only;
@@ -119,7 +121,10 @@ def path_results(nbytes: int, medians: dict[str, float]) -> dict[str, Any]:
         "tcp_ratio_vs_nats_py": ratio("kvbus_tcp", "nats_py"),
         "nats_path_ratio_vs_nats_py": ratio("kvbus_nats", "nats_py"),
         "tcp_vs_loopback_limit": ratio("kvbus_tcp", "socket"),
-        "shm_vs_memcpy": ratio("kvbus_shm", "memcpy"),
+        # With the zero-copy API (a context built in a shared segment) where the size has it,
+        # else the copying path; the copying path's figure beside it.
+        "shm_vs_memcpy": ratio("kvbus_zero_copy" if "kvbus_zero_copy" in gbps else "kvbus_shm", "memcpy"),
+        "shm_copying_vs_memcpy": ratio("kvbus_shm", "memcpy"),
     }
 
 

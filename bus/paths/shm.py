@@ -41,14 +41,20 @@ from kvbus.bus.paths.errors import PathUnavailable, TokenRefused
 from kvbus.bus.paths.frames import FrameType, pack
 from kvbus.bus.paths.host import host_identity
 from kvbus.bus.paths.registry import Expectations
-from kvbus.bus.paths.shm_server import F_SEAL_FUTURE_WRITE, ShmListener, map_fd
+from kvbus.bus.paths.shm_server import F_SEAL_FUTURE_WRITE, ShmListener, map_fd, remap_private
 from kvbus.protocol import PathName, PathOffer
 
 logger = logging.getLogger(__name__)
 
 #: Seals every shared segment carries: its size is fixed and nobody but its maker writes it.
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
+#: Seals a segment that will be frozen (`Segment.freeze`) carries until then: ``F_SEAL_SEAL``
+#: would forbid adding ``F_SEAL_WRITE``.
+FREEZABLE_SEALS = SEALS & ~fcntl.F_SEAL_SEAL
+#: Seals a frozen segment adds: nobody writes it any more, not even the process that made it.
+FROZEN_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14
 
 
 def address(view: memoryview) -> int:
@@ -68,7 +74,9 @@ class Segment:
         ValueError: ``nbytes`` is not positive.
     """
 
-    def __init__(self, nbytes: int, *, name: str = "kvbus-segment", populate: bool = True) -> None:
+    def __init__(
+        self, nbytes: int, *, name: str = "kvbus-segment", populate: bool = True, freezable: bool = False
+    ) -> None:
         if nbytes <= 0:
             raise ValueError("a segment needs at least one byte")
         self.nbytes = nbytes
@@ -79,7 +87,7 @@ class Segment:
             # It is this process's one writable mapping: sealed right after it (before a byte is
             # written), nobody can make another, so only this process ever writes the segment.
             self._map: mmap.mmap | None = map_fd(self.fd, nbytes, shared=True, writable=True)
-            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, FREEZABLE_SEALS if freezable else SEALS)
             if populate:
                 _populate(self._map)
         except BaseException:
@@ -92,6 +100,58 @@ class Segment:
         self.holds = 0
         """Who still uses it (a transfer staged into it, a session whose receiver maps it): it
         goes back to its pool when the last one lets go (`SegmentPool.release`)."""
+        self.freezable = freezable
+        """Made to be frozen (`freeze`) once its producer is done with it (`Agent.kv_buffer`)."""
+        self.frozen = False
+        """Whether `freeze` sealed it against every write."""
+
+    def freeze(self) -> bool:
+        """Make the segment's bytes immutable for everyone, this process included, and keep this
+        process's views of it valid: its writable shared mapping becomes a copy-on-write one of
+        the same bytes at the same addresses (a later write through a tensor over it makes a
+        private copy of the page and never reaches the segment), then ``F_SEAL_WRITE`` goes on.
+        Idempotent. False when the segment could not be frozen (not `freezable`, or the kernel
+        refused): it then keeps ``F_SEAL_FUTURE_WRITE``, so that no other process writes it.
+        """
+        if self.frozen:
+            return True
+        if not self.freezable or self.fd < 0 or self._map is None:
+            return False
+        try:
+            remap_private(self.address, self.nbytes, self.fd)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, FROZEN_SEALS)
+        except OSError as exc:
+            logger.warning("shm segment of %d bytes not frozen: %s", self.nbytes, exc)
+            return False
+        self.frozen = True
+        try:  # map the pages again now, read-only (copy-on-write), so the hash reads them without a fault each
+            self._map.madvise(MADV_POPULATE_READ)
+        except OSError:
+            pass  # before Linux 5.14: they fault in as they are read
+        return True
+
+    def untouched(self) -> bool:
+        """Whether this process's tensors over a frozen segment still read its bytes: no page of
+        the copy-on-write mapping `freeze` made has been written (a written page became private
+        memory, which ``/proc/self/pagemap`` tells apart from the segment's own pages). False
+        when that cannot be read."""
+        if not self.frozen:
+            return False
+        page = mmap.PAGESIZE
+        first, n = self.address // page, -(-self.nbytes // page)
+        try:
+            with open("/proc/self/pagemap", "rb", buffering=0) as f:
+                f.seek(first * 8)
+                raw = f.read(n * 8)
+        except OSError:
+            return False
+        if len(raw) != n * 8:
+            return False
+        entries = np.frombuffer(raw, dtype=np.uint64)
+        present = (entries >> np.uint64(63)) & np.uint64(1)
+        swapped = (entries >> np.uint64(62)) & np.uint64(1)  # only a private copy is swapped from a pte
+        shared = (entries >> np.uint64(61)) & np.uint64(1)  # a file or shared page, not a private copy
+        return not bool(np.any((present & (shared ^ np.uint64(1))) | swapped))
 
     def tensor(self, offset: int = 0, nbytes: int | None = None) -> torch.Tensor:
         """A writable uint8 tensor over ``nbytes`` of the segment from ``offset`` (no copy)."""
@@ -170,8 +230,8 @@ class SegmentPool:
 
     def put(self, seg: Segment) -> None:
         """Keep ``seg`` for reuse (its receivers no longer map it), or close it when the pool is full."""
-        if seg.fd < 0 or seg in self._free:
-            return
+        if seg.fd < 0 or seg in self._free or seg.freezable:
+            return  # (a freezable segment belongs to its producer's cache, not to a pool)
         if self.free_bytes + seg.nbytes > self.max_bytes:
             seg.close()
         else:

@@ -87,6 +87,20 @@ def map_fd(fd: int, size: int, *, shared: bool, writable: bool, populate: bool =
     return placeholder
 
 
+def remap_private(start: int, size: int, fd: int) -> None:
+    """Replace the mapping of ``fd`` at ``start`` by a copy-on-write (``MAP_PRIVATE``) one of the
+    same bytes, in place: the addresses stay valid, reads see the file's pages, and a write
+    makes a private copy of its page instead of changing the file.
+
+    Raises:
+        OSError: the kernel refused the mapping.
+    """
+    got = _libc_mmap(start, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | _MAP_FIXED, fd, 0)
+    if got != start:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
 class ShmRxSession(DirectRxSession):
     """One transfer bound on one ``shm`` connection (`ReceiveSession`); ``view`` is its mapping."""
 

@@ -228,9 +228,20 @@ class KVBusClient:
         """
         assert self.tier is not None
         try:
-            return await self.tier.get(ids[:, :n])
+            return await self.tier.get(ids[:, :n], out=self._buffer(n, int(ids.shape[0])))
         except (CacheTierError, KVBusError) as exc:
             raise LoadFailed(n, f"the store lost blocks ({exc})") from None
+
+    def _buffer(self, n: int, batch: int) -> KVCache | None:
+        """A cache of ``n`` tokens in memory the bus shares (`Agent.kv_buffer`) for `get` to
+        assemble into: a pull or push on ``shm`` then sends it without a copy. None when the
+        agent's KV is in another dtype than the engine's, or there is no memory for it."""
+        if self.agent is None or n <= 0 or self.signature.torch_dtype != self.dtype:
+            return None
+        try:
+            return self.agent.kv_buffer(n, batch=batch)
+        except (OSError, ValueError):
+            return None
 
     # -- lookups (this engine's scheduler asks) -------------------------------------------------
 

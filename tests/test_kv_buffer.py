@@ -1,0 +1,107 @@
+"""`Agent.kv_buffer`: a context built in a shared segment goes on ``shm`` without a copy, and its
+first send freezes it, so that nobody, the producer included, changes what a receiver verified.
+
+Real nats-server, real scheduler, two buses of one process (the ``shm`` path between them).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import uuid
+
+import pytest
+import torch
+
+from kvbus.bus import Bus
+from kvbus.bus.kvbuffer import kv_buffer, kv_buffer_nbytes
+from kvbus.codecs import get_codec
+from tests.kvutil import kv_of_bytes
+from tests.peer import SIG
+
+MB = 1 << 20
+
+
+def mappings_of(fd: int) -> list[tuple[int, int]]:
+    """The address ranges of this process's mappings of the file behind ``fd``."""
+    st = os.fstat(fd)
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 5 and int(parts[4]) == st.st_ino and "memfd:" in line:
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                out.append((lo, hi))
+    return out
+
+
+def filled(n_tokens: int, seed: int):
+    """A kv_buffer holding a seeded context, and that context."""
+    src = kv_of_bytes(SIG, 12 * MB, seed=seed).slice(0, n_tokens)
+    kv = kv_buffer(SIG, src.n_tokens)
+    kv.tokens.copy_(src.tokens)
+    for dst, s in zip((*kv.keys, *kv.values), (*src.keys, *src.values)):
+        dst.copy_(s)
+    return kv, src.clone()
+
+
+def test_a_kv_buffer_is_laid_out_as_the_full_payload() -> None:
+    kv, src = filled(200, seed=3)
+    assert kv.equal(src) and kv.segment is not None
+    encoded = get_codec("full").encode(kv)
+    base = kv.segment.address
+    offset = 0
+    for buf in encoded.buffers:  # every buffer of the payload lies at its offset, back to back
+        assert torch.frombuffer(buf, dtype=torch.uint8).data_ptr() == base + offset
+        offset += buf.nbytes
+    assert offset == kv.segment.nbytes == kv_buffer_nbytes(SIG, 200)
+    assert kv.slice(0, 10).segment is None and kv.clone().segment is None
+    with pytest.raises(ValueError, match="at least one token"):
+        kv_buffer(SIG, 0)
+
+
+async def test_a_kv_buffer_goes_on_shm_without_a_copy_and_its_send_freezes_it(bus: Bus, sender_bus: Bus) -> None:
+    rx = await bus.agent(f"kvbuf-rx-{uuid.uuid4().hex[:6]}", signature=SIG)
+    tx = await sender_bus.agent(f"kvbuf-tx-{uuid.uuid4().hex[:6]}", signature=SIG)
+    src = kv_of_bytes(SIG, 12 * MB, seed=5)
+    kv = tx.kv_buffer(src.n_tokens)
+    kv.tokens.copy_(src.tokens)
+    for dst, s in zip((*kv.keys, *kv.values), (*src.keys, *src.values)):
+        dst.copy_(s)
+    seg = kv.segment
+    report = await tx.send(rx.name, kv, medium="full")
+    got = (await rx.receive(timeout=10)).kv
+    assert report.path == "shm" and got.equal(src)
+    # No copy: the receiver reads the producer's own segment (a staged payload would lie in
+    # another one, from the pool), through a mapping of its own.
+    theirs = [r for r in mappings_of(seg.fd) if not r[0] <= seg.address < r[1]]
+    for t in (*got.keys, *got.values):
+        assert any(lo <= t.data_ptr() < hi for lo, hi in theirs)
+    # Frozen: sealed against every write, and the producer's writes stay in its own copy.
+    assert fcntl.fcntl(seg.fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_WRITE
+    with pytest.raises(PermissionError):
+        os.pwrite(seg.fd, b"x", 0)
+    assert seg.untouched()
+    kv.values[0].zero_()
+    assert not seg.untouched()
+    assert got.equal(src) and not torch.equal(kv.values[0], src.values[0])
+    # Sent again after that write, it sends what the producer holds now (copied: the frozen
+    # segment no longer is its payload), and the first delivery still does not change.
+    await tx.send(rx.name, kv, medium="full")
+    again = (await rx.receive(timeout=10)).kv
+    assert again.equal(kv) and got.equal(src)
+
+
+async def test_an_untouched_kv_buffer_is_shared_again_by_its_next_send(bus: Bus, sender_bus: Bus) -> None:
+    rx = await bus.agent(f"kvbuf-rx2-{uuid.uuid4().hex[:6]}", signature=SIG)
+    tx = await sender_bus.agent(f"kvbuf-tx2-{uuid.uuid4().hex[:6]}", signature=SIG)
+    kv, src = filled(kv_of_bytes(SIG, 12 * MB, seed=9).n_tokens, seed=9)
+    seg = kv.segment
+    deliveries = []
+    for _ in range(2):
+        assert (await tx.send(rx.name, kv, medium="full")).path == "shm"
+        deliveries.append((await rx.receive(timeout=10)).kv)
+    theirs = [r for r in mappings_of(seg.fd) if not r[0] <= seg.address < r[1]]
+    for got in deliveries:
+        assert got.equal(src)
+        assert any(lo <= got.keys[0].data_ptr() < hi for lo, hi in theirs)
