@@ -90,6 +90,9 @@ FALLBACK_FIGURES: dict[str, MediumFigures] = {
 FALLBACK_PREFILL_TPS = 800.0
 FALLBACK_DECODE_TOKEN_S = 0.03
 
+#: The weight of one split transfer in its family's learned prefill slowdown (`CostModel.observe_split`):
+#: one transfer gives the slowdown itself, not a ratio of totals, so it counts for half.
+SPLIT_WEIGHT = 0.5
 #: The prefixes a bare ``split+X`` is priced at are fractions of the context in these steps (the
 #: chosen one names the medium, ``split(0.65)+int4``: few distinct names for the learned state).
 SPLIT_STEP = 0.05
@@ -239,6 +242,11 @@ class Estimate:
     """Decode by the calibrated figures alone."""
     learned: bool = False
     """Some term was corrected by what the scheduler measured (`kvbus.group_scheduler.learning`)."""
+    split_prefill_s: float = 0.0
+    """``split``: the prefix's prefill by the receiver's calibrated speed, before the learned
+    slowdown of a prefill that shares the receiver with the stream (`CostModel.observe_split`)."""
+    split_stream_s: float = 0.0
+    """``split``: the rest's stream (its bytes' time and decode) that hides the prefill."""
 
     @property
     def total_s(self) -> float:
@@ -540,9 +548,12 @@ class CostModel:
             why = whole.why_not or "a context of one token cannot be split"
             return replace(whole, medium=medium, usable=False, why_not=why)
         free = _prefill_free(receiver)
+        # A prefill that shares the receiver with the stream ran this much slower than its
+        # calibrated speed in the split transfers measured so far (`observe_split`).
+        slowdown = self.bias.get(family(medium), 1.0)
 
         def prefill(k: int) -> float:
-            return receiver.model.prefill_s(k) / free
+            return receiver.model.prefill_s(k) / free * slowdown
 
         if isinstance(given, (int, float)) and not isinstance(given, bool):
             fraction = float(given)
@@ -553,13 +564,12 @@ class CostModel:
             # is cheaper on the whole's terms scaled to the rest (a decision does this for every
             # split candidate: arithmetic only, and one exact estimate of the rest at the end).
             stream = whole.comm_s - whole.fixed_s + whole.dec_s
-            bias = self.bias.get(family(medium), 1.0)
             steps = round(1 / SPLIT_STEP)
 
             def cost(s: int) -> float:
                 k = prefix_length(s / steps, n_tokens)
                 share = (n_tokens - k) / n_tokens
-                exposed = max(0.0, prefill(k) - stream * share) * bias
+                exposed = max(0.0, prefill(k) - stream * share)
                 return (stream + whole.enc_s + whole.loss_s) * share + exposed
 
             if offered and prefill(prefix_length(1 / steps, n_tokens)) > stream * (1 - 1 / steps):
@@ -580,7 +590,17 @@ class CostModel:
             fraction = min((lo, min(steps - 1, lo + 1)), key=cost) / steps
             medium = _split_name(fraction, inner)
         return self._split_at(
-            medium, fraction, whole, prefill, n_tokens, kv_bytes, link, receiver, inner=inner, sender=sender
+            medium,
+            fraction,
+            whole,
+            prefill,
+            n_tokens,
+            kv_bytes,
+            link,
+            receiver,
+            inner=inner,
+            sender=sender,
+            slowdown=slowdown,
         )
 
     def _split_at(
@@ -596,9 +616,11 @@ class CostModel:
         *,
         inner: str,
         sender: Endpoint,
+        slowdown: float,
     ) -> Estimate:
         """``split(fraction)+inner`` (see `_estimate_split`): ``whole`` is inner's estimate for
-        the whole context (its fidelity), ``prefill(k)`` the receiver's prefill of ``k`` tokens."""
+        the whole context (its fidelity), ``prefill(k)`` the receiver's prefill of ``k`` tokens
+        beside the stream (its calibrated time times the learned ``slowdown``)."""
         k = prefix_length(fraction, n_tokens)
         rest = self.estimate(
             inner,
@@ -610,10 +632,13 @@ class CostModel:
         )
         ids = 4 * k
         lossy = (n_tokens - k) / n_tokens  # the prefix is recomputed exactly: only the rest is lossy
-        overlap = prefill(k) - (rest.comm_s - rest.fixed_s + rest.dec_s)
-        # The prefill's part the stream did not hide, scaled by what the split's transfers took
-        # against their predictions (`observe`: the prefill shares the receiver with the stream).
-        exposed = max(0.0, overlap) * self.bias.get(family(medium), 1.0)
+        stream = rest.comm_s - rest.fixed_s + rest.dec_s
+        # The prefill's part the stream did not hide. The learned slowdown is in the prefill, not
+        # in this difference: a split predicted to hide its prefill whole (the difference
+        # negative) and measured not to must raise its price (`bench select`, 2048 tokens at 10
+        # Mbit/s: split(0.75)+int4 predicted 3.5 s five times in a row, measured 7.2 s each
+        # time, where tokens took 4.4 s).
+        exposed = max(0.0, prefill(k) - stream)
         join = kv_bytes / JOIN_BPS / _free(receiver.compute_load)
         return replace(
             rest,
@@ -627,6 +652,8 @@ class CostModel:
             fidelity=1.0 - (1.0 - whole.fidelity) * lossy,
             dec_s=rest.dec_s + join,
             recompute_s=exposed,
+            split_prefill_s=prefill(k) / slowdown,
+            split_stream_s=stream,
         )
 
     def choose(
@@ -727,6 +754,40 @@ class CostModel:
         medium = family(medium)  # every split(f)+X teaches split+X
         ratio = min(4.0, max(0.25, observed_s / (predicted_s / self.bias.get(medium, 1.0))))
         self.bias[medium] = (1 - weight) * self.bias.get(medium, 1.0) + weight * ratio
+
+    def observe_split(
+        self,
+        medium: str,
+        *,
+        prefill_s: float,
+        stream_s: float,
+        base_s: float,
+        observed_s: float,
+        weight: float = SPLIT_WEIGHT,
+    ) -> None:
+        """Learn a split's prefill slowdown (its family's bias, clamped to 0.25..4) from one
+        transfer: what it took (``observed_s``: encode, transfer, decode) beyond what it costs
+        besides its exposed prefill (``base_s``) is the prefill the stream did not hide.
+
+        ``prefill_s`` and ``stream_s`` are the estimate's `Estimate.split_prefill_s` and
+        `Estimate.split_stream_s`. The split's bytes do not measure the link (`measures_link`),
+        so the link estimate in ``base_s`` is taken as right.
+        """
+        if prefill_s <= 0 or observed_s <= 0:
+            return
+        medium = family(medium)
+        current = self.bias.get(medium, 1.0)
+        implied = _implied_slowdown(prefill_s, stream_s, observed_s - base_s, current)
+        self.bias[medium] = (1 - weight) * current + weight * min(4.0, max(0.25, implied))
+
+
+def _implied_slowdown(prefill_s: float, stream_s: float, exposed_s: float, current: float) -> float:
+    """The prefill slowdown a split transfer implies: it left ``exposed_s`` of a prefill of
+    ``prefill_s`` (calibrated) uncovered by a stream of ``stream_s``. One it hid whole says only
+    that the slowdown is at most ``stream_s / prefill_s``."""
+    if exposed_s > 0:
+        return (exposed_s + stream_s) / prefill_s
+    return min(current, stream_s / prefill_s)
 
 
 def _padding(medium: str) -> int:

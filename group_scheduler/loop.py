@@ -449,7 +449,14 @@ class GrantLoop:
                     done.nbytes / wire_s, {"group": self.group, "link": f"{done.src}->{rx}", "path": path}
                 )
         compute_s = done.seconds - done.wire_s  # encode, decode, recompute: what the link estimate does not say
-        if model is not None and pending.predicted_comp_s > 0 and done.wire_s > 0 and compute_s > 0 and not budgeted:
+        if model is not None and pending.predicted_split is not None and not budgeted:
+            # A split's prefill runs during its stream and slows it down: its time beyond the
+            # rest of its cost, not its time off the wire, says what the prefill took.
+            prefill_s, stream_s, base_s = pending.predicted_split
+            model.observe_split(
+                pending.medium, prefill_s=prefill_s, stream_s=stream_s, base_s=base_s, observed_s=done.seconds
+            )
+        elif model is not None and pending.predicted_comp_s > 0 and done.wire_s > 0 and compute_s > 0 and not budgeted:
             model.observe(pending.medium, pending.predicted_comp_s, compute_s)
         if pending.reservation and not budgeted:
             took = time.monotonic() - pending.arrived

@@ -253,7 +253,13 @@ class AdaptiveSelector(MediumSelector):
         pending.decision = {**decided.choice.record(), "path": path, "links": decided.links} if decided.choice else {}
         if decided.choice is not None:
             pending.predicted_s = decided.choice.estimate.total_s
-            pending.predicted_comp_s = decided.choice.estimate.comp_s
+            est = decided.choice.estimate
+            pending.predicted_comp_s = est.comp_s
+            pending.predicted_split = (
+                (est.split_prefill_s, est.split_stream_s, est.comm_s + est.comp_s - est.recompute_s)
+                if est.split_prefill_s > 0
+                else None
+            )
         return Selection(decided.medium, decided.reason, decided.code)
 
     def decide(self, state: GroupState, pending: Pending) -> Decided:

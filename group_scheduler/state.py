@@ -203,6 +203,9 @@ class Pending:
     predicted_s: float = 0.0
     predicted_comp_s: float = 0.0
     """The chosen estimate's compute terms (what the cost model's online correction learns from)."""
+    predicted_split: tuple[float, float, float] | None = None
+    """A split's calibrated prefill, the stream that hides it, and its cost besides the exposed
+    prefill (`CostModel.observe_split`); None for any other medium."""
     deadline_at: float | None = None
     """The request's deadline on the monotonic clock, or None."""
     grant: bytes = b""

@@ -196,6 +196,56 @@ def test_where_prefill_and_link_take_alike_split_beats_both_by_overlapping_them(
     )
 
 
+def test_a_split_measured_not_to_hide_its_prefill_is_priced_at_what_it_took() -> None:
+    # bench select (testbed, 2048 tokens at 10 Mbit/s): split(0.75)+int4 was predicted to hide
+    # its prefill behind the stream (3.5 s) and took prefill + stream (7.2 s) five times in a
+    # row, where tokens took 4.4 s. The learned bias multiplied only the prefill's exposed part,
+    # zero when the model thinks it hidden: nothing was ever learned.
+    model = CostModel()
+    ep = Endpoint(SIG, model=COSTS)
+    kw: dict[str, Any] = dict(n_tokens=400, kv_bytes=16_000_000, link=Link(1e7, rtt_s=0.01), sender=ep, receiver=ep)
+    media = ("tokens", "full", "split+full")
+
+    def took(e: Any) -> float:
+        """What a transfer in ``e``'s medium takes here: a split's prefill does not overlap at all."""
+        return e.comm_s + e.comp_s - e.recompute_s + e.split_prefill_s if e.medium.startswith("split") else e.total_s
+
+    first = model.choose(media, **kw)
+    est = first.estimate
+    assert first.medium.startswith("split") and est.recompute_s < 0.2 * est.split_prefill_s  # mostly hidden
+    assert est.total_s < 0.75 * took(est)
+    best_other = min(e.total_s for e in first.candidates if not e.medium.startswith("split"))
+    current = first.medium
+    for _ in range(4):
+        choice = model.choose(media, **kw, current=current)
+        e = choice.estimate
+        if e.medium.startswith("split"):
+            model.observe_split(
+                e.medium,
+                prefill_s=e.split_prefill_s,
+                stream_s=e.split_stream_s,
+                base_s=e.comm_s + e.comp_s - e.recompute_s,
+                observed_s=took(e),
+            )
+        current = choice.medium
+    assert model.bias["split+full"] > 1.5
+    again = model.estimate(est.medium, **kw)  # the first split, priced again
+    assert again.total_s >= 0.85 * took(again)
+    assert took(model.choose(media, **kw, current=current).estimate) <= 1.1 * best_other
+    # A split that took what it was predicted to take teaches nothing.
+    fresh = CostModel()
+    est = fresh.choose(media, **kw).estimate
+    base = est.comm_s + est.comp_s - est.recompute_s
+    fresh.observe_split(
+        est.medium,
+        prefill_s=est.split_prefill_s,
+        stream_s=est.split_stream_s,
+        base_s=base,
+        observed_s=est.comm_s + est.comp_s,
+    )
+    assert fresh.bias["split+full"] == pytest.approx(1.0)
+
+
 def test_on_a_fast_link_the_whole_kv_beats_a_split() -> None:
     choice = _choose(5e9, ("tokens", "full", "split+full"))
     assert choice.medium == "full"
