@@ -651,3 +651,27 @@ def test_bench_int8_agreement_counts_only_rows_loaded_as_int8() -> None:
     ]
     assert int8_agreement(rows) == round((0.9375 + 0.25) / 2, 4)
     assert int8_agreement(rows[1:2]) is None
+
+
+def test_a_served_transfer_says_which_path_and_link_its_medium_was_priced_on() -> None:
+    # bench agents (issue 35): the adaptive arm sent int8 between engines of one host where full
+    # was faster, and nothing recorded why; the serve and push events now carry it.
+    from kvbus.bus import TransferReport
+    from kvbus.integrations.vllm.serving import why_medium
+
+    decision = {
+        "reason": "lowest predicted latency (3.0 ms)",
+        "links": {"b": {"path": "shm", "source": "estimate", "mbit": 812.5}},
+        "candidates": [
+            {"medium": "full", "total_s": 0.004},
+            {"medium": "int8", "total_s": 0.003},
+            {"medium": "lowrank", "total_s": None},
+        ],
+    }
+    report = TransferReport("t", "a", ("b",), "int8", 1, 2, 1, 0, 0.0, 0.0, 0.0, {}, 0.0, 0.0, decision, path="shm")
+    why = why_medium(report)
+    assert why.startswith("path shm; lowest predicted latency")
+    assert "link b shm estimate 812.5 Mbit/s" in why and why.endswith("predicted int8 3 ms, full 4 ms")
+    assert why_medium(TransferReport("t", "a", ("b",), "full", 1, 2, 1, 0, 0.0, 0.0, 0.0, {}, 0.0, 0.0)).endswith(
+        "link -; predicted -"
+    )

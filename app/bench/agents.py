@@ -252,6 +252,10 @@ def summarise(flows: list[dict[str, Any]], rounds: int, doc_tokens: int) -> dict
             "deliveries": sum(wf.deliveries for wf in wfs),
             "saves": sum(wf.saves for wf in wfs),
             "media": sorted(set(m for wf in wfs for m in wf.media)),
+            # Why each transfer went in its medium (path, the scheduler's reason, the link it
+            # priced, its cheapest predictions): the adaptive arm's choices between engines of
+            # one host are the question (issue 35).
+            "decisions": [d for wf in wfs for d in wf.decisions],
             "agreement_vs_prefix_cached_text": spread(agreements),
             "agreement_same_prompt": spread(same_prompt),
             "same_prompt_tokens": same_tokens,

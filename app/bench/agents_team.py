@@ -170,6 +170,8 @@ class Workflow:
     media: list[str] = field(default_factory=list)
     deliveries: int = 0
     saves: int = 0
+    decisions: list[str] = field(default_factory=list)
+    """Per transfer a holder sent (a pull it served, a push): its medium and why (`why_medium`)."""
 
     def score(self) -> float | None:
         """Fraction of the executors' answers whose first tokens are the documents' continuation."""
@@ -362,4 +364,6 @@ def run_workflow(team: Team, ctl: Any, arm: Arm, ds: DocSet, lengths: Lengths, l
             wf.nbytes += int(ev.nbytes)
             wf.deliveries += 1
             wf.media.append(ev.medium)
+        if ev.kind in ("serve", "push") and ev.ok and ev.agent in ours:
+            wf.decisions.append(f"{ev.medium}: {ev.reason}")
     return wf

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvbus.bus import TransferError
+from kvbus.bus import TransferError, TransferReport
 from kvbus.errors import KVBusError, WireFormatError
 from kvbus.integrations.vllm.errors import LoadFailed
 from kvbus.integrations.vllm.keys import as_ids
@@ -139,6 +139,7 @@ async def serve_pull(client: KVBusClient, req: PullRequest, ids: torch.Tensor) -
         nbytes=report.nbytes,
         seconds=report.total_s,
         fidelity=float(kv.fidelity),
+        reason=why_medium(report),
     )
 
 
@@ -168,6 +169,7 @@ async def push(client: KVBusClient, to: list[str], tokens: list[int], medium: st
         nbytes=report.nbytes,
         seconds=report.total_s,
         fidelity=float(kv.fidelity),
+        reason=why_medium(report),
     )
     return PushReply(
         ok=True,
@@ -177,6 +179,23 @@ async def push(client: KVBusClient, to: list[str], tokens: list[int], medium: st
         seconds=report.total_s,
         transfer_id=report.transfer_id,
     )
+
+
+def why_medium(report: TransferReport) -> str:
+    """Why a transfer went in its medium, for an ``ok`` event's ``reason``: the path its bytes
+    took, the scheduler's reason, the link it priced (path, where the estimate came from, Mbit/s)
+    and its three cheapest predictions."""
+    d = report.decision or {}
+    links = d.get("links") or {}
+    priced = "; ".join(
+        f"{rx} {link.get('path', '?')} {link.get('source', '?')} {link.get('mbit', '?')} Mbit/s"
+        for rx, link in links.items()
+        if isinstance(link, dict)
+    )
+    cands = [c for c in d.get("candidates", []) if isinstance(c, dict) and c.get("total_s") is not None]
+    cands.sort(key=lambda c: c["total_s"])
+    cheapest = ", ".join(f"{c['medium']} {c['total_s'] * 1e3:.0f} ms" for c in cands[:3])
+    return f"path {report.path}; {d.get('reason', '')}; link {priced or '-'}; predicted {cheapest or '-'}"[:400]
 
 
 async def on_push(client: KVBusClient, msg: Any) -> None:
