@@ -649,7 +649,10 @@ class CostModel:
             # A prior, not a calibration: the fidelity loss in proportion to the share of the
             # context whose KV went lossy.
             loss_s=whole.loss_s * lossy,
-            fidelity=1.0 - (1.0 - whole.fidelity) * lossy,
+            # What the receiver's decode stamps on the context (the inner medium's factor, see
+            # `SplitCodec`), which the precision refresh must count: with the share prorated
+            # here as well, a relay of 20 hops took the lineage to 0.895 under a threshold of 0.9.
+            fidelity=whole.fidelity,
             dec_s=rest.dec_s + join,
             recompute_s=exposed,
             split_prefill_s=prefill(k) / slowdown,

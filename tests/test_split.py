@@ -246,6 +246,23 @@ def test_a_split_measured_not_to_hide_its_prefill_is_priced_at_what_it_took() ->
     assert fresh.bias["split+full"] == pytest.approx(1.0)
 
 
+def test_a_splits_fidelity_is_the_one_its_decode_stamps_so_the_refresh_keeps_the_lineage() -> None:
+    # bench select's relay: the estimate prorated a split's fidelity by its lossy share while the
+    # decode stamps the inner medium's whole factor, and the lineage ended at 0.895 (threshold 0.9).
+    model = CostModel()
+    ep = Endpoint(SIG, model=COSTS)
+    kw: dict[str, Any] = dict(n_tokens=400, kv_bytes=16_000_000, link=Link(1e7, rtt_s=0.01), sender=ep, receiver=ep)
+    est = model.estimate("split(0.5)+int8", **kw)
+    kv = RUNNER.prefill(context(40, 9))
+    codec = get_codec("split(0.5)+int8")
+    got = codec.decode(codec.encode(kv), runner=RUNNER)
+    assert got.fidelity == pytest.approx(codec.inner.fidelity)  # the inner medium's whole factor
+    assert est.fidelity == model.estimate("int8", **kw).fidelity  # and so is the estimate's
+    threshold = model.config.refresh_threshold
+    assert not model.refresh_allows(est, threshold / est.fidelity * 0.999)
+    assert model.refresh_allows(est, threshold / est.fidelity * 1.001)
+
+
 def test_on_a_fast_link_the_whole_kv_beats_a_split() -> None:
     choice = _choose(5e9, ("tokens", "full", "split+full"))
     assert choice.medium == "full"
