@@ -543,6 +543,15 @@ async def test_agents_pull_push_and_fail_cleanly(nats_url: str, scheduler: objec
         assert to_c.ok and to_c.medium == "tokens"
         await c.settled()
         assert c.held(kv2.tokens) == 0
+        # A push to several engines is a transfer to each (not a broadcast, which NATS fans out
+        # and which never takes shm): each gets its own medium, here KV for b and tokens for c.
+        kv3 = _context(40, seed=4)
+        a.save(kv3, "r3")
+        both = await a.push(["vparts-b", "vparts-c"], kv3.tokens[0].tolist(), None)
+        assert both.ok and both.tokens == 40 and both.medium.split(",")[-1] == "tokens", both
+        await b.settled()
+        await c.settled()
+        assert b.held(kv3.tokens) == 40 and c.held(kv3.tokens) == 0
         nothing = await a.push(["vparts-b"], [7] * 20, None)
         assert not nothing.ok and "holds no block" in nothing.reason
     finally:
