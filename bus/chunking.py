@@ -239,6 +239,11 @@ class ChunkSource:
         pieces = [self.buffers[b][s:e] for b, s, e in self.plan.pieces(index)]
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
+    def in_place(self, base: int) -> list[bool]:
+        """Per buffer, whether it already lies at its payload offset from the address ``base``
+        (an empty one does): where a payload built in a shared segment needs no copy."""
+        return [not b.nbytes or address(b) == base + start for b, start in zip(self.buffers, self.plan.starts)]
+
     def digest(self, index: int) -> str:
         """`chunk_digest` of chunk ``index``, hashed piece by piece (nothing joined)."""
         h = xxhash.xxh3_64()
@@ -290,8 +295,7 @@ async def stage(source: ChunkSource, dst: memoryview, *, workers: int = 2) -> by
         return b""
     per = -(-n // max(1, workers))
     runs = [range(lo, min(n, lo + per)) for lo in range(0, n, per)]
-    base = address(dst)
-    in_place = [address(b) == base + start for b, start in zip(source.buffers, source.plan.starts)]
+    in_place = source.in_place(address(dst))
     parts = await asyncio.gather(*(asyncio.to_thread(copy_and_digest, source, dst, run, in_place) for run in runs))
     return b"".join(parts)
 

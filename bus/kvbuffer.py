@@ -19,12 +19,6 @@ from kvbus.signature import ModelSignature
 TOKEN_BYTES = 8
 
 
-def kv_buffer_nbytes(signature: ModelSignature, n_tokens: int, batch: int = 1) -> int:
-    """The bytes of the ``full`` payload of ``n_tokens`` tokens: the token ids, then every layer's keys and values."""
-    per_layer = batch * signature.n_kv_heads * n_tokens * signature.head_dim * signature.torch_dtype.itemsize
-    return batch * n_tokens * TOKEN_BYTES + 2 * signature.n_layers * per_layer
-
-
 def kv_buffer(signature: ModelSignature, n_tokens: int, *, batch: int = 1) -> KVCache:
     """An empty cache of ``n_tokens`` tokens for ``signature``'s model whose tokens, keys and values
     are views of one shared segment, in the order and at the offsets of the ``full`` medium's
@@ -46,7 +40,7 @@ def kv_buffer(signature: ModelSignature, n_tokens: int, *, batch: int = 1) -> KV
     shape = (batch, signature.n_kv_heads, n_tokens, signature.head_dim)
     token_bytes = batch * n_tokens * TOKEN_BYTES
     layer_bytes = shape[0] * shape[1] * shape[2] * shape[3] * dtype.itemsize
-    seg = Segment(kv_buffer_nbytes(signature, n_tokens, batch), name="kvbus-kv", freezable=True)
+    seg = Segment(token_bytes + 2 * signature.n_layers * layer_bytes, name="kvbus-kv", freezable=True)
     raw = seg.tensor()
     tokens = raw[:token_bytes].view(torch.int64).view(batch, n_tokens)
     keys: list[torch.Tensor] = []

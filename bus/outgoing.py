@@ -39,7 +39,6 @@ from kvbus.bus.errors import ReceiverGone, TransferError, TransferInDoubt, Trans
 from kvbus.bus.handshake import Handshake, ReceiverOutcome
 from kvbus.bus.pacing import TokenBucket
 from kvbus.bus.paths import DataPlane, PathError, Segment, TransferSpec
-from kvbus.bus.paths.shm import address
 from kvbus.bus.route import Route
 from kvbus.codecs import Encoded
 from kvbus.net.transport import NoResponders, Transport
@@ -483,10 +482,8 @@ class OutgoingTransfer:
         seg = self._home
         if seg is None or seg.fd < 0 or self.plan.total > seg.nbytes:
             return None
-        base = seg.address
-        for buf, start in zip(self.plan.buffers, self.plan.plan.starts):
-            if buf.nbytes and address(buf) != base + start:
-                return None
+        if not all(self.plan.in_place(seg.address)):
+            return None
         if seg.frozen:
             # Sent before: it is the payload only while the producer has not written since (a
             # read of 2 bytes per 4 KB page: about 1 ms at 64 MB, off the event loop).

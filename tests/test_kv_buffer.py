@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvbus.bus import Bus
-from kvbus.bus.kvbuffer import kv_buffer, kv_buffer_nbytes
+from kvbus.bus.kvbuffer import kv_buffer
 from kvbus.codecs import get_codec
 from tests.kvutil import kv_of_bytes
 from tests.peer import SIG
@@ -54,7 +54,7 @@ def test_a_kv_buffer_is_laid_out_as_the_full_payload() -> None:
     for buf in encoded.buffers:  # every buffer of the payload lies at its offset, back to back
         assert torch.frombuffer(buf, dtype=torch.uint8).data_ptr() == base + offset
         offset += buf.nbytes
-    assert offset == kv.segment.nbytes == kv_buffer_nbytes(SIG, 200)
+    assert offset == kv.segment.nbytes == get_codec("full").estimate_nbytes(SIG, 200)
     assert kv.slice(0, 10).segment is None and kv.clone().segment is None
     with pytest.raises(ValueError, match="at least one token"):
         kv_buffer(SIG, 0)
