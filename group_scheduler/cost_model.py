@@ -638,7 +638,8 @@ class CostModel:
         # negative) and measured not to must raise its price (`bench select`, 2048 tokens at 10
         # Mbit/s: split(0.75)+int4 predicted 3.5 s five times in a row, measured 7.2 s each
         # time, where tokens took 4.4 s).
-        exposed = max(0.0, prefill(k) - stream)
+        beside = prefill(k)
+        exposed = max(0.0, beside - stream)
         join = kv_bytes / JOIN_BPS / _free(receiver.compute_load)
         return replace(
             rest,
@@ -655,7 +656,7 @@ class CostModel:
             fidelity=whole.fidelity,
             dec_s=rest.dec_s + join,
             recompute_s=exposed,
-            split_prefill_s=prefill(k) / slowdown,
+            split_prefill_s=beside / slowdown,
             split_stream_s=stream,
         )
 
@@ -755,8 +756,11 @@ class CostModel:
         if predicted_s <= 0 or observed_s <= 0:
             return
         medium = family(medium)  # every split(f)+X teaches split+X
-        ratio = min(4.0, max(0.25, observed_s / (predicted_s / self.bias.get(medium, 1.0))))
-        self.bias[medium] = (1 - weight) * self.bias.get(medium, 1.0) + weight * ratio
+        self._move_bias(medium, observed_s / (predicted_s / self.bias.get(medium, 1.0)), weight)
+
+    def _move_bias(self, fam: str, ratio: float, weight: float) -> None:
+        """The EWMA step of a family's bias towards ``ratio``, clamped to 0.25..4."""
+        self.bias[fam] = (1 - weight) * self.bias.get(fam, 1.0) + weight * min(4.0, max(0.25, ratio))
 
     def observe_split(
         self,
@@ -779,9 +783,8 @@ class CostModel:
         if prefill_s <= 0 or observed_s <= 0:
             return
         medium = family(medium)
-        current = self.bias.get(medium, 1.0)
-        implied = _implied_slowdown(prefill_s, stream_s, observed_s - base_s, current)
-        self.bias[medium] = (1 - weight) * current + weight * min(4.0, max(0.25, implied))
+        implied = _implied_slowdown(prefill_s, stream_s, observed_s - base_s, self.bias.get(medium, 1.0))
+        self._move_bias(medium, implied, weight)
 
 
 def _implied_slowdown(prefill_s: float, stream_s: float, exposed_s: float, current: float) -> float:

@@ -228,7 +228,9 @@ class KVBusClient:
         """
         assert self.tier is not None
         try:
-            return await self.tier.get(ids[:, :n], out=self._buffer(n, int(ids.shape[0])))
+            # (a new segment's pages are faulted in as it is made: off the event loop)
+            out = await asyncio.to_thread(self._buffer, n, int(ids.shape[0]))
+            return await self.tier.get(ids[:, :n], out=out)
         except (CacheTierError, KVBusError) as exc:
             raise LoadFailed(n, f"the store lost blocks ({exc})") from None
 
