@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kvbus.errors import GenerationError
+from kvbus.errors import GenerationError, SignatureMismatch
 from kvbus.kvcache import KVCache
 from kvbus.signature import ModelSignature
 
@@ -76,20 +76,52 @@ class HFRunner:
             raise GenerationError(f"token ids must lie in 0..{vocab - 1}")
         return ids
 
-    def prefill(self, tokens: torch.Tensor) -> KVCache:
+    def prefill(self, tokens: torch.Tensor, *, out: KVCache | None = None) -> KVCache:
         """Run the model over ``tokens`` ``[batch, n]`` (or ``[n]``) and return their KV-cache.
 
         An empty sequence gives a token-only cache.
 
+        Args:
+            out: a cache to write the result into and return, of this model, ``n`` tokens and
+                ``batch`` rows: an `Agent.kv_buffer` (``agent.kv_buffer(n)``), whose ``full``
+                transfer to an agent of this host then copies no byte (the prefill's KV is
+                copied into it once, at memory speed).
+
         Raises:
             GenerationError: the token ids are not integers in the vocabulary.
+            SignatureMismatch: ``out`` is for another model, or not of the tokens' batch and
+                length, or not in the model's dtype (checked before the model runs).
         """
         ids = self._ids(tokens)
+        if out is not None:
+            self._check_out(out, ids)
         if ids.shape[1] == 0:
             return KVCache(tokens=ids, signature=self.signature)
         with torch.inference_mode():
-            out = self.model(input_ids=ids, use_cache=True)
-        return KVCache.from_hf(output_cache(out), ids, self.model.config, model=self.name)
+            result = self.model(input_ids=ids, use_cache=True)
+        kv = KVCache.from_hf(output_cache(result), ids, self.model.config, model=self.name)
+        if out is None:
+            return kv
+        out.tokens.copy_(ids)
+        for dst, src in zip((*out.keys, *out.values), (*kv.keys, *kv.values), strict=True):
+            dst.copy_(src)
+        return out
+
+    def _check_out(self, out: KVCache, ids: torch.Tensor) -> None:
+        """That ``out`` can hold the prefill of ``ids``: this model's layers, their batch and length, its dtype."""
+        sig = self.signature
+        want = (ids.shape[0], sig.n_kv_heads, ids.shape[1], sig.head_dim)
+        if out.positions is not None or not out.keys:
+            raise SignatureMismatch(f"a cache of {sig.n_layers} dense layers", "a sparse or token-only cache")
+        out.validate(sig)
+        got = out.keys[0]
+        if tuple(out.tokens.shape) != tuple(ids.shape) or tuple(got.shape) != want:
+            raise SignatureMismatch(
+                f"tokens {list(ids.shape)} and layers {list(want)}",
+                f"tokens {list(out.tokens.shape)} and layers {list(got.shape)}",
+            )
+        if got.dtype != self.model.dtype or out.tokens.dtype != torch.int64:
+            raise SignatureMismatch(f"{self.model.dtype} layers, int64 tokens", f"{got.dtype}, {out.tokens.dtype}")
 
     def _resume(self, kv: KVCache) -> tuple[Any, torch.Tensor, int]:
         """The `transformers` cache to continue ``kv`` from, the ids still to feed, and their first position.

@@ -13,13 +13,22 @@ import uuid
 import pytest
 import torch
 
+from kvbus.app.models import random_model
 from kvbus.bus import Bus
 from kvbus.bus.kvbuffer import kv_buffer
 from kvbus.codecs import get_codec
+from kvbus.codecs.runner import HFRunner
+from kvbus.errors import SignatureMismatch
 from tests.kvutil import kv_of_bytes
 from tests.peer import SIG
 
 MB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def runner() -> HFRunner:
+    """A random Llama of 8 KB of KV per token: 400 tokens make a context past the 2 MB inline limit."""
+    return random_model(n_layers=4, n_kv_heads=4, head_dim=64, vocab_size=500, seed=11)
 
 
 def mappings_of(fd: int) -> list[tuple[int, int]]:
@@ -105,3 +114,35 @@ async def test_an_untouched_kv_buffer_is_shared_again_by_its_next_send(bus: Bus,
     for got in deliveries:
         assert got.equal(src)
         assert any(lo <= got.keys[0].data_ptr() < hi for lo, hi in theirs)
+
+
+def test_a_prefill_writes_into_a_kv_buffer_and_refuses_one_that_does_not_fit(runner: HFRunner) -> None:
+    tokens = torch.randint(0, 500, (1, 40), generator=torch.Generator().manual_seed(1))
+    out = kv_buffer(runner.signature, 40)
+    got = runner.prefill(tokens, out=out)
+    assert got is out and out.segment is not None
+    assert got.equal(runner.prefill(tokens))
+    for misfit in (
+        kv_buffer(runner.signature, 41),  # another length
+        kv_buffer(runner.signature, 40, batch=2),  # another batch
+        kv_buffer(SIG, 40),  # another model
+    ):
+        with pytest.raises(SignatureMismatch):
+            runner.prefill(tokens, out=misfit)
+
+
+async def test_a_prefill_into_an_agents_kv_buffer_goes_on_shm_without_a_copy(
+    bus: Bus, sender_bus: Bus, runner: HFRunner
+) -> None:
+    sig = runner.signature
+    rx = await bus.agent(f"kvbuf-rx3-{uuid.uuid4().hex[:6]}", signature=sig)
+    tx = await sender_bus.agent(f"kvbuf-tx3-{uuid.uuid4().hex[:6]}", signature=sig)
+    tokens = torch.randint(0, 500, (1, 400), generator=torch.Generator().manual_seed(2))
+    kv = runner.prefill(tokens, out=tx.kv_buffer(400))
+    assert kv.nbytes > 2 * MB  # past the inline limit: it goes on a data path
+    seg = kv.segment
+    report = await tx.send(rx.name, kv, medium="full")
+    got = (await rx.receive(timeout=10)).kv
+    assert report.path == "shm" and got.equal(runner.prefill(tokens))
+    theirs = [r for r in mappings_of(seg.fd) if not r[0] <= seg.address < r[1]]
+    assert all(any(lo <= t.data_ptr() < hi for lo, hi in theirs) for t in (*got.keys, *got.values))
