@@ -7,6 +7,7 @@ Real nats-server, real scheduler, two buses of one process (the ``shm`` path bet
 from __future__ import annotations
 
 import fcntl
+import gc
 import os
 import uuid
 
@@ -42,6 +43,13 @@ def mappings_of(fd: int) -> list[tuple[int, int]]:
                 lo, hi = (int(x, 16) for x in parts[0].split("-"))
                 out.append((lo, hi))
     return out
+
+
+def shared_readonly_mappings() -> int:
+    """This process's read-only shared mappings of ``kv_buffer`` segments (only a receiver's
+    verification makes those)."""
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if "memfd:kvbus-kv" in line and line.split()[1] == "r--s")
 
 
 def filled(n_tokens: int, seed: int):
@@ -146,3 +154,21 @@ async def test_a_prefill_into_an_agents_kv_buffer_goes_on_shm_without_a_copy(
     assert report.path == "shm" and got.equal(runner.prefill(tokens))
     theirs = [r for r in mappings_of(seg.fd) if not r[0] <= seg.address < r[1]]
     assert all(any(lo <= t.data_ptr() < hi for lo, hi in theirs) for t in (*got.keys, *got.values))
+
+
+async def test_a_receiver_keeps_no_mapping_of_a_frozen_segment_after_the_transfer(bus: Bus, sender_bus: Bus) -> None:
+    """The receiver's cache of mappings (kept so that a pooled segment, reused by its sender, is
+    verified through filled page tables) must not keep a frozen one: nobody reuses it, and the
+    mapping would hold its memory after the sender and the delivery let go (the engines of
+    `bench agents` grew by a GB each until the machine ran out)."""
+    rx = await bus.agent(f"kvbuf-rx4-{uuid.uuid4().hex[:6]}", signature=SIG)
+    tx = await sender_bus.agent(f"kvbuf-tx4-{uuid.uuid4().hex[:6]}", signature=SIG)
+    before = shared_readonly_mappings()
+    for seed in range(4):
+        kv, src = filled(kv_of_bytes(SIG, 6 * MB, seed=seed).n_tokens, seed=seed)
+        assert (await tx.send(rx.name, kv, medium="full")).path == "shm"
+        got = (await rx.receive(timeout=10)).kv
+        assert got.equal(src)
+        del kv, got
+        gc.collect()
+    assert shared_readonly_mappings() == before

@@ -75,6 +75,14 @@ NOTES = {
         "verifier and the next turn's planner pull what they lack (the connector's pull gate may "
         "decline a pull predicted slower than the prefill). Engines' lookup_timeout_s is 10 s."
     ),
+    "memory": (
+        "Each engine's kvbus block store is 512 MiB and its codec arena pool 256 MiB "
+        "(agents_team.STORE_BYTES, ARENA_POOL_MB; the defaults are 1 GiB each): with the defaults "
+        "the four engine workers of a full run grew to 4.7-5.9 GB each and the 24 GiB machine ran "
+        "out of memory in the second round. A store that fills drops its least recently used "
+        "blocks (no Redis here), which the workflow does not reuse: each kvbus arm has documents "
+        "of its own."
+    ),
     "text_arms": "Arms (a) and (b) send kvbus_off: the connector neither loads, saves nor pushes for them.",
     "task": (
         "Each executor is asked to continue a passage that occurs once in the documents; the score "

@@ -190,13 +190,21 @@ class Lengths:
     verdict: int = 16
 
 
+#: Each engine's kvbus block store and codec arena pool, sized for four engines on a 24 GiB
+#: machine. With the defaults (1 GiB each) the full run's engine workers grew to 4.7-5.9 GB
+#: each by its second round (a 2048-token SmolLM2 context is 94 MB in float32; vLLM's own KV
+#: takes 1 GiB), the machine ran out of memory and the run stalled.
+STORE_BYTES = 512 << 20
+ARENA_POOL_MB = 256
+
+
 def _engine(role: str, nats_url: str, log: Path) -> Any:
     from kvbus.app.models import model_folder
     from kvbus.integrations.vllm import connector_config
     from kvbus.integrations.vllm.process import EngineProcess
 
     return EngineProcess(
-        env={"VLLM_CPU_OMP_THREADS_BIND": CPUS[role]},
+        env={"VLLM_CPU_OMP_THREADS_BIND": CPUS[role], "KVBUS_ARENA_POOL_MB": str(ARENA_POOL_MB)},
         log_path=str(log),
         model=str(model_folder()),
         dtype="float32",
@@ -216,6 +224,7 @@ def _engine(role: str, nats_url: str, log: Path) -> Any:
             # A lookup waits for deliveries being stored (a push still landing): on 2 busy cores
             # that takes more than the default 1 s, and a lookup that times out is a prefill.
             lookup_timeout_s=10.0,
+            store_bytes=STORE_BYTES,
         ),
     )
 
