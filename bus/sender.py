@@ -310,9 +310,13 @@ class Sender:
             decode_s=slowest_decode,
         )
         fidelity, lossless = self._delivered(receivers, kv, plan.codec, encoded)
+        # A copy of the ids (8 bytes a token): ``kv.tokens`` may be a view of a much larger
+        # storage (an `Agent.kv_buffer`'s segment, which it would keep alive), and the caller may
+        # change it in place afterwards.
+        tokens = kv.tokens.clone() if any(o.ok for o in outcomes.values()) else kv.tokens
         for rx, o in outcomes.items():
             if o.ok:
-                self.bases[rx] = SentBase(kv.tokens, lossless, fidelity)
+                self.bases[rx] = SentBase(tokens, lossless, fidelity)
             elif isinstance(o.error, TransferRejected) and o.error.code is Reason.RECEIVER_RESTARTED:
                 self.bases.pop(rx, None)
         # Metrics and the span's results once the report is returned (off the transfer's path).

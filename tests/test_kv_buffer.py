@@ -45,6 +45,12 @@ def mappings_of(fd: int) -> list[tuple[int, int]]:
     return out
 
 
+def mappings_of_inode(inode: int) -> list[str]:
+    """This process's mappings of the ``kv_buffer`` segment whose memfd has ``inode``."""
+    with open("/proc/self/maps") as f:
+        return [line for line in f if "memfd:kvbus-kv" in line and int(line.split()[4]) == inode]
+
+
 def shared_readonly_mappings() -> int:
     """This process's read-only shared mappings of ``kv_buffer`` segments (only a receiver's
     verification makes those)."""
@@ -172,3 +178,27 @@ async def test_a_receiver_keeps_no_mapping_of_a_frozen_segment_after_the_transfe
         del kv, got
         gc.collect()
     assert shared_readonly_mappings() == before
+
+
+async def test_a_transfer_is_not_kept_alive_by_its_shm_session_after_it_ended(bus: Bus, sender_bus: Bus) -> None:
+    """A shm session stays registered until its receiver let go of the segment, which a receiver
+    keeping the context as its delta base does only at the sender's next transfer to it. The
+    session's callbacks held the whole transfer meanwhile (its payload, its context: a
+    `kv_buffer` of 100 MB a hand-off in `bench agents`, whose engines grew until the machine ran
+    out of memory)."""
+    from kvbus.bus.outgoing import OutgoingTransfer
+
+    rx = await bus.agent(f"kvbuf-rx5-{uuid.uuid4().hex[:6]}", signature=SIG)
+    tx = await sender_bus.agent(f"kvbuf-tx5-{uuid.uuid4().hex[:6]}", signature=SIG)
+    held = []
+    for seed, medium in ((1, "full"), (2, "int8")):
+        kv, _ = filled(kv_of_bytes(SIG, 6 * MB, seed=seed).n_tokens, seed=seed)
+        inode = os.fstat(kv.segment.fd).st_ino
+        assert (await tx.send(rx.name, kv, medium=medium)).path == "shm"
+        held.append((await rx.receive(timeout=10)).kv)  # the application keeps what it got
+        del kv
+    gc.collect()
+    assert [o for o in gc.get_objects() if type(o) is OutgoingTransfer] == []
+    # The int8 payload was encoded elsewhere: nothing maps the cache's segment any more, not
+    # even the token ids the sender keeps as the receiver's delta base (a copy, not a view of it).
+    assert [r for r in mappings_of_inode(inode)] == []

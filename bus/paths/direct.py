@@ -301,6 +301,10 @@ class DirectSendSession:
         if self._closed:
             return
         self._closed = True
+        # Neither is called once closed, and both hold the transfer (its payload, its context):
+        # a shm session stays registered until the receiver let go of the segment, which may be
+        # long after the transfer (a receiver keeps the last context as its delta base).
+        self._on_control = self._on_lost = None
         await self.conn.end(self.stream, completed=completed)
 
 

@@ -399,6 +399,9 @@ class KVBusClient:
                 raise
             except Exception:
                 logger.exception("kvbus connector %s: handling a delivery from %s failed", self.name, delivery.sender)
+            # Not held while the next one is awaited: its tensors map the sender's segment (stored
+            # by now as a copy), which the sender keeps until every mapping of it is gone.
+            del delivery, task
 
     async def _on_delivery(self, d: Delivery) -> None:
         kv = d.kv
