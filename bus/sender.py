@@ -313,7 +313,7 @@ class Sender:
         # A copy of the ids (8 bytes a token): ``kv.tokens`` may be a view of a much larger
         # storage (an `Agent.kv_buffer`'s segment, which it would keep alive), and the caller may
         # change it in place afterwards.
-        tokens = kv.tokens.clone() if any(o.ok for o in outcomes.values()) else kv.tokens
+        tokens = kv.tokens.clone()
         for rx, o in outcomes.items():
             if o.ok:
                 self.bases[rx] = SentBase(tokens, lossless, fidelity)

@@ -188,17 +188,17 @@ class LowRankCodec(LayerwiseCodec):
             NonFiniteValues: ``keys`` or ``values`` hold NaN or inf (their Gram matrix or sketch is not finite).
         """
         _, h, _, d = keys.shape
+        result: list[torch.Tensor] = []
         if h * d > EXACT_MAX_DIM:
             result = self._project_wide(keys, values)
-            if out:
-                return [dst.copy_(t) for dst, t in zip(out, result, strict=True)]
-            return [t.to(keys.dtype) if i % 2 == 0 else t.contiguous().to(keys.dtype) for i, t in enumerate(result)]
-        result = []
-        for what, x in (("keys", keys), ("values", values)):
-            try:
-                result += self._project(x)
-            except NonFiniteValues:
-                raise NonFiniteValues(self.name, what) from None
+            if not out:  # (with out, copy_ converts to the KV dtype in the same pass)
+                result = [t.to(keys.dtype).contiguous() for t in result]
+        else:
+            for what, x in (("keys", keys), ("values", values)):
+                try:
+                    result += self._project(x)
+                except NonFiniteValues:
+                    raise NonFiniteValues(self.name, what) from None
         return [dst.copy_(t) for dst, t in zip(out, result, strict=True)] if out else result
 
     def check_payload(self, header: KVHeader, buffers: list[memoryview]) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 
-import msgpack
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -18,18 +17,11 @@ from kvbus.codecs.errors import NonFiniteValues
 from kvbus.codecs.lowrank import EXACT_MAX_DIM, _orthonormal
 from kvbus.kvcache import KVCache
 from kvbus.signature import ModelSignature, dtype_name
+from tests.test_codecs_media import wire
 
 PROPERTY = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 HEADS, HEAD_DIM = 5, 128  # 640 features: past EXACT_MAX_DIM
-
-
-def wire(encoded: Encoded) -> Encoded:
-    meta = msgpack.unpackb(msgpack.packb(encoded.meta))
-    return Encoded.from_payload(encoded.codec, meta, b"".join(encoded.buffers), encoded.sizes)
-
-
-def rows_of(x: torch.Tensor) -> torch.Tensor:
-    return x.permute(0, 2, 1, 3).reshape(-1, x.shape[1] * x.shape[3])
+assert HEADS * HEAD_DIM > EXACT_MAX_DIM  # every cache here takes the wide path
 
 
 def tensor(rows: torch.Tensor, batch: int, dtype: torch.dtype) -> torch.Tensor:
@@ -54,10 +46,6 @@ def low_rank_rows(n: int, rank: int, seed: int) -> torch.Tensor:
 
 def roundtrip(kv: KVCache, spec: str) -> KVCache:
     return get_codec(spec).decode(wire(get_codec(spec).encode(kv)))
-
-
-def test_the_wide_path_is_taken() -> None:
-    assert HEADS * HEAD_DIM > EXACT_MAX_DIM
 
 
 @PROPERTY
