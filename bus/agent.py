@@ -25,6 +25,7 @@ from kvbus.kvcache import KVCache
 from kvbus.net.transport import Transport
 from kvbus.protocol import (
     MAX_IDEMPOTENCY_KEY,
+    MAX_LABEL,
     AgentLeave,
     Probe,
     ack_subject,
@@ -173,6 +174,7 @@ class Agent(Endpoint):
         deadline: float | None = None,
         critical: bool = False,
         idempotency_key: str | None = None,
+        label: str = "",
     ) -> TransferReport:
         """Send a context to agent ``to`` and wait until it arrived whole and verified.
 
@@ -187,11 +189,14 @@ class Agent(Endpoint):
                 characters). Sent again with the same key after a `TransferInDoubt`, it is
                 answered with the first one's verdict by a receiver that delivered it (the
                 receiver's bus remembers the keys of its last deliveries while it runs).
+            label: the caller's word on what the context is (at most `MAX_LABEL` characters,
+                e.g. a tenant's scope), handed to the receiver as `Delivery.label`; the bus
+                gives it no meaning.
 
         Raises:
             UnknownCodec: ``medium`` is not a registered codec (a `ValueError`).
             SignatureMismatch: ``kv`` does not fit its own model signature.
-            ValueError: ``idempotency_key`` is empty or too long.
+            ValueError: ``idempotency_key`` is empty or too long, or ``label`` is too long.
             TransferInDoubt: the transfer failed after its bytes may have arrived (the receiver
                 may have it); ``cause`` says how it failed.
             TransferError: the transfer failed and nothing was delivered; the subclass says why
@@ -199,8 +204,15 @@ class Agent(Endpoint):
         """
         if idempotency_key is not None and not 1 <= len(idempotency_key) <= MAX_IDEMPOTENCY_KEY:
             raise ValueError(f"idempotency_key must be 1 to {MAX_IDEMPOTENCY_KEY} characters")
+        _check_label(label)
         return await self._sender.send(
-            [to], kv, medium=medium, deadline=deadline, critical=critical, idempotency_key=idempotency_key or ""
+            [to],
+            kv,
+            medium=medium,
+            deadline=deadline,
+            critical=critical,
+            idempotency_key=idempotency_key or "",
+            label=label,
         )
 
     async def broadcast(
@@ -211,8 +223,11 @@ class Agent(Endpoint):
         medium: str | None = None,
         deadline: float | None = None,
         critical: bool = False,
+        label: str = "",
     ) -> TransferReport:
         """Send one context to several agents; its bytes leave this agent once and NATS fans them out.
+
+        ``label`` is as for `send`.
 
         Raises:
             TransferError: at least one receiver did not get it; ``failed`` maps those to their errors.
@@ -220,7 +235,8 @@ class Agent(Endpoint):
         receivers = list(dict.fromkeys(to))
         if not receivers:
             raise ValueError("broadcast needs at least one receiver")
-        return await self._sender.send(receivers, kv, medium=medium, deadline=deadline, critical=critical)
+        _check_label(label)
+        return await self._sender.send(receivers, kv, medium=medium, deadline=deadline, critical=critical, label=label)
 
     async def reserve(self, to: str | Iterable[str], *, period: float, size: int, deadline: float) -> str:
         """Reserve bandwidth for a periodic critical flow from this agent: ``size`` bytes every
@@ -297,3 +313,8 @@ class Agent(Endpoint):
     def probe(self) -> Probe:
         """The agent's state as its next probe reports it."""
         return self._probes.probe()
+
+
+def _check_label(label: str) -> None:
+    if not isinstance(label, str) or len(label) > MAX_LABEL:
+        raise ValueError(f"label must be a string of at most {MAX_LABEL} characters")

@@ -100,6 +100,8 @@ class StreamPayload:
     buffers are the chunks' bytes."""
     idempotency_key: str = ""
     """The send's idempotency key ("" for none)."""
+    label: str = ""
+    """The send's label ("" for none)."""
     traceparent: str | None = None
     """The sender's span context for the `Open` (None: the sender does not trace)."""
     trace_link: str | None = None
@@ -196,6 +198,7 @@ class OutgoingTransfer:
             host=self.plane.host if self.plane is not None else "",
             trace_link=None if payload.traceparent else payload.trace_link,
             idempotency_key=payload.idempotency_key,
+            label=payload.label,
         )
         """The `Open` of the first receiver (before its digests are known); each gets its own."""
         # Inline when small enough and the framed Open (header + payload) fits the server's max_payload.

@@ -471,6 +471,7 @@ class Receiver:
             nbytes=open_msg.total,
             transfer_s=transfer_s,
             decode_s=decode_s,
+            label=open_msg.label,
         )
 
     def _fit(self, kv: KVCache, medium: str) -> KVCache:

@@ -109,6 +109,7 @@ class Sender:
         deadline: float | None,
         critical: bool,
         idempotency_key: str = "",
+        label: str = "",
     ) -> TransferReport:
         """Send ``kv`` to ``receivers``; sent again without delta when a receiver no longer holds
         the base it was encoded against (it restarted, or got a context from us it could not keep).
@@ -119,7 +120,7 @@ class Sender:
         """
         try:
             return await self._transfer(
-                receivers, kv, medium=medium, deadline=deadline, critical=critical, key=idempotency_key
+                receivers, kv, medium=medium, deadline=deadline, critical=critical, key=idempotency_key, label=label
             )
         except TransferRejected as exc:
             if exc.code is not Reason.DELTA_BASE_MISMATCH:
@@ -129,7 +130,7 @@ class Sender:
             logger.info("transfer %s: a receiver lost its delta base; sending the whole context", exc.transfer_id)
             retry = medium_spec(medium).inner if medium is not None and medium_spec(medium).delta else medium
             return await self._transfer(
-                receivers, kv, medium=retry, deadline=deadline, critical=critical, key=idempotency_key
+                receivers, kv, medium=retry, deadline=deadline, critical=critical, key=idempotency_key, label=label
             )
 
     async def _transfer(
@@ -141,9 +142,10 @@ class Sender:
         deadline: float | None,
         critical: bool,
         key: str = "",
+        label: str = "",
     ) -> TransferReport:
         """One send, stage by stage: admit, grant, encode, route, stream, report."""
-        request = self._admit(receivers, kv, medium=medium, deadline=deadline, critical=critical, key=key)
+        request = self._admit(receivers, kv, medium=medium, deadline=deadline, critical=critical, key=key, label=label)
         tracing = telemetry.tracing()  # span attributes are built only then
         with telemetry.span(
             "kvbus.send",
@@ -178,6 +180,7 @@ class Sender:
         deadline: float | None,
         critical: bool,
         key: str,
+        label: str = "",
     ) -> SendRequest:
         """Check the send and choose what a delta builds on.
 
@@ -209,6 +212,7 @@ class Sender:
             deadline=deadline,
             critical=critical,
             key=key,
+            label=label,
             base_tokens=base_tokens,
             t0=t0,
         )
@@ -411,6 +415,7 @@ class Sender:
                 receivers,
                 encoded,
                 idempotency_key=request.key,
+                label=request.label,
                 traceparent=telemetry.traceparent(),
                 trace_link=grant.traceparent,  # the scheduler's root span, for a sender that does not trace
                 incarnations=self.incarnations,

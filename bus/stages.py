@@ -42,6 +42,8 @@ class SendRequest:
     critical: bool
     key: str
     """The idempotency key ("" for none)."""
+    label: str
+    """The sender's label for the context ("" for none), for the `Open`."""
     base_tokens: int
     """Tokens at the start of ``kv`` every receiver holds from this agent, in a copy a delta may build on."""
     t0: float

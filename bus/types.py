@@ -62,3 +62,5 @@ class Delivery:
     """From the `Open` to the last chunk."""
     decode_s: float
     """Decode, and recompute for media without KV."""
+    label: str = ""
+    """The sender's label for the context (`Agent.send`'s ``label``; "" for none)."""

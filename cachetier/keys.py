@@ -5,7 +5,9 @@ block may be shorter). Its key hashes the previous block's key with its own toke
 names the whole prefix up to the end of the block: two contexts share block ``i`` exactly when
 they share every token before its end. The chain starts from a seed that binds the model
 signature's digest, the KV dtype, the block length and the batch size, so keys from another
-model, dtype or blocking never collide with ours.
+model, dtype or blocking never collide with ours. A salt (a tenant's secret, vLLM's
+``cache_salt``) goes into the seed too: contexts of different salts share no key, so a tier
+never hands one tenant's blocks to another, and a key tells nothing of the salt.
 
 BLAKE2b (from `hashlib`) is used rather than Python's ``hash``: keys must agree between
 processes and machines.
@@ -45,14 +47,23 @@ class BlockSpan:
         return self.stop - self.start
 
 
-def chain_seed(signature: ModelSignature, dtype: torch.dtype, block_tokens: int, batch: int) -> bytes:
-    """The digest every key chain of this model, dtype, block length and batch starts from."""
+def chain_seed(signature: ModelSignature, dtype: torch.dtype, block_tokens: int, batch: int, salt: str = "") -> bytes:
+    """The digest every key chain of this model, dtype, block length, batch and salt starts from
+    (no salt: the keys of an unsalted context, the same as before salts existed)."""
     text = f"kvbus-block-v{KEY_VERSION}|{signature.digest()}|{dtype_name(dtype)}|{block_tokens}|{batch}"
+    if salt:
+        text += f"|salt={len(salt)}:{salt}"
     return hashlib.blake2b(text.encode(), digest_size=KEY_BYTES).digest()
 
 
 def block_spans(
-    tokens: torch.Tensor, signature: ModelSignature, dtype: torch.dtype, block_tokens: int, *, stop: int | None = None
+    tokens: torch.Tensor,
+    signature: ModelSignature,
+    dtype: torch.dtype,
+    block_tokens: int,
+    *,
+    stop: int | None = None,
+    salt: str = "",
 ) -> list[BlockSpan]:
     """The blocks covering ``tokens[:, :stop]`` (all of them by default), with their keys.
 
@@ -62,13 +73,14 @@ def block_spans(
         dtype: the KV dtype.
         block_tokens: tokens per block.
         stop: cover only the first ``stop`` tokens.
+        salt: the context's salt (a tenant's): keys of different salts never match.
     """
     ids = tokens if tokens.dim() == 2 else tokens.reshape(1, -1)
     ids = ids.to(torch.int64)
     n = int(ids.shape[1]) if stop is None else min(int(stop), int(ids.shape[1]))
     # Each row's ids as little-endian int64 bytes: a block hashes the same slice of every row.
     rows = [ids[b, :n].contiguous().numpy().astype("<i8", copy=False).tobytes() for b in range(ids.shape[0])]
-    prev = chain_seed(signature, dtype, block_tokens, int(ids.shape[0]))
+    prev = chain_seed(signature, dtype, block_tokens, int(ids.shape[0]), salt)
     spans: list[BlockSpan] = []
     for index, start in enumerate(range(0, n, block_tokens)):
         end = min(start + block_tokens, n)

@@ -90,7 +90,7 @@ class Loader:
 
     # -- access ---------------------------------------------------------------------------------
 
-    async def get(self, ids: torch.Tensor, out: KVCache | None = None) -> KVCache:
+    async def get(self, ids: torch.Tensor, out: KVCache | None = None, salt: str = "") -> KVCache:
         """The KV of every token of ``ids``: resident blocks as they are, the others loaded first
         (assembled into ``out`` when it has the context's shape, see `assemble`).
 
@@ -99,7 +99,7 @@ class Loader:
             TierClosed: the tier was closed while blocks were loading.
         """
         table = self.table
-        spans = table.spans(ids)
+        spans = table.spans(ids, salt=salt)
         keys = [s.key for s in spans]
         self.stats.gets += 1
         table.pin(keys)
@@ -124,9 +124,9 @@ class Loader:
 
     # -- prefetch -------------------------------------------------------------------------------
 
-    def spawn_prefetch(self, ids: torch.Tensor) -> asyncio.Task[int]:
+    def spawn_prefetch(self, ids: torch.Tensor, salt: str = "") -> asyncio.Task[int]:
         """`prefetch` of ``ids`` as a background task (cancelled by `cancel`)."""
-        task = asyncio.get_running_loop().create_task(self.prefetch(ids), name="kvbus-cachetier-prefetch")
+        task = asyncio.get_running_loop().create_task(self.prefetch(ids, salt), name="kvbus-cachetier-prefetch")
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
         return task
@@ -144,11 +144,11 @@ class Loader:
         if not task.cancelled():
             task.exception()  # logged where it happened; retrieved here so asyncio does not warn again
 
-    async def prefetch(self, ids: torch.Tensor) -> int:
-        """Make every block of ``ids`` resident (an access of each); returns how many were loaded."""
+    async def prefetch(self, ids: torch.Tensor, salt: str = "") -> int:
+        """Make every block of ``ids`` (of ``salt``) resident (an access of each); returns how many were loaded."""
         table = self.table
         try:
-            spans = table.spans(ids)
+            spans = table.spans(ids, salt=salt)
             keys = [s.key for s in spans]
             waiting = [s for s in spans if not table.resident(s.key)]
             self.stats.hits += len(spans) - len(waiting)

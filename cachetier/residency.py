@@ -142,9 +142,9 @@ class Residency:
             if self.pins.get(key, 0) <= 0:
                 self.pins.pop(key, None)
 
-    def spans(self, ids: torch.Tensor, stop: int | None = None) -> list[BlockSpan]:
-        """The blocks covering token ids ``ids`` ``[batch, n]`` (their first ``stop`` tokens)."""
-        return block_spans(ids, self.signature, self.dtype, self.config.block_tokens, stop=stop)
+    def spans(self, ids: torch.Tensor, stop: int | None = None, salt: str = "") -> list[BlockSpan]:
+        """The blocks covering token ids ``ids`` ``[batch, n]`` (their first ``stop`` tokens) of ``salt``."""
+        return block_spans(ids, self.signature, self.dtype, self.config.block_tokens, stop=stop, salt=salt)
 
     def estimate(self, span: BlockSpan, batch: int) -> int:
         """Resident bytes ``span``'s block will take (its stub's figure when there is one)."""

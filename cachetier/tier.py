@@ -203,14 +203,18 @@ class CacheTier:
         """The stubs of blocks that are only remote."""
         return [b.stub for b in self._table.blocks.values() if b.stub is not None and not b.resident]
 
-    def spans(self, context: KVCache | torch.Tensor) -> list[BlockSpan]:
-        """The blocks (keys and token ranges) covering ``context``."""
-        return self._table.spans(self._ids(context))
+    def spans(self, context: KVCache | torch.Tensor, *, salt: str = "") -> list[BlockSpan]:
+        """The blocks (keys and token ranges) covering ``context``, of ``salt`` (see `block_spans`)."""
+        return self._table.spans(self._ids(context), salt=salt)
 
-    def lookup(self, context: KVCache | torch.Tensor) -> int:
-        """Tokens at the start of ``context`` whose blocks the tier holds, resident or remote (no I/O)."""
+    def lookup(self, context: KVCache | torch.Tensor, *, salt: str = "") -> int:
+        """Tokens at the start of ``context`` whose blocks the tier holds, resident or remote (no I/O).
+
+        Every method takes the context's ``salt`` (a tenant's; "" for none): blocks put with one
+        salt are found only with that salt.
+        """
         held = 0
-        for span in self.spans(context):
+        for span in self.spans(context, salt=salt):
             if span.key not in self._table.blocks:
                 break
             held = span.stop
@@ -266,7 +270,7 @@ class CacheTier:
 
     # -- public API -----------------------------------------------------------------------------
 
-    async def put(self, kv: KVCache) -> list[str]:
+    async def put(self, kv: KVCache, *, salt: str = "") -> list[str]:
         """Hold ``kv``'s KV (the prefix of tokens it covers), in blocks; the tier copies it.
 
         Blocks already held are shared, not stored twice. Sheds first if the new blocks would
@@ -281,12 +285,12 @@ class CacheTier:
         self._check_open()
         self._check_kv(kv)
         ids = self._ids(kv)
-        spans = self._table.spans(ids, stop=kv.seq_len)
+        spans = self._table.spans(ids, stop=kv.seq_len, salt=salt)
         self.stats.puts += 1
         await self._table.store(kv, ids, spans)
         return [s.key for s in spans]
 
-    async def get(self, context: KVCache | torch.Tensor, *, out: KVCache | None = None) -> KVCache:
+    async def get(self, context: KVCache | torch.Tensor, *, out: KVCache | None = None, salt: str = "") -> KVCache:
         """The KV of every token of ``context`` (token ids, or a `KVCache` whose tokens count).
 
         Resident blocks are used as they are; stubs are fetched, verified and decoded; blocks
@@ -300,9 +304,9 @@ class CacheTier:
             ContextMismatch: the token ids are malformed.
         """
         self._check_open()
-        return await self._loader.get(self._ids(context), out)
+        return await self._loader.get(self._ids(context), out, salt)
 
-    def prefetch(self, context: KVCache | torch.Tensor) -> asyncio.Task[int]:
+    def prefetch(self, context: KVCache | torch.Tensor, *, salt: str = "") -> asyncio.Task[int]:
         """Workflow hint: ``context`` is needed soon; load its blocks in the background.
 
         Remote blocks are fetched and missing ones recomputed (when the tier has a runner), so
@@ -312,16 +316,16 @@ class CacheTier:
             The background task; its result is the number of blocks it loaded.
         """
         self._check_open()
-        return self._loader.spawn_prefetch(self._ids(context))
+        return self._loader.spawn_prefetch(self._ids(context), salt)
 
-    async def load(self, context: KVCache | torch.Tensor) -> int:
+    async def load(self, context: KVCache | torch.Tensor, *, salt: str = "") -> int:
         """Make every block of ``context`` resident (what `prefetch` runs); returns how many it loaded.
 
         Raises:
             BlockUnavailable: blocks are missing and the tier has no runner to recompute them.
         """
         self._check_open()
-        return await self._loader.prefetch(self._ids(context))
+        return await self._loader.prefetch(self._ids(context), salt)
 
     async def shed(self, target_bytes: int | None = None) -> ShedReport:
         """Shed blocks until resident bytes are at most ``target_bytes`` (default: the low watermark).
@@ -332,9 +336,9 @@ class CacheTier:
         limit = self.config.low_bytes if target_bytes is None else max(0, int(target_bytes))
         return await self._table.shed(limit)
 
-    def discard(self, context: KVCache | torch.Tensor) -> int:
+    def discard(self, context: KVCache | torch.Tensor, *, salt: str = "") -> int:
         """Forget ``context``'s blocks here (remote records stay for other agents); returns how many."""
-        return self._table.discard(self.spans(context))
+        return self._table.discard(self.spans(context, salt=salt))
 
     async def close(self) -> None:
         """Stop background prefetches, release memory, close the remote connection."""

@@ -86,6 +86,19 @@ async def test_int8_round_trip_in_process(pair: tuple[Any, Any, Bus]) -> None:
     assert d.kv.fidelity < 1.0
 
 
+@pytest.mark.parametrize("nbytes", [1024, 4 << 20], ids=["inline", "streamed"])
+async def test_a_label_reaches_the_receiver_with_its_context(pair: tuple[Any, Any, Bus], nbytes: int) -> None:
+    tx, rx, _ = pair
+    kv = kv_of_bytes(SIG, nbytes, seed=5)
+    await tx.send(rx.name, kv, medium="full", label="tenant-7f3a")
+    d = await rx.receive(timeout=10)
+    assert d.label == "tenant-7f3a" and kv_digest(d.kv) == kv_digest(kv)
+    await tx.send(rx.name, kv, medium="full")
+    assert (await rx.receive(timeout=10)).label == ""
+    with pytest.raises(ValueError, match="label"):
+        await tx.send(rx.name, kv, label="x" * 129)
+
+
 async def test_default_medium_is_chosen_by_the_scheduler(pair: tuple[Any, Any, Bus]) -> None:
     tx, rx, _ = pair
     kv = random_kv(SIG, 10)

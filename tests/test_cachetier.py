@@ -141,6 +141,44 @@ def test_block_keys_chain_the_prefix_and_bind_the_model() -> None:
     assert block_spans(a[:, :32], sig, torch.float32, 64)[0].key != ka[0].key  # the blocking is bound too
 
 
+def test_a_salt_gives_every_block_a_key_of_its_own() -> None:
+    sig = ModelSignature("m", n_layers=2, n_kv_heads=2, head_dim=16, vocab_size=VOCAB)
+    a = context(100, 1)
+    plain = block_spans(a, sig, torch.float32, BLOCK)
+    assert block_spans(a, sig, torch.float32, BLOCK, salt="") == plain  # no salt: the keys as ever
+    t1 = block_spans(a, sig, torch.float32, BLOCK, salt="tenant-1")
+    t2 = block_spans(a, sig, torch.float32, BLOCK, salt="tenant-2")
+    assert [s.stop for s in t1] == [s.stop for s in plain]
+    keys = [s.key for s in plain + t1 + t2]
+    assert len(set(keys)) == len(keys)  # no block of one salt shares a key with another's
+    # The salt is length-delimited in the seed: no two salts run into each other.
+    assert (
+        block_spans(a, sig, torch.float32, BLOCK, salt="a|b")[0].key
+        != block_spans(a, sig, torch.float32, BLOCK, salt="a|b|")[0].key
+    )
+
+
+async def test_blocks_put_with_a_salt_are_found_only_with_it(make_tier: TierFactory) -> None:
+    """A tenant's blocks: another salt (or none) finds nothing, here or through the shared remote tier."""
+    owner = await make_tier(codec="full", drop_below=0.0, with_runner=False)
+    other = await make_tier(codec="full", drop_below=0.0, with_runner=False)
+    kv = random_kv(owner.signature, 96, seed=11)
+    await owner.put(kv, salt="tenant-1")
+    assert owner.lookup(kv, salt="tenant-1") == 96
+    assert owner.lookup(kv) == 0 and owner.lookup(kv, salt="tenant-2") == 0
+    with pytest.raises(BlockUnavailable):
+        await owner.get(kv, salt="tenant-2")
+    assert (await owner.get(kv, salt="tenant-1")).equal(kv)
+    await owner.shed(target_bytes=0)  # now only in the remote tier, under the salted keys
+    with pytest.raises(BlockUnavailable):
+        await other.load(kv, salt="tenant-2")
+    with pytest.raises(BlockUnavailable):
+        await other.load(kv)
+    assert await other.load(kv, salt="tenant-1") == 3
+    assert (await other.get(kv, salt="tenant-1")).equal(kv)
+    assert other.discard(kv, salt="tenant-1") == 3 and other.lookup(kv, salt="tenant-1") == 0
+
+
 def test_block_keys_agree_across_processes() -> None:
     code = (
         "import torch; from kvbus.signature import ModelSignature; from kvbus.cachetier import block_spans; "

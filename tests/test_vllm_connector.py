@@ -108,12 +108,19 @@ async def _generate(engine: EngineProcess, tokens: list[int], **kw: object) -> d
     return (await asyncio.to_thread(engine.generate, [tokens], max_tokens=NEW_TOKENS, **kw))[0]
 
 
-async def _held(control: AsyncControl, agent: str, tokens: list[int], want: int, timeout: float = 30.0) -> int:
+async def _held(
+    control: AsyncControl,
+    agent: str,
+    tokens: list[int],
+    want: int,
+    timeout: float = 30.0,
+    cache_salt: str | None = None,
+) -> int:
     """Wait until ``agent`` holds ``want`` tokens of ``tokens`` (its saves run in the background)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
-        held = await control.have(agent, tokens)
+        held = await control.have(agent, tokens, cache_salt=cache_salt)
         if held >= want or loop.time() > deadline:
             return held
         await asyncio.sleep(0.1)
@@ -181,6 +188,31 @@ async def test_push_by_request_params(engines: dict, control: AsyncControl) -> N
     assert await _held(control, "vllm-b", p, expected) == expected
     b = await _generate(engines["b"], p)
     assert b["num_cached_tokens"] == expected and b["token_ids"] == a["token_ids"]
+
+
+# -- tenants: a request's cache_salt keeps its KV to requests of the same salt ------------------------
+
+
+async def test_engines_never_load_another_tenants_kv(engines: dict, control: AsyncControl) -> None:
+    p = prompt(300, offset=6000)
+    expected = matchable_tokens(len(p), BLOCK)
+    a = await _generate(engines["a"], p, cache_salt="tenant-1")
+    assert await _held(control, "vllm-a", p, expected, cache_salt="tenant-1") == expected
+    assert await control.have("vllm-a", p) == 0 and await control.have("vllm-a", p, cache_salt="tenant-2") == 0
+    # Another tenant, then no tenant: B prefills everything, though A holds the prompt's KV.
+    for salt in ("tenant-2", None):
+        other = await _generate(engines["b"], p, **({"cache_salt": salt} if salt else {}))
+        assert other["num_cached_tokens"] == 0
+        assert other["kv_transfer_params"]["kvbus"]["loaded_tokens"] == 0
+    # The same tenant on B takes it from A; a push for the tenant is kept in its scope on B.
+    same = await _generate(engines["b"], p, cache_salt="tenant-1")
+    assert same["num_cached_tokens"] == expected and same["kv_transfer_params"]["kvbus"]["source"] == "vllm-a"
+    assert same["token_ids"] == a["token_ids"]
+    q = prompt(200, offset=6500)
+    await _generate(engines["a"], q, cache_salt="tenant-1", kv_transfer_params={"kvbus_push_to": ["vllm-b"]})
+    want = matchable_tokens(len(q), BLOCK)
+    assert await _held(control, "vllm-b", q, want, cache_salt="tenant-1") == want
+    assert await control.have("vllm-b", q) == 0 and await control.have("vllm-b", q, cache_salt="tenant-2") == 0
 
 
 # -- negative control: a changed payload changes B's output --------------------------------------

@@ -21,7 +21,7 @@ from kvbus.integrations.vllm.client import KVBusClient
 from kvbus.integrations.vllm.config import ConnectorConfig
 from kvbus.integrations.vllm.errors import LoadFailed
 from kvbus.integrations.vllm.index import PrefixIndex, decode_entry, encode_entry
-from kvbus.integrations.vllm.keys import as_ids, matchable_tokens, prefix_keys
+from kvbus.integrations.vllm.keys import as_ids, matchable_tokens, prefix_keys, salt_scope
 from kvbus.integrations.vllm.layout import LayoutError, PagedLayout
 from kvbus.integrations.vllm.loop import LoopThread
 from kvbus.integrations.vllm.protocol import PullReply, PullRequest, subject
@@ -416,9 +416,19 @@ def test_decoders_check_what_they_carry() -> None:
         PullRequest(pull_id="", requester="b", tokens=[1]),
         PullRequest(pull_id="p", requester="b.c", tokens=[1]),
         PullRequest(pull_id="p", requester="b", tokens=[1, 2**31]),
+        PullRequest(pull_id="p", requester="b", tokens=[1], salt="raw tenant salt"),
     ):
         with pytest.raises(WireFormatError):
             PullRequest.decode(bad.encode())
+    scope = salt_scope("s")
+    for cls, fields in (
+        (proto.LookupRequest, {"tokens": [1], "limit": 1}),
+        (proto.HaveRequest, {"tokens": [1]}),
+        (proto.PushRequest, {"to": ["b"], "tokens": [1]}),
+    ):
+        assert cls.decode(cls(**fields, salt=scope).encode()).salt == scope
+        with pytest.raises(WireFormatError, match="salt"):
+            cls.decode(cls(**fields, salt=scope.upper()).encode())
     with pytest.raises(WireFormatError, match="limit"):
         proto.LookupRequest.decode(proto.LookupRequest(tokens=[1], limit=2).encode())
     with pytest.raises(WireFormatError, match="holder"):
@@ -579,6 +589,61 @@ async def test_a_pull_answered_with_another_context_fails(nats_url: str, schedul
     finally:
         await sub.unsubscribe()
         await b.close()
+
+
+async def test_tenants_of_different_salts_never_get_each_others_kv(
+    nats_url: str, scheduler: object, bus: object
+) -> None:
+    """KV saved for one ``cache_salt`` is found, served, pushed and kept only in that salt's scope."""
+    t1, t2 = salt_scope("tenant-1 secret"), salt_scope("tenant-2 secret")
+    assert len({t1, t2, ""}) == 3 and "tenant" not in t1
+    a = await _client("vsalt-a", nats_url)
+    b = await _client("vsalt-b", nats_url)
+    liar = await bus.agent("vsalt-liar", group="default", signature=SIG)  # type: ignore[attr-defined]
+    try:
+        kv = _context(40, seed=21)
+        a.save(kv, "r1", salt=t1)
+        await a.settled()
+        tokens, ids = kv.tokens[0].tolist(), kv.tokens
+        assert a.held(ids, salt=t1) == 40 and a.held(ids) == 0 and a.held(ids, salt=t2) == 0
+        # Neither the index nor the holder offers tenant 1's blocks to another salt or to none.
+        for other in ("", t2):
+            reply = await b.lookup(tokens, 40, salt=other)
+            assert (reply.local, reply.remote, reply.tier) == (0, 0, 0)
+            with pytest.raises(LoadFailed, match="refused"):
+                await b.pull("vsalt-a", ids, 40, timeout=5, salt=other)
+        reply = await b.lookup(tokens, 40, salt=t1)
+        assert (reply.remote, reply.holder) == (40, "vsalt-a")
+        got = await b.pull("vsalt-a", ids, 40, timeout=10, medium="full", salt=t1)
+        assert got.equal(kv)
+        await b.settled()
+        assert b.held(ids, salt=t1) == 40 and b.held(ids) == 0  # what it pulled it keeps in the scope
+        # A push carries the scope: the receiver keeps it there, not unsalted.
+        kv2 = _context(24, seed=22)
+        a.save(kv2, "r2", salt=t2)
+        assert not (await a.push(["vsalt-b"], kv2.tokens[0].tolist(), "full", salt=t1)).ok
+        pushed = await a.push(["vsalt-b"], kv2.tokens[0].tolist(), "full", salt=t2)
+        assert pushed.ok and pushed.tokens == 24
+        await b.settled()
+        assert b.held(kv2.tokens, salt=t2) == 24 and b.held(kv2.tokens) == 0 and b.held(kv2.tokens, salt=t1) == 0
+        # A holder that answers a salted pull with the right tokens in another scope is refused.
+        want = _context(16, seed=23)
+
+        async def on_pull(msg: object) -> None:
+            req = PullRequest.decode(msg.data)  # type: ignore[attr-defined]
+            await bus.transport.reply(msg, PullReply(ok=True, tokens=16).encode())  # type: ignore[attr-defined]
+            await liar.send(req.requester, want, medium="full", label=t2)
+
+        sub = await bus.transport.subscribe(subject("vsalt-liar", "pull"), on_pull)  # type: ignore[attr-defined]
+        await bus.transport.flush()  # type: ignore[attr-defined]
+        try:
+            with pytest.raises(LoadFailed, match="another salt scope"):
+                await b.pull("vsalt-liar", want.tokens, 16, timeout=10, salt=t1)
+        finally:
+            await sub.unsubscribe()
+    finally:
+        for cl in (a, b):
+            await cl.close()
 
 
 def test_errors_are_kvbus_errors() -> None:

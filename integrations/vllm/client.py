@@ -7,6 +7,10 @@ the engine's blocks (``block_tokens`` = vLLM ``block_size``, keys from `keys`), 
 it holds in the prefix index, and answers the connector's subjects (`protocol`). Every KV that
 moves between engines is an ordinary kvbus transfer: `Agent.send` asks the group scheduler,
 whose cost model picks the medium, and the receiver's inbox gets it whole and verified.
+
+Every method that names a context takes its salt scope (`keys.salt_scope` of a request's
+``cache_salt``; "" for none): the store, the index, the holders asked and the transfers keep
+scopes apart, a transfer carrying its scope as its label (`Delivery.label`).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from kvbus.integrations.vllm.protocol import (
     PullReply,
     PullRequest,
     PushReply,
+    check_salt,
     events_subject,
     subject,
 )
@@ -57,6 +62,7 @@ class _Pull:
     holder: str
     tokens: torch.Tensor
     future: asyncio.Future[KVCache]
+    salt: str = ""
 
 
 class KVBusClient:
@@ -180,34 +186,36 @@ class KVBusClient:
     def _whole(self, n: int) -> int:
         return n - n % self.block_size
 
-    def held(self, ids: torch.Tensor) -> int:
-        """Leading tokens of ``ids`` whose blocks the store holds (whole blocks)."""
+    def held(self, ids: torch.Tensor, *, salt: str = "") -> int:
+        """Leading tokens of ``ids`` whose blocks the store holds in scope ``salt`` (whole blocks)."""
         assert self.tier is not None
-        return self._whole(self.tier.lookup(ids)) if ids.shape[-1] else 0
+        return self._whole(self.tier.lookup(ids, salt=salt)) if ids.shape[-1] else 0
 
-    async def push(self, to: list[str], tokens: list[int], medium: str | None) -> PushReply:
+    async def push(self, to: list[str], tokens: list[int], medium: str | None, *, salt: str = "") -> PushReply:
         """Hand the KV of ``tokens`` (held here) to the agents ``to``: see `serving.push`."""
-        return await serving.push(self, to, tokens, medium)
+        return await serving.push(self, to, tokens, medium, salt)
 
     async def settled(self) -> None:
         """Wait for the saves already submitted (so that lookups and pushes see them)."""
         if self._saves:
             await asyncio.gather(*list(self._saves), return_exceptions=True)
 
-    def save(self, kv: KVCache, request_id: str = "") -> None:
-        """Store ``kv`` (whole blocks, from token 0) and index it, in the background."""
-        task = asyncio.get_running_loop().create_task(self._save(kv, request_id), name=f"kvbus-vllm-save-{request_id}")
+    def save(self, kv: KVCache, request_id: str = "", *, salt: str = "") -> None:
+        """Store ``kv`` (whole blocks, from token 0) and index it, in scope ``salt``, in the background."""
+        task = asyncio.get_running_loop().create_task(
+            self._save(kv, request_id, salt=salt), name=f"kvbus-vllm-save-{request_id}"
+        )
         self._saves.add(task)
         task.add_done_callback(self._saves.discard)
 
-    async def _save(self, kv: KVCache, request_id: str, *, kind: str = "save", **event: Any) -> int:
+    async def _save(self, kv: KVCache, request_id: str, *, salt: str = "", kind: str = "save", **event: Any) -> int:
         assert self.tier is not None
         n = self._whole(kv.seq_len)
         if n <= 0:
             return 0
         t0 = time.perf_counter()
         try:
-            keys = await self.tier.put(kv.slice(0, n) if n < kv.n_tokens else kv)
+            keys = await self.tier.put(kv.slice(0, n) if n < kv.n_tokens else kv, salt=salt)
         except CacheTierError as exc:
             logger.warning("kvbus connector %s: could not store %d tokens: %s", self.name, n, exc)
             await self.emit(kind, ok=False, request_id=request_id, tokens=n, reason=str(exc), **event)
@@ -220,8 +228,8 @@ class KVBusClient:
         )
         return n
 
-    async def get(self, ids: torch.Tensor, n: int) -> KVCache:
-        """The stored KV of ``ids[:, :n]``.
+    async def get(self, ids: torch.Tensor, n: int, *, salt: str = "") -> KVCache:
+        """The stored KV of ``ids[:, :n]`` in scope ``salt``.
 
         Raises:
             LoadFailed: the store no longer holds all of it.
@@ -230,7 +238,7 @@ class KVBusClient:
         try:
             # (a new segment's pages are faulted in as it is made: off the event loop)
             out = await asyncio.to_thread(self._buffer, n, int(ids.shape[0]))
-            return await self.tier.get(ids[:, :n], out=out)
+            return await self.tier.get(ids[:, :n], out=out, salt=salt)
         except (CacheTierError, KVBusError) as exc:
             raise LoadFailed(n, f"the store lost blocks ({exc})") from None
 
@@ -247,17 +255,18 @@ class KVBusClient:
 
     # -- lookups (this engine's scheduler asks) -------------------------------------------------
 
-    async def lookup(self, tokens: list[int], limit: int) -> LookupReply:
-        """What kvbus can deliver of ``tokens[:limit]``: held here, by another agent, or in the cache tier."""
+    async def lookup(self, tokens: list[int], limit: int, *, salt: str = "") -> LookupReply:
+        """What kvbus can deliver of ``tokens[:limit]`` in scope ``salt``: held here, by another
+        agent, or in the cache tier."""
         await self.settled()
         ids = as_ids(tokens[:limit])
-        local = self.held(ids)
-        keys = prefix_keys(ids, self.signature, self.dtype, self.block_size)
+        local = self.held(ids, salt=salt)
+        keys = prefix_keys(ids, self.signature, self.dtype, self.block_size, salt=salt)
         remote, holder = 0, ""
         if self.config.pull and self.index is not None and len(keys) * self.block_size > local:
             name, blocks = await self.index.longest(keys, start=local // self.block_size, exclude=self.name)
             if blocks * self.block_size > local:
-                confirmed = await self._ask_have(name, ids[:, : blocks * self.block_size])
+                confirmed = await self._ask_have(name, ids[:, : blocks * self.block_size], salt)
                 if confirmed > local:
                     remote, holder = confirmed, name
         tier = await self._tier_tokens(keys, max(local, remote) // self.block_size)
@@ -283,11 +292,11 @@ class KVBusClient:
                 return LookupReply(local=local, declined=best)
         return LookupReply(local=local, remote=remote, holder=holder, tier=tier)
 
-    async def _ask_have(self, agent: str, ids: torch.Tensor) -> int:
+    async def _ask_have(self, agent: str, ids: torch.Tensor, salt: str) -> int:
         assert self.bus is not None
         try:
             data = await self.bus.transport.request(
-                subject(agent, "have"), HaveRequest(tokens=ids[0].tolist()).encode(), HAVE_TIMEOUT_S
+                subject(agent, "have"), HaveRequest(tokens=ids[0].tolist(), salt=salt).encode(), HAVE_TIMEOUT_S
             )
             return min(HaveReply.decode(data).tokens, int(ids.shape[1]))
         except (NoResponders, TimeoutError, WireFormatError) as exc:
@@ -314,36 +323,40 @@ class KVBusClient:
             n += 1
         return (start + n) * self.block_size if n else 0
 
-    async def load_tier(self, ids: torch.Tensor, n: int) -> KVCache:
-        """Fetch ``ids[:, :n]``'s blocks from the shared cache tier into the store, then return them."""
+    async def load_tier(self, ids: torch.Tensor, n: int, *, salt: str = "") -> KVCache:
+        """Fetch ``ids[:, :n]``'s blocks (scope ``salt``) from the shared cache tier into the store; return them."""
         assert self.tier is not None
         try:
-            await self.tier.load(ids[:, :n])
+            await self.tier.load(ids[:, :n], salt=salt)
         except (CacheTierError, KVBusError) as exc:
             raise LoadFailed(n, f"the cache tier could not deliver: {exc}") from None
-        return await self.get(ids, n)
+        return await self.get(ids, n, salt=salt)
 
     # -- pulls (this engine asks a holder) --------------------------------------------------------
 
     async def pull(
-        self, holder: str, ids: torch.Tensor, n: int, *, timeout: float, medium: str | None = None
+        self, holder: str, ids: torch.Tensor, n: int, *, timeout: float, medium: str | None = None, salt: str = ""
     ) -> KVCache:
-        """Ask ``holder`` to send the KV of ``ids[:, :n]`` and wait for the transfer.
+        """Ask ``holder`` to send the KV of ``ids[:, :n]`` in scope ``salt`` and wait for the transfer.
 
         Raises:
             LoadFailed: refused, the holder is gone, the transfer failed or timed out, or what
-                arrived is not the prefix asked for.
+                arrived is not the prefix asked for (in its scope).
         """
         assert self.bus is not None
         loop = asyncio.get_running_loop()
         pull_id = uuid.uuid4().hex
         want = ids[:, :n].clone()
-        pending = _Pull(holder, want, loop.create_future())
+        pending = _Pull(holder, want, loop.create_future(), salt)
         self._pulls[pull_id] = pending
         deadline = loop.time() + timeout
         try:
             msg = PullRequest(
-                pull_id=pull_id, requester=self.name, tokens=want[0].tolist(), medium=medium or self.config.medium
+                pull_id=pull_id,
+                requester=self.name,
+                tokens=want[0].tolist(),
+                medium=medium or self.config.medium,
+                salt=salt,
             )
             try:
                 data = await self.bus.transport.request(subject(holder, "pull"), msg.encode(), min(timeout, 5.0))
@@ -405,7 +418,8 @@ class KVBusClient:
 
     async def _on_delivery(self, d: Delivery) -> None:
         kv = d.kv
-        pending = next((p for p in self._pulls.values() if p.holder == d.sender and not p.future.done()), None)
+        waiting = [p for p in self._pulls.values() if p.holder == d.sender and not p.future.done()]
+        pending = next((p for p in waiting if p.salt == d.label), waiting[0] if waiting else None)
         why = self._unusable(kv)
         common = dict(
             medium=d.medium,
@@ -429,14 +443,23 @@ class KVBusClient:
         kv = kv.to(self.dtype)
         if pending is not None:
             n = int(pending.tokens.shape[1])
-            if kv.seq_len >= n and torch.equal(kv.tokens[:, :n], pending.tokens):
+            if d.label != pending.salt:
+                pending.future.set_exception(LoadFailed(n, f"{d.sender} sent a context of another salt scope"))
+            elif kv.seq_len >= n and torch.equal(kv.tokens[:, :n], pending.tokens):
                 pending.future.set_result(kv)
             else:
                 pending.future.set_exception(
                     LoadFailed(n, f"{d.sender} sent another context than the prefix asked for")
                 )
         common.pop("fidelity")
-        stored = await self._save(kv, "", kind="receive", **common)
+        # Kept in the scope its sender labelled it with: a context pushed for a salted request is
+        # found only by requests of that salt (whoever labels a context with a scope knows the salt).
+        try:
+            check_salt("delivery label", d.label)
+        except WireFormatError as exc:
+            await self.emit("receive", ok=False, tokens=kv.n_tokens, reason=str(exc), **common)
+            return
+        stored = await self._save(kv, "", salt=d.label, kind="receive", **common)
         logger.info(
             "kvbus connector %s: received %d tokens of KV from %s (medium %s, %d bytes, fidelity %.3f)",
             self.name,

@@ -12,7 +12,7 @@ import collections
 from typing import Any
 
 from kvbus.errors import WireFormatError
-from kvbus.integrations.vllm.keys import as_ids
+from kvbus.integrations.vllm.keys import as_ids, salt_scope
 from kvbus.integrations.vllm.loop import LoopThread
 from kvbus.integrations.vllm.protocol import (
     Event,
@@ -69,17 +69,26 @@ class AsyncControl:
         return cls(await NatsTransport.connect(nats_url, **NatsAuth.from_env().connect_options()))
 
     async def push(
-        self, src: str, to: str | list[str], tokens: Any, *, medium: str | None = None, timeout: float = PUSH_TIMEOUT_S
+        self,
+        src: str,
+        to: str | list[str],
+        tokens: Any,
+        *,
+        medium: str | None = None,
+        cache_salt: str | None = None,
+        timeout: float = PUSH_TIMEOUT_S,
     ) -> PushReply:
         """Ask agent ``src`` to send the context it holds for ``tokens`` to ``to``; returns once the
-        receivers verified the transfer (each stores it from its inbox moments later)."""
+        receivers verified the transfer (each stores it from its inbox moments later). A context
+        computed for requests with a ``cache_salt`` is found, and kept by the receivers, only
+        with that salt."""
         receivers = [to] if isinstance(to, str) else list(to)
-        msg = PushRequest(to=receivers, tokens=as_ids(tokens)[0].tolist(), medium=medium)
+        msg = PushRequest(to=receivers, tokens=as_ids(tokens)[0].tolist(), medium=medium, salt=salt_scope(cache_salt))
         return PushReply.decode(await self.transport.request(subject(src, "push"), msg.encode(), timeout))
 
-    async def have(self, agent: str, tokens: Any, *, timeout: float = 5.0) -> int:
-        """How many leading tokens of ``tokens`` agent ``agent`` holds."""
-        msg = HaveRequest(tokens=as_ids(tokens)[0].tolist())
+    async def have(self, agent: str, tokens: Any, *, cache_salt: str | None = None, timeout: float = 5.0) -> int:
+        """How many leading tokens of ``tokens`` agent ``agent`` holds (for requests of ``cache_salt``)."""
+        msg = HaveRequest(tokens=as_ids(tokens)[0].tolist(), salt=salt_scope(cache_salt))
         return HaveReply.decode(await self.transport.request(subject(agent, "have"), msg.encode(), timeout)).tokens
 
     async def watch(self, agent: str = "*") -> None:
@@ -129,14 +138,22 @@ class KVBusControl:
         return list(self._control.events)
 
     def push(
-        self, src: str, to: str | list[str], tokens: Any, *, medium: str | None = None, timeout: float = PUSH_TIMEOUT_S
+        self,
+        src: str,
+        to: str | list[str],
+        tokens: Any,
+        *,
+        medium: str | None = None,
+        cache_salt: str | None = None,
+        timeout: float = PUSH_TIMEOUT_S,
     ) -> PushReply:
         """See `AsyncControl.push`."""
-        return self._loop.run(self._control.push(src, to, tokens, medium=medium, timeout=timeout), timeout + 5)
+        coro = self._control.push(src, to, tokens, medium=medium, cache_salt=cache_salt, timeout=timeout)
+        return self._loop.run(coro, timeout + 5)
 
-    def have(self, agent: str, tokens: Any, *, timeout: float = 5.0) -> int:
+    def have(self, agent: str, tokens: Any, *, cache_salt: str | None = None, timeout: float = 5.0) -> int:
         """See `AsyncControl.have`."""
-        return self._loop.run(self._control.have(agent, tokens, timeout=timeout), timeout + 5)
+        return self._loop.run(self._control.have(agent, tokens, cache_salt=cache_salt, timeout=timeout), timeout + 5)
 
     def watch(self, agent: str = "*") -> None:
         """See `AsyncControl.watch`."""

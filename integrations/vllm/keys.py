@@ -5,16 +5,33 @@ ids (BLAKE2b, `kvbus.cachetier.keys`), seeded by the model signature, the KV dty
 size. Engines of the same model, dtype and vLLM ``block_size`` therefore agree on the keys of a
 shared prefix, and keys of another model, dtype or block size never collide with them. The cache
 tier keys its blocks the same way, so a block an engine saves is the cache tier's block.
+
+A request's ``cache_salt`` (vLLM's prompt field that keeps tenants' prefix caches apart) seeds
+the chain too, as its `salt_scope`: requests of different salts share no key, so no engine
+loads, serves, pushes or indexes one tenant's KV for another. The raw salt never leaves the
+engine's scheduler: the messages carry the scope, a hash of it.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import torch
 
 from kvbus.cachetier.keys import BlockSpan, block_spans
 from kvbus.signature import ModelSignature
+
+#: Characters of a `salt_scope` (hex of a 16-byte BLAKE2b digest).
+SCOPE_CHARS = 32
+
+
+def salt_scope(cache_salt: str | None) -> str:
+    """The scope a request's ``cache_salt`` keys its KV under ("" for no salt): a hash of the
+    salt, so that the salt itself is not sent to other engines."""
+    if not cache_salt:
+        return ""
+    return hashlib.blake2b(cache_salt.encode(), digest_size=SCOPE_CHARS // 2, person=b"kvbus-salt").hexdigest()
 
 
 def as_ids(tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -51,14 +68,16 @@ def prefix_spans(
     block_size: int,
     *,
     stop: int | None = None,
+    salt: str = "",
 ) -> list[BlockSpan]:
-    """The whole blocks of ``tokens[:stop]`` with their keys (a partial last block is left out)."""
+    """The whole blocks of ``tokens[:stop]`` with their keys (a partial last block is left out),
+    in the scope ``salt`` (a `salt_scope`)."""
     ids = as_ids(tokens)
     n = int(ids.shape[1]) if stop is None else min(int(stop), int(ids.shape[1]))
     n -= n % block_size
     if n <= 0:
         return []
-    return block_spans(ids, signature, dtype, block_size, stop=n)
+    return block_spans(ids, signature, dtype, block_size, stop=n, salt=salt)
 
 
 def prefix_keys(
@@ -68,6 +87,7 @@ def prefix_keys(
     block_size: int,
     *,
     stop: int | None = None,
+    salt: str = "",
 ) -> list[str]:
     """Only the keys of `prefix_spans`: ``keys[i]`` names tokens ``[0, (i + 1) * block_size)``."""
-    return [s.key for s in prefix_spans(tokens, signature, dtype, block_size, stop=stop)]
+    return [s.key for s in prefix_spans(tokens, signature, dtype, block_size, stop=stop, salt=salt)]

@@ -29,6 +29,8 @@ class LoadSpec:
     holder: str = ""
     medium: str | None = None
     """The medium to ask the holder for (None: its config's, else the cost model's choice)."""
+    salt: str = ""
+    """The request's salt scope (`keys.salt_scope`; "" for none): the KV is looked for in it."""
 
 
 @dataclass
@@ -38,6 +40,8 @@ class SaveSpec:
     request_id: str
     tokens: list[int]
     block_ids: list[int]
+    salt: str = ""
+    """The request's salt scope: the blocks are stored and indexed in it."""
 
 
 @dataclass
@@ -48,6 +52,8 @@ class PushSpec:
     tokens: list[int]
     to: list[str]
     medium: str | None = None
+    salt: str = ""
+    """The request's salt scope: the receivers keep the context in it."""
 
 
 @dataclass

@@ -16,6 +16,7 @@ sizes and types and raises `WireFormatError`.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -36,6 +37,15 @@ def subject(agent: str, kind: str) -> str:
 def events_subject(agent: str = "*") -> str:
     """Where ``agent``'s connector publishes its events (``*``: every agent's)."""
     return f"{SUBJECT_ROOT}.events.{agent if agent == '*' else check_name('agent', agent)}"
+
+
+_SCOPE_RE = re.compile(r"\A(?:[0-9a-f]{32})?\Z")
+
+
+def check_salt(what: str, salt: str) -> None:
+    """A salt scope from the wire: empty, or 32 lowercase hex characters (`keys.salt_scope`)."""
+    if not _SCOPE_RE.match(salt):
+        raise WireFormatError(what, "salt must be empty or 32 lowercase hex characters")
 
 
 def check_tokens(what: str, tokens: object) -> list[int]:
@@ -65,13 +75,16 @@ def _check_agent(what: str, name: str) -> None:
         raise WireFormatError(what, str(exc)) from None
 
 
-@message("vllm.lookup", {"tokens": list, "limit": int})
+@message("vllm.lookup", {"tokens": list, "limit": int, "salt": str})
 @dataclass(frozen=True, slots=True)
 class LookupRequest(Message):
     """How many leading tokens of ``tokens[:limit]`` can kvbus deliver to this engine?"""
 
     tokens: list[int]
     limit: int
+    salt: str = ""
+    """The request's salt scope (`keys.salt_scope` of its ``cache_salt``; "" for none): only KV
+    of that scope counts."""
 
     @classmethod
     def from_map(cls, body: object) -> LookupRequest:
@@ -82,6 +95,7 @@ class LookupRequest(Message):
         """
         msg = _decode_fields(cls, body)
         check_tokens("vllm.lookup message", msg.tokens)
+        check_salt("vllm.lookup message", msg.salt)
         if not 0 <= msg.limit <= len(msg.tokens):
             raise WireFormatError("vllm.lookup message", f"limit {msg.limit} is outside 0..{len(msg.tokens)}")
         return msg
@@ -119,12 +133,13 @@ class LookupReply(Message):
         return msg
 
 
-@message("vllm.have", {"tokens": list})
+@message("vllm.have", {"tokens": list, "salt": str})
 @dataclass(frozen=True, slots=True)
 class HaveRequest(Message):
-    """How many leading tokens of ``tokens`` does the asked agent hold (whole blocks)?"""
+    """How many leading tokens of ``tokens`` does the asked agent hold (whole blocks), in scope ``salt``?"""
 
     tokens: list[int]
+    salt: str = ""
 
     @classmethod
     def from_map(cls, body: object) -> HaveRequest:
@@ -135,6 +150,7 @@ class HaveRequest(Message):
         """
         msg = _decode_fields(cls, body)
         check_tokens("vllm.have message", msg.tokens)
+        check_salt("vllm.have message", msg.salt)
         return msg
 
 
@@ -158,15 +174,17 @@ class HaveReply(Message):
         return msg
 
 
-@message("vllm.pull", {"pull_id": str, "requester": str, "tokens": list, "medium": (str, type(None))})
+@message("vllm.pull", {"pull_id": str, "requester": str, "tokens": list, "medium": (str, type(None)), "salt": str})
 @dataclass(frozen=True, slots=True)
 class PullRequest(Message):
-    """Send ``requester`` the KV of ``tokens`` (a prefix this agent holds) as a kvbus transfer."""
+    """Send ``requester`` the KV of ``tokens`` (a prefix this agent holds in scope ``salt``) as a
+    kvbus transfer labelled with the scope."""
 
     pull_id: str
     requester: str
     tokens: list[int]
     medium: str | None = None
+    salt: str = ""
 
     @classmethod
     def from_map(cls, body: object) -> PullRequest:
@@ -182,6 +200,7 @@ class PullRequest(Message):
             raise WireFormatError(what, "pull_id must be 1-64 characters")
         _check_agent(what, msg.requester)
         check_tokens(what, msg.tokens)
+        check_salt(what, msg.salt)
         if msg.medium is not None and len(msg.medium) > 128:
             raise WireFormatError(what, "medium is too long")
         return msg
@@ -207,14 +226,16 @@ class PullOutcome(Message):
     reason: str = ""
 
 
-@message("vllm.push", {"to": list, "tokens": list, "medium": (str, type(None))})
+@message("vllm.push", {"to": list, "tokens": list, "medium": (str, type(None)), "salt": str})
 @dataclass(frozen=True, slots=True)
 class PushRequest(Message):
-    """Send the KV this agent holds for ``tokens`` (its longest held prefix) to every agent in ``to``."""
+    """Send the KV this agent holds for ``tokens`` (its longest held prefix in scope ``salt``) to
+    every agent in ``to``, who keep it in that scope."""
 
     to: list[str]
     tokens: list[int]
     medium: str | None = None
+    salt: str = ""
 
     @classmethod
     def from_map(cls, body: object) -> PushRequest:
@@ -232,6 +253,7 @@ class PushRequest(Message):
                 raise WireFormatError(what, "to must be a list of agent names")
             _check_agent(what, name)
         check_tokens(what, msg.tokens)
+        check_salt(what, msg.salt)
         return msg
 
 

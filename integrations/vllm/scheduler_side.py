@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbus.integrations.vllm.config import ConnectorConfig
-from kvbus.integrations.vllm.keys import matchable_tokens
+from kvbus.integrations.vllm.keys import matchable_tokens, salt_scope
 from kvbus.integrations.vllm.loop import LoopThread
 from kvbus.integrations.vllm.metadata import (
     SOURCE_AGENT,
@@ -64,6 +64,8 @@ class _Req:
     lookup_s: float = 0.0
     declined: int = 0
     off: bool = False
+    salt: str = ""
+    """The request's salt scope (`salt_scope` of its ``cache_salt``)."""
 
 
 class SchedulerSide:
@@ -118,7 +120,8 @@ class SchedulerSide:
 
         The targets are the config's ``push_to`` plus the agents named in
         ``kv_transfer_params[PUSH_PARAM]`` (without duplicates or this agent); the medium is
-        ``kv_transfer_params[MEDIUM_PARAM]`` when it names a known codec, else the config's.
+        ``kv_transfer_params[MEDIUM_PARAM]`` when it names a known codec, else the config's. A
+        request with a ``cache_salt`` finds, saves and pushes KV only in its salt's scope.
         """
         params = getattr(request, "kv_transfer_params", None) or {}
         targets = list(self.config.push_to)
@@ -134,13 +137,14 @@ class SchedulerSide:
             push_to=[] if off else targets,
             medium=_medium(medium) or self.config.medium,
             off=off,
+            salt=_salt(request),
         )
 
-    def _lookup(self, tokens: list[int], limit: int) -> LookupReply:
+    def _lookup(self, tokens: list[int], limit: int, salt: str) -> LookupReply:
         transport = self._transport()
         if transport is None:
             return LookupReply()
-        msg = LookupRequest(tokens=tokens[:limit], limit=limit).encode()
+        msg = LookupRequest(tokens=tokens[:limit], limit=limit, salt=salt).encode()
         timeout = self.config.lookup_timeout_s
 
         async def ask() -> bytes:
@@ -179,7 +183,7 @@ class SchedulerSide:
         hit = self._hits.get(rid)
         if hit is None or hit.start != num_computed_tokens:
             t0 = time.perf_counter()
-            hit = _Hit(num_computed_tokens, self._lookup(prompt, limit))
+            hit = _Hit(num_computed_tokens, self._lookup(prompt, limit, _salt(request)))
             self._hits[rid] = hit
             state = self._reqs.get(rid)
             if state is not None:
@@ -213,7 +217,7 @@ class SchedulerSide:
         block_ids = list(blocks.get_block_ids()[0])
         targets = block_ids[start // self.block_size : stop // self.block_size]
         prompt = list(request.prompt_token_ids or [])
-        state = self._reqs.setdefault(rid, _Req(prompt=prompt, medium=self.config.medium))
+        state = self._reqs.setdefault(rid, _Req(prompt=prompt, medium=self.config.medium, salt=_salt(request)))
         self._loads[rid] = LoadSpec(
             request_id=rid,
             tokens=prompt[:stop],
@@ -223,6 +227,7 @@ class SchedulerSide:
             source=source,
             holder=holder,
             medium=state.medium,
+            salt=state.salt,
         )
         self._inflight_blocks[rid] = targets
         state.loaded, state.source, state.holder = num_external_tokens, source, holder
@@ -250,7 +255,9 @@ class SchedulerSide:
         self._loads.clear()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            state = self._reqs.setdefault(new.req_id, _Req(prompt=list(new.prompt_token_ids or [])))
+            # A request this side did not see arrive (vLLM calls `on_new_request` for each) has an
+            # unknown salt: kvbus keeps out of it rather than save a tenant's KV unsalted.
+            state = self._reqs.setdefault(new.req_id, _Req(prompt=list(new.prompt_token_ids or []), off=True))
             state.block_ids = list(new.block_ids[0])
             state.saved = max(state.saved, new.num_computed_tokens - new.num_computed_tokens % self.block_size)
             self._plan(meta, new.req_id, state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
@@ -282,12 +289,20 @@ class SchedulerSide:
         n_blocks = stop // self.block_size
         if stop > state.saved and len(state.block_ids) >= n_blocks:
             meta.saves.append(
-                SaveSpec(request_id=rid, tokens=state.prompt[:stop], block_ids=state.block_ids[:n_blocks])
+                SaveSpec(
+                    request_id=rid, tokens=state.prompt[:stop], block_ids=state.block_ids[:n_blocks], salt=state.salt
+                )
             )
             state.saved = stop
         if state.push_to and not state.pushed and prompt_done >= len(state.prompt) and stop > 0:
             meta.pushes.append(
-                PushSpec(request_id=rid, tokens=state.prompt[:stop], to=list(state.push_to), medium=state.medium)
+                PushSpec(
+                    request_id=rid,
+                    tokens=state.prompt[:stop],
+                    to=list(state.push_to),
+                    medium=state.medium,
+                    salt=state.salt,
+                )
             )
             state.pushed = True
 
@@ -346,6 +361,12 @@ class SchedulerSide:
             }
         self._forget(rid)
         return False, params
+
+
+def _salt(request: Any) -> str:
+    """The salt scope of a request's ``cache_salt`` ("" without one)."""
+    salt = getattr(request, "cache_salt", None)
+    return salt_scope(salt) if isinstance(salt, str) else ""
 
 
 def _medium(value: object) -> str | None:

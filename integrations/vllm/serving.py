@@ -53,7 +53,7 @@ async def on_lookup(client: KVBusClient, msg: Any) -> None:
 
     try:
         req = LookupRequest.decode(msg.data)
-        reply = await client.lookup(req.tokens, req.limit)
+        reply = await client.lookup(req.tokens, req.limit, salt=req.salt)
     except WireFormatError as exc:
         logger.warning("kvbus connector %s: malformed lookup: %s", client.name, exc)
         reply = LookupReply()
@@ -75,14 +75,16 @@ async def on_have(client: KVBusClient, msg: Any) -> None:
         await send_reply(client, msg, HaveReply(tokens=0).encode())
         return
     await client.settled()
-    await send_reply(client, msg, HaveReply(tokens=client.held(as_ids(req.tokens)) if req.tokens else 0).encode())
+    held = client.held(as_ids(req.tokens), salt=req.salt) if req.tokens else 0
+    await send_reply(client, msg, HaveReply(tokens=held).encode())
 
 
 async def on_pull(client: KVBusClient, msg: Any) -> None:
     """Answer a peer's ``pull``: accept it and start `serve_pull`, or refuse it with the reason.
 
-    Accepted only when this agent holds all of the requested tokens (after pending saves) and
-    they are a non-empty whole number of blocks; a refusal says how many it holds.
+    Accepted only when this agent holds all of the requested tokens in the pull's salt scope
+    (after pending saves) and they are a non-empty whole number of blocks; a refusal says how
+    many it holds.
     """
     try:
         req = PullRequest.decode(msg.data)
@@ -92,7 +94,7 @@ async def on_pull(client: KVBusClient, msg: Any) -> None:
     await client.settled()
     ids = as_ids(req.tokens) if req.tokens else torch.zeros(1, 0, dtype=torch.int64)
     n = int(ids.shape[1])
-    held = client.held(ids)
+    held = client.held(ids, salt=req.salt)
     if n == 0 or n % client.block_size or held < n:
         why = f"holds {held} of the {n} tokens asked for" if held < n else "not a whole number of blocks"
         await send_reply(client, msg, PullReply(ok=False, tokens=held, reason=why).encode())
@@ -111,8 +113,8 @@ async def serve_pull(client: KVBusClient, req: PullRequest, ids: torch.Tensor) -
     n = int(ids.shape[1])
     t0 = time.perf_counter()
     try:
-        kv = await client.get(ids, n)
-        report = await client.agent.send(req.requester, kv, medium=req.medium or client.config.medium)
+        kv = await client.get(ids, n, salt=req.salt)
+        report = await client.agent.send(req.requester, kv, medium=req.medium or client.config.medium, label=req.salt)
     except asyncio.CancelledError:
         raise
     except (LoadFailed, TransferError, KVBusError, ValueError) as exc:
@@ -143,16 +145,17 @@ async def serve_pull(client: KVBusClient, req: PullRequest, ids: torch.Tensor) -
     )
 
 
-async def push(client: KVBusClient, to: list[str], tokens: list[int], medium: str | None) -> PushReply:
-    """Send the longest prefix of ``tokens`` this agent holds to every agent in ``to``."""
+async def push(client: KVBusClient, to: list[str], tokens: list[int], medium: str | None, salt: str = "") -> PushReply:
+    """Send the longest prefix of ``tokens`` this agent holds in scope ``salt`` to every agent in
+    ``to``, labelled with the scope (the receivers keep it there)."""
     assert client.agent is not None
     await client.settled()
     ids = as_ids(tokens) if tokens else torch.zeros(1, 0, dtype=torch.int64)
-    n = client.held(ids)
+    n = client.held(ids, salt=salt)
     if n == 0:
         return PushReply(ok=False, reason=f"agent {client.name} holds no block of this context")
     try:
-        kv = await client.get(ids, n)
+        kv = await client.get(ids, n, salt=salt)
     except LoadFailed as exc:
         await client.emit("push", ok=False, tokens=n, peer=",".join(to), reason=str(exc))
         return PushReply(ok=False, tokens=n, reason=str(exc))
@@ -162,7 +165,9 @@ async def push(client: KVBusClient, to: list[str], tokens: list[int], medium: st
     # 270-650 Mbit/s). Each send picks its own path and medium; on shm, a context assembled in
     # a kv_buffer is the one segment every receiver maps, with no copy.
     chosen = medium or client.config.medium
-    outcomes = await asyncio.gather(*(client.agent.send(rx, kv, medium=chosen) for rx in to), return_exceptions=True)
+    outcomes = await asyncio.gather(
+        *(client.agent.send(rx, kv, medium=chosen, label=salt) for rx in to), return_exceptions=True
+    )
     reports: list[TransferReport] = []
     failed: list[str] = []
     for rx, outcome in zip(to, outcomes):
@@ -222,7 +227,7 @@ async def on_push(client: KVBusClient, msg: Any) -> None:
         await send_reply(client, msg, PushReply(ok=False, reason=str(exc)).encode())
         return
     try:
-        reply = await client.push(req.to, req.tokens, req.medium)
+        reply = await client.push(req.to, req.tokens, req.medium, salt=req.salt)
     except Exception as exc:
         logger.exception("kvbus connector %s: push failed", client.name)
         reply = PushReply(ok=False, reason=f"internal error: {exc}")

@@ -164,7 +164,9 @@ class WorkerSide:
             if spec.source == SOURCE_LOCAL:
                 t0 = time.perf_counter()
                 try:
-                    kv = self.loop.run(self.client.get(ids, spec.stop), timeout=self.config.load_timeout_s)
+                    kv = self.loop.run(
+                        self.client.get(ids, spec.stop, salt=spec.salt), timeout=self.config.load_timeout_s
+                    )
                     self._write(spec, kv)
                 except (LoadFailed, LayoutError, TimeoutError, RuntimeError) as exc:
                     self._fail(spec, str(exc))
@@ -173,10 +175,10 @@ class WorkerSide:
                 continue
             if spec.source == SOURCE_AGENT:
                 coro = self.client.pull(
-                    spec.holder, ids, spec.stop, timeout=self.config.load_timeout_s, medium=spec.medium
+                    spec.holder, ids, spec.stop, timeout=self.config.load_timeout_s, medium=spec.medium, salt=spec.salt
                 )
             else:
-                coro = self.client.load_tier(ids, spec.stop)
+                coro = self.client.load_tier(ids, spec.stop, salt=spec.salt)
             self._pending[spec.request_id] = _Pending(spec, self.loop.submit(coro), time.perf_counter())
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str]:
@@ -315,12 +317,12 @@ class WorkerSide:
             )
             self.stats["saves"] += 1
 
-            async def store(kv: KVCache = kv, rid: str = spec.request_id) -> None:
-                client.save(kv, rid)
+            async def store(kv: KVCache = kv, rid: str = spec.request_id, salt: str = spec.salt) -> None:
+                client.save(kv, rid, salt=salt)
 
             self.loop.submit(store())
         for push in meta.pushes:
-            fut = self.loop.submit(client.push(push.to, push.tokens, push.medium))
+            fut = self.loop.submit(client.push(push.to, push.tokens, push.medium, salt=push.salt))
             fut.add_done_callback(functools.partial(_log_push, self.config.agent, push.request_id, push.to))
 
 

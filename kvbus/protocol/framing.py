@@ -40,6 +40,8 @@ DIGEST_BYTES = 8
 MAX_INCARNATION = 32
 #: Longest idempotency key of a send (`Open.idempotency_key`).
 MAX_IDEMPOTENCY_KEY = 128
+#: Longest label of a send (`Open.label`).
+MAX_LABEL = 128
 
 CHUNK_INDEX_HEADER = "Kvbus-Chunk"
 #: Formerly each chunk's own digest; receivers now verify chunks against `Open.digests` only and
@@ -119,6 +121,7 @@ PAYLOAD_ALIGN = 16
         "retry_age": float_in(0.0, MAX_SECONDS),
         "trace_link": OptStr,
         "idempotency_key": str,
+        "label": str,
     },
 )
 @dataclass(frozen=True, slots=True)
@@ -175,6 +178,11 @@ class Open(Message):
     """The caller's key for this send (`Agent.send`), at most `MAX_IDEMPOTENCY_KEY` characters;
     empty: none. A receiver that delivered a transfer from the same sender with the same key
     answers "done" without delivering again."""
+    label: str = ""
+    """The sender's label for this context (`Agent.send`), at most `MAX_LABEL` characters, handed
+    to the receiver as `Delivery.label`; empty: none. The bus gives it no meaning: it is what the
+    sender says, and an application that acts on it trusts its sender (whose name the server
+    enforces in secure mode) as far as it does."""
 
     _PREFIX: ClassVar[struct.Struct] = struct.Struct("!I")
 
@@ -254,6 +262,8 @@ class Open(Message):
             raise WireFormatError(what, f"incarnation is longer than {MAX_INCARNATION} characters")
         if len(self.idempotency_key) > MAX_IDEMPOTENCY_KEY:
             raise WireFormatError(what, f"idempotency_key is longer than {MAX_IDEMPOTENCY_KEY} characters")
+        if len(self.label) > MAX_LABEL:
+            raise WireFormatError(what, f"label is longer than {MAX_LABEL} characters")
         if not 0 <= self.attempt <= 1 << 20:
             raise WireFormatError(what, f"attempt {self.attempt} is out of range")
         if not 0.0 <= self.retry_age <= 1e9:  # also rejects NaN
