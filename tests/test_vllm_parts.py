@@ -597,6 +597,8 @@ async def test_tenants_of_different_salts_never_get_each_others_kv(
     """KV saved for one ``cache_salt`` is found, served, pushed and kept only in that salt's scope."""
     t1, t2 = salt_scope("tenant-1 secret"), salt_scope("tenant-2 secret")
     assert len({t1, t2, ""}) == 3 and "tenant" not in t1
+    assert salt_scope(None, tenant="tenant-1 secret") not in (t1, "")  # a tenant's scope is not a salt's
+    assert salt_scope("x", tenant="t") == salt_scope(None, tenant="t") and salt_scope("") == ""
     a = await _client("vsalt-a", nats_url)
     b = await _client("vsalt-b", nats_url)
     liar = await bus.agent("vsalt-liar", group="default", signature=SIG)  # type: ignore[attr-defined]

@@ -53,11 +53,11 @@ class Arm:
     prefix_cache: bool
     medium: str | None = None
 
-    def params(self, push_to: list[str] | None = None) -> dict[str, Any]:
-        """The request's ``kv_transfer_params``."""
+    def params(self, push_to: list[str] | None = None, tenant: str = "") -> dict[str, Any]:
+        """The request's ``kv_transfer_params`` (``tenant``: the workflow's, for kvbus)."""
         if self.handoff == "text":
             return {"kvbus_off": True}
-        out: dict[str, Any] = {}
+        out: dict[str, Any] = {"kvbus_tenant": tenant} if tenant else {}
         if self.medium:
             out["kvbus_medium"] = self.medium
         if push_to:
@@ -308,7 +308,10 @@ def run_workflow(team: Team, ctl: Any, arm: Arm, ds: DocSet, lengths: Lengths, l
         question: Question | None = None,
     ) -> Call:
         out = team.engines[role].generate(
-            [prompt], max_tokens=max_tokens, kv_transfer_params=arm.params(push_to), cache_salt=salt()
+            [prompt],
+            max_tokens=max_tokens,
+            kv_transfer_params=arm.params(push_to, tenant=salt_of_workflow),
+            cache_salt=salt(),
         )[0]
         kv = (out.get("kv_transfer_params") or {}).get("kvbus") or {}
         return Call(

@@ -26,9 +26,13 @@ from kvbus.signature import ModelSignature
 SCOPE_CHARS = 32
 
 
-def salt_scope(cache_salt: str | None) -> str:
-    """The scope a request's ``cache_salt`` keys its KV under ("" for no salt): a hash of the
-    salt, so that the salt itself is not sent to other engines."""
+def salt_scope(cache_salt: str | None, *, tenant: str | None = None) -> str:
+    """The scope a request keys its KV under: of its ``tenant`` when it names one (the
+    ``kvbus_tenant`` request parameter), else of its ``cache_salt``; "" for neither. A hash, so
+    that neither the salt nor the tenant's name is sent to other engines; a tenant's scope never
+    equals a salt's."""
+    if tenant:
+        return hashlib.blake2b(tenant.encode(), digest_size=SCOPE_CHARS // 2, person=b"kvbus-tenant").hexdigest()
     if not cache_salt:
         return ""
     return hashlib.blake2b(cache_salt.encode(), digest_size=SCOPE_CHARS // 2, person=b"kvbus-salt").hexdigest()

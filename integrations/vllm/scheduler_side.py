@@ -42,6 +42,9 @@ SKIP_PARAM = "kvbus_skip"
 OFF_PARAM = "kvbus_off"
 #: ``kv_transfer_params`` key naming the medium for this request's pull or push (e.g. ``"int8"``).
 MEDIUM_PARAM = "kvbus_medium"
+#: ``kv_transfer_params`` key naming the request's tenant for kvbus: its KV is shared only with
+#: requests of the same tenant (in place of its ``cache_salt``, which then keys vLLM's own cache alone).
+TENANT_PARAM = "kvbus_tenant"
 
 
 @dataclass
@@ -121,7 +124,8 @@ class SchedulerSide:
         The targets are the config's ``push_to`` plus the agents named in
         ``kv_transfer_params[PUSH_PARAM]`` (without duplicates or this agent); the medium is
         ``kv_transfer_params[MEDIUM_PARAM]`` when it names a known codec, else the config's. A
-        request with a ``cache_salt`` finds, saves and pushes KV only in its salt's scope.
+        request with a ``cache_salt`` (or a ``kv_transfer_params[TENANT_PARAM]``, which takes
+        precedence) finds, saves and pushes KV only in that salt's (tenant's) scope.
         """
         params = getattr(request, "kv_transfer_params", None) or {}
         targets = list(self.config.push_to)
@@ -364,9 +368,11 @@ class SchedulerSide:
 
 
 def _salt(request: Any) -> str:
-    """The salt scope of a request's ``cache_salt`` ("" without one)."""
+    """The scope of a request's ``kvbus_tenant`` parameter, else of its ``cache_salt`` ("" without either)."""
+    params = getattr(request, "kv_transfer_params", None) or {}
+    tenant = params.get(TENANT_PARAM) if isinstance(params, dict) else None
     salt = getattr(request, "cache_salt", None)
-    return salt_scope(salt) if isinstance(salt, str) else ""
+    return salt_scope(salt if isinstance(salt, str) else None, tenant=tenant if isinstance(tenant, str) else None)
 
 
 def _medium(value: object) -> str | None:
