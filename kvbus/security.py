@@ -18,7 +18,13 @@ message may come from, never from what it says:
 - only a group's scheduler may publish its heartbeats and its leave
   (``kvbus.coord.{register,leave}.<group>``): no agent, and no other group's scheduler, can
   announce a group to the coordinator or take it away;
-- schedulers and the coordinator may use JetStream (the directory and the coordinator's state).
+- schedulers and the coordinator may use JetStream (the directory and the coordinator's state);
+- an agent that is a vLLM engine (`kvbus.integrations.vllm`; every agent gets these rights) may
+  subscribe to its connector's subjects (``kvbus.vllm.<self>.>``), ask its own worker
+  (``kvbus.vllm.<self>.lookup``, ``.push``), ask any agent what it holds (``kvbus.vllm.*.have``),
+  pull and fail a pull only under its own name (``kvbus.vllm.*.pull.<self>``,
+  ``kvbus.vllm.*.pulled.<self>``), publish its own events (``kvbus.vllm.events.<self>``), and read
+  and write the prefix index, the JetStream KV bucket `VLLM_INDEX_BUCKET` and no other.
 
 Passwords are random and returned to the caller; nothing here logs them.
 """
@@ -47,6 +53,32 @@ from kvbus.protocol import (
     inbox_subject,
     sched_subject,
 )
+
+#: Root of the vLLM connector's subjects (`kvbus.integrations.vllm.protocol.SUBJECT_ROOT`).
+VLLM_ROOT = "kvbus.vllm"
+#: The vLLM connector's prefix index bucket its agents may use in secure mode (its default
+#: ``index_bucket``; an engine configured with another finds no index there and only loads
+#: pushed contexts and the cache tier's blocks).
+VLLM_INDEX_BUCKET = "kvbus_vllm_prefix"
+
+
+def vllm_agent_subjects(agent: str) -> tuple[list[str], list[str]]:
+    """(publish, subscribe) subjects the vLLM connector of ``agent`` needs (see the module doc)."""
+    a, r, stream = agent, VLLM_ROOT, f"KV_{VLLM_INDEX_BUCKET}"
+    publish = [
+        f"{r}.{a}.lookup",
+        f"{r}.{a}.push",
+        f"{r}.*.have",
+        f"{r}.*.pull.{a}",
+        f"{r}.*.pulled.{a}",
+        f"{r}.events.{a}",
+        f"$JS.API.STREAM.INFO.{stream}",
+        f"$JS.API.STREAM.CREATE.{stream}",
+        f"$JS.API.STREAM.MSG.GET.{stream}",
+        f"$JS.API.DIRECT.GET.{stream}.>",
+        f"$KV.{VLLM_INDEX_BUCKET}.>",
+    ]
+    return publish, [f"{r}.{a}.>"]
 
 
 @dataclass(frozen=True)
@@ -139,6 +171,7 @@ def agent_permissions(grant: AgentGrant) -> dict[str, object]:
     a, g = check_name("agent", grant.name), check_name("group", grant.group)
     for sender in grant.broadcasts_from:
         check_name("agent", sender)
+    vllm_publish, vllm_subscribe = vllm_agent_subjects(a)
     return {
         "publish": {
             "allow": [
@@ -147,9 +180,10 @@ def agent_permissions(grant: AgentGrant) -> dict[str, object]:
                 ack_subject("*", a),
                 data_subject("*", a, "*"),
                 "kvbus.coord.place",
+                *vllm_publish,
             ]
         },
-        "subscribe": {"allow": [f"kvbus.agent.{a}.>", f"_INBOX.{a}.>"]},
+        "subscribe": {"allow": [f"kvbus.agent.{a}.>", f"_INBOX.{a}.>", *vllm_subscribe]},
         "allow_responses": True,
     }
 

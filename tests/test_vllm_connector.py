@@ -227,7 +227,9 @@ async def test_changed_payload_changes_output(engines: dict, control: AsyncContr
     # the positions would not do: attention does not depend on the order of the key/value pairs.)
     tamper = await bus.agent("vllm-tamper", group="default", signature=_signature())
     msg = PullRequest(pull_id=uuid.uuid4().hex, requester="vllm-tamper", tokens=p[:expected], medium="full")
-    assert PullReply.decode(await bus.transport.request(subject("vllm-a", "pull"), msg.encode(), 10.0)).ok
+    assert PullReply.decode(
+        await bus.transport.request(subject("vllm-a", "pull", "vllm-tamper"), msg.encode(), 10.0)
+    ).ok
     got = (await tamper.receive(timeout=30)).kv
     assert torch.equal(got.tokens[0], torch.tensor(p[:expected]))
     changed = KVCache(
@@ -268,14 +270,14 @@ async def test_failed_load_is_recomputed(engines: dict, control: AsyncControl, b
         if failure == "wrong_context":
             # A real transfer of another context (A's KV of other tokens): B must not load it.
             pull = PullRequest(pull_id=uuid.uuid4().hex, requester=ghost_name, tokens=wrong[:expected], medium="full")
-            await bus.transport.request(subject("vllm-a", "pull"), pull.encode(), 10.0)
+            await bus.transport.request(subject("vllm-a", "pull", ghost_name), pull.encode(), 10.0)
             kv = (await ghost.receive(timeout=30)).kv
             await ghost.send(req.requester, kv, medium="full")
         # holder_gone: accepted, then nothing arrives
 
     subs = [
         await bus.transport.subscribe(subject(ghost_name, "have"), on_have),
-        await bus.transport.subscribe(subject(ghost_name, "pull"), on_pull),
+        await bus.transport.subscribe(subject(ghost_name, "pull", "*"), on_pull),
     ]
     try:
         b = await _generate(engines["b"], p)

@@ -580,7 +580,7 @@ async def test_a_pull_answered_with_another_context_fails(nats_url: str, schedul
         await bus.transport.reply(msg, PullReply(ok=True, tokens=24).encode())  # type: ignore[attr-defined]
         await liar.send(req.requester, wrong, medium="full")
 
-    sub = await bus.transport.subscribe(subject("vparts-liar", "pull"), on_pull)  # type: ignore[attr-defined]
+    sub = await bus.transport.subscribe(subject("vparts-liar", "pull", "*"), on_pull)  # type: ignore[attr-defined]
     await bus.transport.flush()  # type: ignore[attr-defined]  # subscribed before the pull asks (no "no responder")
     try:
         # Refused for what it is, not by the timeout (which would say so).
@@ -636,7 +636,7 @@ async def test_tenants_of_different_salts_never_get_each_others_kv(
             await bus.transport.reply(msg, PullReply(ok=True, tokens=16).encode())  # type: ignore[attr-defined]
             await liar.send(req.requester, want, medium="full", label=t2)
 
-        sub = await bus.transport.subscribe(subject("vsalt-liar", "pull"), on_pull)  # type: ignore[attr-defined]
+        sub = await bus.transport.subscribe(subject("vsalt-liar", "pull", "*"), on_pull)  # type: ignore[attr-defined]
         await bus.transport.flush()  # type: ignore[attr-defined]
         try:
             with pytest.raises(LoadFailed, match="another salt scope"):

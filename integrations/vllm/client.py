@@ -45,6 +45,7 @@ from kvbus.integrations.vllm.protocol import (
     PushReply,
     check_salt,
     events_subject,
+    sender_of,
     subject,
 )
 from kvbus.integrations.vllm.worth import PullGate
@@ -91,12 +92,10 @@ class KVBusClient:
 
     async def start(self) -> None:
         """Connect, register the agent, open the store and the index, subscribe."""
-        from kvbus.net.auth import NatsAuth
-
         cfg = self.config
         try:
             bus = await asyncio.wait_for(
-                Bus.connect(cfg.nats_url, **NatsAuth.from_env().connect_options()), cfg.connect_timeout_s
+                Bus.connect(cfg.nats_url, secure=cfg.is_secure, **cfg.connect_options()), cfg.connect_timeout_s
             )
         except TimeoutError:
             raise NatsConnectError(
@@ -123,14 +122,14 @@ class KVBusClient:
                 exc_info=True,
             )
         t = bus.transport
-        for kind, handler in (
-            ("lookup", functools.partial(serving.on_lookup, self)),
-            ("have", functools.partial(serving.on_have, self)),
-            ("pull", functools.partial(serving.on_pull, self)),
-            ("push", functools.partial(serving.on_push, self)),
-            ("pulled", self._on_pulled),
+        for name, handler in (
+            (subject(self.name, "lookup"), functools.partial(serving.on_lookup, self)),
+            (subject(self.name, "have"), functools.partial(serving.on_have, self)),
+            (subject(self.name, "pull", "*"), functools.partial(serving.on_pull, self)),
+            (subject(self.name, "push"), functools.partial(serving.on_push, self)),
+            (subject(self.name, "pulled", "*"), self._on_pulled),
         ):
-            self._subs.append(await t.subscribe(subject(self.name, kind), handler))
+            self._subs.append(await t.subscribe(name, handler))
         await t.flush()
         self._spawn(self._inbox_loop(), "inbox")
         logger.info(
@@ -359,7 +358,9 @@ class KVBusClient:
                 salt=salt,
             )
             try:
-                data = await self.bus.transport.request(subject(holder, "pull"), msg.encode(), min(timeout, 5.0))
+                data = await self.bus.transport.request(
+                    subject(holder, "pull", self.name), msg.encode(), min(timeout, 5.0)
+                )
             except NoResponders:
                 raise LoadFailed(n, f"holder {holder} is gone (no responder)") from None
             except TimeoutError:
@@ -383,7 +384,13 @@ class KVBusClient:
             logger.warning("kvbus connector %s: malformed pull outcome dropped", self.name)
             return
         pending = self._pulls.get(outcome.pull_id)
-        if pending is not None and not pending.future.done() and not outcome.ok:
+        # Only the holder asked may fail its pull (its name ends the subject: the server's word in secure mode).
+        if (
+            pending is not None
+            and not pending.future.done()
+            and not outcome.ok
+            and sender_of(msg.subject) == pending.holder
+        ):
             pending.future.set_exception(
                 LoadFailed(int(pending.tokens.shape[1]), f"holder {pending.holder}: {outcome.reason}")
             )

@@ -14,6 +14,7 @@ from kvbus.net.servers import server_urls
 from kvbus.protocol import check_name
 from kvbus.protocol.messages import PRIORITY
 from kvbus.protocol.wire import MAX_BYTES, MAX_SECONDS, Num, float_in, int_in
+from kvbus.security import VLLM_INDEX_BUCKET
 
 #: NATS URL when neither the extra config nor ``KVBUS_NATS_URL`` names one.
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
@@ -25,7 +26,7 @@ DEFAULT_LOAD_TIMEOUT_S = 30.0
 DEFAULT_CONNECT_TIMEOUT_S = 15.0
 DEFAULT_INDEX_TTL_S = 3600.0
 #: JetStream KV bucket of the prefix index (block key -> an agent that holds the prefix).
-DEFAULT_INDEX_BUCKET = "kvbus_vllm_prefix"
+DEFAULT_INDEX_BUCKET = VLLM_INDEX_BUCKET
 #: Longest prefix lookup: vLLM's scheduler step waits for it (a lookup that long is a fault anyway).
 MAX_LOOKUP_TIMEOUT_S = 60.0
 #: Longest load or connect timeout.
@@ -48,7 +49,8 @@ class ConnectorConfig:
     """What ``kv_connector_extra_config`` may hold (every key optional except ``agent``).
 
     ``KVBUS_NATS_URL`` is used when ``nats_url`` is not given; authentication and TLS come from
-    the ``KVBUS_NATS_*`` variables as for every kvbus process.
+    the ``KVBUS_NATS_*`` variables as for every kvbus process, or the agent's user from
+    ``credentials``.
     """
 
     agent: str
@@ -97,6 +99,14 @@ class ConnectorConfig:
     index_ttl_s: float = DEFAULT_INDEX_TTL_S
     """Seconds an index entry lives, 0.1..1e9 (created with the bucket; a holder refreshes it on
     every save)."""
+    credentials: str | None = None
+    """Secure mode: the credentials file ``kvbus up --secure`` writes
+    (``~/.cache/kvbus/credentials.json``): both halves of the connector connect as this agent's
+    user (its identity replaces one from ``KVBUS_NATS_*``, whose TLS settings still apply)."""
+    secure: bool = False
+    """The NATS server enforces kvbus's per-agent permissions (`kvbus.security`; true whenever
+    ``credentials`` is set): set it when the agent's user comes from ``KVBUS_NATS_USER`` /
+    ``KVBUS_NATS_PASSWORD`` and ``KVBUS_NATS_INBOX_PREFIX=_INBOX.<agent>``, as in the Helm chart."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
     """Unrecognised keys that start with ``x_`` (kept for other tools, ignored here)."""
 
@@ -123,7 +133,7 @@ class ConnectorConfig:
                 get_codec(self.medium)
             except (TypeError, ValueError) as exc:
                 raise ConfigError(f"{_where('medium')}: {exc}") from None
-        for flag in ("pull", "pull_gate"):
+        for flag in ("pull", "pull_gate", "secure"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{_where(flag)} must be true or false, got {_shown(getattr(self, flag))}")
         for name, kind in _NUMBERS.items():
@@ -131,6 +141,40 @@ class ConnectorConfig:
         check_nats_url(self.nats_url, _where("nats_url"))
         if self.redis_url is not None:
             _check_redis_url(self.redis_url)
+        if self.credentials is not None and not self.credentials.strip():
+            raise ConfigError(f"{_where('credentials')} must name a file or be null")
+
+    @property
+    def is_secure(self) -> bool:
+        """Whether the server enforces per-agent permissions (``secure``, or ``credentials`` given)."""
+        return self.secure or self.credentials is not None
+
+    def connect_options(self) -> dict[str, Any]:
+        """`nats.connect` options of this engine's agent: ``KVBUS_NATS_*`` (`NatsAuth`), under the
+        agent's user from ``credentials`` when set.
+
+        Raises:
+            ConfigError: the credentials file cannot be read or has no user for this agent, or a
+                ``KVBUS_NATS_*`` setting is wrong.
+        """
+        from pathlib import Path
+
+        from kvbus.net.auth import NatsAuth
+        from kvbus.security import load_credentials
+
+        role = None
+        if self.credentials is not None:
+            path = Path(self.credentials).expanduser()
+            try:
+                role = load_credentials(path).agent_options(self.agent)
+            except KeyError:
+                raise ConfigError(
+                    f"{_where('credentials')}: {path} has no user for agent {self.agent!r} "
+                    f"(kvbus up --secure --agents must list it)"
+                ) from None
+            except (OSError, ValueError, TypeError, IndexError) as exc:
+                raise ConfigError(f"{_where('credentials')}: cannot read {path}: {exc}") from None
+        return NatsAuth.from_env().connect_options(role)
 
     @classmethod
     def from_extra(cls, extra: object, *, environ: dict[str, str] | None = None) -> ConnectorConfig:
@@ -188,6 +232,8 @@ _KINDS: dict[str, Any] = {
     "medium": "str?",
     "pull": bool,
     "pull_gate": bool,
+    "secure": bool,
+    "credentials": "str?",
     "push_to": "names",
     "redis_url": "str?",
     "index_bucket": str,

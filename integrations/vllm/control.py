@@ -61,12 +61,15 @@ class AsyncControl:
         self._subs: list[Any] = []
 
     @classmethod
-    async def connect(cls, nats_url: str) -> AsyncControl:
-        """Connect to ``nats_url`` with the ``KVBUS_NATS_*`` identity and TLS of the environment."""
+    async def connect(cls, nats_url: str, **role_options: Any) -> AsyncControl:
+        """Connect to ``nats_url`` with the ``KVBUS_NATS_*`` identity and TLS of the environment,
+        or under ``role_options`` (in secure mode an agent's, ``creds.agent_options(agent)``:
+        the control may then push that agent's contexts and ask any agent what it holds, but not
+        watch events, which only the agents' own users publish)."""
         from kvbus.net.auth import NatsAuth
         from kvbus.net.transport import NatsTransport
 
-        return cls(await NatsTransport.connect(nats_url, **NatsAuth.from_env().connect_options()))
+        return cls(await NatsTransport.connect(nats_url, **NatsAuth.from_env().connect_options(role_options or None)))
 
     async def push(
         self,
@@ -128,9 +131,9 @@ class AsyncControl:
 class KVBusControl:
     """`AsyncControl` for synchronous code: its own event loop in a background thread."""
 
-    def __init__(self, nats_url: str) -> None:
+    def __init__(self, nats_url: str, **role_options: Any) -> None:
         self._loop = LoopThread(name="kvbus-control")
-        self._control = self._loop.run(AsyncControl.connect(nats_url), timeout=30.0)
+        self._control = self._loop.run(AsyncControl.connect(nats_url, **role_options), timeout=30.0)
 
     @property
     def events(self) -> list[Event]:

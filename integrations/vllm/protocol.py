@@ -2,12 +2,17 @@
 
 Subjects (``<agent>`` is an engine's agent name)::
 
-    kvbus.vllm.<agent>.lookup   the engine's scheduler asks its worker what kvbus can deliver
-    kvbus.vllm.<agent>.have     a peer asks how much of a prefix this agent holds
-    kvbus.vllm.<agent>.pull     a peer asks this agent to send it a prefix (a kvbus transfer)
-    kvbus.vllm.<agent>.pulled   a holder tells this agent that the pull it accepted failed
-    kvbus.vllm.<agent>.push     anyone asks this agent to send a held context to named agents
-    kvbus.vllm.events.<agent>   what the connector did (loads, saves, pushes, failures)
+    kvbus.vllm.<agent>.lookup             the engine's scheduler asks its worker what kvbus can deliver
+    kvbus.vllm.<agent>.have               a peer asks how much of a prefix this agent holds
+    kvbus.vllm.<agent>.pull.<requester>   a peer asks this agent to send it a prefix (a kvbus transfer)
+    kvbus.vllm.<agent>.pulled.<holder>    a holder tells this agent that the pull it accepted failed
+    kvbus.vllm.<agent>.push               this agent is asked to send a held context to named agents
+    kvbus.vllm.events.<agent>             what the connector did (loads, saves, pushes, failures)
+
+A pull and its failure carry their sender's name last in the subject: in secure mode the
+server lets an agent publish only under its own name there (`kvbus.security.agent_permissions`),
+and the receiver checks the name the message gives against it, so no agent can pull for another
+or fail another's pull.
 
 The KV itself never travels here: it goes as an ordinary kvbus transfer (group scheduler grant,
 medium from the cost model, chunked stream, digests, lineage, trace). Every decoder validates
@@ -22,16 +27,25 @@ from typing import Any, TypeVar, cast
 
 from kvbus.errors import WireFormatError
 from kvbus.protocol import Message, check_name, message
+from kvbus.security import VLLM_ROOT
 
 #: Prefix of every subject the connector uses.
-SUBJECT_ROOT = "kvbus.vllm"
+SUBJECT_ROOT = VLLM_ROOT
 #: Most token ids one message may carry.
 MAX_TOKENS = 1 << 16
 
 
-def subject(agent: str, kind: str) -> str:
-    """``kvbus.vllm.<agent>.<kind>``."""
-    return f"{SUBJECT_ROOT}.{check_name('agent', agent)}.{kind}"
+def subject(agent: str, kind: str, sender: str | None = None) -> str:
+    """``kvbus.vllm.<agent>.<kind>``, or ``kvbus.vllm.<agent>.<kind>.<sender>`` (``*``: any sender's)."""
+    base = f"{SUBJECT_ROOT}.{check_name('agent', agent)}.{kind}"
+    if sender is None:
+        return base
+    return f"{base}.{sender if sender == '*' else check_name('agent', sender)}"
+
+
+def sender_of(msg_subject: str) -> str:
+    """The sender's name at the end of a subject `subject` built with one ("" if none)."""
+    return msg_subject.rsplit(".", 1)[-1] if msg_subject.count(".") >= 4 else ""
 
 
 def events_subject(agent: str = "*") -> str:

@@ -87,10 +87,9 @@ class SchedulerSide:
         self._warned = False
 
     async def _connect(self) -> Any:
-        from kvbus.net.auth import NatsAuth
         from kvbus.net.transport import NatsTransport
 
-        return await NatsTransport.connect(self.config.nats_url, **NatsAuth.from_env().connect_options())
+        return await NatsTransport.connect(self.config.nats_url, **self.config.connect_options())
 
     def _transport(self) -> Any:
         try:

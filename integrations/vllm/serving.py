@@ -25,6 +25,7 @@ from kvbus.integrations.vllm.protocol import (
     PullRequest,
     PushReply,
     PushRequest,
+    sender_of,
     subject,
 )
 
@@ -82,14 +83,20 @@ async def on_have(client: KVBusClient, msg: Any) -> None:
 async def on_pull(client: KVBusClient, msg: Any) -> None:
     """Answer a peer's ``pull``: accept it and start `serve_pull`, or refuse it with the reason.
 
-    Accepted only when this agent holds all of the requested tokens in the pull's salt scope
-    (after pending saves) and they are a non-empty whole number of blocks; a refusal says how
-    many it holds.
+    Accepted only when the requester the message names is the one whose name ends the subject
+    (which only it may publish in secure mode), this agent holds all of the requested tokens in
+    the pull's salt scope (after pending saves) and they are a non-empty whole number of blocks;
+    a refusal says why (how many it holds).
     """
     try:
         req = PullRequest.decode(msg.data)
     except WireFormatError as exc:
         await send_reply(client, msg, PullReply(ok=False, reason=str(exc)).encode())
+        return
+    if sender_of(msg.subject) != req.requester:
+        why = f"the pull names {req.requester} as its requester but came on {msg.subject}"
+        logger.warning("kvbus connector %s: refused a pull: %s", client.name, why)
+        await send_reply(client, msg, PullReply(ok=False, reason=why).encode())
         return
     await client.settled()
     ids = as_ids(req.tokens) if req.tokens else torch.zeros(1, 0, dtype=torch.int64)
@@ -126,7 +133,7 @@ async def serve_pull(client: KVBusClient, req: PullRequest, ids: torch.Tensor) -
         )
         try:
             await client.bus.transport.publish(
-                subject(req.requester, "pulled"),
+                subject(req.requester, "pulled", client.name),
                 PullOutcome(pull_id=req.pull_id, ok=False, reason=str(exc)).encode(),
             )
         except Exception:

@@ -32,18 +32,24 @@ Returned as JSON: {"agents": [{name, group, broadcastsFrom}]}. */}}
 
 {{/* kvbus.security.agent_permissions for {name, group, broadcastsFrom}, as JSON: acks and data
 only on subjects ending in (data: carrying) the agent's own name, reads only under its own prefix
-(broadcastsFrom grants nothing: every receiver of a secure broadcast gets its own stream). */}}
+(broadcastsFrom grants nothing: every receiver of a secure broadcast gets its own stream); the
+vLLM connector's subjects and prefix index (kvbus.security.vllm_agent_subjects). */}}
 {{- define "kvbus.nats.agentPermissions" -}}
 {{- $a := .name -}}
 {{- $g := .group -}}
-{{- $subscribe := list (printf "kvbus.agent.%s.>" $a) (printf "_INBOX.%s.>" $a) -}}
+{{- $subscribe := list (printf "kvbus.agent.%s.>" $a) (printf "_INBOX.%s.>" $a) (printf "kvbus.vllm.%s.>" $a) -}}
 {{- $publish := list
   (printf "kvbus.sched.%s.request.%s" $g $a) (printf "kvbus.sched.%s.done.%s" $g $a)
   (printf "kvbus.sched.%s.probe.%s" $g $a) (printf "kvbus.sched.%s.reserve.%s" $g $a)
   (printf "kvbus.sched.%s.register.%s" $g $a) (printf "kvbus.sched.%s.leave.%s" $g $a)
   (printf "kvbus.agent.*.inbox.%s" $a) (printf "kvbus.agent.*.ack.%s" $a)
   (printf "kvbus.agent.*.data.%s.*" $a)
-  "kvbus.coord.place" -}}
+  "kvbus.coord.place"
+  (printf "kvbus.vllm.%s.lookup" $a) (printf "kvbus.vllm.%s.push" $a) "kvbus.vllm.*.have"
+  (printf "kvbus.vllm.*.pull.%s" $a) (printf "kvbus.vllm.*.pulled.%s" $a) (printf "kvbus.vllm.events.%s" $a)
+  "$JS.API.STREAM.INFO.KV_kvbus_vllm_prefix" "$JS.API.STREAM.CREATE.KV_kvbus_vllm_prefix"
+  "$JS.API.STREAM.MSG.GET.KV_kvbus_vllm_prefix" "$JS.API.DIRECT.GET.KV_kvbus_vllm_prefix.>"
+  "$KV.kvbus_vllm_prefix.>" -}}
 {{- toJson (dict "publish" (dict "allow" $publish) "subscribe" (dict "allow" $subscribe) "allow_responses" true) -}}
 {{- end -}}
 
