@@ -578,6 +578,101 @@ def int8_decode_layer(
     return out
 
 
+def int8c_encode_layer(
+    keys: torch.Tensor, values: torch.Tensor, out: Sequence[torch.Tensor] | None = None
+) -> tuple[tuple[torch.Tensor, ...], int] | None:
+    """int8 layout 2 of a layer in one C call, or None where it does not apply: keys centred on
+    their channel's midpoint (the offsets) and quantised per channel, values per token, as
+    `kvbus.codecs.int8.Int8Codec.encode_layer`'s torch path computes them.
+
+    Returns ``((kq, kscale, koffset, vq, vscale), bad)`` as `int8_encode_layer`; ``out``: those
+    five tensors to write into.
+    """
+    suffix = _NATIVE_INT8.get(keys.dtype)
+    if suffix is None or not _layer_ok(keys, values, out) or keys.shape[3] > _native.MAX_CHANNELS:
+        return None
+    lib = _native.library()
+    if lib is None:
+        return None
+    b, h, s, d = keys.shape
+    if out is None:
+        out = (
+            torch.empty(keys.shape, dtype=torch.int8),
+            torch.empty((b, h, 1, d), dtype=keys.dtype),
+            torch.empty((b, h, 1, d), dtype=keys.dtype),
+            torch.empty(keys.shape, dtype=torch.int8),
+            torch.empty((b, h, s, 1), dtype=keys.dtype),
+        )
+    kq, ks, ko, vq, vs = out
+    if (
+        ks.numel() != b * h * d
+        or ko.numel() != b * h * d
+        or vs.numel() != b * h * s
+        or kq.numel() != keys.numel()
+        or vq.numel() != keys.numel()
+    ):
+        return None
+    bad = getattr(lib, f"int8c_enc_layer_{suffix}")(
+        keys.data_ptr(),
+        values.data_ptr(),
+        kq.data_ptr(),
+        ks.data_ptr(),
+        ko.data_ptr(),
+        vq.data_ptr(),
+        vs.data_ptr(),
+        b * h,
+        s,
+        d,
+    )
+    return (kq, ks, ko, vq, vs), int(bad)
+
+
+def int8c_decode_layer(
+    views: Sequence[torch.Tensor], out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The decode of `int8c_encode_layer`'s ``(kq, kscale, koffset, vq, vscale)`` (checked views)
+    in one C call, or None where it does not apply."""
+    kq, ks, ko, vq, vs = views
+    suffix = _NATIVE_INT8.get(ks.dtype)
+    if (
+        suffix is None
+        or vs.dtype != ks.dtype
+        or ko.dtype != ks.dtype
+        or kq.dim() != 4
+        or not _plain(kq, ks, ko, vq, vs)
+    ):
+        return None
+    b, h, s, d = kq.shape
+    if (
+        d > _native.MAX_CHANNELS
+        or ks.numel() != b * h * d
+        or ko.numel() != b * h * d
+        or vs.numel() != b * h * s
+        or vq.shape != kq.shape
+    ):
+        return None
+    lib = _native.library()
+    if lib is None:
+        return None
+    if out is None:
+        out = (torch.empty(kq.shape, dtype=ks.dtype), torch.empty(kq.shape, dtype=ks.dtype))
+    elif not _plain(*out) or any(o.dtype != ks.dtype or o.shape != kq.shape for o in out):
+        return None
+    getattr(lib, f"int8c_dec_layer_{suffix}")(
+        kq.data_ptr(),
+        ks.data_ptr(),
+        ko.data_ptr(),
+        vq.data_ptr(),
+        vs.data_ptr(),
+        out[0].data_ptr(),
+        out[1].data_ptr(),
+        b * h,
+        s,
+        d,
+    )
+    return out
+
+
 def int4_encode_layer(
     keys: torch.Tensor, values: torch.Tensor, key_group: int, value_group: int, out: Sequence[torch.Tensor] | None
 ) -> tuple[tuple[torch.Tensor, ...], int] | None:

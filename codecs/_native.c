@@ -893,3 +893,195 @@ INT4_ENC_LAYER(f32, float, nonfinite_f32)
 
 INT4_DEC_LAYER(bf16, uint16_t)
 INT4_DEC_LAYER(f32, float)
+
+/* ---- int8 layout 2: keys centred per channel ------------------------------------------------------
+ * Per channel of a head: the midpoint of its smallest and largest key (the offset, in the KV dtype,
+ * as Int8Codec's torch path rounds it: (lo * 0.5) + hi * 0.5, each step rounded to the dtype; NaN
+ * when the channel holds one; 0 for no token), then the keys minus it rounded to the KV dtype
+ * (the centred keys), quantised as int8_enc_keys does its keys. Decoding rounds q * scale to the
+ * KV dtype, then adds the offset and rounds again, as the torch path's add_ does. */
+
+static inline __attribute__((always_inline)) void int8c_enc_keys_bf16_body(const uint16_t *restrict x, int8_t *restrict q, uint16_t *restrict scale,
+                        uint16_t *restrict off, int64_t bh, int64_t s, int64_t d) {
+    float lo[CHUNK], hi[CHUNK], mid[CHUNK], sc[CHUNK], rc[CHUNK], f[CHUNK];
+    uint16_t am[CHUNK];
+    int nan[CHUNK];
+    for (int64_t r = 0; r < bh; r++) {
+        const uint16_t *xr = x + r * s * d;
+        for (int64_t c = 0; c < d; c++) {
+            lo[c] = INFINITY;
+            hi[c] = -INFINITY;
+            nan[c] = 0;
+            am[c] = 0;
+        }
+        for (int64_t t = 0; t < s; t++)
+            for (int64_t c = 0; c < d; c++) {
+                float v = bf16_to_f32(xr[t * d + c]);
+                nan[c] |= v != v;
+                lo[c] = v < lo[c] ? v : lo[c];
+                hi[c] = v > hi[c] ? v : hi[c];
+            }
+        for (int64_t c = 0; c < d; c++) {
+            float half = bf16_to_f32(f32_to_bf16(lo[c] * 0.5f));
+            uint16_t m = s == 0 ? 0 : nan[c] ? (uint16_t)0x7FC0 : f32_to_bf16(half + hi[c] * 0.5f);
+            off[r * d + c] = m;
+            mid[c] = bf16_to_f32(m);
+        }
+        for (int64_t t = 0; t < s; t++)
+            for (int64_t c = 0; c < d; c++) {
+                uint16_t a = f32_to_bf16(bf16_to_f32(xr[t * d + c]) - mid[c]) & 0x7FFF;
+                am[c] = a > am[c] ? a : am[c];
+            }
+        for (int64_t c = 0; c < d; c++) {
+            uint16_t b = scale[r * d + c] = int8_scale_bf16(am[c]);
+            sc[c] = bf16_to_f32(b);
+            rc[c] = 1.0f / sc[c];
+        }
+        for (int64_t t = 0; t < s; t++) {
+            for (int64_t c = 0; c < d; c++) f[c] = bf16_to_f32(f32_to_bf16(bf16_to_f32(xr[t * d + c]) - mid[c]));
+            codes_vec(f, sc, rc, (uint8_t *)q + (r * s + t) * d, d);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void int8c_enc_keys_f32_body(const float *restrict x, int8_t *restrict q, float *restrict scale,
+                        float *restrict off, int64_t bh, int64_t s, int64_t d) {
+    float lo[CHUNK], hi[CHUNK], mid[CHUNK], sc[CHUNK], rc[CHUNK], f[CHUNK];
+    uint32_t am[CHUNK];
+    int nan[CHUNK];
+    for (int64_t r = 0; r < bh; r++) {
+        const float *xr = x + r * s * d;
+        for (int64_t c = 0; c < d; c++) {
+            lo[c] = INFINITY;
+            hi[c] = -INFINITY;
+            nan[c] = 0;
+            am[c] = 0;
+        }
+        for (int64_t t = 0; t < s; t++)
+            for (int64_t c = 0; c < d; c++) {
+                float v = xr[t * d + c];
+                nan[c] |= v != v;
+                lo[c] = v < lo[c] ? v : lo[c];
+                hi[c] = v > hi[c] ? v : hi[c];
+            }
+        for (int64_t c = 0; c < d; c++) {
+            float m = s == 0 ? 0.0f : nan[c] ? NAN : lo[c] * 0.5f + hi[c] * 0.5f;
+            off[r * d + c] = m;
+            mid[c] = m;
+        }
+        for (int64_t t = 0; t < s; t++)
+            for (int64_t c = 0; c < d; c++) {
+                uint32_t a = f32_bits(xr[t * d + c] - mid[c]) & 0x7FFFFFFFu;
+                am[c] = a > am[c] ? a : am[c];
+            }
+        for (int64_t c = 0; c < d; c++) {
+            sc[c] = scale[r * d + c] = int8_scale_f32(am[c]);
+            rc[c] = 1.0f / sc[c];
+        }
+        for (int64_t t = 0; t < s; t++) {
+            for (int64_t c = 0; c < d; c++) f[c] = xr[t * d + c] - mid[c];
+            codes_vec(f, sc, rc, (uint8_t *)q + (r * s + t) * d, d);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void int8c_dec_keys_bf16_body(const int8_t *restrict q, const uint16_t *restrict scale, const uint16_t *restrict off,
+                        uint16_t *restrict out, int64_t bh, int64_t s, int64_t d) {
+    float sc[CHUNK], mid[CHUNK];
+    for (int64_t r = 0; r < bh; r++) {
+        for (int64_t c = 0; c < d; c++) {
+            sc[c] = bf16_to_f32(scale[r * d + c]);
+            mid[c] = bf16_to_f32(off[r * d + c]);
+        }
+        for (int64_t t = 0; t < s; t++) {
+            const int8_t *in = q + (r * s + t) * d;
+            uint16_t *o = out + (r * s + t) * d;
+            for (int64_t c = 0; c < d; c++) o[c] = f32_to_bf16(bf16_to_f32(f32_to_bf16((float)in[c] * sc[c])) + mid[c]);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void int8c_dec_keys_f32_body(const int8_t *restrict q, const float *restrict scale, const float *restrict off,
+                        float *restrict out, int64_t bh, int64_t s, int64_t d) {
+    float sc[CHUNK], mid[CHUNK];
+    for (int64_t r = 0; r < bh; r++) {
+        for (int64_t c = 0; c < d; c++) {
+            sc[c] = scale[r * d + c];
+            mid[c] = off[r * d + c];
+        }
+        for (int64_t t = 0; t < s; t++) {
+            const int8_t *in = q + (r * s + t) * d;
+            float *o = out + (r * s + t) * d;
+            for (int64_t c = 0; c < d; c++) o[c] = (float)in[c] * sc[c] + mid[c];
+        }
+    }
+}
+
+static void int8c_enc_keys_bf16(const uint16_t *x, int8_t *q, uint16_t *scale, uint16_t *off, int64_t bh, int64_t s, int64_t d) {
+    if (d == 128)
+        int8c_enc_keys_bf16_body(x, q, scale, off, bh, s, 128);
+    else if (d == 64)
+        int8c_enc_keys_bf16_body(x, q, scale, off, bh, s, 64);
+    else
+        int8c_enc_keys_bf16_body(x, q, scale, off, bh, s, d);
+}
+
+static void int8c_enc_keys_f32(const float *x, int8_t *q, float *scale, float *off, int64_t bh, int64_t s, int64_t d) {
+    if (d == 128)
+        int8c_enc_keys_f32_body(x, q, scale, off, bh, s, 128);
+    else if (d == 64)
+        int8c_enc_keys_f32_body(x, q, scale, off, bh, s, 64);
+    else
+        int8c_enc_keys_f32_body(x, q, scale, off, bh, s, d);
+}
+
+static void int8c_dec_keys_bf16(const int8_t *q, const uint16_t *scale, const uint16_t *off, uint16_t *out, int64_t bh, int64_t s, int64_t d) {
+    if (d == 128)
+        int8c_dec_keys_bf16_body(q, scale, off, out, bh, s, 128);
+    else if (d == 64)
+        int8c_dec_keys_bf16_body(q, scale, off, out, bh, s, 64);
+    else
+        int8c_dec_keys_bf16_body(q, scale, off, out, bh, s, d);
+}
+
+static void int8c_dec_keys_f32(const int8_t *q, const float *scale, const float *off, float *out, int64_t bh, int64_t s, int64_t d) {
+    if (d == 128)
+        int8c_dec_keys_f32_body(q, scale, off, out, bh, s, 128);
+    else if (d == 64)
+        int8c_dec_keys_f32_body(q, scale, off, out, bh, s, 64);
+    else
+        int8c_dec_keys_f32_body(q, scale, off, out, bh, s, d);
+}
+
+/* int8 layout 2 of one layer: returns as int8_enc_layer_bf16 (an offset that is NaN makes its
+ * channel's centred keys, hence its scale, NaN). */
+#define INT8C_ENC_LAYER(SUFFIX, T, S, NONFINITE)                                                              \
+    int int8c_enc_layer_##SUFFIX(const T *k, const T *v, int8_t *kq, S *ks, S *ko, int8_t *vq, S *vs,         \
+                                 int64_t bh, int64_t s, int64_t d) {                                           \
+        _Pragma("omp parallel if (bh * s * d >= PARALLEL_MIN)") {                                              \
+            int64_t a, b, c, e;                                                                                \
+            split(bh, &a, &b);                                                                                 \
+            split(bh * s, &c, &e);                                                                             \
+            if (b > a) int8c_enc_keys_##SUFFIX(k + a * s * d, kq + a * s * d, ks + a * d, ko + a * d, b - a, s, d); \
+            if (e > c) int8_enc_rows_##SUFFIX(v + c * d, vq + c * d, vs + c, e - c, d);                        \
+        }                                                                                                      \
+        return (int)(NONFINITE(ks, bh * d) | (NONFINITE(vs, bh * s) << 1));                                   \
+    }
+
+INT8C_ENC_LAYER(bf16, uint16_t, uint16_t, nonfinite_bf16)
+INT8C_ENC_LAYER(f32, float, float, nonfinite_f32)
+
+#define INT8C_DEC_LAYER(SUFFIX, S)                                                                             \
+    void int8c_dec_layer_##SUFFIX(const int8_t *kq, const S *ks, const S *kf, const int8_t *vq, const S *vs,   \
+                                  S *ko, S *vo, int64_t bh, int64_t s, int64_t d) {                            \
+        _Pragma("omp parallel if (bh * s * d >= PARALLEL_MIN)") {                                              \
+            int64_t a, b, c, e;                                                                                \
+            split(bh, &a, &b);                                                                                 \
+            split(bh * s, &c, &e);                                                                             \
+            if (b > a) int8c_dec_keys_##SUFFIX(kq + a * s * d, ks + a * d, kf + a * d, ko + a * s * d, b - a, s, d); \
+            if (e > c) int8_dec_rows_##SUFFIX(vq + c * d, vs + c, vo + c * d, e - c, d);                       \
+        }                                                                                                      \
+    }
+
+INT8C_DEC_LAYER(bf16, uint16_t)
+INT8C_DEC_LAYER(f32, float)

@@ -74,9 +74,22 @@ _SIGNATURES: dict[str, tuple[type, ...]] = {
     "int8_dec_layer_f32": (_P, _P, _P, _P, _P, _P, _I64, _I64, _I64),
     "int4_enc_layer_f32": (_P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64),
     "int4_dec_layer_f32": (_P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64),
+    "int8c_enc_layer_bf16": (_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64),
+    "int8c_enc_layer_f32": (_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64),
+    "int8c_dec_layer_bf16": (_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64),
+    "int8c_dec_layer_f32": (_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64),
 }
 #: The functions that return a C ``int`` (a mask of the non-finite scales); the others return nothing.
-_RETURNS_INT = frozenset({"int8_enc_layer_bf16", "int8_enc_layer_f32", "int4_enc_layer_bf16", "int4_enc_layer_f32"})
+_RETURNS_INT = frozenset(
+    {
+        "int8_enc_layer_bf16",
+        "int8_enc_layer_f32",
+        "int8c_enc_layer_bf16",
+        "int8c_enc_layer_f32",
+        "int4_enc_layer_bf16",
+        "int4_enc_layer_f32",
+    }
+)
 #: Widest head dimension (channels of a key row) the kernels take (``CHUNK`` in ``_native.c``).
 MAX_CHANNELS = 256
 

@@ -188,14 +188,26 @@ def test_full_round_trips_a_token_only_context(kv: KVCache) -> None:
 
 
 def _int8_bound(x: torch.Tensor, axis: int) -> torch.Tensor:
-    """The largest error the int8 codec may make on ``x`` (in float64)."""
+    """The largest error the int8 codec may make on ``x`` (in float64): values (axis 3) are
+    quantised as they are, keys (axis 2) centred on their channel's midpoint first."""
     finfo = torch.finfo(x.dtype)
     ulp0 = finfo.tiny * finfo.eps  # the smallest subnormal
     x64 = x.double()
-    absmax = x64.abs().amax(dim=axis, keepdim=True) if x.shape[axis] else torch.zeros((), dtype=torch.float64)
-    scale = absmax / 127 * (1 + finfo.eps) + ulp0  # absmax / 127, rounded up to the KV dtype
-    # half a quantisation step, plus one rounding of q * scale in the KV dtype
-    return scale / 2 + finfo.eps * absmax + ulp0
+    if not x.shape[axis]:
+        return torch.zeros((), dtype=torch.float64)
+    absmax = x64.abs().amax(dim=axis, keepdim=True)
+    if axis == 3:
+        scale = absmax / 127 * (1 + finfo.eps) + ulp0  # absmax / 127, rounded up to the KV dtype
+        # half a quantisation step, plus one rounding of q * scale in the KV dtype
+        return scale / 2 + finfo.eps * absmax + ulp0
+    lo, hi = x64.amin(dim=axis, keepdim=True), x64.amax(dim=axis, keepdim=True)
+    half, mid = (hi - lo) / 2, ((hi + lo) / 2).abs()
+    # The centred values: at most half the channel's range, off by the midpoint's rounding and
+    # their own; half a step of their absmax / 127, one rounding of the code times the scale
+    # and one of adding the offset back.
+    centred = half + 2 * finfo.eps * (mid + half)
+    scale = centred / 127 * (1 + finfo.eps) + ulp0
+    return scale / 2 + finfo.eps * (centred + 2 * absmax) + 2 * ulp0
 
 
 @PROPERTY
@@ -219,6 +231,37 @@ def test_int8_error_is_within_half_a_step(kv: KVCache) -> None:
             assert float(err.norm() / x.double().norm()) < 0.05
     if kv.positions is None and kv.seq_len == kv.n_tokens:
         assert encoded.nbytes == codec.estimate_nbytes(kv.signature, kv.n_tokens, kv.batch)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_spends_its_levels_on_a_key_channels_band_not_on_zero(dtype: torch.dtype) -> None:
+    """Key channels that sit in a band away from zero (as RoPE'd keys do) come back within half a
+    step of the band's half-width / 127, not of the channel's largest magnitude / 127."""
+    g = torch.Generator().manual_seed(8)
+    sig = ModelSignature(model="m", n_layers=1, n_kv_heads=2, head_dim=16, dtype=dtype_name(dtype), vocab_size=VOCAB)
+    offset = torch.linspace(-12.0, 12.0, 16).view(1, 1, 1, 16)
+    keys = (offset + torch.rand(1, 2, 64, 16, generator=g) * 2 - 1).to(dtype)  # each channel in offset +- 1
+    kv = KVCache(
+        tokens=torch.zeros(1, 64, dtype=torch.int64), signature=sig, keys=[keys], values=[torch.ones_like(keys)]
+    )
+    out = get_codec("int8").decode(wire(get_codec("int8").encode(kv)))
+    err = float((out.keys[0].double() - keys.double()).abs().max())
+    band_step = 1.0 / 127  # half-width 1
+    assert err <= band_step / 2 + 2 * torch.finfo(dtype).eps * 13, err
+    assert err < 13.0 / 127 / 2 / 5  # symmetric absmax codes (13 / 127 a step) err five times more
+
+
+def test_an_int8_payload_of_the_earlier_layout_is_refused_saying_so() -> None:
+    sig = ModelSignature(model="m", n_layers=2, n_kv_heads=2, head_dim=8, vocab_size=VOCAB)
+    x = torch.randn(1, 2, 8, 8, generator=torch.Generator().manual_seed(3))
+    kv = KVCache(tokens=torch.zeros(1, 8, dtype=torch.int64), signature=sig, keys=[x, x], values=[x, x])
+    encoded = get_codec("int8").encode(kv)
+    del encoded.meta["layout"]
+    with pytest.raises(DecodeError, match="layout 1"):
+        get_codec("int8").decode(wire(encoded))
+    encoded.meta["layout"] = 3
+    with pytest.raises(DecodeError, match="layout"):
+        get_codec("int8").decode(wire(encoded))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
