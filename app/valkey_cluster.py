@@ -14,7 +14,7 @@ from types import TracebackType
 from typing import Any
 
 from kvbus.app.local import FORM_TIMEOUT, START_TIMEOUT, RedisServer
-from kvbus.app.processes import free_port
+from kvbus.app.processes import free_port, free_ports
 from kvbus.errors import ServerStartError
 
 logger = logging.getLogger(__name__)
@@ -28,10 +28,10 @@ SLOTS = 16384
 class ValkeyClusterNode(RedisServer):
     """One Valkey server in cluster mode (``--cluster-enabled yes``, its own ``nodes.conf``)."""
 
-    def __init__(self, *, node_timeout_ms: int = VALKEY_NODE_TIMEOUT_MS) -> None:
-        super().__init__()
+    def __init__(self, *, node_timeout_ms: int = VALKEY_NODE_TIMEOUT_MS, port: int = 0, cluster_port: int = 0) -> None:
+        super().__init__(port=port)
         self.node_timeout_ms = node_timeout_ms
-        self.cluster_port = free_port()
+        self.cluster_port = cluster_port or free_port()
         """The cluster bus port (Valkey's default, the client port + 10000, may not exist)."""
 
     def _command(self) -> list[str]:
@@ -79,7 +79,14 @@ class ValkeyCluster:
             raise ValueError("a Valkey cluster needs at least one primary and no negative replica count")
         self.n_primaries = primaries
         self.n_replicas = replicas
-        self.nodes = [ValkeyClusterNode(node_timeout_ms=node_timeout_ms) for _ in range(primaries * (1 + replicas))]
+        n = primaries * (1 + replicas)
+        # Every port drawn at once: drawn one by one, the kernel may hand out a port it just got
+        # back, and a node's cluster bus then collides with another node's clients.
+        ports = free_ports(2 * n)
+        self.nodes = [
+            ValkeyClusterNode(node_timeout_ms=node_timeout_ms, port=ports[2 * i], cluster_port=ports[2 * i + 1])
+            for i in range(n)
+        ]
 
     @property
     def urls(self) -> list[str]:
@@ -95,12 +102,30 @@ class ValkeyCluster:
         """Start the nodes, assign the slots, meet, set the replicas and wait for ``cluster_state:ok``."""
         try:
             for n in self.nodes:
-                n.start(START_TIMEOUT)
+                self._start_node(n)
             self._form(timeout)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _start_node(self, node: ValkeyClusterNode, attempts: int = 3) -> None:
+        """Start ``node``; when a port of its was taken meanwhile (by a process outside the
+        cluster), on other ports, up to ``attempts`` times."""
+        for attempt in range(attempts):
+            try:
+                node.start(START_TIMEOUT)
+                return
+            except ServerStartError as exc:
+                if "Address already in use" not in exc.output or attempt == attempts - 1:
+                    raise
+                taken = {p for n in self.nodes if n is not node for p in (n.port, n.cluster_port)}
+                # Distinct from each other and from the other nodes' (at most len(taken) are theirs).
+                fresh = [p for p in free_ports(2 + len(taken)) if p not in taken]
+                node.port, node.cluster_port = fresh[0], fresh[1]
+                node.workdir.mkdir(parents=True, exist_ok=True)  # the failed start removed it
+                node._write_owner()
+                logger.info("a port of a Valkey node was taken; starting it on %d/%d", node.port, node.cluster_port)
 
     def _form(self, timeout: float) -> None:
         primaries = self.nodes[: self.n_primaries]

@@ -75,6 +75,26 @@ def close_to(a: KVCache, b: KVCache, atol: float = 1e-4) -> bool:
     )
 
 
+def test_a_node_whose_port_was_taken_starts_on_other_ports() -> None:
+    """Found in CI: a node's cluster bus port was taken between drawing it and starting the node
+    (its server aborts: "Address already in use"); the cluster starts that node on other ports."""
+    import socket
+
+    cluster = ValkeyCluster(primaries=1, replicas=0)
+    node = cluster.nodes[0]
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", node.cluster_port))
+        held.listen()
+        taken = node.cluster_port
+        try:
+            cluster.start()
+            assert node.cluster_port != taken and node.running
+            assert redis.Redis(host="127.0.0.1", port=node.port).ping()
+        finally:
+            cluster.stop()
+    assert len({p for n in ValkeyCluster(primaries=3, replicas=1).nodes for p in (n.port, n.cluster_port)}) == 12
+
+
 def test_cluster_urls() -> None:
     assert is_cluster_url("redis+cluster://h:1")
     assert is_cluster_url("redis://:pw@a:1,b:2/0")
