@@ -92,7 +92,11 @@ def test_a_node_whose_port_was_taken_starts_on_other_ports() -> None:
             assert redis.Redis(host="127.0.0.1", port=node.port).ping()
         finally:
             cluster.stop()
-    assert len({p for n in ValkeyCluster(primaries=3, replicas=1).nodes for p in (n.port, n.cluster_port)}) == 12
+    spare = ValkeyCluster(primaries=3, replicas=1)  # never started: each node has a folder to remove
+    try:
+        assert len({p for n in spare.nodes for p in (n.port, n.cluster_port)}) == 12
+    finally:
+        spare.stop()
 
 
 def test_cluster_urls() -> None:
