@@ -521,6 +521,60 @@ def _layer_ok(keys: torch.Tensor, values: torch.Tensor, out: Sequence[torch.Tens
     return out is None or _plain(*out)
 
 
+def _int8_layer_encode(
+    kernel: str, keys: torch.Tensor, values: torch.Tensor, out: Sequence[torch.Tensor] | None, centred: bool
+) -> tuple[tuple[torch.Tensor, ...], int] | None:
+    """One C call of ``<kernel>_enc_layer``: the int8 layer kernels take keys, values, their outputs
+    ``(kq, kscale[, koffset], vq, vscale)`` in that order, then ``b * h``, ``s``, ``d``."""
+    suffix = _NATIVE_INT8.get(keys.dtype)
+    if suffix is None or not _layer_ok(keys, values, out) or keys.shape[3] > _native.MAX_CHANNELS:
+        return None
+    lib = _native.library()
+    if lib is None:
+        return None
+    b, h, s, d = keys.shape
+    per_channel = ((b, h, 1, d), keys.dtype)
+    specs = [(tuple(keys.shape), torch.int8), per_channel, *([per_channel] if centred else [])]
+    specs += [(tuple(keys.shape), torch.int8), ((b, h, s, 1), keys.dtype)]
+    if out is None:
+        out = tuple(torch.empty(shape, dtype=dtype) for shape, dtype in specs)
+    if len(out) != len(specs) or any(o.numel() != math.prod(shape) for o, (shape, _) in zip(out, specs)):
+        return None
+    bad = getattr(lib, f"{kernel}_enc_layer_{suffix}")(
+        keys.data_ptr(), values.data_ptr(), *(o.data_ptr() for o in out), b * h, s, d
+    )
+    return tuple(out), int(bad)
+
+
+def _int8_layer_decode(
+    kernel: str, views: Sequence[torch.Tensor], out: tuple[torch.Tensor, torch.Tensor] | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One C call of ``<kernel>_dec_layer``: the checked views ``(kq, kscale[, koffset], vq, vscale)``
+    and the two outputs, then ``b * h``, ``s``, ``d``."""
+    kq, vq = views[0], views[-2]
+    floats = [*views[1:-2], views[-1]]  # the scales (and offsets): the outputs' dtype
+    ks, vs = floats[0], floats[-1]
+    suffix = _NATIVE_INT8.get(ks.dtype)
+    if suffix is None or any(t.dtype != ks.dtype for t in floats) or kq.dim() != 4 or not _plain(*views):
+        return None
+    b, h, s, d = kq.shape
+    if d > _native.MAX_CHANNELS or vs.numel() != b * h * s or vq.shape != kq.shape:
+        return None
+    if any(t.numel() != b * h * d for t in floats[:-1]):
+        return None
+    lib = _native.library()
+    if lib is None:
+        return None
+    if out is None:
+        out = (torch.empty(kq.shape, dtype=ks.dtype), torch.empty(kq.shape, dtype=ks.dtype))
+    elif not _plain(*out) or any(o.dtype != ks.dtype or o.shape != kq.shape for o in out):
+        return None
+    getattr(lib, f"{kernel}_dec_layer_{suffix}")(
+        *(v.data_ptr() for v in views), out[0].data_ptr(), out[1].data_ptr(), b * h, s, d
+    )
+    return out
+
+
 def int8_encode_layer(
     keys: torch.Tensor, values: torch.Tensor, out: Sequence[torch.Tensor] | None = None
 ) -> tuple[tuple[torch.Tensor, ...], int] | None:
@@ -530,27 +584,7 @@ def int8_encode_layer(
     scale (1 keys, 2 values). ``out``: those four tensors to write into (contiguous, of the
     layout's dtypes and shapes).
     """
-    suffix = _NATIVE_INT8.get(keys.dtype)
-    if suffix is None or not _layer_ok(keys, values, out) or keys.shape[3] > _native.MAX_CHANNELS:
-        return None
-    lib = _native.library()
-    if lib is None:
-        return None
-    b, h, s, d = keys.shape
-    if out is None:
-        out = (
-            torch.empty(keys.shape, dtype=torch.int8),
-            torch.empty((b, h, 1, d), dtype=keys.dtype),
-            torch.empty(keys.shape, dtype=torch.int8),
-            torch.empty((b, h, s, 1), dtype=keys.dtype),
-        )
-    kq, ks, vq, vs = out
-    if ks.numel() != b * h * d or vs.numel() != b * h * s or kq.numel() != keys.numel() or vq.numel() != keys.numel():
-        return None
-    bad = getattr(lib, f"int8_enc_layer_{suffix}")(
-        keys.data_ptr(), values.data_ptr(), kq.data_ptr(), ks.data_ptr(), vq.data_ptr(), vs.data_ptr(), b * h, s, d
-    )
-    return (kq, ks, vq, vs), int(bad)
+    return _int8_layer_encode("int8", keys, values, out, centred=False)
 
 
 def int8_decode_layer(
@@ -558,24 +592,7 @@ def int8_decode_layer(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`int8_decode` of a layer's ``(kq, kscale, vq, vscale)`` (checked views) to the scales' dtype
     (bfloat16 or float32) in one C call, or None where it does not apply."""
-    kq, ks, vq, vs = views
-    suffix = _NATIVE_INT8.get(ks.dtype)
-    if suffix is None or vs.dtype != ks.dtype or kq.dim() != 4 or not _plain(kq, ks, vq, vs):
-        return None
-    b, h, s, d = kq.shape
-    if d > _native.MAX_CHANNELS or ks.numel() != b * h * d or vs.numel() != b * h * s or vq.shape != kq.shape:
-        return None
-    lib = _native.library()
-    if lib is None:
-        return None
-    if out is None:
-        out = (torch.empty(kq.shape, dtype=ks.dtype), torch.empty(kq.shape, dtype=ks.dtype))
-    elif not _plain(*out) or any(o.dtype != ks.dtype or o.shape != kq.shape for o in out):
-        return None
-    getattr(lib, f"int8_dec_layer_{suffix}")(
-        kq.data_ptr(), ks.data_ptr(), vq.data_ptr(), vs.data_ptr(), out[0].data_ptr(), out[1].data_ptr(), b * h, s, d
-    )
-    return out
+    return _int8_layer_decode("int8", views, out) if len(views) == 4 else None
 
 
 def int8c_encode_layer(
@@ -588,43 +605,7 @@ def int8c_encode_layer(
     Returns ``((kq, kscale, koffset, vq, vscale), bad)`` as `int8_encode_layer`; ``out``: those
     five tensors to write into.
     """
-    suffix = _NATIVE_INT8.get(keys.dtype)
-    if suffix is None or not _layer_ok(keys, values, out) or keys.shape[3] > _native.MAX_CHANNELS:
-        return None
-    lib = _native.library()
-    if lib is None:
-        return None
-    b, h, s, d = keys.shape
-    if out is None:
-        out = (
-            torch.empty(keys.shape, dtype=torch.int8),
-            torch.empty((b, h, 1, d), dtype=keys.dtype),
-            torch.empty((b, h, 1, d), dtype=keys.dtype),
-            torch.empty(keys.shape, dtype=torch.int8),
-            torch.empty((b, h, s, 1), dtype=keys.dtype),
-        )
-    kq, ks, ko, vq, vs = out
-    if (
-        ks.numel() != b * h * d
-        or ko.numel() != b * h * d
-        or vs.numel() != b * h * s
-        or kq.numel() != keys.numel()
-        or vq.numel() != keys.numel()
-    ):
-        return None
-    bad = getattr(lib, f"int8c_enc_layer_{suffix}")(
-        keys.data_ptr(),
-        values.data_ptr(),
-        kq.data_ptr(),
-        ks.data_ptr(),
-        ko.data_ptr(),
-        vq.data_ptr(),
-        vs.data_ptr(),
-        b * h,
-        s,
-        d,
-    )
-    return (kq, ks, ko, vq, vs), int(bad)
+    return _int8_layer_encode("int8c", keys, values, out, centred=True)
 
 
 def int8c_decode_layer(
@@ -632,45 +613,7 @@ def int8c_decode_layer(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The decode of `int8c_encode_layer`'s ``(kq, kscale, koffset, vq, vscale)`` (checked views)
     in one C call, or None where it does not apply."""
-    kq, ks, ko, vq, vs = views
-    suffix = _NATIVE_INT8.get(ks.dtype)
-    if (
-        suffix is None
-        or vs.dtype != ks.dtype
-        or ko.dtype != ks.dtype
-        or kq.dim() != 4
-        or not _plain(kq, ks, ko, vq, vs)
-    ):
-        return None
-    b, h, s, d = kq.shape
-    if (
-        d > _native.MAX_CHANNELS
-        or ks.numel() != b * h * d
-        or ko.numel() != b * h * d
-        or vs.numel() != b * h * s
-        or vq.shape != kq.shape
-    ):
-        return None
-    lib = _native.library()
-    if lib is None:
-        return None
-    if out is None:
-        out = (torch.empty(kq.shape, dtype=ks.dtype), torch.empty(kq.shape, dtype=ks.dtype))
-    elif not _plain(*out) or any(o.dtype != ks.dtype or o.shape != kq.shape for o in out):
-        return None
-    getattr(lib, f"int8c_dec_layer_{suffix}")(
-        kq.data_ptr(),
-        ks.data_ptr(),
-        ko.data_ptr(),
-        vq.data_ptr(),
-        vs.data_ptr(),
-        out[0].data_ptr(),
-        out[1].data_ptr(),
-        b * h,
-        s,
-        d,
-    )
-    return out
+    return _int8_layer_decode("int8c", views, out) if len(views) == 5 else None
 
 
 def int4_encode_layer(

@@ -22,7 +22,6 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vll
 
 from kvbus.app.models import model_folder
 from kvbus.bus import Bus
-from kvbus.integrations.vllm import connector_config
 from kvbus.integrations.vllm.control import AsyncControl
 from kvbus.integrations.vllm.index import PrefixIndex
 from kvbus.integrations.vllm.keys import matchable_tokens, prefix_keys
@@ -37,6 +36,7 @@ from kvbus.integrations.vllm.protocol import (
 from kvbus.kvcache import KVCache
 from kvbus.signature import ModelSignature
 from tests.vllm_helpers import SMOLLM2, other_model_folder, prompt
+from tests.vllm_helpers import engine as vllm_engine
 
 #: Starting three engines takes 1-4 minutes on a busy 2-core machine; it counts towards the first test.
 pytestmark = pytest.mark.timeout(900)
@@ -48,22 +48,7 @@ B_LOAD_TIMEOUT_S = 8.0
 
 
 def _engine(name: str, folder: Path, log: Path, *, cpu: str, model_name: str, **extra: object) -> EngineProcess:
-    # These tests are about the loads themselves: the pull gate (which declines a pull that its
-    # engine predicts slower than prefilling, from the loads and prefills it measured in the
-    # earlier tests) is off here; tests/test_vllm_worth.py tests it.
-    extra.setdefault("pull_gate", False)
-    return EngineProcess(
-        env={"VLLM_CPU_OMP_THREADS_BIND": cpu},
-        log_path=str(log),
-        model=str(folder),
-        dtype="float32",
-        max_model_len=2048,
-        enforce_eager=True,
-        block_size=BLOCK,
-        enable_prefix_caching=False,
-        max_num_seqs=4,
-        kv_transfer_config=connector_config(name, nats_url=_NATS["url"], model_name=model_name, **extra),
-    )
+    return vllm_engine(name, folder, log, nats_url=_NATS["url"], model_name=model_name, cpu=cpu, block=BLOCK, **extra)
 
 
 _NATS: dict[str, str] = {}

@@ -193,10 +193,9 @@ async def test_a_vllm_engine_pulls_as_its_own_user(
     from transformers import AutoConfig
 
     from kvbus.app.models import model_folder
-    from kvbus.integrations.vllm import connector_config
     from kvbus.integrations.vllm.keys import matchable_tokens, salt_scope
-    from kvbus.integrations.vllm.process import EngineProcess
     from tests.vllm_helpers import SMOLLM2, prompt
+    from tests.vllm_helpers import engine as vllm_engine
 
     server, creds, path = secure
     block = 32
@@ -206,19 +205,15 @@ async def test_a_vllm_engine_pulls_as_its_own_user(
     sched = await GroupScheduler.connect(
         server.url, "default", config=SchedulerConfig(max_active=8), nats_options=creds.scheduler_options("default")
     )
-    engine = EngineProcess(
-        env={"VLLM_CPU_OMP_THREADS_BIND": "0"},
-        log_path=str(tmp_path / "engine.log"),
-        model=str(model_folder()),
-        dtype="float32",
+    engine = vllm_engine(
+        "vsec-engine",
+        model_folder(),
+        tmp_path / "engine.log",
+        nats_url=server.url,
+        model_name=SMOLLM2,
         max_model_len=1024,
-        enforce_eager=True,
-        block_size=block,
-        enable_prefix_caching=False,
         max_num_seqs=2,
-        kv_transfer_config=connector_config(
-            "vsec-engine", nats_url=server.url, model_name=SMOLLM2, credentials=str(path), pull_gate=False
-        ),
+        credentials=str(path),
     )
     peer_config = ConnectorConfig.from_extra(
         {"agent": "vsec-peer", "nats_url": server.url, "credentials": str(path)}, environ={}

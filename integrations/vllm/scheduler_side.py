@@ -186,9 +186,10 @@ class SchedulerSide:
         hit = self._hits.get(rid)
         if hit is None or hit.start != num_computed_tokens:
             t0 = time.perf_counter()
-            hit = _Hit(num_computed_tokens, self._lookup(prompt, limit, _salt(request)))
-            self._hits[rid] = hit
             state = self._reqs.get(rid)
+            salt = state.salt if state is not None else _salt(request)
+            hit = _Hit(num_computed_tokens, self._lookup(prompt, limit, salt))
+            self._hits[rid] = hit
             if state is not None:
                 state.lookup_s += time.perf_counter() - t0
                 state.declined = hit.reply.declined
