@@ -223,6 +223,7 @@ def sched(d: Json) -> str:
             for key in ("decision_us_p99_growth_16_to_1024", "adjust_us_p99_growth_16_to_1024")
             if key in r
         ),
+        *_sched_by_path(r),
         "",
         "| preempt threshold | MB/s | urgent p50 / p99 (ms) | bulk p99 (s) | pauses (declined) |",
         "|---|---|---|---|---|",
@@ -235,6 +236,33 @@ def sched(d: Json) -> str:
             f"({s['pauses_declined']}) |"
         )
     return "\n".join(rows)
+
+
+def _sched_by_path(r: Json) -> list[str]:
+    """The critical experiment with the bulk on each data path in turn (runs that have it)."""
+    by_path = r.get("by_path")
+    if not by_path:
+        return []
+    rows = [
+        "",
+        f"Bulk on each data path in turn (the figures above are `{r.get('default_path')}`'s, the path the bus "
+        "takes between these hosts by default):",
+        "",
+        "| bulk on | critical p99 (ms) wrr / unscheduled / fifo1 | unscheduled / wrr | fifo1 / wrr "
+        "| bulk wrr / unscheduled |",
+        "|---|---|---|---|---|",
+    ]
+    for path, f in by_path.items():
+        p99 = f.get("critical_p99_ms", {})
+        rows.append(
+            f"| {path} | {' / '.join(_f(p99.get(a), '{:.1f}') for a in ('wrr', 'unscheduled', 'fifo1'))} | "
+            f"{_sp(f.get('critical_p99_ratio_unscheduled_vs_wrr_rounds'))} | "
+            f"{_sp(f.get('critical_p99_ratio_fifo1_vs_wrr_rounds'))} | "
+            f"{_sp(f.get('bulk_throughput_ratio_wrr_vs_unscheduled_rounds'))} |"
+        )
+    for path, why in r.get("by_path_left_out", {}).items():
+        rows.append(f"| {path} | not measured: {why} | | | |")
+    return rows
 
 
 def codecs(d: Json) -> str:

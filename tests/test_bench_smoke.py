@@ -165,6 +165,9 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "critical_p99_ratio_wrr_vs_idle": OPT_NUM,
         "critical_p99_ratio_wrr_vs_idle_rounds": SPREAD,
         "critical_phases": {"p50": dict, "p99": dict, "tail": dict, "n": int, "phases": list},
+        "by_path": dict,
+        "by_path_left_out": dict,
+        "default_path": str,
         "jain_fairness": OPT_NUM,
         "jain_fairness_rounds": SPREAD,
         "fairness": {
@@ -239,6 +242,15 @@ def test_smoke_run_writes_the_json_every_reader_expects(suite: str, tmp_path: Pa
     check(data["results"], SCHEMAS[suite], f"{suite}.results")
     if suite in ("sched", "e2e"):
         assert config["network"] in ("netns", "emulated") and isinstance(config["rounds"], int)
+    if suite == "sched":  # the bulk on each path in turn, and it really took that path
+        results = data["results"]
+        paths = {"netns": {"tcp", "nats"}, "emulated": {"nats"}}[config["network"]]
+        assert set(results["by_path"]) == paths and results["default_path"] in paths
+        assert set(results["by_path_left_out"]) == {"tcp", "nats", "shm"} - paths
+        for path, figures in results["by_path"].items():
+            check(figures, {"critical_p99_ratio_unscheduled_vs_wrr_rounds": SPREAD, "critical_phases": dict}, path)
+            for arm, took in figures["bulk_paths"].items():
+                assert set(took) == {path}, (path, arm, took)
     if suite == "select":  # each part says where it ran
         assert config["network"] in ("netns", "emulated")
         assert set(config["where"]) == {"cells", "fluctuating", "switches", "relay"}, config["where"]

@@ -151,10 +151,13 @@ async def _with_receiver(
     job: Any,
     priority: float = 1.0,
     arrivals: dict[str, Any] | None = None,
+    path: str = "",
 ) -> Any:
-    """Run ``job`` while the receiver ``name`` drains its inbox; ``arrivals``: filled with when
-    each transfer reached it (`sched_ops.receiver_arrivals`)."""
-    await rx.call(f"{OPS}:receiver", url=net.url("rx"), name=name, group=group, link_bps=declared, priority=priority)
+    """Run ``job`` while the receiver ``name`` (payloads on ``path``, `sched_ops.pinned`) drains
+    its inbox; ``arrivals``: filled with when each transfer reached it (`sched_ops.receiver_arrivals`)."""
+    await rx.call(
+        f"{OPS}:receiver", url=net.url("rx"), name=name, group=group, link_bps=declared, priority=priority, path=path
+    )
     try:
         res = await job
         if arrivals is not None:
@@ -235,18 +238,29 @@ def phase_summary(rounds: list[list[dict[str, float]]]) -> dict[str, Any]:
     return out
 
 
+def bench_paths(mode: str) -> tuple[tuple[str, ...], dict[str, str]]:
+    """(the data paths the critical experiment pins the bulk to in turn, the first one being the
+    path the bus takes between these hosts by default; why each other path is left out) on a
+    network of ``mode``."""
+    shm = "the senders and the receiver are on different hosts: shm carries nothing over the shaped link"
+    if mode == "netns":
+        return ("tcp", "nats"), {"shm": shm}
+    why = "the emulated link is a relay in front of nats-server: a direct path would go around it"
+    return ("nats",), {"tcp": why, "shm": why}
+
+
 async def _critical(
-    net: BenchNet, phase: Schedulers, tx: Worker, rx: Worker, rounds: int, seconds: float
+    net: BenchNet, phase: Schedulers, tx: Worker, rx: Worker, rounds: int, seconds: float, path: str
 ) -> dict[str, Any]:
     net.set_link("host:rx", rate_mbit=CRIT_LINK * 8 / 1e6)
-    groups = {f"crit-{a}": (a, arm_config(a, CRIT_LINK)[0]) for a in ARMS}
-    groups["crit-idle"] = ("wrr", arm_config("wrr", CRIT_LINK)[0])
+    groups = {f"crit-{path}-{a}": (a, arm_config(a, CRIT_LINK)[0]) for a in ARMS}
+    groups[f"crit-{path}-idle"] = ("wrr", arm_config("wrr", CRIT_LINK)[0])
     await phase.start(groups)
     per: dict[str, list[dict[str, Any]]] = {a: [] for a in (*ARMS, IDLE)}
     try:
         for r in range(rounds):
             for arm in (*ARMS, IDLE):
-                group, name = f"crit-{arm}", f"cr{r}-{arm}"
+                group, name = f"crit-{path}-{arm}", f"cr{r}-{path}-{arm}"
                 job = tx.call(
                     f"{OPS}:critical",
                     url=net.url("tx"),
@@ -259,15 +273,17 @@ async def _critical(
                     every=0.2,
                     n_bulk=0 if arm == IDLE else N_BULK,
                     n_crit=N_CRIT,
+                    path=path,
                 )
                 arrivals: dict[str, Any] = {}
                 declared = arm_config("wrr" if arm == IDLE else arm, CRIT_LINK)[1]
-                res = await _with_receiver(net, rx, group, f"{name}-rx", declared, job, arrivals=arrivals)
+                res = await _with_receiver(net, rx, group, f"{name}-rx", declared, job, arrivals=arrivals, path=path)
                 res["phases"] = phases(res.pop("crit_sends"), arrivals)
                 res["stats"] = await phase.stats(group)
                 per[arm].append(res)
                 print(
-                    f"  round {r + 1}/{rounds} {arm:<11}: critical p99 {1e3 * pct(res['crit_lat'], 0.99):7.1f} ms "
+                    f"  {path} round {r + 1}/{rounds} {arm:<11}: critical p99 "
+                    f"{1e3 * pct(res['crit_lat'], 0.99):7.1f} ms "
                     f"(n={len(res['crit_lat'])}), bulk {res['bulk_mb_s']:.1f} MB/s",
                     flush=True,
                 )
@@ -290,6 +306,7 @@ async def _critical(
                 ratio(pct(x["bulk_lat"], 0.99), pct(x["bulk_lat"], 0.5)) for x in per[a]
             ),
             "phases": phase_summary([x["phases"] for x in per[a]]),
+            "bulk_paths": _sum_counts(x["bulk_paths"] for x in per[a]),
         }
     ratios = {a: [ratio(p99[a][i], p99["wrr"][i]) for i in range(rounds)] for a in BASELINES}
     ratios["wrr_vs_idle"] = [ratio(p99["wrr"][i], p99[IDLE][i]) for i in range(rounds)]
@@ -297,6 +314,31 @@ async def _critical(
         ratio(per["wrr"][i]["bulk_mb_s"], per["unscheduled"][i]["bulk_mb_s"]) for i in range(rounds)
     ]
     return {"arms": out, "ratios": ratios}
+
+
+def _sum_counts(counts: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+def _path_figures(crit: dict[str, Any]) -> dict[str, Any]:
+    """The critical experiment's figures of one path (`_critical`'s result), as the bench reports them."""
+    out: dict[str, Any] = {}
+    for a in BASELINES:
+        out[f"critical_p99_ratio_{a}_vs_wrr"] = median(crit["ratios"][a])
+        out[f"critical_p99_ratio_{a}_vs_wrr_rounds"] = spread(crit["ratios"][a])
+    out["bulk_throughput_ratio_wrr_vs_unscheduled"] = median(crit["ratios"]["bulk_wrr_vs_unscheduled"])
+    out["bulk_throughput_ratio_wrr_vs_unscheduled_rounds"] = spread(crit["ratios"]["bulk_wrr_vs_unscheduled"])
+    out["critical_p99_ratio_wrr_vs_idle"] = median(crit["ratios"]["wrr_vs_idle"])
+    out["critical_p99_ratio_wrr_vs_idle_rounds"] = spread(crit["ratios"]["wrr_vs_idle"])
+    arms = {a: v for a, v in crit["arms"].items() if a != IDLE}
+    out["critical_p99_ms"] = {a: arms[a]["critical_p99_ms"] for a in ARMS}
+    out["critical_phases"] = arms["wrr"]["phases"]
+    out["bulk_paths"] = {a: arms[a]["bulk_paths"] for a in ARMS}
+    return out
 
 
 async def _fairness(
@@ -430,21 +472,25 @@ async def _run(*, quick: bool, smoke: bool, network: str | None, nats_url: str |
         tx, rx, _ = await asyncio.gather(
             net.worker("tx", "sched-tx"), net.worker("rx", "sched-rx"), phase.start_workers()
         )
-        print(f"network: {net.mode}; {rounds} interleaved round(s) of {', '.join(ARMS)}", flush=True)
-        crit = await _critical(net, phase, tx, rx, rounds, crit_s)
-        for a in BASELINES:
-            results[f"critical_p99_ratio_{a}_vs_wrr"] = median(crit["ratios"][a])
-            results[f"critical_p99_ratio_{a}_vs_wrr_rounds"] = spread(crit["ratios"][a])
-        results["bulk_throughput_ratio_wrr_vs_unscheduled"] = median(crit["ratios"]["bulk_wrr_vs_unscheduled"])
-        results["bulk_throughput_ratio_wrr_vs_unscheduled_rounds"] = spread(crit["ratios"]["bulk_wrr_vs_unscheduled"])
+        paths, left_out = bench_paths(net.mode)
+        print(
+            f"network: {net.mode}; {rounds} interleaved round(s) of {', '.join(ARMS)}; bulk on "
+            f"{', '.join(paths)} in turn",
+            flush=True,
+        )
+        by_path: dict[str, Any] = {}
+        for path in paths:
+            by_path[path] = await _critical(net, phase, tx, rx, rounds, crit_s, path)
+        # The top-level figures are those of the path the bus takes between these hosts by default.
+        crit = by_path[paths[0]]
+        results.update(_path_figures(crit))
+        results["by_path"] = {p: _path_figures(c) for p, c in by_path.items()}
+        results["by_path_left_out"] = left_out
+        results["default_path"] = paths[0]
         results["fifo_concurrency_lets_critical_pass_bulk"] = FIFO_PASSES
         idle = crit["arms"].pop(IDLE)
         results["critical"] = crit["arms"]
         results["critical_idle"] = idle
-        results["critical_p99_ratio_wrr_vs_idle"] = median(crit["ratios"]["wrr_vs_idle"])
-        results["critical_p99_ratio_wrr_vs_idle_rounds"] = spread(crit["ratios"]["wrr_vs_idle"])
-        results["critical_p99_ms"] = {a: crit["arms"][a]["critical_p99_ms"] for a in ARMS}
-        results["critical_phases"] = crit["arms"]["wrr"]["phases"]
         results["jitter_p99_over_p50"] = crit["arms"]["wrr"]["jitter_p99_over_p50"]
         results["jitter"] = {
             f"{a}_{kind}": crit["arms"][a][key]
@@ -495,7 +541,10 @@ def run(
             "unscheduled": "no scheduling: every transfer granted at once and unpaced (no budget, max_active and "
             "per_pair 1e6, no preemption, no declared link); the flows share the link itself",
         },
-        "critical": "4 bulk x 8 MB + 2 x 64 KB critical every 200 ms (open loop), 40 MB/s link",
+        "critical": "4 bulk x 8 MB + 2 x 64 KB critical every 200 ms (open loop), 40 MB/s link; the whole "
+        "experiment once per data path the bulk is pinned to (results.by_path; the top-level figures are "
+        "results.default_path's, the path the bus takes between these hosts by default); payloads up to "
+        f"{INLINE} bytes (the critical ones) go inline in the Open over NATS on every path",
         "critical_idle": "the wrr arm's 2 x 64 KB critical every 200 ms with no bulk, same link and scheduler "
         "config: the floor of the critical latency here; critical_p99_ratio_wrr_vs_idle is wrr's p99 over it",
         "fairness": "priorities 0/1/2/4 -> W 2/3/4/6, 6 MB transfers, 30 MB/s link, every arm",
@@ -521,6 +570,13 @@ def _print(r: dict[str, Any]) -> None:
         f"{r['critical_p99_ratio_wrr_vs_idle_rounds']}"
     )
     print(f"bulk throughput WRR / unscheduled: {r['bulk_throughput_ratio_wrr_vs_unscheduled_rounds']}")
+    for path, f in r["by_path"].items():
+        print(
+            f"  bulk on {path}: critical p99 over WRR: unscheduled "
+            f"{f['critical_p99_ratio_unscheduled_vs_wrr_rounds']}, fifo1 "
+            f"{f['critical_p99_ratio_fifo1_vs_wrr_rounds']}; bulk WRR / unscheduled "
+            f"{f['bulk_throughput_ratio_wrr_vs_unscheduled_rounds']}; bulk took {f['bulk_paths']['wrr']}"
+        )
     f = r["fairness"]
     print("jain fairness: " + ", ".join(f"{a} {f[a]['jain']:.3f}" for a in ARMS))
     for s in r["preempt_threshold_sweep"]:

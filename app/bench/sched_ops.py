@@ -69,8 +69,28 @@ class Spans:
         return total / (b - a)
 
 
+#: The data paths a transfer's payload may take when the bench pins one (`pinned`): ``nats``
+#: alone, or a direct path with NATS beside it (inline payloads and fall backs take NATS).
+PINNED = {"nats": "nats", "tcp": "tcp,nats", "shm": "shm,nats"}
+
+
+def pinned(path: str) -> dict[str, Any]:
+    """(bus key, `PathsConfig` fields) of agents whose payloads take ``path`` ("": the process's
+    own paths, every one by default)."""
+    if not path:
+        return {"bus_key": "default", "paths": None}
+    if path not in PINNED:
+        raise ValueError(f"unknown path {path!r}; use one of {', '.join(PINNED)}")
+    return {"bus_key": f"path-{path}", "paths": {"allowed": PINNED[path]}}
+
+
 async def _agents(
-    ctx: WorkerContext, url: str, group: str, names: list[str], priorities: list[float] | None = None
+    ctx: WorkerContext,
+    url: str,
+    group: str,
+    names: list[str],
+    priorities: list[float] | None = None,
+    path: str = "",
 ) -> list[Any]:
     out = []
     for i, name in enumerate(names):
@@ -82,17 +102,28 @@ async def _agents(
             signature=SIG.to_dict(),
             priority=priorities[i] if priorities else 1.0,
             bus_config=BUS,
+            **pinned(path),
         )
         out.append(ops.get_agent(ctx, name))
     return out
 
 
-async def _bulk(agent: Any, to: str, kv: KVCache, stop: float, spans: Spans, lat: list[float]) -> None:
+async def _bulk(
+    agent: Any,
+    to: str,
+    kv: KVCache,
+    stop: float,
+    spans: Spans,
+    lat: list[float],
+    paths: dict[str, int] | None = None,
+) -> None:
     while time.monotonic() < stop:
         t0 = time.monotonic()
         report = await agent.send(to, kv, medium="full")
         spans.add(agent.name, t0, report)
         lat.append(report.total_s)
+        if paths is not None:
+            paths[report.path] = paths.get(report.path, 0) + 1
 
 
 def sent(t0: float, report: Any) -> dict[str, Any]:
@@ -141,9 +172,17 @@ async def _periodic(
 
 
 async def receiver(
-    ctx: WorkerContext, *, url: str, name: str, group: str, link_bps: float, priority: float = 1.0
+    ctx: WorkerContext,
+    *,
+    url: str,
+    name: str,
+    group: str,
+    link_bps: float,
+    priority: float = 1.0,
+    path: str = "",
 ) -> str:
-    """Register the receiving agent (declaring ``link_bps``, 0 = nothing) and drain its inbox."""
+    """Register the receiving agent (declaring ``link_bps``, 0 = nothing; payloads on ``path``,
+    see `pinned`) and drain its inbox."""
     await ops.agent(
         ctx,
         url=url,
@@ -153,6 +192,7 @@ async def receiver(
         link_bps=link_bps,
         priority=priority,
         bus_config=BUS,
+        **pinned(path),
     )
     agent = ops.get_agent(ctx, name)
 
@@ -200,20 +240,23 @@ async def critical(
     n_bulk: int = 4,
     n_crit: int = 2,
     warmup: float = 0.5,
+    path: str = "",
 ) -> dict[str, Any]:
     """``n_bulk`` senders keep ``bulk_bytes`` transfers going while ``n_crit`` send ``crit_bytes``
-    critical messages every ``every`` s (open loop). Latencies from `send` to verified delivery."""
-    bulk = await _agents(ctx, url, group, [f"{prefix}-b{i}" for i in range(n_bulk)])
-    crit = await _agents(ctx, url, group, [f"{prefix}-c{i}" for i in range(n_crit)])
+    critical messages every ``every`` s (open loop), payloads on ``path`` (`pinned`). Latencies
+    from `send` to verified delivery; ``bulk_paths``: how many bulk transfers took each path."""
+    bulk = await _agents(ctx, url, group, [f"{prefix}-b{i}" for i in range(n_bulk)], path=path)
+    crit = await _agents(ctx, url, group, [f"{prefix}-c{i}" for i in range(n_crit)], path=path)
     bulk_kv, small_kv = _kv(ctx, bulk_bytes, 1), _kv(ctx, crit_bytes, 2)
     spans = Spans()
     bulk_lat: list[float] = []
     crit_lat: list[float] = []
     crit_sends: list[dict[str, Any]] = []
+    bulk_paths: dict[str, int] = {}
     t_start = time.monotonic()
     stop = t_start + seconds
     try:
-        tasks = [asyncio.create_task(_bulk(b, rx, bulk_kv, stop, spans, bulk_lat)) for b in bulk]
+        tasks = [asyncio.create_task(_bulk(b, rx, bulk_kv, stop, spans, bulk_lat, bulk_paths)) for b in bulk]
         await asyncio.sleep(warmup)  # bulk saturates first
         await asyncio.gather(
             *(
@@ -226,7 +269,13 @@ async def critical(
         for a in [*bulk, *crit]:
             await ops.close_agent(ctx, a.name)
     bulk_rate = sum(spans.rate(b.name, t_start + warmup + 0.5, stop - 0.2) for b in bulk)
-    return {"crit_lat": crit_lat, "crit_sends": crit_sends, "bulk_lat": bulk_lat, "bulk_mb_s": bulk_rate / MB}
+    return {
+        "crit_lat": crit_lat,
+        "crit_sends": crit_sends,
+        "bulk_lat": bulk_lat,
+        "bulk_mb_s": bulk_rate / MB,
+        "bulk_paths": bulk_paths,
+    }
 
 
 async def fairness(

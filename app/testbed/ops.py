@@ -6,6 +6,7 @@ Each operation is ``async def op(ctx, **args)`` (see `kvbus.app.testbed.worker`)
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from typing import Any
@@ -43,13 +44,22 @@ def kv_digest(kv: KVCache) -> str:
     return h.hexdigest()
 
 
-async def bus(ctx: WorkerContext, url: str, key: str = "default", config: dict[str, Any] | None = None) -> Any:
-    """The worker's bus connection ``key`` to ``url`` (made on first use, closed with the worker)."""
+async def bus(
+    ctx: WorkerContext,
+    url: str,
+    key: str = "default",
+    config: dict[str, Any] | None = None,
+    paths: dict[str, Any] | None = None,
+) -> Any:
+    """The worker's bus connection ``key`` to ``url`` (made on first use, closed with the worker);
+    ``paths``: `PathsConfig` fields over the process's ``KVBUS_PATHS_*`` (e.g. ``{"allowed": "nats"}``)."""
     from kvbus.bus import Bus, BusConfig
+    from kvbus.bus.paths import PathsConfig
 
     buses: dict[str, Any] = ctx.state.setdefault("buses", {})
     if key not in buses:
-        b = await Bus.connect(url, config=BusConfig(**(config or {})))
+        path_config = dataclasses.replace(PathsConfig.from_env(), **paths) if paths else None
+        b = await Bus.connect(url, config=BusConfig(**(config or {})), paths=path_config)
         buses[key] = b
         ctx.on_close(b.close)
     return buses[key]
@@ -68,13 +78,14 @@ async def agent(
     role: str = "agent",
     bus_key: str = "default",
     bus_config: dict[str, Any] | None = None,
+    paths: dict[str, Any] | None = None,
 ) -> str:
-    """Register agent ``name`` on this worker's bus ``bus_key``; ``link_bps`` declares its link's
-    capacity to the schedulers (an `EmulatedLink` with no latency of its own: the testbed's link
-    has the real one)."""
+    """Register agent ``name`` on this worker's bus ``bus_key`` (made with ``bus_config`` and
+    ``paths``, see `bus`); ``link_bps`` declares its link's capacity to the schedulers (an
+    `EmulatedLink` with no latency of its own: the testbed's link has the real one)."""
     from kvbus.bus import EmulatedLink
 
-    b = await bus(ctx, url, bus_key, bus_config)
+    b = await bus(ctx, url, bus_key, bus_config, paths)
     sig = ModelSignature.from_dict(signature) if signature else DEFAULT_SIGNATURE
     link = EmulatedLink(link_bps, latency_s) if link_bps or latency_s else None
     a = await b.agent(name, group=group, signature=sig, link=link, priority=priority, role=role)
