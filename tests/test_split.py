@@ -275,6 +275,21 @@ def test_on_a_fast_link_the_whole_kv_beats_a_split() -> None:
     assert all(e.usable for e in alone.candidates)
 
 
+def test_a_lossy_split_takes_the_prefix_whose_saved_loss_outweighs_its_prefill() -> None:
+    # Only the prefix where the prefill meets the stream and the next step were compared: a lossy
+    # inner medium kept that short prefix however much of the rest's loss a longer one saved.
+    model = CostModel()
+    ep = Endpoint(SIG, model=ModelCosts(prefill_tokens_per_s=2000.0, decode_token_s=1.0))  # loss weighs much
+    kw: dict[str, Any] = dict(n_tokens=400, kv_bytes=16_000_000, link=Link(1e8, rtt_s=0.01), sender=ep, receiver=ep)
+    chosen = model.estimate("split+int4", **kw)
+    grid = {f: model.estimate(f"split({f})+int4", **kw) for f in (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95)}
+    assert chosen.medium == "split(0.95)+int4", chosen.medium
+    assert chosen.total_s <= min(e.total_s for e in grid.values()) + 1e-9
+    assert chosen.total_s < 0.5 * grid[0.25].total_s  # where the two-step search stopped
+    # With nothing to save (a lossless rest) the prefix stays where the prefill meets the stream.
+    assert model.estimate("split+full", **kw).medium != "split(0.95)+full"
+
+
 def test_a_split_at_a_given_prefix_is_priced_at_that_prefix() -> None:
     model = CostModel()
     ep = Endpoint(SIG, model=COSTS)
