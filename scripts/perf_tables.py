@@ -52,7 +52,14 @@ GOALS: dict[str, tuple[tuple[str, str, float], ...]] = {
         ("regret_vs_oracle", "<=", 1.10),
     ),
     "cachetier": (("offload_fetch_vs_raw_redis", ">=", 0.8), ("int8_effective_vs_raw_redis", ">=", 1.5)),
-    "scale": (("hier_growth_64_to_1024", "<=", 1.5), ("flat_over_hier_at_1024", ">=", 5.0)),
+    "scale": (
+        # issue 33: the scheduler's own CPU, the figure a deployment with a core per group sees
+        ("busiest_scheduler_cpu_growth_hier_64_to_1024", "<=", 1.5),
+        ("busiest_scheduler_cpu_flat_over_hier_at_1024", ">=", 5.0),
+        # an earlier round's latency goals: on 2 cores the machine's run queue sets them
+        ("hier_growth_64_to_1024", "<=", 1.5),
+        ("flat_over_hier_at_1024", ">=", 5.0),
+    ),
 }
 
 
