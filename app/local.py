@@ -108,7 +108,11 @@ class EmbeddedServer:
         return self._proc.pid if self._proc else None
 
     def start(self, timeout: float = START_TIMEOUT) -> EmbeddedServer:
-        """Start the server and wait until its log says it is ready."""
+        """Start the server and wait until its log says it is ready (again after `stop` or a
+        failed start, which removed its folder: in a new one at the same path)."""
+        if not self.workdir.is_dir():
+            self.workdir.mkdir(parents=True)
+            self._write_owner()
         cmd = self._command()
         logger.info("starting %s: %s", self.name, " ".join(cmd))
         with open(self.workdir / "stdout.log", "ab") as out:

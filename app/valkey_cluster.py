@@ -123,8 +123,6 @@ class ValkeyCluster:
                 # Distinct from each other and from the other nodes' (at most len(taken) are theirs).
                 fresh = [p for p in free_ports(2 + len(taken)) if p not in taken]
                 node.port, node.cluster_port = fresh[0], fresh[1]
-                node.workdir.mkdir(parents=True, exist_ok=True)  # the failed start removed it
-                node._write_owner()
                 logger.info("a port of a Valkey node was taken; starting it on %d/%d", node.port, node.cluster_port)
 
     def _form(self, timeout: float) -> None:
