@@ -522,10 +522,11 @@ def _layer_ok(keys: torch.Tensor, values: torch.Tensor, out: Sequence[torch.Tens
 
 
 def _int8_layer_encode(
-    kernel: str, keys: torch.Tensor, values: torch.Tensor, out: Sequence[torch.Tensor] | None, centred: bool
+    keys: torch.Tensor, values: torch.Tensor, out: Sequence[torch.Tensor] | None, centred: bool
 ) -> tuple[tuple[torch.Tensor, ...], int] | None:
-    """One C call of ``<kernel>_enc_layer``: the int8 layer kernels take keys, values, their outputs
-    ``(kq, kscale[, koffset], vq, vscale)`` in that order, then ``b * h``, ``s``, ``d``."""
+    """One C call of ``int8_enc_layer`` (``int8c_enc_layer`` when ``centred``): the int8 layer
+    kernels take keys, values, their outputs ``(kq, kscale[, koffset], vq, vscale)`` in that
+    order, then ``b * h``, ``s``, ``d``."""
     suffix = _NATIVE_INT8.get(keys.dtype)
     if suffix is None or not _layer_ok(keys, values, out) or keys.shape[3] > _native.MAX_CHANNELS:
         return None
@@ -540,6 +541,7 @@ def _int8_layer_encode(
         out = tuple(torch.empty(shape, dtype=dtype) for shape, dtype in specs)
     if len(out) != len(specs) or any(o.numel() != math.prod(shape) for o, (shape, _) in zip(out, specs)):
         return None
+    kernel = "int8c" if centred else "int8"
     bad = getattr(lib, f"{kernel}_enc_layer_{suffix}")(
         keys.data_ptr(), values.data_ptr(), *(o.data_ptr() for o in out), b * h, s, d
     )
@@ -547,10 +549,12 @@ def _int8_layer_encode(
 
 
 def _int8_layer_decode(
-    kernel: str, views: Sequence[torch.Tensor], out: tuple[torch.Tensor, torch.Tensor] | None
+    views: Sequence[torch.Tensor], out: tuple[torch.Tensor, torch.Tensor] | None, centred: bool
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """One C call of ``<kernel>_dec_layer``: the checked views ``(kq, kscale[, koffset], vq, vscale)``
-    and the two outputs, then ``b * h``, ``s``, ``d``."""
+    """One C call of ``int8_dec_layer`` (``int8c_dec_layer`` when ``centred``): the checked views
+    ``(kq, kscale[, koffset], vq, vscale)`` and the two outputs, then ``b * h``, ``s``, ``d``."""
+    if len(views) != (5 if centred else 4):
+        return None
     kq, vq = views[0], views[-2]
     floats = [*views[1:-2], views[-1]]  # the scales (and offsets): the outputs' dtype
     ks, vs = floats[0], floats[-1]
@@ -569,7 +573,7 @@ def _int8_layer_decode(
         out = (torch.empty(kq.shape, dtype=ks.dtype), torch.empty(kq.shape, dtype=ks.dtype))
     elif not _plain(*out) or any(o.dtype != ks.dtype or o.shape != kq.shape for o in out):
         return None
-    getattr(lib, f"{kernel}_dec_layer_{suffix}")(
+    getattr(lib, f"{'int8c' if centred else 'int8'}_dec_layer_{suffix}")(
         *(v.data_ptr() for v in views), out[0].data_ptr(), out[1].data_ptr(), b * h, s, d
     )
     return out
@@ -584,7 +588,7 @@ def int8_encode_layer(
     scale (1 keys, 2 values). ``out``: those four tensors to write into (contiguous, of the
     layout's dtypes and shapes).
     """
-    return _int8_layer_encode("int8", keys, values, out, centred=False)
+    return _int8_layer_encode(keys, values, out, centred=False)
 
 
 def int8_decode_layer(
@@ -592,7 +596,7 @@ def int8_decode_layer(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`int8_decode` of a layer's ``(kq, kscale, vq, vscale)`` (checked views) to the scales' dtype
     (bfloat16 or float32) in one C call, or None where it does not apply."""
-    return _int8_layer_decode("int8", views, out) if len(views) == 4 else None
+    return _int8_layer_decode(views, out, centred=False)
 
 
 def int8c_encode_layer(
@@ -605,7 +609,7 @@ def int8c_encode_layer(
     Returns ``((kq, kscale, koffset, vq, vscale), bad)`` as `int8_encode_layer`; ``out``: those
     five tensors to write into.
     """
-    return _int8_layer_encode("int8c", keys, values, out, centred=True)
+    return _int8_layer_encode(keys, values, out, centred=True)
 
 
 def int8c_decode_layer(
@@ -613,7 +617,7 @@ def int8c_decode_layer(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The decode of `int8c_encode_layer`'s ``(kq, kscale, koffset, vq, vscale)`` (checked views)
     in one C call, or None where it does not apply."""
-    return _int8_layer_decode("int8c", views, out) if len(views) == 5 else None
+    return _int8_layer_decode(views, out, centred=True)
 
 
 def int4_encode_layer(

@@ -211,6 +211,7 @@ async def test_a_vllm_engine_pulls_as_its_own_user(
         tmp_path / "engine.log",
         nats_url=server.url,
         model_name=SMOLLM2,
+        block=block,
         max_model_len=1024,
         max_num_seqs=2,
         credentials=str(path),

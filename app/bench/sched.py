@@ -50,6 +50,7 @@ Figures (each per round, reported as median with min and max, see `kvbus.app.ben
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from typing import Any
 
@@ -306,7 +307,7 @@ async def _critical(
                 ratio(pct(x["bulk_lat"], 0.99), pct(x["bulk_lat"], 0.5)) for x in per[a]
             ),
             "phases": phase_summary([x["phases"] for x in per[a]]),
-            "bulk_paths": _sum_counts(x["bulk_paths"] for x in per[a]),
+            "bulk_paths": dict(sum((collections.Counter(x["bulk_paths"]) for x in per[a]), collections.Counter())),
         }
     ratios = {a: [ratio(p99[a][i], p99["wrr"][i]) for i in range(rounds)] for a in BASELINES}
     ratios["wrr_vs_idle"] = [ratio(p99["wrr"][i], p99[IDLE][i]) for i in range(rounds)]
@@ -314,14 +315,6 @@ async def _critical(
         ratio(per["wrr"][i]["bulk_mb_s"], per["unscheduled"][i]["bulk_mb_s"]) for i in range(rounds)
     ]
     return {"arms": out, "ratios": ratios}
-
-
-def _sum_counts(counts: Any) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for c in counts:
-        for k, v in c.items():
-            out[k] = out.get(k, 0) + v
-    return out
 
 
 def _path_figures(crit: dict[str, Any]) -> dict[str, Any]:
@@ -334,7 +327,7 @@ def _path_figures(crit: dict[str, Any]) -> dict[str, Any]:
     out["bulk_throughput_ratio_wrr_vs_unscheduled_rounds"] = spread(crit["ratios"]["bulk_wrr_vs_unscheduled"])
     out["critical_p99_ratio_wrr_vs_idle"] = median(crit["ratios"]["wrr_vs_idle"])
     out["critical_p99_ratio_wrr_vs_idle_rounds"] = spread(crit["ratios"]["wrr_vs_idle"])
-    arms = {a: v for a, v in crit["arms"].items() if a != IDLE}
+    arms = crit["arms"]
     out["critical_p99_ms"] = {a: arms[a]["critical_p99_ms"] for a in ARMS}
     out["critical_phases"] = arms["wrr"]["phases"]
     out["bulk_paths"] = {a: arms[a]["bulk_paths"] for a in ARMS}
@@ -483,8 +476,8 @@ async def _run(*, quick: bool, smoke: bool, network: str | None, nats_url: str |
             by_path[path] = await _critical(net, phase, tx, rx, rounds, crit_s, path)
         # The top-level figures are those of the path the bus takes between these hosts by default.
         crit = by_path[paths[0]]
-        results.update(_path_figures(crit))
         results["by_path"] = {p: _path_figures(c) for p, c in by_path.items()}
+        results.update(results["by_path"][paths[0]])
         results["by_path_left_out"] = left_out
         results["default_path"] = paths[0]
         results["fifo_concurrency_lets_critical_pass_bulk"] = FIFO_PASSES

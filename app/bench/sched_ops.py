@@ -9,6 +9,7 @@ machine, so spans measured in one process compare with another's.
 from __future__ import annotations
 
 import asyncio
+import collections
 import random
 import time
 from typing import Any
@@ -115,7 +116,7 @@ async def _bulk(
     stop: float,
     spans: Spans,
     lat: list[float],
-    paths: dict[str, int] | None = None,
+    paths: collections.Counter[str] | None = None,
 ) -> None:
     while time.monotonic() < stop:
         t0 = time.monotonic()
@@ -123,7 +124,7 @@ async def _bulk(
         spans.add(agent.name, t0, report)
         lat.append(report.total_s)
         if paths is not None:
-            paths[report.path] = paths.get(report.path, 0) + 1
+            paths[report.path] += 1
 
 
 def sent(t0: float, report: Any) -> dict[str, Any]:
@@ -252,7 +253,7 @@ async def critical(
     bulk_lat: list[float] = []
     crit_lat: list[float] = []
     crit_sends: list[dict[str, Any]] = []
-    bulk_paths: dict[str, int] = {}
+    bulk_paths: collections.Counter[str] = collections.Counter()
     t_start = time.monotonic()
     stop = t_start + seconds
     try:
@@ -274,7 +275,7 @@ async def critical(
         "crit_sends": crit_sends,
         "bulk_lat": bulk_lat,
         "bulk_mb_s": bulk_rate / MB,
-        "bulk_paths": bulk_paths,
+        "bulk_paths": dict(bulk_paths),
     }
 
 
