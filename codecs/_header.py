@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kvbus.codecs._tensors import as_bytes, check_tokens, meta_bool, meta_float, meta_int, meta_str, tensor_from
+from kvbus.codecs._tensors import byte_views, check_tokens, meta_bool, meta_float, meta_int, meta_str, tensor_from
 from kvbus.codecs.errors import DecodeError
 from kvbus.errors import SignatureMismatch, WireFormatError
 from kvbus.kvcache import KVCache
@@ -168,4 +168,4 @@ class KVHeader:
 
 def encode_buffers(tensors: list[torch.Tensor]) -> list[memoryview]:
     """Byte views of ``tensors`` (zero copy for contiguous tensors)."""
-    return [as_bytes(t) for t in tensors]
+    return byte_views(tensors)

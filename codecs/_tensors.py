@@ -45,14 +45,41 @@ def as_bytes(t: torch.Tensor) -> memoryview:
     Zero copy when ``t`` is contiguous; otherwise one contiguous copy is made. The returned
     view keeps the tensor's storage alive.
     """
-    if t.numel() and not t.requires_grad and t.is_contiguous() and t.device.type == "cpu" and not t.is_conj():
-        # A ctypes array over the tensor's bytes, holding the tensor: a sixth of what a view
-        # through numpy costs (1.5 against 8.5 us), paid per tensor of every transfer.
-        array = (ctypes.c_ubyte * (t.numel() * t.element_size())).from_address(t.data_ptr())
-        array.tensor = t  # type: ignore[attr-defined]  # keeps the storage alive with the view
-        return memoryview(array).cast("B")
+    if _viewable(t):
+        return _span_view(t.data_ptr(), t.nbytes, t)
     flat = t.detach().contiguous().view(-1)
     return flat.view(torch.uint8).numpy().data
+
+
+def byte_views(tensors: Sequence[torch.Tensor]) -> list[memoryview]:
+    """`as_bytes` of each of ``tensors``, for a third of its per-tensor cost: the contiguous CPU
+    tensors are slices of one view over the addresses they span (a context has a hundred tensors,
+    and a view of its own costs each about 2 us). The views hold all of ``tensors`` alive, and no
+    byte outside a tensor is ever read through them."""
+    plain = [(t.data_ptr(), t.nbytes) if _viewable(t) else None for t in tensors]
+    spans = [s for s in plain if s is not None]
+    if len(spans) < 2:
+        return [as_bytes(t) for t in tensors]
+    lo = min(at for at, _ in spans)
+    whole = _span_view(lo, max(at + n for at, n in spans) - lo, list(tensors))
+    return [as_bytes(t) if s is None else whole[s[0] - lo : s[0] - lo + s[1]] for t, s in zip(tensors, plain)]
+
+
+def _viewable(t: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes can be viewed in place (contiguous, non-empty, in CPU memory, plain)."""
+    return t.is_contiguous() and t.is_cpu and not t.requires_grad and not t.is_conj() and t.nbytes > 0
+
+
+def _span_view(address: int, nbytes: int, owner: object) -> memoryview:
+    """A writable byte view of ``nbytes`` at ``address``, holding ``owner`` (what keeps them valid).
+
+    A ctypes array over the bytes: a sixth of what a view through numpy costs. Its length is
+    rounded up to a power of two, so that ctypes makes (and keeps forever) one array type per
+    power and not one per size; the view is then cut to ``nbytes`` and the rest never read.
+    """
+    array = (ctypes.c_ubyte * (1 << (nbytes - 1).bit_length())).from_address(address)
+    array.owner = owner  # type: ignore[attr-defined]  # keeps the memory alive with the view
+    return memoryview(array).cast("B")[:nbytes]
 
 
 def buffer_address(buf: memoryview) -> int:
@@ -192,7 +219,8 @@ def _strided(
     end = start + (n - 1) * step + want
     if step < want or step % size or start % size or start < 0 or end > region.nbytes:
         return None
-    if any(offsets[i] != start + i * step for i in range(n)) or any(b.nbytes != want for b in bufs):
+    # Compared as whole lists: a check per buffer in Python costs more than the views it saves.
+    if list(offsets) != list(range(start, end - want + 1, step)) or set(map(len, bufs)) != {want}:
         return None
     span = region[start:end]
     if span.format != "B" or span.ndim != 1:
@@ -339,4 +367,5 @@ def check_buffer_count(buffers: object, expected: int, codec: str) -> list[memor
         raise DecodeError(codec, f"buffers must be a list, got {type(buffers).__name__}")
     if len(buffers) != expected:
         raise DecodeError(codec, f"expected {expected} buffers, got {len(buffers)}")
-    return [byte_view(b, codec) for b in buffers]
+    # A flat byte memoryview (what the bus hands a decoder) is taken as it is, without a call.
+    return [b if type(b) is memoryview and b.ndim == 1 and b.format == "B" else byte_view(b, codec) for b in buffers]

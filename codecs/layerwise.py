@@ -19,7 +19,7 @@ import torch
 
 from kvbus.codecs._arena import carve, carve_arena
 from kvbus.codecs._header import KVHeader, encode_buffers
-from kvbus.codecs._tensors import as_bytes, check_buffer_count, require_map, tensors_from
+from kvbus.codecs._tensors import check_buffer_count, require_map, tensors_from
 from kvbus.codecs.base import Codec, Encoded, ModelRunner
 from kvbus.codecs.errors import NonFiniteValues
 from kvbus.kvcache import KVCache
@@ -124,7 +124,7 @@ class LayerwiseCodec(Codec):
         if kv.keys:
             layout = self.layer_layout(header)
             sections: dict[int, list[torch.Tensor]] = {j: [] for j in sorted({want.section for want in layout})}
-            outs, arena = self._encode_outputs(layout, len(kv.keys)) if self.encode_arena else (None, None)
+            outs = self._encode_outputs(layout, len(kv.keys)) if self.encode_arena else None
 
             for i, (k, v) in enumerate(zip(kv.keys, kv.values)):
                 try:
@@ -135,9 +135,6 @@ class LayerwiseCodec(Codec):
                     sections[want.section].append(tensor)
             for section in sections.values():
                 tensors += section
-            if arena is not None:
-                buffers = _arena_buffers(tensors, arena)
-                return Encoded(codec=self.name, meta=header.to_meta(), buffers=buffers, keepalive=tensors)
         return Encoded(codec=self.name, meta=header.to_meta(), buffers=encode_buffers(tensors), keepalive=tensors)
 
     def decode(self, encoded: Encoded, *, base: KVCache | None = None, runner: ModelRunner | None = None) -> KVCache:
@@ -158,24 +155,26 @@ class LayerwiseCodec(Codec):
         region, offsets = encoded.region, encoded.offsets
         if len(offsets) != len(buffers):
             region = None
+        # Buffer p of every layer, by slicing (what a comprehension per layer costs adds up).
+        wire = [slice(first[p], first[p] + n * stride[p], stride[p]) for p in range(len(layout))]
         by_position = [
             tensors_from(
-                [layers[first[p] + i * stride[p]] for i in range(n)],
+                layers[at],
                 want.dtype,
                 want.shape,
                 self.name,
                 lambda i, p=p, want=want: self.buffer_name(p, want, i),  # type: ignore[misc]
                 region=region,
-                offsets=[offsets[header.n_prefix + first[p] + i * stride[p]] for i in range(n)] if region else (),
+                offsets=offsets[header.n_prefix :][at] if region else (),
             )
-            for p, want in enumerate(layout)
+            for p, (want, at) in enumerate(zip(layout, wire))
         ]
         keys, values = [], []
         outs = carve([(header.dtype, header.layer_shape)] * (2 * n)) if self.decode_arena and n else None
 
-        for i in range(n):
+        for i, views in enumerate(zip(*by_position)):
             out = (outs[2 * i], outs[2 * i + 1]) if outs else None
-            k, v = self.decode_layer(header, [views[i] for views in by_position], out)
+            k, v = self.decode_layer(header, list(views), out)
             keys.append(k)
             values.append(v)
         kv = KVCache(
@@ -188,30 +187,13 @@ class LayerwiseCodec(Codec):
         )
         return header.finish(kv, self.name)
 
-    def _encode_outputs(
-        self, layout: Sequence[LayerBuffer], n_layers: int
-    ) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
-        """Per layer, views of one arena for its buffers (layout order), laid out in wire order; and the arena."""
+    def _encode_outputs(self, layout: Sequence[LayerBuffer], n_layers: int) -> list[list[torch.Tensor]]:
+        """Per layer, views of one arena for its buffers (layout order), laid out in wire order."""
         first, stride = _wire_index(layout, n_layers)
         order = sorted((first[p] + i * stride[p], i, p) for i in range(n_layers) for p in range(len(layout)))
-        views, arena = carve_arena([(layout[p].dtype, layout[p].shape) for _, _, p in order])
+        views, _ = carve_arena([(layout[p].dtype, layout[p].shape) for _, _, p in order])
         by_place = {(i, p): view for view, (_, i, p) in zip(views, order)}
-        return [[by_place[i, p] for p in range(len(layout))] for i in range(n_layers)], arena
-
-
-def _arena_buffers(tensors: list[torch.Tensor], arena: torch.Tensor) -> list[memoryview]:
-    """`encode_buffers`, with the tensors that lie in ``arena`` as slices of one byte view of it (a
-    slice costs a fifth of a view of its own, and an encode has a hundred of them)."""
-    whole = as_bytes(arena)
-    base, size = arena.data_ptr(), arena.numel()
-    out: list[memoryview] = []
-    for t in tensors:
-        offset, n = t.data_ptr() - base, t.numel() * t.element_size()
-        if n and offset >= 0 and offset + n <= size and t.is_contiguous():
-            out.append(whole[offset : offset + n])
-        else:
-            out.append(as_bytes(t))
-    return out
+        return [[by_place[i, p] for p in range(len(layout))] for i in range(n_layers)]
 
 
 def _wire_index(layout: Sequence[LayerBuffer], n_layers: int) -> tuple[list[int], list[int]]:

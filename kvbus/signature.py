@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -113,7 +113,8 @@ class ModelSignature:
 
     def to_dict(self) -> dict[str, Any]:
         """The signature as a plain dict (the wire and directory form)."""
-        return asdict(self)
+        # Every field is a scalar: no deep copy (`dataclasses.asdict` costs 10 us, once per transfer).
+        return {name: getattr(self, name) for name in self.__slots__}
 
     @classmethod
     def from_dict(cls, data: object) -> ModelSignature:

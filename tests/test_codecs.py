@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from kvbus.codecs import DecodeError, Encoded, UnknownCodec, available_codecs, get_codec
-from kvbus.codecs._tensors import as_bytes, buffer_address, tensor_from
+from kvbus.codecs._tensors import as_bytes, buffer_address, byte_views, tensor_from
 from kvbus.errors import KVBusError
 from kvbus.kvcache import KVCache
 from kvbus.signature import ModelSignature, dtype_name
@@ -389,6 +389,42 @@ def test_as_bytes_keeps_the_tensors_memory_alive() -> None:
     gc.collect()
     junk = [torch.full((4096,), 7, dtype=torch.bfloat16) for _ in range(64)]  # reuse of freed memory
     assert bytes(view) == want and len(junk) == 64
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    layouts=st.lists(
+        st.tuples(st.sampled_from(AS_BYTES_DTYPES), st.lists(st.integers(0, 5), min_size=1, max_size=3), st.booleans()),
+        min_size=0,
+        max_size=8,
+    )
+)
+def test_byte_views_are_each_tensors_bytes(layouts: list[tuple[torch.dtype, list[int], bool]]) -> None:
+    """`byte_views` (slices of one view over the tensors' span) gives each tensor exactly the bytes
+    `as_bytes` gives it, contiguous, empty or transposed, and views the contiguous ones in place."""
+    tensors = []
+    for dtype, dims, transpose in layouts:
+        t = (torch.arange(math.prod(dims), dtype=torch.float64).reshape(dims) * 1.5 - 3).to(dtype)
+        tensors.append(t.transpose(0, -1) if transpose and t.dim() > 1 else t)
+    views = byte_views(tensors)
+    assert len(views) == len(tensors)
+    for t, view in zip(tensors, views):
+        assert view.format == "B" and view.ndim == 1 and bytes(view) == bytes(as_bytes(t))
+        if t.is_contiguous() and t.numel():
+            assert buffer_address(view) == t.data_ptr()
+
+
+def test_byte_views_keep_every_tensor_alive() -> None:
+    """Each view holds all the tensors it was cut from: their bytes stay valid after the caller
+    dropped every reference (a transfer's buffers outlive the cache they were encoded from)."""
+    tensors = [torch.full((1024,), i, dtype=torch.float32) for i in range(8)]
+    views = byte_views(tensors)
+    del tensors
+    gc.collect()
+    junk = [torch.full((1024,), -1, dtype=torch.float32) for _ in range(64)]  # reuse of freed memory
+    for i in (0, 7):
+        assert torch.equal(torch.frombuffer(bytearray(views[i]), dtype=torch.float32), torch.full((1024,), float(i)))
+    assert len(junk) == 64
 
 
 def test_decoding_read_only_buffers_swaps_the_warning_filters_at_most_once(monkeypatch: pytest.MonkeyPatch) -> None:
