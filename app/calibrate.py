@@ -42,6 +42,7 @@ from kvbus.codecs import Encoded, get_codec
 from kvbus.codecs._select import kv_positions
 from kvbus.codecs.calibration import (
     PROFILE_VERSION,
+    SPLIT_PROBE,
     CalibrationProfile,
     CodecFigures,
     fidelity_from,
@@ -84,6 +85,9 @@ LENGTHS = (128, 256, 512, 1024, 2048)
 LENGTH_FOLLOWING = 128
 #: Windows per length, at most (fewer where the texts are too short).
 LENGTH_WINDOWS = 8
+#: The lossy media whose fidelity is also measured behind a recomputed prefix (``split``'s inner
+#: media that the selector offers).
+SPLIT_MEDIA = ("int8", "int4")
 
 
 def calibration_texts() -> list[str]:
@@ -196,6 +200,28 @@ def fidelity_by_length(
         f = fidelity_from(statistics.fmean(t1s), statistics.fmean(kls[(spec, n)]))
         out.setdefault(get_codec(spec).name, {})[n] = f
     return out
+
+
+def split_fidelity(runner: Any, wins: list[torch.Tensor], media: tuple[str, ...] = SPLIT_MEDIA) -> dict[str, float]:
+    """The fidelity factor of ``split(SPLIT_PROBE)+X`` for each X of ``media``, over the text
+    windows ``wins`` (`CONTEXT` tokens of context, the rest continuation), scored as `measure`
+    scores X alone: the receiver recomputes the first tokens exact and takes X for the rest."""
+    top1: dict[str, list[float]] = {}
+    kls: dict[str, list[float]] = {}
+    for ids in wins:
+        ctx, following = ids[:, :CONTEXT], ids[:, CONTEXT:]
+        kv = runner.prefill(ctx)
+        ref = runner.score(kv, following)
+        for inner in media:
+            codec = get_codec(f"split({SPLIT_PROBE})+{inner}")
+            got = codec.decode(_wire(codec.encode(kv, runner=runner)), runner=runner)
+            kl, t1, _ = compare(ref, runner.score(got, following), following)
+            top1.setdefault(inner, []).append(t1)
+            kls.setdefault(inner, []).append(kl)
+    return {
+        get_codec(inner).name: fidelity_from(statistics.fmean(t1s), statistics.fmean(kls[inner]))
+        for inner, t1s in top1.items()
+    }
 
 
 def prefill_by_length(
@@ -314,6 +340,8 @@ def measure(
             fidelity=fidelity_from(mean["top1"], mean["kl"], lossless=lossless),
         )
     by_tokens = {} if quick else fidelity_by_length(runner, tokenizer, specs, progress=say)
+    behind_prefix = split_fidelity(runner, wins, tuple(m for m in SPLIT_MEDIA if m in specs))
+    say("fidelity behind a recomputed prefix: " + ", ".join(f"{m} {f:.4f}" for m, f in behind_prefix.items()))
     prefill_curve = prefill_by_length(runner, tokenizer, lengths=prefill_lengths, rounds=2 if quick else 3)
     say("prefill s by tokens: " + ", ".join(f"{n} {t:.3f}" for n, t in sorted(prefill_curve.items())))
     now = _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat()
@@ -342,8 +370,10 @@ def measure(
             "interleaved; the cost model fits its prefill curve to it",
             "fidelity_by_tokens": f"full runs: lossy media's fidelity at {list(LENGTHS)} context tokens, "
             f"mean top-1 and KL over up to {LENGTH_WINDOWS} windows of {LENGTH_FOLLOWING} following tokens",
+            "split_fidelity": f"split({SPLIT_PROBE})+X's fidelity on the same windows, X in {list(SPLIT_MEDIA)}",
         },
         fidelity_by_tokens=by_tokens,
+        split_fidelity=behind_prefix,
         prefill_s_by_tokens=prefill_curve,
     )
 

@@ -39,6 +39,9 @@ PROFILE_ENV = "KVBUS_CALIBRATION"
 MIN_FIDELITY = 1e-3
 #: Largest profile file read (bytes).
 MAX_PROFILE_BYTES = 4 << 20
+#: The prefix share at which a ``split`` medium's fidelity is calibrated
+#: (`CalibrationProfile.split_fidelity`): the smallest prefix the cost model prices.
+SPLIT_PROBE = 0.05
 
 
 def fidelity_from(top1: float, kl: float, *, lossless: bool = False) -> float:
@@ -97,6 +100,12 @@ class CalibrationProfile:
     fidelity_by_tokens: dict[str, dict[int, float]] = field(default_factory=dict)
     """Lossy media's fidelity factor per context length (tokens), where it was measured at several
     (``kvbus calibrate``'s full run); a medium not here has only its ``codecs`` fidelity."""
+
+    split_fidelity: dict[str, float] = field(default_factory=dict)
+    """The fidelity factor of ``split(SPLIT_PROBE)+X`` per lossy medium X (canonical), where measured:
+    X with the context's first tokens recomputed exact. Most of a quantised cache's error is in
+    those first tokens, which every later one attends to, so this is far above X's own factor
+    (the cost model prices a split's loss with it)."""
 
     prefill_s_by_tokens: dict[int, float] = field(default_factory=dict)
     """The model's prefill seconds of a context of each length (tokens; best of the timings),
@@ -187,8 +196,21 @@ class CalibrationProfile:
             context_tokens=int(get("context_tokens", int)),
             details=dict(data.get("details") or {}),
             fidelity_by_tokens=by_tokens,
+            split_fidelity=_split_fidelity(data.get("split_fidelity", {}), path),
             prefill_s_by_tokens=_prefill_by_tokens(data.get("prefill_s_by_tokens", {}), path),
         )
+
+
+def _split_fidelity(raw: object, path: str) -> dict[str, float]:
+    """Validate a profile's optional ``split_fidelity``: {medium: fidelity in (0, 1]}."""
+    if not isinstance(raw, dict):
+        raise CalibrationError(path, "split_fidelity is not an object")
+    out: dict[str, float] = {}
+    for spec, value in raw.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise CalibrationError(path, f"split_fidelity[{spec!r}]={value!r} is outside (0, 1]")
+        out[str(spec)] = float(value)
+    return out
 
 
 def _length(key: Any, what: str, path: str) -> int:

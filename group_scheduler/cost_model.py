@@ -64,6 +64,11 @@ class MediumFigures:
     fidelity_by_tokens: tuple[tuple[int, float], ...] = ()
     """``(context tokens, fidelity)`` measured at several lengths, ascending (calibration's
     ``fidelity_by_tokens``); empty: ``fidelity`` at every length."""
+    split_loss_scale: float = 1.0
+    """For ``split+X``: a split's fidelity loss is X's on the whole context times the share sent
+    in X times this. 1 is the prior (the recomputed prefix removes only its own share of the
+    error); calibration measures less, since most of X's error is in the first tokens, which
+    every later one attends to and a split recomputes exact (`split_loss_scale`)."""
 
     def fidelity_at(self, n_tokens: int) -> float:
         """The fidelity of one hop of a context of ``n_tokens``: the calibrated curve, linear in
@@ -78,6 +83,16 @@ class MediumFigures:
                 w = math.log(n_tokens / n0) / math.log(n1 / n0)
                 return f0 + w * (f1 - f0)
         return curve[-1][1]
+
+
+def split_loss_scale(fidelity: float, behind_prefix: float | None, probe: float) -> float:
+    """`MediumFigures.split_loss_scale` of ``split+X`` from X's calibrated ``fidelity`` and the
+    fidelity of ``split(probe)+X`` measured on the same text (``behind_prefix``, None: not
+    measured, the prior 1). At most 1: a recomputed prefix does not add error."""
+    if behind_prefix is None or fidelity >= 1.0:
+        return 1.0
+    kept = (1.0 - behind_prefix) / (1.0 - fidelity) / (1.0 - probe)
+    return min(1.0, max(0.0, kept))
 
 
 #: Fallback figures, used only when no calibration profile is available (decisions say so).
@@ -340,6 +355,7 @@ class CostModel:
     def from_profile(cls, profile: Any, *, config: CostConfig | None = None) -> CostModel:
         """Build from a `kvbus.codecs.calibration.CalibrationProfile` (duck-typed)."""
         from kvbus.codecs import get_codec
+        from kvbus.codecs.calibration import SPLIT_PROBE
 
         figures: dict[str, MediumFigures] = {}
         for spec, f in profile.codecs.items():
@@ -370,13 +386,17 @@ class CostModel:
                 except Exception:  # noqa: BLE001 - no delta in this build
                     continue
                 figures.setdefault(spec, figures[inner])
-        # split+X costs what X costs on the tokens after the prefix (estimate() prices the prefix).
+        # split+X costs what X costs on the tokens after the prefix (estimate() prices the prefix),
+        # and loses what calibration measured X to lose behind a recomputed prefix.
+        behind_prefix = getattr(profile, "split_fidelity", {})
         for inner in ("full", "int8", "int4"):
             if inner in figures:
                 try:
-                    figures.setdefault(get_codec(f"split+{inner}").name, figures[inner])
+                    name = get_codec(f"split+{inner}").name
                 except Exception:  # noqa: BLE001 - no split in this build
                     continue
+                scale = split_loss_scale(figures[inner].fidelity, behind_prefix.get(inner), SPLIT_PROBE)
+                figures.setdefault(name, replace(figures[inner], split_loss_scale=scale))
         model = cls(figures, config=config, calibrated=True)
         shape = getattr(profile, "prefill_shape", None)
         model.default_model_costs = ModelCosts(
@@ -576,11 +596,19 @@ class CostModel:
                 k = prefix_length(s / steps, n_tokens)
                 share = (n_tokens - k) / n_tokens
                 exposed = max(0.0, prefill(k) - stream * share)
-                return (stream + whole.enc_s + whole.loss_s) * share + exposed
+                return (stream + whole.enc_s) * share + self._split_loss(medium, whole.loss_s, share) + exposed
 
-            if offered and prefill(prefix_length(1 / steps, n_tokens)) > stream * (1 - 1 / steps):
-                # Even the smallest prefix takes longer to prefill than the rest takes to arrive:
-                # the split only adds to X, which this decision weighs anyway (fast links).
+            if (
+                offered
+                and prefill(prefix_length(1 / steps, n_tokens)) > stream * (1 - 1 / steps)
+                and cost(1) >= stream + whole.enc_s + whole.loss_s
+            ):
+                # Even the smallest prefix takes longer to prefill than the rest takes to arrive,
+                # and the loss it saves does not pay for that: the split only adds to X, which
+                # this decision weighs anyway (fast links). A lossy X is still split where the
+                # exact prefix saves more loss than its prefill costs (`bench select`, 128 tokens
+                # at 100 Mbit/s: int8 chosen at an objective of 0.198 s, where split+int8, with
+                # most of int8's error recomputed away, measured 0.156 s).
                 why = (
                     f"{inner} arrives before the smallest prefix ({SPLIT_STEP:.0%}) is prefilled: "
                     f"{inner} alone is faster"
@@ -653,9 +681,7 @@ class CostModel:
             nbytes=rest.nbytes + ids,
             comm_s=rest.comm_s + link.bytes_s(ids),
             comp_s=rest.comp_s + exposed + join,
-            # A prior, not a calibration: the fidelity loss in proportion to the share of the
-            # context whose KV went lossy.
-            loss_s=whole.loss_s * lossy,
+            loss_s=self._split_loss(medium, whole.loss_s, lossy),
             # What the receiver's decode stamps on the context (the inner medium's factor, see
             # `SplitCodec`), which the precision refresh must count: with the share prorated
             # here as well, a relay of 20 hops took the lineage to 0.895 under a threshold of 0.9.
@@ -665,6 +691,13 @@ class CostModel:
             split_prefill_s=beside / slowdown,
             split_stream_s=stream,
         )
+
+    def _split_loss(self, medium: str, whole_loss_s: float, share: float) -> float:
+        """The fidelity loss of ``split(f)+X`` whose rest, ``share`` of the context, goes in X,
+        which would lose ``whole_loss_s`` on the whole context (`MediumFigures.split_loss_scale`)."""
+        fig = self.figures_of(medium)
+        scale = fig.split_loss_scale if fig is not None else 1.0
+        return whole_loss_s * min(1.0, share * scale)
 
     def choose(
         self,

@@ -163,7 +163,8 @@ def test_a_small_real_calibration_run() -> None:
     profile = measure(
         quick=True, specs=("full", "int8"), n_windows=1, prefill_lengths=(32, 64, 128), progress=lines.append
     )
-    assert set(profile.codecs) == {"full", "int8"} and len(lines) == 3
+    assert set(profile.codecs) == {"full", "int8"} and len(lines) == 4
+    assert set(profile.split_fidelity) == {"int8"} and 0.9 < profile.split_fidelity["int8"] <= 1
     assert set(profile.prefill_s_by_tokens) == {32, 64, 128} and all(
         t > 0 for t in profile.prefill_s_by_tokens.values()
     )
@@ -214,3 +215,24 @@ def test_the_shipped_profile_has_a_fidelity_curve_for_the_quantised_media() -> N
         curve = shipped.fidelity_curve(spec)
         assert len(curve) >= 3, spec
         assert all(0 < f <= 1 for _, f in curve)
+
+
+@pytest.mark.parametrize(
+    "raw,match",
+    [([], "not an object"), ({"int8": 0.0}, "outside"), ({"int8": 1.5}, "outside"), ({"int8": True}, "outside")],
+)
+def test_malformed_split_fidelities_are_rejected(tmp_path: Path, profile: CalibrationProfile, raw, match) -> None:
+    data = json.loads(json.dumps(profile.to_dict()))
+    data["split_fidelity"] = raw
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(CalibrationError, match=match):
+        load_profile(path)
+
+
+def test_the_shipped_profile_measured_the_quantised_media_behind_a_recomputed_prefix() -> None:
+    """Most of int8's and int4's error is in the first tokens: behind a recomputed prefix they
+    lose less than alone (what the cost model prices a split's loss with)."""
+    shipped = load_profile(cal.shipped_profile_path())
+    for spec in ("int8", "int4"):
+        assert shipped.codecs[spec].fidelity < shipped.split_fidelity[spec] <= 1, spec

@@ -19,7 +19,7 @@ from kvbus.codecs import Encoded, get_codec
 from kvbus.codecs.errors import CodecError, DecodeError, RecomputeUnavailable
 from kvbus.codecs.split import MAX_PREFIX_IDS, META_KEY, prefix_length
 from kvbus.group_scheduler import GroupScheduler
-from kvbus.group_scheduler.cost_model import CostModel, Endpoint, Link, ModelCosts
+from kvbus.group_scheduler.cost_model import FALLBACK_FIGURES, CostModel, Endpoint, Link, ModelCosts, split_loss_scale
 from kvbus.kvcache import KVCache
 from tests.conftest import FAST
 from tests.test_codecs_media import kv_caches
@@ -288,6 +288,56 @@ def test_a_lossy_split_takes_the_prefix_whose_saved_loss_outweighs_its_prefill()
     assert chosen.total_s < 0.5 * grid[0.25].total_s  # where the two-step search stopped
     # With nothing to save (a lossless rest) the prefix stays where the prefill meets the stream.
     assert model.estimate("split+full", **kw).medium != "split(0.95)+full"
+
+
+def test_a_calibrated_split_loses_what_calibration_measured_behind_the_prefix() -> None:
+    # The loss of split(f)+X was X's times the share sent in X, a prior: `bench select` measured
+    # split+int8 at a fidelity of 0.998 where int8 alone had 0.990, and calibration finds most of
+    # a quantised cache's error in its first tokens, which a split recomputes exact.
+    assert split_loss_scale(0.99, None, 0.05) == 1.0  # not measured: the prior
+    assert split_loss_scale(0.99, 0.995, 0.05) == pytest.approx(0.5 / 0.95)
+    assert split_loss_scale(0.99, 0.98, 0.05) == 1.0  # a prefix recomputed exact adds no error
+    ep = Endpoint(SIG, model=ModelCosts(prefill_tokens_per_s=2000.0, decode_token_s=1.0))
+    kw: dict[str, Any] = dict(n_tokens=400, kv_bytes=16_000_000, link=Link(1e8, rtt_s=0.01), sender=ep, receiver=ep)
+    prior = CostModel()
+    scale = 0.3
+    calibrated = CostModel(
+        {**FALLBACK_FIGURES, "split+int8": dataclasses.replace(FALLBACK_FIGURES["int8"], split_loss_scale=scale)}
+    )
+    whole = prior.estimate("int8", **kw).loss_s
+    assert prior.estimate("split(0.5)+int8", **kw).loss_s == pytest.approx(whole * 0.5)
+    assert calibrated.estimate("split(0.5)+int8", **kw).loss_s == pytest.approx(whole * 0.5 * scale)
+    assert calibrated.estimate("split(0.05)+int8", **kw).loss_s == pytest.approx(whole * 0.95 * scale)
+
+
+def test_a_profile_with_split_fidelity_gives_split_media_their_scale() -> None:
+    from kvbus.codecs.calibration import SPLIT_PROBE, load_profile
+
+    profile = dataclasses.replace(load_profile(), split_fidelity={"int8": 0.995})
+    model = CostModel.from_profile(profile)
+    int8 = model.figures["int8"].fidelity
+    assert model.figures["split+int8"].split_loss_scale == pytest.approx(0.005 / (1 - int8) / (1 - SPLIT_PROBE))
+    assert model.figures["split+int4"].split_loss_scale == 1.0  # not measured in this profile
+    assert model.figures["int8"].split_loss_scale == 1.0
+
+
+def test_a_lossy_split_with_an_exposed_prefill_is_offered_when_its_saved_loss_pays() -> None:
+    # Found in `bench select` (128 tokens at 100 Mbit/s): the smallest prefix's prefill took longer
+    # than int8's rest took to arrive, so split+int8 was declared unusable ("int8 alone is
+    # faster") and int8 chosen, at an objective of 0.198 s; split+int8 measured 0.156 s, its exact
+    # prefix saving more loss than its prefill cost.
+    ep = Endpoint(SIG, model=ModelCosts(prefill_tokens_per_s=400.0, decode_token_s=0.1))
+    kw: dict[str, Any] = dict(n_tokens=200, kv_bytes=2_000_000, link=Link(1e9, rtt_s=0.001), sender=ep, receiver=ep)
+    model = CostModel(
+        {**FALLBACK_FIGURES, "split+int8": dataclasses.replace(FALLBACK_FIGURES["int8"], split_loss_scale=0.2)}
+    )
+    alone = model.estimate("int8", **kw)
+    split = model.estimate("split+int8", **kw, known={"int8": alone})
+    assert split.usable, split.why_not
+    assert split.total_s < alone.total_s
+    # Where the prefix saves only its own share of the loss (the prior), that does not pay: refused.
+    prior = CostModel()
+    assert not prior.estimate("split+int8", **kw, known={"int8": prior.estimate("int8", **kw)}).usable
 
 
 def test_a_split_at_a_given_prefix_is_priced_at_that_prefix() -> None:
