@@ -176,23 +176,29 @@ def test_a_small_real_calibration_run() -> None:
 
 
 @pytest.mark.parametrize(
-    "curve,match",
+    "field,raw,match",
     [
-        ([], "not an object"),
-        ({"int8": 0.9}, "not an object"),
-        ({"int8": {"abc": 0.9}}, "not an integer"),
-        ({"int8": {"0": 0.9}}, "out of range"),
-        ({"int8": {"-5": 0.9}}, "out of range"),
-        ({"int8": {str(1 << 30): 0.9}}, "out of range"),
-        ({"int8": {"256": 0.0}}, "not in"),
-        ({"int8": {"256": 1.5}}, "not in"),
-        ({"int8": {"256": True}}, "not in"),
-        ({"int8": {"256": "0.9"}}, "not in"),
+        ("fidelity_by_tokens", [], "not an object"),
+        ("fidelity_by_tokens", {"int8": 0.9}, "not an object"),
+        ("fidelity_by_tokens", {"int8": {"abc": 0.9}}, "not an integer"),
+        ("fidelity_by_tokens", {"int8": {"0": 0.9}}, "out of range"),
+        ("fidelity_by_tokens", {"int8": {"-5": 0.9}}, "out of range"),
+        ("fidelity_by_tokens", {"int8": {str(1 << 30): 0.9}}, "out of range"),
+        ("fidelity_by_tokens", {"int8": {"256": 0.0}}, "not in"),
+        ("fidelity_by_tokens", {"int8": {"256": 1.5}}, "not in"),
+        ("fidelity_by_tokens", {"int8": {"256": True}}, "not in"),
+        ("fidelity_by_tokens", {"int8": {"256": "0.9"}}, "not in"),
+        ("split_fidelity", [], "not an object"),
+        ("split_fidelity", {"int8": 0.0}, "outside"),
+        ("split_fidelity", {"int8": 1.5}, "outside"),
+        ("split_fidelity", {"int8": True}, "outside"),
     ],
 )
-def test_malformed_fidelity_curves_are_rejected(tmp_path: Path, profile: CalibrationProfile, curve, match) -> None:
+def test_malformed_fidelity_curves_are_rejected(
+    tmp_path: Path, profile: CalibrationProfile, field: str, raw: object, match: str
+) -> None:
     data = json.loads(json.dumps(profile.to_dict()))
-    data["fidelity_by_tokens"] = curve
+    data[field] = raw
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(data))
     with pytest.raises(CalibrationError, match=match):
@@ -215,19 +221,6 @@ def test_the_shipped_profile_has_a_fidelity_curve_for_the_quantised_media() -> N
         curve = shipped.fidelity_curve(spec)
         assert len(curve) >= 3, spec
         assert all(0 < f <= 1 for _, f in curve)
-
-
-@pytest.mark.parametrize(
-    "raw,match",
-    [([], "not an object"), ({"int8": 0.0}, "outside"), ({"int8": 1.5}, "outside"), ({"int8": True}, "outside")],
-)
-def test_malformed_split_fidelities_are_rejected(tmp_path: Path, profile: CalibrationProfile, raw, match) -> None:
-    data = json.loads(json.dumps(profile.to_dict()))
-    data["split_fidelity"] = raw
-    path = tmp_path / "bad.json"
-    path.write_text(json.dumps(data))
-    with pytest.raises(CalibrationError, match=match):
-        load_profile(path)
 
 
 def test_the_shipped_profile_measured_the_quantised_media_behind_a_recomputed_prefix() -> None:
