@@ -194,7 +194,7 @@ async def test_engines_never_load_another_tenants_kv(engines: dict, control: Asy
     same = await _generate(engines["b"], p, cache_salt="tenant-1")
     assert same["num_cached_tokens"] == expected and same["kv_transfer_params"]["kvbus"]["source"] == "vllm-a"
     # The pull's medium is the cost model's: exact output after a lossless one, the first tokens
-    # after a lossy one (CI once saw int8 chosen here, and the 5th token differ).
+    # after a lossy one (a CI run saw the 5th token differ after this pull; its medium was not recorded).
     load = await control.wait_event(
         lambda e: e.agent == "vllm-b" and e.kind == "load" and e.peer == "vllm-a", since=since
     )
