@@ -202,26 +202,16 @@ def fidelity_by_length(
     return out
 
 
-def split_fidelity(runner: Any, wins: list[torch.Tensor], media: tuple[str, ...] = SPLIT_MEDIA) -> dict[str, float]:
-    """The fidelity factor of ``split(SPLIT_PROBE)+X`` for each X of ``media``, over the text
-    windows ``wins`` (`CONTEXT` tokens of context, the rest continuation), scored as `measure`
-    scores X alone: the receiver recomputes the first tokens exact and takes X for the rest."""
-    top1: dict[str, list[float]] = {}
-    kls: dict[str, list[float]] = {}
-    for ids in wins:
-        ctx, following = ids[:, :CONTEXT], ids[:, CONTEXT:]
-        kv = runner.prefill(ctx)
-        ref = runner.score(kv, following)
-        for inner in media:
-            codec = get_codec(f"split({SPLIT_PROBE})+{inner}")
-            got = codec.decode(_wire(codec.encode(kv, runner=runner)), runner=runner)
-            kl, t1, _ = compare(ref, runner.score(got, following), following)
-            top1.setdefault(inner, []).append(t1)
-            kls.setdefault(inner, []).append(kl)
-    return {
-        get_codec(inner).name: fidelity_from(statistics.fmean(t1s), statistics.fmean(kls[inner]))
-        for inner, t1s in top1.items()
-    }
+def behind_prefix(
+    runner: Any, kv: KVCache, ref: torch.Tensor, following: torch.Tensor, inner: str
+) -> tuple[float, float]:
+    """``(kl, top1)`` of ``split(SPLIT_PROBE)+inner`` on one window, scored as `measure` scores
+    ``inner`` alone (``kv`` its prefilled context, ``ref`` the uncompressed logits on
+    ``following``): the receiver recomputes the first tokens exact and takes ``inner`` for the rest."""
+    codec = get_codec(f"split({SPLIT_PROBE})+{inner}")
+    got = codec.decode(_wire(codec.encode(kv, runner=runner)), runner=runner)
+    kl, top1, _ = compare(ref, runner.score(got, following), following)
+    return kl, top1
 
 
 def prefill_by_length(
@@ -287,6 +277,8 @@ def measure(
     prefill_s: list[float] = []
     decode_s: list[float] = []
     full = get_codec("full")
+    split_media = [m for m in SPLIT_MEDIA if m in specs]
+    split_rows: dict[str, list[tuple[float, float]]] = {}  # (kl, top1) per window
     for w, ids in enumerate(wins):
         ctx, following = ids[:, :CONTEXT], ids[:, CONTEXT:]
         t, kv = _best(partial(runner.prefill, ctx), 1 if w else 2)
@@ -295,6 +287,8 @@ def measure(
             t, new = _best(partial(runner.generate, kv, 16), 1)
             decode_s.append(t / max(1, new.shape[1]))
         ref = runner.score(kv, following)
+        for inner in split_media:
+            split_rows.setdefault(inner, []).append(behind_prefix(runner, kv, ref, following, inner))
         kv_bytes = sum(x.numel() * x.element_size() for x in kv.keys + kv.values)
         full_bytes = full.encode(kv).nbytes
         for spec in specs:
@@ -340,8 +334,11 @@ def measure(
             fidelity=fidelity_from(mean["top1"], mean["kl"], lossless=lossless),
         )
     by_tokens = {} if quick else fidelity_by_length(runner, tokenizer, specs, progress=say)
-    behind_prefix = split_fidelity(runner, wins, tuple(m for m in SPLIT_MEDIA if m in specs))
-    say("fidelity behind a recomputed prefix: " + ", ".join(f"{m} {f:.4f}" for m, f in behind_prefix.items()))
+    split_fidelity = {
+        get_codec(m).name: fidelity_from(statistics.fmean(t for _, t in row), statistics.fmean(k for k, _ in row))
+        for m, row in split_rows.items()
+    }
+    say("fidelity behind a recomputed prefix: " + ", ".join(f"{m} {f:.4f}" for m, f in split_fidelity.items()))
     prefill_curve = prefill_by_length(runner, tokenizer, lengths=prefill_lengths, rounds=2 if quick else 3)
     say("prefill s by tokens: " + ", ".join(f"{n} {t:.3f}" for n, t in sorted(prefill_curve.items())))
     now = _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat()
@@ -373,7 +370,7 @@ def measure(
             "split_fidelity": f"split({SPLIT_PROBE})+X's fidelity on the same windows, X in {list(SPLIT_MEDIA)}",
         },
         fidelity_by_tokens=by_tokens,
-        split_fidelity=behind_prefix,
+        split_fidelity=split_fidelity,
         prefill_s_by_tokens=prefill_curve,
     )
 
