@@ -95,6 +95,12 @@ def split_loss_scale(fidelity: float, behind_prefix: float | None, probe: float)
     return min(1.0, max(0.0, kept))
 
 
+def split_loss(whole_loss_s: float, share: float, scale: float) -> float:
+    """The fidelity loss of ``split(f)+X`` whose rest, ``share`` of the context, goes in X, which
+    would lose ``whole_loss_s`` on the whole context (``scale``: `MediumFigures.split_loss_scale`)."""
+    return whole_loss_s * min(1.0, share * scale)
+
+
 #: Fallback figures, used only when no calibration profile is available (decisions say so).
 FALLBACK_FIGURES: dict[str, MediumFigures] = {
     "full": MediumFigures(1.0, 1e6, 1e6, 1.0, True, True),
@@ -592,11 +598,13 @@ class CostModel:
             stream = whole.comm_s - whole.fixed_s + whole.dec_s
             steps = round(1 / SPLIT_STEP)
 
+            scale = self._split_loss_scale(medium)
+
             def cost(s: int) -> float:
                 k = prefix_length(s / steps, n_tokens)
                 share = (n_tokens - k) / n_tokens
                 exposed = max(0.0, prefill(k) - stream * share)
-                return (stream + whole.enc_s) * share + self._split_loss(medium, whole.loss_s, share) + exposed
+                return (stream + whole.enc_s) * share + split_loss(whole.loss_s, share, scale) + exposed
 
             if (
                 offered
@@ -681,7 +689,7 @@ class CostModel:
             nbytes=rest.nbytes + ids,
             comm_s=rest.comm_s + link.bytes_s(ids),
             comp_s=rest.comp_s + exposed + join,
-            loss_s=self._split_loss(medium, whole.loss_s, lossy),
+            loss_s=split_loss(whole.loss_s, lossy, self._split_loss_scale(medium)),
             # What the receiver's decode stamps on the context (the inner medium's factor, see
             # `SplitCodec`), which the precision refresh must count: with the share prorated
             # here as well, a relay of 20 hops took the lineage to 0.895 under a threshold of 0.9.
@@ -692,12 +700,10 @@ class CostModel:
             split_stream_s=stream,
         )
 
-    def _split_loss(self, medium: str, whole_loss_s: float, share: float) -> float:
-        """The fidelity loss of ``split(f)+X`` whose rest, ``share`` of the context, goes in X,
-        which would lose ``whole_loss_s`` on the whole context (`MediumFigures.split_loss_scale`)."""
+    def _split_loss_scale(self, medium: str) -> float:
+        """`MediumFigures.split_loss_scale` of ``split(f)+X`` (1 without figures)."""
         fig = self.figures_of(medium)
-        scale = fig.split_loss_scale if fig is not None else 1.0
-        return whole_loss_s * min(1.0, share * scale)
+        return fig.split_loss_scale if fig is not None else 1.0
 
     def choose(
         self,
